@@ -1,0 +1,84 @@
+"""The command line: Typer glue over the core, and the single error funnel."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from llmcli import __version__, config
+from llmcli.errors import ExitCode, LlmcliError, StdoutClosed
+
+app = typer.Typer(
+    name="llmcli",
+    help="Fast, local, quantized LLM inference on the CPU.",
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"llmcli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version and exit."),
+) -> None:
+    """Fast, local, quantized LLM inference on the CPU."""
+
+
+def _register() -> None:
+    from llmcli.cli.run import run
+
+    app.command("run")(run)
+
+
+_register()
+
+
+def main() -> None:
+    """Entry point: run the app; turn every known failure into one `Error:` line and an exit code."""
+    try:
+        app()
+    except StdoutClosed:
+        _silence_stdout()
+        sys.exit(ExitCode.STDOUT_CLOSED)
+    except LlmcliError as exc:
+        if config.debug():
+            raise
+        from llmcli.render import print_error, stderr_console
+
+        print_error(stderr_console(), exc.message, exc.hint)
+        sys.exit(exc.exit_code)
+    except BrokenPipeError:
+        _silence_stdout()
+        sys.exit(ExitCode.STDOUT_CLOSED)
+    except KeyboardInterrupt:
+        sys.exit(ExitCode.INTERRUPTED)
+    except Exception as exc:  # an internal error: one line, the traceback only with LLMCLI_DEBUG=1
+        if config.debug():
+            raise
+        from llmcli.render import print_error, stderr_console
+
+        print_error(
+            stderr_console(),
+            f"internal error: {type(exc).__name__}: {exc}",
+            "Run again with LLMCLI_DEBUG=1 for the traceback, and report it.",
+        )
+        sys.exit(ExitCode.ERROR)
+
+
+def _silence_stdout() -> None:
+    """The reader is gone: point stdout at /dev/null so the final flush at exit cannot complain."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass

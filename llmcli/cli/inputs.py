@@ -1,0 +1,52 @@
+"""Reading the user's message from the prompt argument and piped stdin, without ever hanging."""
+
+from __future__ import annotations
+
+import os
+import select
+import sys
+
+from llmcli.errors import UsageError
+
+# With a prompt argument, piped stdin is added only if it shows data (or EOF) this soon:
+# agents and CI often pass an inherited stdin that never closes.
+STDIN_GRACE_S = float(os.environ.get("LLMCLI_STDIN_WAIT", "1.0"))
+
+
+def read_message(prompt: str | None, wait_for_stdin: bool = False) -> tuple[str | None, str | None, str | None]:
+    """Return (prompt, stdin text, notice). `-` or no prompt means stdin alone."""
+    stdin = sys.stdin
+    piped = stdin is not None and not _is_tty(stdin)
+    if prompt in (None, "-"):
+        if not piped:
+            raise UsageError(
+                "no prompt given" if prompt is None else "`-` reads the prompt from stdin, but stdin is a terminal",
+                hint='Pass a prompt: llmcli run "..." or pipe text: echo "..." | llmcli run',
+            )
+        return None, _read_all(), None
+    if not piped:
+        return prompt, None, None
+    if not wait_for_stdin and not _ready(stdin, STDIN_GRACE_S):
+        return prompt, None, f"stdin sent nothing for {STDIN_GRACE_S:g} s; ignoring it (--stdin waits for it)"
+    return prompt, _read_all(), None
+
+
+def _is_tty(stream: object) -> bool:
+    try:
+        return bool(stream.isatty())  # type: ignore[attr-defined]
+    except (ValueError, AttributeError):  # closed or not a real stream
+        return True
+
+
+def _ready(stream: object, timeout: float) -> bool:
+    try:
+        readable, _, _ = select.select([stream], [], [], timeout)
+    except (ValueError, OSError, TypeError):
+        return True  # not selectable (e.g. a test harness's in-memory stream): just read it
+    return bool(readable)
+
+
+def _read_all() -> str:
+    buffer = getattr(sys.stdin, "buffer", None)
+    data = buffer.read() if buffer is not None else sys.stdin.read().encode("utf-8", "replace")
+    return data.decode("utf-8", "replace").rstrip("\r\n")  # `echo`'s newline is not part of the message

@@ -1,0 +1,358 @@
+"""Load, tokenize, prefill, decode, stop: the pipeline's steps 3-6 on llama.cpp.
+
+This is the only module that talks to llama.cpp (through llama-cpp-python's C
+API, not its high-level `Llama` class: that one copies the logits into numpy for
+every token and costs ~14% of decode speed on a small model). It never prints:
+`Engine.generate` yields `Token` events and one final `Done`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp
+
+from llmcli.errors import IntegrityError, LlmcliError, ResourceError
+from llmcli.gguf_header import GGUFHeader, read_header
+from llmcli.sampling import SamplingConfig
+from llmcli.stats import Stats
+from llmcli.streaming import StopMatcher, Utf8Assembler
+from llmcli.system import physical_cores
+
+DEFAULT_MAX_CTX = 4096  # llama-cpp-python's 512 is too small for chat; the training context is often too big
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    n_ctx: int | None = None  # None: the model's training context, capped at DEFAULT_MAX_CTX
+    n_threads: int | None = None  # None: one per physical core
+    n_batch: int = 512  # prompt tokens evaluated per llama_decode call
+    verbose: bool = False  # llama.cpp's own log lines on stderr
+
+
+@dataclass(frozen=True)
+class Token:
+    """A piece of the answer, safe to print: complete characters, no part of a stop sequence."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str  # stop | length | stop_sequence | context_full | interrupted
+    stats: Stats
+    stop_sequence: str | None = None
+
+
+class Cancellation:
+    """Set from a signal handler; checked between tokens and inside a running prefill."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.signum is not None
+
+    def request(self, signum: int = signal.SIGINT) -> None:
+        self.signum = signum
+
+    @contextmanager
+    def on_signals(self, signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+        """While active, Ctrl-C and SIGTERM end generation gracefully instead of raising."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, lambda signum, frame: self.request(signum)) for s in signums}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+class _LlamaLog:
+    """Receives llama.cpp's log lines: forwards them to stderr when verbose, keeps the last error."""
+
+    LEVEL_ERROR = 4
+
+    def __init__(self) -> None:
+        self.verbose = False
+        self.last_error = ""
+        self._line = ""
+        self._callback = llama_cpp.llama_log_callback(self._on_log)  # referenced while installed
+        llama_cpp.llama_log_set(self._callback, ctypes.c_void_p(0))
+
+    def _on_log(self, level: int, text: bytes | None, user_data: object) -> None:
+        message = (text or b"").decode("utf-8", "replace")
+        if self.verbose:
+            sys.stderr.write(message)
+        if level == self.LEVEL_ERROR:
+            self._line += message
+            if self._line.endswith("\n"):
+                self.last_error = self._line.strip()
+                self._line = ""
+
+    def take_error(self) -> str:
+        error, self.last_error = self.last_error, ""
+        return error
+
+
+_log: _LlamaLog | None = None
+
+
+def _llama_backend() -> _LlamaLog:
+    global _log
+    if _log is None:
+        _log = _LlamaLog()
+        llama_cpp.llama_backend_init()
+    return _log
+
+
+class Engine:
+    """One model and one context (one KV cache) loaded from a GGUF file."""
+
+    def __init__(self, path: Path, config: EngineConfig = EngineConfig(), cancel: Cancellation | None = None):
+        self.path = path
+        self.config = config
+        self.cancel = cancel or Cancellation()
+        self.header: GGUFHeader = read_header(path)  # pre-flight: llama.cpp never sees a malformed file
+        log = _llama_backend()
+        log.verbose = config.verbose
+        started = time.perf_counter()
+
+        model_params = llama_cpp.llama_model_default_params()
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        if not self._model:
+            raise IntegrityError(
+                f"llama.cpp could not load {path}: {log.take_error() or 'unknown reason'}",
+                hint="Check that the file is a complete GGUF model supported by this llama.cpp build.",
+            )
+        self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
+        threads = config.n_threads or physical_cores()
+        ctx_params = llama_cpp.llama_context_default_params()
+        ctx_params.n_ctx = config.n_ctx or min(self.n_ctx_train, DEFAULT_MAX_CTX)
+        ctx_params.n_batch = ctx_params.n_ubatch = config.n_batch
+        ctx_params.n_threads = ctx_params.n_threads_batch = threads
+        ctx_params.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
+        if not self._ctx:
+            llama_cpp.llama_model_free(self._model)
+            raise ResourceError(
+                f"llama.cpp could not create a context of {ctx_params.n_ctx} tokens: "
+                f"{log.take_error() or 'out of memory?'}",
+                hint="Try a smaller --ctx-size.",
+            )
+        self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
+        self.n_threads = threads
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._abort = llama_cpp.ggml_abort_callback(lambda _: bool(self.cancel))  # referenced while installed
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self._cached: list[int] = []  # the tokens whose keys and values are in the KV cache, in order
+        self.load_s = time.perf_counter() - started
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- vocabulary -------------------------------------------------------
+
+    def token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return (llama_cpp.llama_vocab_get_text(self._vocab, token) or b"").decode("utf-8", "replace")
+
+    @property
+    def bos_text(self) -> str:
+        return self.token_text(llama_cpp.llama_vocab_bos(self._vocab))
+
+    @property
+    def eos_text(self) -> str:
+        return self.token_text(llama_cpp.llama_vocab_eos(self._vocab))
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """Text to tokens; special tokens written in the text (`<|im_start|>`) are parsed as such."""
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        while True:
+            buf = (llama_cpp.llama_token * capacity)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, True)
+            if n >= 0:
+                return list(buf[:n])
+            capacity = -n
+
+    def piece(self, token: int) -> bytes:
+        """The bytes of one token (possibly part of a UTF-8 character); control tokens give b''."""
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, self._piece_buf, len(self._piece_buf), 0, False)
+        if n < 0:
+            self._piece_buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, self._piece_buf, -n, 0, False)
+        return ctypes.string_at(self._piece_buf, n)
+
+    # -- generation -------------------------------------------------------
+
+    def check_budget(self, n_prompt: int, max_tokens: int | None) -> None:
+        needed = n_prompt + (max_tokens or 1)
+        if needed > self.n_ctx:
+            what = f"{n_prompt} prompt tokens" + (f" + {max_tokens} max tokens" if max_tokens else "")
+            raise ResourceError(
+                f"{what} do not fit the context window of {self.n_ctx} tokens",
+                hint=f"Use --ctx-size {_round_up(needed)} (the model was trained on {self.n_ctx_train}), "
+                "a shorter input, or a smaller -n.",
+            )
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        sampling: SamplingConfig,
+        seed: int,
+        max_tokens: int | None = None,
+        stops: Sequence[str] = (),
+        started: float | None = None,
+        prompt_s: float = 0.0,
+        load_s: float = 0.0,
+    ) -> Iterator[Token | Done]:
+        """Prefill `prompt` (reusing the cached prefix), then sample until a stop; yield the answer.
+
+        `started` is the perf_counter() of the request, so TTFT counts template and tokenization.
+        """
+        started = time.perf_counter() if started is None else started
+        self.check_budget(len(prompt), max_tokens)
+        chain = sampling.to_llama(llama_cpp, self._vocab, seed)
+        try:
+            cached = self._reuse_prefix(prompt)
+            prefill_started = time.perf_counter()
+            self._prefill(prompt, cached)
+            prefill_s = time.perf_counter() - prefill_started
+
+            assembler, matcher = Utf8Assembler(), StopMatcher(stops)
+            limit = max_tokens if max_tokens is not None else sys.maxsize
+            one = (llama_cpp.llama_token * 1)()
+            n_out = steps = 0
+            first = last = ttft = 0.0
+            finish, stop = "interrupted", None
+            while not self.cancel:
+                token = llama_cpp.llama_sampler_sample(chain, self._ctx, -1)
+                last = time.perf_counter()
+                if n_out or steps:
+                    steps += 1
+                else:
+                    first = last
+                if llama_cpp.llama_vocab_is_eog(self._vocab, token):
+                    finish = "stop"
+                    break
+                n_out += 1
+                text = assembler.feed(self.piece(token))
+                if text:
+                    text, stop = matcher.feed(text)
+                    if text:
+                        ttft = ttft or time.perf_counter() - started
+                        yield Token(text)
+                    if stop is not None:
+                        finish = "stop_sequence"
+                        break
+                if n_out >= limit:
+                    finish = "length"
+                    break
+                if len(self._cached) >= self.n_ctx:
+                    finish = "context_full"
+                    break
+                one[0] = token
+                self._decode((token,), llama_cpp.llama_batch_get_one(one, 1), "decoding")
+
+            if stop is None:
+                text, stop = matcher.feed(assembler.finish())
+                if stop is None:
+                    tail, stop = matcher.finish()
+                    text += tail
+                if stop is not None:
+                    finish = "stop_sequence"
+                if text:
+                    ttft = ttft or time.perf_counter() - started
+                    yield Token(text)
+            done = time.perf_counter()
+            stats = Stats(
+                load_s=load_s,
+                prompt_s=prompt_s,
+                prompt_tokens=len(prompt),
+                cached_tokens=cached,
+                prefill_s=prefill_s,
+                ttft_s=ttft or ((first or done) - started),
+                completion_tokens=n_out,
+                decode_steps=steps,
+                decode_s=last - first if steps else 0.0,
+                total_s=done - started,
+                seed=None if sampling.greedy else seed,
+            )
+            yield Done(finish, stats, stop)
+        finally:
+            llama_cpp.llama_sampler_free(chain)
+
+    def _reuse_prefix(self, prompt: Sequence[int]) -> int:
+        """Keep the longest cached prefix of `prompt` (at most all but its last token); drop the rest."""
+        keep = 0
+        limit = min(len(self._cached), len(prompt) - 1)
+        while keep < limit and self._cached[keep] == prompt[keep]:
+            keep += 1
+        if keep < len(self._cached):
+            if not llama_cpp.llama_memory_seq_rm(self._memory, 0, keep, -1):
+                llama_cpp.llama_memory_clear(self._memory, True)
+                keep = 0
+            del self._cached[keep:]
+        return keep
+
+    def _prefill(self, prompt: Sequence[int], start: int) -> None:
+        """Evaluate prompt[start:] in batches of n_batch; Ctrl-C aborts a running batch at once."""
+        tokens = (llama_cpp.llama_token * len(prompt))(*prompt)
+        item = ctypes.sizeof(llama_cpp.llama_token)
+        llama_cpp.llama_set_abort_callback(self._ctx, self._abort, None)
+        try:
+            for begin in range(start, len(prompt), self.config.n_batch):
+                count = min(self.config.n_batch, len(prompt) - begin)
+                start_ptr = ctypes.cast(ctypes.addressof(tokens) + begin * item, llama_cpp.llama_token_p)
+                batch = llama_cpp.llama_batch_get_one(start_ptr, count)
+                if self.cancel or not self._decode(prompt[begin : begin + count], batch, "evaluating the prompt"):
+                    return
+        finally:
+            # The callback runs once per graph node: too costly to leave on while decoding
+            # token by token, where Ctrl-C is checked between tokens instead.
+            llama_cpp.llama_set_abort_callback(self._ctx, llama_cpp.ggml_abort_callback(), None)
+
+    def _decode(self, tokens: Sequence[int], batch: llama_cpp.llama_batch, what: str) -> bool:
+        """Evaluate `batch` (holding `tokens`); False when Ctrl-C aborted it."""
+        self._cached.extend(tokens)
+        rc = llama_cpp.llama_decode(self._ctx, batch)
+        if rc == 0:
+            return True
+        # After an abort or error the micro-batches already processed stay in the KV cache.
+        del self._cached[max(0, llama_cpp.llama_memory_seq_pos_max(self._memory, 0) + 1) :]
+        if rc == 2 and self.cancel:
+            return False
+        if rc == 1:
+            raise ResourceError(f"the KV cache is full while {what} ({self.n_ctx} tokens)", hint="Use a larger --ctx-size.")
+        raise LlmcliError(f"llama.cpp failed while {what} (code {rc}): {_llama_backend().take_error() or 'no reason given'}")
+
+
+def _round_up(n_tokens: int) -> int:
+    size = 256
+    while size < n_tokens:
+        size *= 2
+    return size

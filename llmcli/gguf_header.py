@@ -1,0 +1,277 @@
+"""A small, bounded reader for GGUF headers: metadata and tensor table, never weights.
+
+It is the pre-flight check run before llama.cpp sees a file, and the source of
+`show`/`list` metadata. Every count and length is checked against the bytes that
+remain before anything is allocated, so a hostile or truncated file fails in
+milliseconds with `IntegrityError` instead of spinning or exhausting memory (the
+`gguf` package's reader is not a validator).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmcli.errors import IntegrityError
+
+MAGIC = b"GGUF"
+MAX_TENSORS = 1 << 20
+MAX_KV = 1 << 16
+MAX_DIMS = 4
+MAX_ARRAY_DEPTH = 2
+KEPT_ARRAY_LEN = 64  # longer arrays are summarised (type and length), not kept
+DEFAULT_ALIGNMENT = 32
+
+# GGUF metadata value types: id -> (struct format, size); 8 = string, 9 = array.
+_SCALARS = {
+    0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
+    6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8),
+}
+_STRING, _ARRAY = 8, 9
+
+# ggml tensor types: id -> (name, elements per block, bytes per block).
+TENSOR_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
+    40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
+}
+
+# general.file_type (llama_ftype) -> the quant name users know.
+FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+    17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
+    23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
+    29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0",
+    38: "MXFP4_MOE", 39: "NVFP4", 40: "Q1_0",
+}
+
+
+@dataclass(frozen=True)
+class ArraySummary:
+    """A metadata array too long to keep (e.g. the vocabulary): its type and length."""
+
+    item_type: int
+    length: int
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    type_id: int
+    offset: int  # relative to the start of the data section
+    n_bytes: int
+
+    @property
+    def n_elements(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: tuple[TensorInfo, ...] = field(repr=False)
+    data_offset: int
+    file_size: int
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.get("general.architecture", "unknown"))
+
+    @property
+    def name(self) -> str | None:
+        value = self.get("general.name")
+        return value if isinstance(value, str) else None
+
+    @property
+    def context_length(self) -> int | None:
+        value = self.get(f"{self.architecture}.context_length")
+        return value if isinstance(value, int) else None
+
+    @property
+    def chat_template(self) -> str | None:
+        value = self.get("tokenizer.chat_template")
+        return value if isinstance(value, str) else None
+
+    @property
+    def n_params(self) -> int:
+        return sum(t.n_elements for t in self.tensors)
+
+    @property
+    def quant(self) -> str:
+        """The file type users know (Q4_K_M, ...), else the most common tensor type."""
+        file_type = self.get("general.file_type")
+        if isinstance(file_type, int) and file_type in FILE_TYPES:
+            return FILE_TYPES[file_type]
+        by_bytes: dict[str, int] = {}
+        for tensor in self.tensors:
+            type_name = TENSOR_TYPES[tensor.type_id][0]
+            by_bytes[type_name] = by_bytes.get(type_name, 0) + tensor.n_bytes
+        return max(by_bytes, key=by_bytes.__getitem__) if by_bytes else "unknown"
+
+
+class _Cursor:
+    """Bounds-checked reads from a buffer; every failure is an IntegrityError."""
+
+    def __init__(self, buf: Any, size: int, path: Path):
+        self.buf, self.size, self.pos, self.path = buf, size, 0, path
+
+    def fail(self, what: str) -> IntegrityError:
+        return IntegrityError(
+            f"{self.path} is not a valid GGUF file: {what} (at byte {self.pos})",
+            hint="Re-download the model; the file is corrupt or truncated.",
+        )
+
+    def need(self, n_bytes: int, what: str) -> None:
+        if n_bytes < 0 or self.pos + n_bytes > self.size:
+            raise self.fail(f"{what} runs past the end of the file")
+
+    def unpack(self, fmt: str, size: int, what: str) -> Any:
+        self.need(size, what)
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def u32(self, what: str) -> int:
+        return self.unpack("<I", 4, what)
+
+    def u64(self, what: str) -> int:
+        return self.unpack("<Q", 8, what)
+
+    def string(self, what: str, keep: bool = True) -> str | None:
+        length = self.u64(f"{what} length")
+        self.need(length, what)
+        start = self.pos
+        self.pos += length
+        if not keep:
+            return None
+        try:
+            return bytes(self.buf[start : start + length]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not valid UTF-8") from None
+
+    def value(self, type_id: int, what: str, depth: int = 0) -> Any:
+        if type_id in _SCALARS:
+            fmt, size = _SCALARS[type_id]
+            return self.unpack(fmt, size, what)
+        if type_id == _STRING:
+            return self.string(what)
+        if type_id == _ARRAY and depth < MAX_ARRAY_DEPTH:
+            item_type = self.u32(f"{what} item type")
+            length = self.u64(f"{what} length")
+            if item_type in _SCALARS:
+                self.need(length * _SCALARS[item_type][1], what)
+                if length > KEPT_ARRAY_LEN:
+                    self.pos += length * _SCALARS[item_type][1]
+                    return ArraySummary(item_type, length)
+            elif item_type in (_STRING, _ARRAY):
+                self.need(length * 8, what)  # each item is at least a u64 length
+            else:
+                raise self.fail(f"{what} has unknown item type {item_type}")
+            if length > KEPT_ARRAY_LEN:
+                for _ in range(length):
+                    self.skip_value(item_type, what, depth + 1)
+                return ArraySummary(item_type, length)
+            return [self.value(item_type, what, depth + 1) for _ in range(length)]
+        raise self.fail(f"{what} has unknown value type {type_id}")
+
+    def skip_value(self, type_id: int, what: str, depth: int) -> None:
+        if type_id == _STRING:
+            self.string(what, keep=False)
+        else:
+            self.value(type_id, what, depth)
+
+
+def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
+    """Parse and validate the header of the GGUF file at `path`."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < 24:
+        raise IntegrityError(
+            f"{path} is not a GGUF file ({size} bytes)",
+            hint="Pass a .gguf model file.",
+        )
+    with path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != MAGIC:
+            raise IntegrityError(
+                f"{path} is not a GGUF file (it does not start with 'GGUF')",
+                hint="Pass a .gguf model file; other formats (safetensors, GGML, PyTorch) are not supported.",
+            )
+        return _parse(_Cursor(buf, size, path))
+
+
+def _parse(cur: _Cursor) -> GGUFHeader:
+    cur.pos = 4
+    version = cur.u32("version")
+    if version not in (2, 3):
+        raise cur.fail(f"unsupported GGUF version {version}")
+    n_tensors = cur.u64("tensor count")
+    n_kv = cur.u64("metadata count")
+    if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
+        raise cur.fail(f"implausible counts ({n_tensors} tensors, {n_kv} metadata keys)")
+
+    metadata: dict[str, Any] = {}
+    for index in range(n_kv):
+        key = cur.string(f"metadata key #{index}")
+        type_id = cur.u32(f"type of {key!r}")
+        metadata[key] = cur.value(type_id, f"value of {key!r}")
+
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise cur.fail(f"general.alignment {alignment!r} is not a power of two")
+
+    tensors = []
+    for index in range(n_tensors):
+        name = cur.string(f"tensor name #{index}")
+        n_dims = cur.u32(f"dimension count of {name!r}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise cur.fail(f"tensor {name!r} has {n_dims} dimensions")
+        shape = tuple(cur.u64(f"shape of {name!r}") for _ in range(n_dims))
+        type_id = cur.u32(f"type of {name!r}")
+        offset = cur.u64(f"offset of {name!r}")
+        if type_id not in TENSOR_TYPES:
+            raise cur.fail(f"tensor {name!r} has unknown type {type_id}")
+        _, block, block_bytes = TENSOR_TYPES[type_id]
+        n_elements = 1
+        for dim in shape:
+            if dim == 0 or dim > cur.size * block:  # no dimension can exceed what the file holds
+                raise cur.fail(f"tensor {name!r} has dimension {dim}")
+            n_elements *= dim
+        if shape[0] % block:
+            raise cur.fail(f"tensor {name!r} row of {shape[0]} is not a multiple of its block {block}")
+        if offset % alignment:
+            raise cur.fail(f"tensor {name!r} offset {offset} is not aligned to {alignment}")
+        tensors.append(TensorInfo(name, shape, type_id, offset, n_elements // block * block_bytes))
+
+    data_offset = -(-cur.pos // alignment) * alignment
+    end = data_offset
+    for tensor in sorted(tensors, key=lambda t: t.offset):
+        if data_offset + tensor.offset < end:
+            raise cur.fail(f"tensor {tensor.name!r} overlaps the tensor before it")
+        end = data_offset + tensor.offset + tensor.n_bytes
+    if end > cur.size:
+        raise IntegrityError(
+            f"{cur.path} is truncated: its tensors need {end} bytes but the file has {cur.size}",
+            hint="The download was probably interrupted; fetch the model again.",
+        )
+    return GGUFHeader(cur.path, version, metadata, tuple(tensors), data_offset, cur.size)

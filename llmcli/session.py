@@ -1,0 +1,118 @@
+"""Step 2 and the conversation around it: messages -> chat template -> tokens -> the engine.
+
+A `Session` holds a loaded engine, the template, the system prompt and the
+history; `ask` renders the conversation with the new message, tokenizes it and
+lets the engine prefill only what its KV cache does not hold yet.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmcli import templates
+from llmcli.engine import Done, Engine, Token
+from llmcli.errors import UsageError
+from llmcli.sampling import SamplingConfig
+from llmcli.templates import ChatTemplate, Message
+
+
+@dataclass(frozen=True)
+class PromptOptions:
+    system: str | None = None
+    raw: bool = False  # send the text as-is: no template (base models)
+    template_file: Path | None = None  # overrides the template stored in the model
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    sampling: SamplingConfig = SamplingConfig()
+    max_tokens: int | None = None
+    stops: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    text: str
+    tokens: list[int]
+
+
+class Session:
+    def __init__(self, engine: Engine, options: PromptOptions = PromptOptions()):
+        self.engine = engine
+        self.options = options
+        self.history: list[Message] = []
+        self.notices: list[str] = []  # warnings for the user, printed by the CLI
+        self.template = None if options.raw else self._find_template()
+        self._load_s = engine.load_s  # reported once, with the first answer
+
+    def _find_template(self) -> ChatTemplate | None:
+        path = self.options.template_file
+        if path is not None:
+            try:
+                source = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise UsageError(f"cannot read --chat-template-file {path}: {exc}") from None
+            template = ChatTemplate(source, str(path))
+        else:
+            source = self.engine.header.chat_template
+            if source is None:
+                self.notices.append("this model has no chat template; sending the prompt as-is (--raw)")
+                return None
+            template = ChatTemplate(source, "model")
+        templates.check(template)
+        return template
+
+    @property
+    def raw(self) -> bool:
+        return self.template is None
+
+    def messages_with(self, user_text: str) -> list[Message]:
+        system = [Message("system", self.options.system)] if self.options.system else []
+        return [*system, *self.history, Message("user", user_text)]
+
+    def render(self, user_text: str) -> RenderedPrompt:
+        """The exact text and tokens the model will see for this new message."""
+        if self.template is None:
+            text = "\n\n".join(m.content for m in self.messages_with(user_text))
+            return RenderedPrompt(text, self.engine.tokenize(text, add_special=True))
+        bos = self.engine.bos_text
+        text = self.template.render(self.messages_with(user_text), bos_token=bos, eos_token=self.engine.eos_text)
+        # A template that writes the BOS token itself must not get a second one from the tokenizer.
+        if bos and text.startswith(bos):
+            return RenderedPrompt(text, self.engine.tokenize(text, add_special=False))
+        return RenderedPrompt(text, self.engine.tokenize(text, add_special=True))
+
+    def ask(self, user_text: str, options: GenerationOptions = GenerationOptions()) -> Iterator[Token | Done]:
+        """Answer `user_text`; the exchange joins the history when the answer is done."""
+        started = time.perf_counter()
+        prompt = self.render(user_text)
+        prompt_s = time.perf_counter() - started
+        load_s, self._load_s = self._load_s, 0.0
+        answer: list[str] = []
+        for event in self.engine.generate(
+            prompt.tokens,
+            options.sampling,
+            seed=options.sampling.effective_seed(),
+            max_tokens=options.max_tokens,
+            stops=options.stops,
+            started=started,
+            prompt_s=prompt_s,
+            load_s=load_s,
+        ):
+            if isinstance(event, Token):
+                answer.append(event.text)
+            else:
+                self.history += [Message("user", user_text), Message("assistant", "".join(answer))]
+            yield event
+
+
+def combine_input(prompt: str | None, stdin_text: str | None, stdin_first: bool = False) -> str:
+    """The prompt argument and piped stdin as one message: prompt, blank line, stdin (or the reverse)."""
+    parts: Sequence[str | None] = (stdin_text, prompt) if stdin_first else (prompt, stdin_text)
+    text = "\n\n".join(p for p in parts if p and p.strip())
+    if not text.strip():
+        raise UsageError("no prompt given", hint='Pass a prompt: llmcli run "..." or pipe text into llmcli run -')
+    return text

@@ -1,0 +1,69 @@
+"""The timing record of one answer, the rates derived from it, and its one-line summary."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Stats:
+    load_s: float  # model load (0 when the model was already loaded)
+    prompt_s: float  # template rendering + tokenization
+    prompt_tokens: int  # tokens in the prompt
+    cached_tokens: int  # of those, reused from the KV cache (not evaluated again)
+    prefill_s: float  # evaluating the new prompt tokens
+    ttft_s: float  # request -> first token of the answer (prompt + prefill + first sample)
+    completion_tokens: int  # tokens of the answer (the end-of-generation token not counted)
+    decode_steps: int  # tokens sampled after the first, each needing one decode
+    decode_s: float  # first token sampled -> last token sampled
+    total_s: float  # request -> done
+    seed: int | None = None
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        record: dict[str, float | int | None] = asdict(self)
+        record["prefill_tokens"] = self.prefill_tokens
+        record["prefill_tokens_per_s"] = round(self.prefill_tps, 2)
+        record["decode_tokens_per_s"] = round(self.decode_tps, 2)
+        return record
+
+
+def summary_line(stats: Stats, finish_reason: str, stop_sequence: str | None = None) -> str:
+    """`load 0.21 s · prompt 38 tok @ 610 tok/s · TTFT 0.07 s · 96 tok @ 142 tok/s · stop: eos`."""
+    parts = []
+    if stats.load_s > 0:
+        parts.append(f"load {stats.load_s:.2f} s")
+    prompt = f"prompt {stats.prompt_tokens} tok"
+    if stats.cached_tokens:
+        prompt += f" ({stats.cached_tokens} cached)"
+    if stats.prefill_tokens:
+        prompt += f" @ {stats.prefill_tps:.0f} tok/s"
+    parts.append(prompt)
+    parts.append(f"TTFT {stats.ttft_s:.2f} s")
+    answer = f"{stats.completion_tokens} tok"
+    if stats.decode_steps:
+        answer += f" @ {stats.decode_tps:.1f} tok/s"
+    parts.append(answer)
+    parts.append(f"stop: {describe_finish(finish_reason, stop_sequence)}")
+    return " · ".join(parts)
+
+
+def describe_finish(finish_reason: str, stop_sequence: str | None = None) -> str:
+    return {
+        "stop": "eos",
+        "length": "max tokens",
+        "context_full": "context full",
+        "interrupted": "interrupted",
+        "stop_sequence": f"stop sequence {stop_sequence!r}",
+    }.get(finish_reason, finish_reason)

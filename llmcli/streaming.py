@@ -1,0 +1,84 @@
+"""Turning token pieces into safe-to-print text: UTF-8 assembly and stop-sequence hold-back.
+
+Both are pure and streaming: they see the answer a piece at a time, as the decode
+loop produces it, and never emit anything they might have to take back.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterable
+
+
+class Utf8Assembler:
+    """Bytes of token pieces in, complete characters out.
+
+    A multi-byte character split across tokens is held until its last byte
+    arrives; bytes that can never form a character become U+FFFD.
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def feed(self, piece: bytes) -> str:
+        return self._decoder.decode(piece)
+
+    def finish(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+class StopMatcher:
+    """Holds text back while it could still become a stop sequence.
+
+    `feed` returns the text that is safe to print and, once a stop sequence is
+    complete, which one. The text of a stop sequence is never returned, not even
+    its first characters. The cut is at the earliest position where any stop
+    sequence occurs in the whole answer, exactly as `cut_at_first_stop` does.
+    """
+
+    def __init__(self, stops: Iterable[str]):
+        self.stops = tuple(sorted({s for s in stops if s}, key=len, reverse=True))
+        self._longest = len(self.stops[0]) if self.stops else 0
+        self._pending = ""
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        if not self.stops:
+            return text, None
+        buf = self._pending + text
+        match_at, stop = _first_stop(buf, self.stops)
+        limit = len(buf) if stop is None else match_at
+        hold_from = self._first_partial(buf, limit)
+        if stop is not None and hold_from == limit:
+            self._pending = ""
+            return buf[:match_at], stop
+        self._pending = buf[hold_from:]
+        return buf[:hold_from], None
+
+    def finish(self) -> tuple[str, str | None]:
+        """No more text is coming: release what was held, cut at a stop if one completed."""
+        buf, self._pending = self._pending, ""
+        match_at, stop = _first_stop(buf, self.stops)
+        return (buf, None) if stop is None else (buf[:match_at], stop)
+
+    def _first_partial(self, buf: str, limit: int) -> int:
+        """Earliest index before `limit` where a stop sequence may still begin."""
+        for start in range(max(0, len(buf) - self._longest + 1), limit):
+            tail = buf[start:]
+            if any(s.startswith(tail) for s in self.stops):
+                return start
+        return limit
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str | None]:
+    best_at, best = len(text), None
+    for stop in stops:  # longest first, so of two stops at one index the longer is named
+        at = text.find(stop)
+        if at != -1 and (best is None or at < best_at):
+            best_at, best = at, stop
+    return best_at, best
+
+
+def cut_at_first_stop(text: str, stops: Iterable[str]) -> tuple[str, str | None]:
+    """Reference semantics for StopMatcher: the whole answer, cut before its first stop sequence."""
+    at, stop = _first_stop(text, tuple(sorted({s for s in stops if s}, key=len, reverse=True)))
+    return (text, None) if stop is None else (text[:at], stop)
