@@ -122,7 +122,7 @@ class Engine:
     def __init__(self, path: Path, config: EngineConfig = EngineConfig(), cancel: Cancellation | None = None):
         self.path = path
         self.config = config
-        self.cancel = cancel or Cancellation()
+        self.cancel = cancel if cancel is not None else Cancellation()
         self.header: GGUFHeader = read_header(path)  # pre-flight: llama.cpp never sees a malformed file
         log = _llama_backend()
         log.verbose = config.verbose
@@ -242,6 +242,7 @@ class Engine:
             prefill_started = time.perf_counter()
             self._prefill(prompt, cached)
             prefill_s = time.perf_counter() - prefill_started
+            prefilled = max(0, len(self._cached) - cached)
 
             assembler, matcher = Utf8Assembler(), StopMatcher(stops)
             limit = max_tokens if max_tokens is not None else sys.maxsize
@@ -294,6 +295,7 @@ class Engine:
                 prompt_s=prompt_s,
                 prompt_tokens=len(prompt),
                 cached_tokens=cached,
+                prefill_tokens=prefilled,
                 prefill_s=prefill_s,
                 ttft_s=ttft or ((first or done) - started),
                 completion_tokens=n_out,

@@ -11,6 +11,7 @@ class Stats:
     prompt_s: float  # template rendering + tokenization
     prompt_tokens: int  # tokens in the prompt
     cached_tokens: int  # of those, reused from the KV cache (not evaluated again)
+    prefill_tokens: int  # of those, evaluated now (fewer than the rest when interrupted)
     prefill_s: float  # evaluating the new prompt tokens
     ttft_s: float  # request -> first token of the answer (prompt + prefill + first sample)
     completion_tokens: int  # tokens of the answer (the end-of-generation token not counted)
@@ -18,10 +19,6 @@ class Stats:
     decode_s: float  # first token sampled -> last token sampled
     total_s: float  # request -> done
     seed: int | None = None
-
-    @property
-    def prefill_tokens(self) -> int:
-        return self.prompt_tokens - self.cached_tokens
 
     @property
     def prefill_tps(self) -> float:
@@ -33,7 +30,6 @@ class Stats:
 
     def to_dict(self) -> dict[str, float | int | None]:
         record: dict[str, float | int | None] = asdict(self)
-        record["prefill_tokens"] = self.prefill_tokens
         record["prefill_tokens_per_s"] = round(self.prefill_tps, 2)
         record["decode_tokens_per_s"] = round(self.decode_tps, 2)
         return record
@@ -47,6 +43,8 @@ def summary_line(stats: Stats, finish_reason: str, stop_sequence: str | None = N
     prompt = f"prompt {stats.prompt_tokens} tok"
     if stats.cached_tokens:
         prompt += f" ({stats.cached_tokens} cached)"
+    if stats.cached_tokens + stats.prefill_tokens < stats.prompt_tokens:
+        prompt += f" ({stats.prefill_tokens} evaluated)"
     if stats.prefill_tokens:
         prompt += f" @ {stats.prefill_tps:.0f} tok/s"
     parts.append(prompt)

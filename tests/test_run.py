@@ -1,0 +1,291 @@
+"""`llmcli run` end to end on the real SmolLM2 model, through a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import run_cli
+
+PROMPT = "Explain what a KV cache is in two sentences."
+
+
+def greedy(*extra: str, prompt: str = PROMPT) -> str:
+    result = run_cli("run", "--temp", "0", "-n", "40", "-q", *extra, prompt)
+    assert result.code == 0, result.stderr
+    return result.stdout
+
+
+def answer_json(*args: str) -> dict:
+    result = run_cli("run", "--json", *args)
+    assert result.code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, "--json prints exactly one object"
+    return json.loads(lines[0])
+
+
+def test_default_model_answers_and_prints_stats_on_stderr(cli):
+    result = cli("run", "-n", "8", "Say hello.")
+    assert result.code == 0, result.stderr
+    assert result.stdout.strip()
+    stats = result.stderr.strip().splitlines()[-1]
+    for part in ("load ", "prompt ", "TTFT ", "tok/s", "stop: max tokens"):
+        assert part in stats
+
+
+def test_greedy_output_is_identical_across_runs():
+    first = greedy()
+    assert first.strip()
+    assert greedy() == first
+
+
+def test_seed_makes_sampling_reproducible():
+    args = ("--temp", "1.0", "--seed", "1234", "-n", "30", "Tell me a story.")
+    first, second = answer_json(*args), answer_json(*args)
+    assert first["text"] == second["text"]
+    assert first["timings"]["seed"] == 1234
+
+
+def test_json_record_is_complete_and_consistent():
+    record = answer_json("--temp", "0", "-n", "20", PROMPT)
+    assert record["model"] == "smollm2"
+    assert record["text"] and record["finish_reason"] in ("stop", "length")
+    usage, timings = record["usage"], record["timings"]
+    assert usage["prompt_tokens"] > 10
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert timings["completion_tokens"] == usage["completion_tokens"]
+    for key in ("load_s", "prompt_s", "prefill_s", "ttft_s", "decode_s", "total_s", "prefill_tokens_per_s", "decode_tokens_per_s"):
+        assert timings[key] > 0, key
+    assert timings["prefill_s"] < timings["ttft_s"] <= timings["total_s"]
+    assert timings["prefill_tokens"] == usage["prompt_tokens"]
+    # the text printed in plain mode is the text recorded in JSON
+    assert greedy("-n", "20").rstrip("\n") == record["text"]
+
+
+def test_max_tokens_stops_after_exactly_that_many():
+    record = answer_json("--temp", "0", "-n", "5", PROMPT)
+    assert record["finish_reason"] == "length"
+    assert record["usage"]["completion_tokens"] == 5
+    assert record["timings"]["decode_steps"] == 4
+
+
+def test_end_of_generation_reports_stop():
+    record = answer_json("--temp", "0", "-n", "200", "Reply with just the word yes.")
+    assert record["finish_reason"] == "stop"
+    assert record["usage"]["completion_tokens"] < 200
+
+
+def test_stop_sequence_cuts_before_it_and_is_never_printed():
+    full = greedy().rstrip("\n")
+    words = full.split()
+    stop = " ".join(words[len(words) // 2 : len(words) // 2 + 2])
+    expected = full[: full.index(stop)]
+    result = run_cli("run", "--temp", "0", "-n", "40", "--stop", stop, "--json", PROMPT)
+    record = json.loads(result.stdout)
+    assert record["finish_reason"] == "stop_sequence"
+    assert record["stop_sequence"] == stop
+    assert record["text"] == expected
+    plain = run_cli("run", "--temp", "0", "-n", "40", "-q", "--stop", stop, PROMPT)
+    assert plain.stdout.rstrip("\n") == expected
+    assert stop not in plain.stdout
+    assert "stop sequence" in run_cli("run", "--temp", "0", "-n", "40", "--stop", stop, PROMPT).stderr
+
+
+def test_piped_output_has_no_escape_codes(cli):
+    result = cli("run", "--temp", "0", "-n", "20", PROMPT, env={"NO_COLOR": "", "FORCE_COLOR": ""})
+    assert result.code == 0
+    assert "\x1b" not in result.stdout
+
+
+def _run_in_terminal(args: list[str], env: dict[str, str]) -> bytes:
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmcli", *args], stdin=subprocess.DEVNULL, stdout=follower, stderr=subprocess.DEVNULL,
+        env={**os.environ, **env},
+    )
+    os.close(follower)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        output += chunk
+    proc.wait(timeout=120)
+    os.close(leader)
+    assert proc.returncode == 0
+    return output
+
+
+def test_terminal_output_is_coloured_and_no_color_turns_it_off():
+    args = ["run", "--temp", "0", "-n", "12", "-q", PROMPT]
+    coloured = _run_in_terminal(args, {"NO_COLOR": "", "TERM": "xterm-256color"})
+    assert b"\x1b[" in coloured
+    plain = _run_in_terminal(args, {"NO_COLOR": "1", "TERM": "xterm-256color"})
+    assert b"\x1b[" not in plain
+    assert plain.strip()
+
+
+def test_stdin_and_prompt_combine_in_documented_order(cli):
+    shown = cli("run", "--show-prompt", "Summarize:", input="NOTES FROM STDIN\n")
+    assert shown.code == 0, shown.stderr
+    assert "Summarize:\n\nNOTES FROM STDIN" in shown.stdout
+    assert "tokens" in shown.stderr
+    first = cli("run", "--show-prompt", "--stdin-first", "Summarize:", input="NOTES FROM STDIN\n")
+    assert "NOTES FROM STDIN\n\nSummarize:" in first.stdout
+    alone = cli("run", "--show-prompt", "-", input="ONLY STDIN")
+    assert "ONLY STDIN" in alone.stdout and "Summarize" not in alone.stdout
+    implicit = cli("run", "--show-prompt", input="ONLY STDIN")
+    assert implicit.stdout == alone.stdout
+
+
+def test_piped_stdin_answers(cli):
+    result = cli("run", "--temp", "0", "-n", "10", "-q", "Summarize:", input="The cat sat on the mat all day.")
+    assert result.code == 0, result.stderr
+    assert result.stdout.strip()
+
+
+def test_stdin_that_never_closes_is_ignored_with_a_prompt():
+    """An inherited stdin that never sends anything must not hang a run that has a prompt."""
+    read_end, write_end = os.pipe()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "llmcli", "run", "--show-prompt", "Hello there"],
+            stdin=read_end, capture_output=True, timeout=60, env={**os.environ, "LLMCLI_STDIN_WAIT": "0.2"},
+        )
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert proc.returncode == 0
+    assert b"Hello there" in proc.stdout
+    assert b"ignoring it" in proc.stderr
+
+
+def test_no_prompt_is_a_usage_error(cli):
+    result = cli("run")
+    assert result.code == 2
+    assert result.stderr.startswith("Error: no prompt given")
+
+
+def test_system_prompt_and_raw_mode(cli):
+    shown = cli("run", "--show-prompt", "-s", "You are terse.", "Hi")
+    assert "<|im_start|>system\nYou are terse.<|im_end|>" in shown.stdout
+    raw = cli("run", "--show-prompt", "--raw", "Once upon a time")
+    assert raw.stdout == "Once upon a time\n"
+
+
+def test_model_without_template_warns_and_falls_back_to_raw(cli, no_template_model):
+    result = cli("run", "-m", str(no_template_model), "--temp", "0", "-n", "6", "The capital of France is")
+    assert result.code == 0, result.stderr
+    assert "Warning: this model has no chat template" in result.stderr
+    assert result.stdout.strip()
+
+
+def test_chat_template_file_overrides_the_model(cli, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]")
+    shown = cli("run", "--show-prompt", "--chat-template-file", str(template), "Hi")
+    assert shown.stdout == "[user] Hi\n[assistant]\n"
+
+
+@pytest.mark.parametrize(
+    "make, code, fragment",
+    [
+        (lambda p: p / "missing.gguf", 3, "model file not found"),
+        (lambda p: (p / "notes.gguf").write_text("hello, I am not a model") and p / "notes.gguf", 5, "is not a GGUF file"),
+        (lambda p: p, 2, "is a directory"),
+    ],
+)
+def test_bad_model_files_give_one_error_line(cli, tmp_path, make, code, fragment):
+    result = cli("run", "-m", str(make(tmp_path)), "hi")
+    assert result.code == code
+    assert result.stderr.startswith("Error: ") and fragment in result.stderr.splitlines()[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_truncated_gguf_is_rejected_before_loading(cli, tmp_path, smollm2):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(smollm2.read_bytes()[: 5_000_000])
+    result = cli("run", "-m", str(truncated), "hi")
+    assert result.code == 5
+    assert result.stderr.startswith("Error: ") and "is truncated" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_no_installed_model_names_the_fix():
+    code = (
+        "import llmcli.models as m; m.packaged_models = lambda: (); "
+        "import sys; sys.argv = ['llmcli', 'run', 'hi']; from llmcli.cli import main; main()"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert proc.returncode == 3
+    assert proc.stderr.splitlines()[0] == "Error: no model given and none installed"
+    assert "pip install" in proc.stderr
+
+
+def _start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmcli", "run", *args],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+
+
+def _wait_for_output(proc: subprocess.Popen) -> bytes:
+    first = proc.stdout.read(8)  # blocks until the answer has started streaming
+    assert first
+    return first
+
+
+def test_ctrl_c_while_decoding_keeps_the_partial_answer():
+    proc = _start("--temp", "0.8", "--seed", "7", "Write a very long story about a dragon.")
+    first = _wait_for_output(proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert (first + out).strip()
+    assert b"stop: interrupted" in err
+    assert b"Traceback" not in err
+
+
+def test_ctrl_c_during_a_long_prefill_stops_at_once(tmp_path):
+    long_input = tmp_path / "long.txt"
+    long_input.write_text("The quick brown fox jumps over the lazy dog. " * 400)  # ~4000 tokens: seconds of prefill
+    with long_input.open("rb") as stdin:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmcli", "run", "-c", "8192", "--json", "Summarize:", "--stdin"],
+            stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+    time.sleep(1.5)  # model loaded, prefill under way
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    record = json.loads(out)
+    assert record["finish_reason"] == "interrupted"
+    assert record["usage"]["completion_tokens"] == 0
+    assert record["timings"]["prefill_tokens"] < record["usage"]["prompt_tokens"]
+
+
+def test_sigterm_ends_generation_gracefully():
+    proc = _start("--temp", "0.8", "Write a very long story about a dragon.")
+    _wait_for_output(proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143
+    assert b"stop: interrupted" in err
+
+
+def test_closed_stdout_exits_quietly():
+    shell = f"{sys.executable} -m llmcli run --temp 0.8 'Write a long story about a dragon.' | head -c 20; exit ${{PIPESTATUS[0]}}"
+    proc = subprocess.run(["bash", "-c", shell], capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert len(proc.stdout) == 20
+    assert proc.returncode == 141
+    assert b"Traceback" not in proc.stderr and b"Exception ignored" not in proc.stderr
