@@ -9,18 +9,20 @@ every token and costs ~14% of decode speed on a small model). It never prints:
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
+import tempfile
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp
 
-from llmcli.errors import IntegrityError, LlmcliError, ResourceError
+from llmcli.errors import IntegrityError, LlmcliError, ResourceError, UsageError
 from llmcli.gguf_header import GGUFHeader, read_header
 from llmcli.sampling import SamplingConfig
 from llmcli.stats import Stats
@@ -36,6 +38,8 @@ class EngineConfig:
     n_threads: int | None = None  # None: one per physical core
     n_batch: int = 512  # prompt tokens evaluated per llama_decode call
     verbose: bool = False  # llama.cpp's own log lines on stderr
+    mmap: bool = True  # map the file instead of reading it into memory
+    mlock: bool = False  # keep the weights in RAM (no swapping)
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,12 @@ class Engine:
         started = time.perf_counter()
 
         model_params = llama_cpp.llama_model_default_params()
+        model_params.load_mode = {
+            (True, False): llama_cpp.LLAMA_LOAD_MODE_AUTO,  # llama.cpp picks mmap on the CPU
+            (True, True): llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
+            (False, False): llama_cpp.LLAMA_LOAD_MODE_NONE,
+            (False, True): llama_cpp.LLAMA_LOAD_MODE_MLOCK,
+        }[(config.mmap, config.mlock)]
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
         if not self._model:
             raise IntegrityError(
@@ -153,6 +163,7 @@ class Engine:
         self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
         self.n_threads = threads
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._abort = llama_cpp.ggml_abort_callback(lambda _: bool(self.cancel))  # referenced while installed
         self._piece_buf = ctypes.create_string_buffer(256)
@@ -216,7 +227,7 @@ class Engine:
             raise ResourceError(
                 f"{what} do not fit the context window of {self.n_ctx} tokens",
                 hint=f"Use --ctx-size {_round_up(needed)} (the model was trained on {self.n_ctx_train}), "
-                "a shorter input, or a smaller -n.",
+                "a shorter input, a smaller -n, or --on-overflow truncate.",
             )
 
     def generate(
@@ -236,7 +247,13 @@ class Engine:
         """
         started = time.perf_counter() if started is None else started
         self.check_budget(len(prompt), max_tokens)
-        chain = sampling.to_llama(llama_cpp, self._vocab, seed)
+        with _stderr_captured() as captured:
+            try:
+                chain = sampling.to_llama(llama_cpp, self._vocab, seed)
+            except UsageError as exc:
+                # llama.cpp's grammar parser writes its reason straight to stderr, not to the log
+                reason = " ".join(captured().split()) or _llama_backend().take_error() or "no reason given"
+                raise UsageError(f"{exc.message}: {reason}") from None
         try:
             cached = self._reuse_prefix(prompt)
             prefill_started = time.perf_counter()
@@ -351,6 +368,20 @@ class Engine:
         if rc == 1:
             raise ResourceError(f"the KV cache is full while {what} ({self.n_ctx} tokens)", hint="Use a larger --ctx-size.")
         raise LlmcliError(f"llama.cpp failed while {what} (code {rc}): {_llama_backend().take_error() or 'no reason given'}")
+
+
+@contextmanager
+def _stderr_captured() -> Iterator[Callable[[], str]]:
+    """Collect what C code writes to file descriptor 2 meanwhile; the callable returns it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lambda: (sink.seek(0), sink.read().decode("utf-8", "replace"))[1]
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _round_up(n_tokens: int) -> int:

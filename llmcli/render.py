@@ -45,6 +45,7 @@ class AnswerSink:
         self.as_json = as_json
         self.extra = extra or {}
         self.parts: list[str] = []
+        self.notices: list[str] = []
         color_system = None if as_json else _color_system(self.stream)
         self.terminal = color_system is not None
         self._open, self._close = "", ""
@@ -69,6 +70,7 @@ class AnswerSink:
             "text": "".join(self.parts),
             "finish_reason": done.finish_reason,
             "stop_sequence": done.stop_sequence,
+            "notices": self.notices,
             "usage": {
                 "prompt_tokens": stats.prompt_tokens,
                 "cached_tokens": stats.cached_tokens,

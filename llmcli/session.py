@@ -14,7 +14,7 @@ from pathlib import Path
 
 from llmcli import templates
 from llmcli.engine import Done, Engine, Token
-from llmcli.errors import UsageError
+from llmcli.errors import ResourceError, UsageError
 from llmcli.sampling import SamplingConfig
 from llmcli.templates import ChatTemplate, Message
 
@@ -31,6 +31,14 @@ class GenerationOptions:
     sampling: SamplingConfig = SamplingConfig()
     max_tokens: int | None = None
     stops: tuple[str, ...] = ()
+    on_overflow: str = "error"  # or "truncate": drop the start of the message until it fits
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something the user should know about this answer (printed on stderr, not part of it)."""
+
+    text: str
 
 
 @dataclass(frozen=True)
@@ -85,10 +93,44 @@ class Session:
             return RenderedPrompt(text, self.engine.tokenize(text, add_special=False))
         return RenderedPrompt(text, self.engine.tokenize(text, add_special=True))
 
-    def ask(self, user_text: str, options: GenerationOptions = GenerationOptions()) -> Iterator[Token | Done]:
+    def _answer_room(self, max_tokens: int | None) -> int:
+        """Tokens kept free for the answer: -n, else a quarter of the context (at most 256)."""
+        return max_tokens or min(256, self.engine.n_ctx // 4)
+
+    def _fits(self, prompt: RenderedPrompt, max_tokens: int | None) -> bool:
+        return len(prompt.tokens) + (max_tokens or 1) <= self.engine.n_ctx
+
+    def _truncate(self, user_text: str, max_tokens: int | None) -> tuple[str, RenderedPrompt]:
+        """Keep the system prompt and the end of the message: the fewest leading characters dropped that fit."""
+        budget = self.engine.n_ctx - self._answer_room(max_tokens)
+        low, high = 0, len(user_text)
+        best = None
+        while low <= high:
+            drop = (low + high) // 2
+            candidate = self.render(user_text[drop:])
+            if len(candidate.tokens) <= budget:
+                best, high = (user_text[drop:], candidate), drop - 1
+            else:
+                low = drop + 1
+        if best is None:
+            raise ResourceError(
+                f"even an empty message does not fit the context of {self.engine.n_ctx} tokens "
+                "(the system prompt and history are too long)",
+                hint="Use a larger --ctx-size or a shorter --system.",
+            )
+        return best
+
+    def ask(self, user_text: str, options: GenerationOptions = GenerationOptions()) -> Iterator[Token | Done | Notice]:
         """Answer `user_text`; the exchange joins the history when the answer is done."""
         started = time.perf_counter()
         prompt = self.render(user_text)
+        if options.on_overflow == "truncate" and not self._fits(prompt, options.max_tokens):
+            full = len(prompt.tokens)
+            user_text, prompt = self._truncate(user_text, options.max_tokens)
+            yield Notice(
+                f"input truncated to fit the context of {self.engine.n_ctx} tokens: "
+                f"dropped {full - len(prompt.tokens)} tokens from the start of the message"
+            )
         prompt_s = time.perf_counter() - started
         load_s, self._load_s = self._load_s, 0.0
         answer: list[str] = []

@@ -13,10 +13,18 @@ def _string(value: str) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
+def _value(value: str | float | int) -> bytes:
+    if isinstance(value, str):
+        return struct.pack("<I", 8) + _string(value)
+    if isinstance(value, float):
+        return struct.pack("<If", 6, value)
+    return struct.pack("<Ii", 5, value)
+
+
 def rewrite_metadata(
-    src: Path, dst: Path, drop: tuple[str, ...] = (), strings: dict[str, str] | None = None
+    src: Path, dst: Path, drop: tuple[str, ...] = (), strings: dict[str, str | float | int] | None = None
 ) -> Path:
-    """Copy `src` to `dst` without the keys in `drop` and with string keys set from `strings`."""
+    """Copy `src` to `dst` without the keys in `drop` and with keys set from `strings` (str, float or int)."""
     strings = strings or {}
     reader = GGUFReader(src)
     raw = src.read_bytes()
@@ -27,7 +35,7 @@ def rewrite_metadata(
         end = field.offset + sum(part.nbytes for part in field.parts)
         kv_entries.append(raw[field.offset : end])
     for key, value in strings.items():
-        kv_entries.append(_string(key) + struct.pack("<I", 8) + _string(value))
+        kv_entries.append(_string(key) + _value(value))
     first, last = reader.tensors[0].field, reader.tensors[-1].field
     tensor_infos = raw[first.offset : last.offset + sum(part.nbytes for part in last.parts)]
     header = b"GGUF" + struct.pack("<IQQ", 3, len(reader.tensors), len(kv_entries))

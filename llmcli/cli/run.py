@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from llmcli.cli import options as o
 from llmcli.cli.inputs import read_message
 from llmcli.errors import ExitCode
+
+
+def setting_flags(given: dict[str, Any]) -> dict[str, Any]:
+    """The settings given on the command line, by setting name (an empty --stop list is 'not given')."""
+    from llmcli.settings import SETTINGS
+
+    return {name: given[name] for name in SETTINGS if given.get(name) not in (None, [])}
 
 
 def run(
@@ -22,52 +29,78 @@ def run(
         ),
     ] = None,
     model: o.ModelOpt = None,
+    profile: o.ProfileOpt = None,
     system: o.SystemOpt = None,
     raw: o.RawOpt = False,
     chat_template_file: o.TemplateFileOpt = None,
     show_prompt: Annotated[bool, typer.Option("--show-prompt", help="Print the rendered prompt and its token count, then exit.")] = False,
-    temp: o.TempOpt = 0.8,
+    temp: o.TempOpt = None,
+    top_k: o.TopKOpt = None,
+    top_p: o.TopPOpt = None,
+    min_p: o.MinPOpt = None,
+    typical_p: o.TypicalPOpt = None,
+    repeat_penalty: o.RepeatPenaltyOpt = None,
+    repeat_last_n: o.RepeatLastNOpt = None,
+    presence_penalty: o.PresencePenaltyOpt = None,
+    frequency_penalty: o.FrequencyPenaltyOpt = None,
+    mirostat: o.MirostatOpt = None,
+    mirostat_tau: o.MirostatTauOpt = None,
+    mirostat_eta: o.MirostatEtaOpt = None,
     seed: o.SeedOpt = None,
+    logit_bias: o.LogitBiasOpt = None,
     max_tokens: o.MaxTokensOpt = None,
     stop: o.StopOpt = None,
+    grammar: o.GrammarOpt = None,
+    grammar_file: o.GrammarFileOpt = None,
+    json_schema: o.JsonSchemaOpt = None,
+    output_format: o.FormatOpt = None,
+    on_overflow: o.OnOverflowOpt = None,
     ctx_size: o.CtxSizeOpt = None,
     threads: o.ThreadsOpt = None,
-    batch_size: o.BatchSizeOpt = 512,
+    batch_size: o.BatchSizeOpt = None,
+    mlock: o.MlockOpt = None,
+    mmap: o.MmapOpt = None,
+    verbose: o.VerboseOpt = False,
     as_json: o.JsonOpt = False,
     quiet: o.QuietOpt = False,
-    verbose: o.VerboseOpt = False,
     stdin_first: Annotated[bool, typer.Option("--stdin-first", help="Put piped stdin before the prompt argument.")] = False,
     wait_stdin: Annotated[bool, typer.Option("--stdin", help="Wait for piped stdin however long it takes to start.")] = False,
 ) -> None:
     """Answer one prompt, streamed to stdout; stats on stderr."""
-    from llmcli import models, render
-    from llmcli.engine import Cancellation, Done, Engine, EngineConfig
-    from llmcli.sampling import SamplingConfig
-    from llmcli.session import GenerationOptions, PromptOptions, Session, combine_input
+    from llmcli import render
+    from llmcli.engine import Done
+    from llmcli.pipeline import Request, open_pipeline
+    from llmcli.session import Notice, combine_input
 
     console = render.stderr_console()
     prompt_arg, stdin_text, notice = read_message(prompt, wait_stdin)
     if notice and not quiet:
         render.print_notice(console, notice)
     message = combine_input(prompt_arg, stdin_text, stdin_first)
-    generation = GenerationOptions(SamplingConfig(temperature=temp, seed=seed), max_tokens, tuple(stop or ()))
-    resolved = models.resolve(model)
-    cancel = Cancellation()
-    with Engine(resolved.path, EngineConfig(ctx_size, threads, batch_size, verbose), cancel) as engine:
-        session = Session(engine, PromptOptions(system, raw, chat_template_file))
-        for text in session.notices:
+    request = Request(
+        setting_flags(locals()), profile, raw, chat_template_file, tuple(logit_bias or ()),
+        grammar, grammar_file, json_schema, output_format, verbose,
+    )
+    with open_pipeline(request) as pipeline:
+        for text in pipeline.session.notices:
             render.print_notice(console, text)
         if show_prompt:
-            rendered = session.render(message)
+            rendered = pipeline.session.render(message)
             sys.stdout.write(rendered.text + "\n")
-            console.print(f"{len(rendered.tokens)} tokens ({resolved.name}, {'raw' if session.raw else 'chat template'})")
+            mode = "raw" if pipeline.session.raw else "chat template"
+            console.print(f"{len(rendered.tokens)} tokens ({pipeline.model.name}, {mode}, context {pipeline.engine.n_ctx})")
             return
-        sink = render.AnswerSink(as_json=as_json, extra={"model": resolved.name})
-        with cancel.on_signals():
-            for event in session.ask(message, generation):
+        sink = render.AnswerSink(as_json=as_json, extra={"model": pipeline.model.name})
+        with pipeline.cancel.on_signals():
+            for event in pipeline.session.ask(message, pipeline.generation):
+                if isinstance(event, Notice):
+                    sink.notices.append(event.text)
+                    render.print_notice(console, event.text)
+                    continue
                 sink.handle(event)
                 if isinstance(event, Done) and not quiet:
                     render.print_stats(console, event)
-    if cancel.signum is not None:
-        raise typer.Exit(128 + cancel.signum)
+        signum = pipeline.cancel.signum
+    if signum is not None:
+        raise typer.Exit(128 + signum)
     raise typer.Exit(ExitCode.OK)

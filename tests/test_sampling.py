@@ -1,0 +1,181 @@
+"""Sampling controls, constrained output, the context budget and settings precedence, on the real model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+
+
+def answer(*args: str) -> dict:
+    result = run_cli("run", "--json", *args)
+    assert result.code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_different_seeds_differ_and_same_seed_repeats():
+    args = ("--temp", "1.0", "-n", "48", "Write a short poem about the sea.")
+    a, b, c = answer("--seed", "1", *args), answer("--seed", "2", *args), answer("--seed", "1", *args)
+    assert a["text"] == c["text"]
+    assert a["text"] != b["text"]
+
+
+@pytest.mark.parametrize("prompt", ["Describe a person.", "Invent a character for a novel.", "Who wrote Hamlet?"])
+def test_json_schema_output_parses_and_validates(prompt):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    record = answer("--json-schema", json.dumps(schema), "--temp", "0", "-n", "64", prompt)
+    value = json.loads(record["text"])
+    assert isinstance(value["name"], str)
+    assert isinstance(value["age"], int) and not isinstance(value["age"], bool)
+
+
+def test_json_schema_from_a_file(tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
+    record = answer("--json-schema", str(schema), "--temp", "0", "-n", "32", "Is water wet?")
+    assert isinstance(json.loads(record["text"])["ok"], bool)
+
+
+def test_format_json_always_parses():
+    record = answer("--format", "json", "--temp", "0.7", "--seed", "3", "-n", "300", "List three colors.")
+    assert record["finish_reason"] == "stop"
+    json.loads(record["text"])
+
+
+@pytest.mark.parametrize("prompt", ["Is the sky blue?", "Is fire cold?"])
+def test_gbnf_grammar_restricts_to_yes_or_no(prompt):
+    record = answer("--grammar", 'root ::= "yes" | "no"', "--temp", "0.8", "--seed", "5", prompt)
+    assert record["text"] in ("yes", "no")
+
+
+def test_grammar_file(tmp_path):
+    grammar = tmp_path / "digits.gbnf"
+    grammar.write_text('root ::= [0-9] [0-9] [0-9]\n')
+    record = answer("--grammar-file", str(grammar), "--temp", "0", "How many days are in a year?")
+    assert len(record["text"]) == 3 and record["text"].isdigit()
+
+
+def test_logit_bias_banning_the_first_greedy_token_changes_it():
+    first = answer("--temp", "0", "-n", "1", "hi")["text"]
+    assert first
+    banned = answer("--temp", "0", "-n", "1", "--logit-bias", f"{first}=-inf", "hi")["text"]
+    assert banned != first
+
+
+def test_repeat_penalty_and_mirostat_change_the_chain():
+    prompt = "What is the capital of France?"
+    plain = answer("--temp", "0", "-n", "40", prompt)["text"]
+    penalised = answer("--temp", "0", "-n", "40", "--repeat-penalty", "1.5", prompt)["text"]
+    assert plain != penalised
+    mirostat = answer("--mirostat", "2", "--seed", "9", "-n", "16", prompt)
+    assert mirostat["usage"]["completion_tokens"] > 0
+
+
+def test_prompt_larger_than_the_context_is_refused_before_prefill(tmp_path):
+    long_input = "word " * 400
+    result = run_cli("run", "-c", "256", "Summarize:", input=long_input)
+    assert result.code == 6
+    line = result.stderr.splitlines()[0]
+    assert line.startswith("Error: ") and "do not fit the context window of 256 tokens" in line
+    assert "--ctx-size" in result.stderr and "--on-overflow truncate" in result.stderr
+
+
+def test_on_overflow_truncate_answers_and_reports_what_was_dropped():
+    result = run_cli("run", "--json", "-c", "256", "-n", "16", "--on-overflow", "truncate", "--temp", "0",
+                     "Summarize:", input="The sky is blue. " * 150)
+    assert result.code == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["usage"]["prompt_tokens"] + 16 <= 256
+    assert "dropped" in record["notices"][0]
+    assert "Warning: input truncated" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, env, fragment",
+    [
+        (["--top-p", "1.5"], {}, "--top-p must be in (0, 1]"),
+        (["--temp", "-0.5"], {}, "--temp must be >= 0"),
+        ([], {"LLMCLI_TEMP": "-1"}, "--temp must be >= 0 (got -1.0, from env LLMCLI_TEMP)"),
+        ([], {"LLMCLI_TOP_K": "many"}, "LLMCLI_TOP_K='many' is not a valid int"),
+        (["--mirostat", "3"], {}, "--mirostat must be 0, 1 or 2"),
+        (["--on-overflow", "wrap"], {}, "--on-overflow must be one of error, truncate"),
+        (["-p", "nope"], {}, "unknown profile 'nope'"),
+        (["--grammar", 'root ::= ("yes"'], {}, "rejected the grammar from --grammar"),
+        (["--json-schema", "{not json"], {}, "--json-schema is not valid JSON"),
+        (["--logit-bias", "Hello world=2"], {}, "is 2 tokens"),
+        (["--logit-bias", "99999999=1"], {}, "outside the vocabulary"),
+        (["--format", "yaml"], {}, "the only format is 'json'"),
+        (["--grammar", "root ::= x", "--format", "json"], {}, "cannot be combined"),
+    ],
+)
+def test_invalid_values_are_usage_errors_naming_the_flag(args, env, fragment):
+    result = run_cli("run", *args, "hi", env=env)
+    assert result.code == 2, result.stderr
+    assert result.stderr.startswith("Error: ")
+    assert fragment in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def write_config(tmp_path, text: str):
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return {"LLMCLI_CONFIG": str(path)}
+
+
+def test_precedence_flag_env_profile_config_default(tmp_path):
+    env = write_config(tmp_path, 'temp = 0.5\ntop_k = 20\nmin_p = 0.1\n[profiles.coder]\ntemp = 0.2\nsystem = "You code."\n')
+    env["LLMCLI_TOP_K"] = "30"
+    result = run_cli("config", "show", "--json", "-p", "coder", "--top-p", "0.9", env=env)
+    assert result.code == 0, result.stderr
+    settings = json.loads(result.stdout)["settings"]
+    assert settings["top_p"] == {"value": 0.9, "source": "flag --top-p"}
+    assert settings["top_k"] == {"value": 30, "source": "env LLMCLI_TOP_K"}
+    assert settings["temp"] == {"value": 0.2, "source": "profile coder (config.toml)"}
+    assert settings["min_p"] == {"value": 0.1, "source": "config.toml"}
+    assert settings["system"]["value"] == "You code."
+    assert settings["repeat_penalty"] == {"value": 1.0, "source": "default"}
+    # the flag beats everything, the env beats the profile
+    again = json.loads(run_cli("config", "show", "--json", "-p", "coder", "--temp", "0.9", env=env).stdout)["settings"]
+    assert again["temp"] == {"value": 0.9, "source": "flag --temp"}
+    table = run_cli("config", "show", "-p", "coder", env=env).stdout
+    assert "profile coder" in table and "env LLMCLI_TOP_K" in table
+
+
+def test_profile_settings_reach_the_model(tmp_path):
+    env = write_config(tmp_path, '[profiles.terse]\nsystem = "Answer in one word."\nmax_tokens = 3\n')
+    shown = run_cli("run", "--show-prompt", "-p", "terse", "Hi", env=env)
+    assert "Answer in one word." in shown.stdout
+    record = json.loads(run_cli("run", "--json", "-p", "terse", "--temp", "0", "Tell me about the moon.", env=env).stdout)
+    assert record["usage"]["completion_tokens"] <= 3
+
+
+def test_model_defaults_from_gguf_metadata_rank_below_the_config_file(tmp_path, smollm2):
+    from gguf_tools import rewrite_metadata
+
+    model = rewrite_metadata(
+        smollm2, tmp_path / "m.gguf", strings={"general.sampling.temp": 0.25, "general.sampling.top_k": 7}
+    )
+    env = write_config(tmp_path, "top_k = 11\n")
+    settings = json.loads(run_cli("config", "show", "--json", "-m", str(model), env=env).stdout)["settings"]
+    assert settings["temp"] == {"value": 0.25, "source": "model (general.sampling.temp)"}
+    assert settings["top_k"] == {"value": 11, "source": "config.toml"}
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("temp = = 1", "is not valid TOML"),
+        ("tmep = 1", "unknown setting 'tmep'"),
+        ('temp = "hot"', "expected float"),
+    ],
+)
+def test_bad_config_file_is_a_usage_error(tmp_path, text, fragment):
+    result = run_cli("run", "hi", env=write_config(tmp_path, text))
+    assert result.code == 2
+    assert result.stderr.startswith("Error: config file") and fragment in result.stderr
