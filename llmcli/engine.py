@@ -1,22 +1,18 @@
 """Load, tokenize, prefill, decode, stop: the pipeline's steps 3-6 on llama.cpp.
 
-This is the only module that talks to llama.cpp (through llama-cpp-python's C
-API, not its high-level `Llama` class: that one copies the logits into numpy for
-every token and costs ~14% of decode speed on a small model). It never prints:
-`Engine.generate` yields `Token` events and one final `Done`.
+Inference talks to llama.cpp here only (backend.py holds its process-wide state and messages), through
+llama-cpp-python's C API, not its high-level `Llama` class: that one copies the logits
+into numpy for every token and costs ~14% of decode speed on a small model. It never
+prints: `Engine.generate` yields `Token` events and one final `Done`. The raw loop at the
+end is the baseline `llmcli bench` measures this one against.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-import signal
-import tempfile
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +20,8 @@ import llama_cpp
 
 from llmcli.errors import IntegrityError, LlmcliError, ResourceError, UsageError
 from llmcli.gguf_header import GGUFHeader, read_header
+from llmcli.interrupt import Cancellation
+from llmcli.backend import llama_backend, stderr_captured
 from llmcli.sampling import SamplingConfig
 from llmcli.stats import Stats
 from llmcli.streaming import StopMatcher, Utf8Assembler
@@ -56,70 +54,6 @@ class Done:
     stop_sequence: str | None = None
 
 
-class Cancellation:
-    """Set from a signal handler; checked between tokens and inside a running prefill."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-
-    def __bool__(self) -> bool:
-        return self.signum is not None
-
-    def request(self, signum: int = signal.SIGINT) -> None:
-        self.signum = signum
-
-    @contextmanager
-    def on_signals(self, signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
-        """While active, Ctrl-C and SIGTERM end generation gracefully instead of raising."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {s: signal.signal(s, lambda signum, frame: self.request(signum)) for s in signums}
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-
-class _LlamaLog:
-    """Receives llama.cpp's log lines: forwards them to stderr when verbose, keeps the last error."""
-
-    LEVEL_ERROR = 4
-
-    def __init__(self) -> None:
-        self.verbose = False
-        self.last_error = ""
-        self._line = ""
-        self._callback = llama_cpp.llama_log_callback(self._on_log)  # referenced while installed
-        llama_cpp.llama_log_set(self._callback, ctypes.c_void_p(0))
-
-    def _on_log(self, level: int, text: bytes | None, user_data: object) -> None:
-        message = (text or b"").decode("utf-8", "replace")
-        if self.verbose:
-            sys.stderr.write(message)
-        if level == self.LEVEL_ERROR:
-            self._line += message
-            if self._line.endswith("\n"):
-                self.last_error = self._line.strip()
-                self._line = ""
-
-    def take_error(self) -> str:
-        error, self.last_error = self.last_error, ""
-        return error
-
-
-_log: _LlamaLog | None = None
-
-
-def _llama_backend() -> _LlamaLog:
-    global _log
-    if _log is None:
-        _log = _LlamaLog()
-        llama_cpp.llama_backend_init()
-    return _log
-
-
 class Engine:
     """One model and one context (one KV cache) loaded from a GGUF file."""
 
@@ -128,7 +62,7 @@ class Engine:
         self.config = config
         self.cancel = cancel if cancel is not None else Cancellation()
         self.header: GGUFHeader = read_header(path)  # pre-flight: llama.cpp never sees a malformed file
-        log = _llama_backend()
+        log = llama_backend()
         log.verbose = config.verbose
         started = time.perf_counter()
 
@@ -184,7 +118,15 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def reset(self) -> None:
+        """Empty the KV cache."""
+        llama_cpp.llama_memory_clear(self._memory, True)
+        self._cached.clear()
+
     # -- vocabulary -------------------------------------------------------
+
+    def end_of_generation_tokens(self) -> tuple[int, ...]:
+        return tuple(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t))
 
     def token_text(self, token: int) -> str:
         if token < 0:
@@ -247,12 +189,12 @@ class Engine:
         """
         started = time.perf_counter() if started is None else started
         self.check_budget(len(prompt), max_tokens)
-        with _stderr_captured() as captured:
+        with stderr_captured() as captured:
             try:
                 chain = sampling.to_llama(llama_cpp, self._vocab, seed)
             except UsageError as exc:
                 # llama.cpp's grammar parser writes its reason straight to stderr, not to the log
-                reason = " ".join(captured().split()) or _llama_backend().take_error() or "no reason given"
+                reason = " ".join(captured().split()) or llama_backend().take_error() or "no reason given"
                 raise UsageError(f"{exc.message}: {reason}") from None
         try:
             cached = self._reuse_prefix(prompt)
@@ -367,21 +309,57 @@ class Engine:
             return False
         if rc == 1:
             raise ResourceError(f"the KV cache is full while {what} ({self.n_ctx} tokens)", hint="Use a larger --ctx-size.")
-        raise LlmcliError(f"llama.cpp failed while {what} (code {rc}): {_llama_backend().take_error() or 'no reason given'}")
+        raise LlmcliError(f"llama.cpp failed while {what} (code {rc}): {llama_backend().take_error() or 'no reason given'}")
 
 
-@contextmanager
-def _stderr_captured() -> Iterator[Callable[[], str]]:
-    """Collect what C code writes to file descriptor 2 meanwhile; the callable returns it."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 2)
+class RawLoop:
+    """The baseline: llama.cpp driven with no Python work per token beyond the C calls themselves.
+
+    `llmcli bench` divides the rates of `Engine.generate` by these to show what the Python layer costs.
+    Both leave the engine's KV cache empty.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def prefill(self, tokens: Sequence[int], depth: int = 0) -> float:
+        """Seconds to evaluate tokens[depth:] in batches of n_batch, after tokens[:depth] (untimed)."""
+        engine = self.engine
+        engine.reset()
+        if depth:
+            engine._prefill(tokens[:depth], 0)
+        array = (llama_cpp.llama_token * len(tokens))(*tokens)
+        base, item, step = ctypes.addressof(array), ctypes.sizeof(llama_cpp.llama_token), engine.config.n_batch
+        decode, get_batch, token_p, ctx = llama_cpp.llama_decode, llama_cpp.llama_batch_get_one, llama_cpp.llama_token_p, engine._ctx
+        started = time.perf_counter()
+        for begin in range(depth, len(tokens), step):
+            if decode(ctx, get_batch(ctypes.cast(base + begin * item, token_p), min(step, len(tokens) - begin))):
+                raise LlmcliError("llama.cpp failed in the raw prefill loop")
+        elapsed = time.perf_counter() - started
+        engine.reset()
+        return elapsed
+
+    def decode(self, prompt: Sequence[int], sampling: SamplingConfig, n_tokens: int, seed: int = 0) -> float:
+        """Seconds for the n_tokens - 1 {decode, sample} steps after the first sample, as `generate` counts them."""
+        engine = self.engine
+        engine.reset()
+        engine._prefill(prompt, 0)  # untimed: the decode steps start from the same cache as generate's
+        chain = sampling.to_llama(llama_cpp, engine._vocab, seed)
+        sample, decode, get_one, ctx = llama_cpp.llama_sampler_sample, llama_cpp.llama_decode, llama_cpp.llama_batch_get_one, engine._ctx
+        one = (llama_cpp.llama_token * 1)()
         try:
-            yield lambda: (sink.seek(0), sink.read().decode("utf-8", "replace"))[1]
+            token = sample(chain, ctx, -1)
+            started = time.perf_counter()
+            for _ in range(n_tokens - 1):
+                one[0] = token
+                if decode(ctx, get_one(one, 1)):
+                    raise LlmcliError("llama.cpp failed in the raw decode loop")
+                token = sample(chain, ctx, -1)
+            elapsed = time.perf_counter() - started
         finally:
-            os.dup2(saved, 2)
-            os.close(saved)
+            llama_cpp.llama_sampler_free(chain)
+            engine.reset()
+        return elapsed
 
 
 def _round_up(n_tokens: int) -> int:

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from llmcli import models, settings
-from llmcli.engine import Cancellation, Engine, EngineConfig
+from llmcli.engine import Engine, EngineConfig
+from llmcli.interrupt import Cancellation
 from llmcli.errors import UsageError
 from llmcli.gguf_header import read_header
 from llmcli.sampling import build_grammar, parse_logit_bias

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import IO, Any
 
 from rich.console import Console
@@ -104,3 +106,21 @@ def print_error(console: Console, message: str, hint: str | None = None) -> None
     console.print(Text.assemble(("Error: ", "bold red"), message))
     if hint:
         console.print(Text.assemble(("Hint: ", "bold"), hint))
+
+
+@contextmanager
+def progress_bar(label: str) -> Iterator[Callable[[int, int, str], None]]:
+    """A progress bar on stderr (hidden when stderr is not a terminal); yields advance(done, total, what)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    console = stderr_console()
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        console=console, transient=True, disable=not console.is_terminal, redirect_stdout=False,
+    ) as progress:
+        task = progress.add_task(label, total=None)
+
+        def advance(done: int, total: int, what: str) -> None:
+            progress.update(task, completed=done, total=total, description=what)
+
+        yield advance

@@ -35,10 +35,11 @@ def _root(
 
 
 def _register() -> None:
-    from llmcli.cli import config_cmd
+    from llmcli.cli import bench, config_cmd
     from llmcli.cli.run import run
 
     app.command("run")(run)
+    app.add_typer(bench.app, name="bench")
     app.add_typer(config_cmd.app, name="config")
 
 

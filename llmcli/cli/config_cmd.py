@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 

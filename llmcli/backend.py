@@ -1,0 +1,76 @@
+"""llama.cpp's process-wide state: initialisation, build information, and its own messages:
+its log (forwarded with -v, last error kept for our messages) and what its C code writes
+straight to stderr (captured where we need the reason)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import llama_cpp
+
+
+class LlamaLog:
+    """Receives llama.cpp's log lines: forwards them to stderr when verbose, keeps the last error."""
+
+    LEVEL_ERROR = 4
+
+    def __init__(self) -> None:
+        self.verbose = False
+        self.last_error = ""
+        self._line = ""
+        self._callback = llama_cpp.llama_log_callback(self._on_log)  # referenced while installed
+        llama_cpp.llama_log_set(self._callback, ctypes.c_void_p(0))
+
+    def _on_log(self, level: int, text: bytes | None, user_data: object) -> None:
+        message = (text or b"").decode("utf-8", "replace")
+        if self.verbose:
+            sys.stderr.write(message)
+        if level == self.LEVEL_ERROR:
+            self._line += message
+            if self._line.endswith("\n"):
+                self.last_error = self._line.strip()
+                self._line = ""
+
+    def take_error(self) -> str:
+        error, self.last_error = self.last_error, ""
+        return error
+
+
+_log: LlamaLog | None = None
+
+
+def llama_backend() -> LlamaLog:
+    """Initialise llama.cpp once, with its log routed through LlamaLog."""
+    global _log
+    if _log is None:
+        _log = LlamaLog()
+        llama_cpp.llama_backend_init()
+    return _log
+
+
+@contextmanager
+def stderr_captured() -> Iterator[Callable[[], str]]:
+    """Collect what C code writes to file descriptor 2 meanwhile; the callable returns it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lambda: (sink.seek(0), sink.read().decode("utf-8", "replace"))[1]
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def build_info() -> dict[str, str]:
+    """llama-cpp-python's version and llama.cpp's CPU feature line, for benchmark records."""
+    llama_backend()
+    return {
+        "llama_cpp_python": getattr(llama_cpp, "__version__", "unknown"),
+        "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip(),
+    }

@@ -1,0 +1,136 @@
+"""`llmcli bench`: llama-bench's tests plus TTFT, the llmcli path, overhead and roofline; `bench compare`."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from llmcli.errors import UsageError
+
+app = typer.Typer(help="Measure prefill/decode speed, TTFT and the Python layer's overhead.")
+
+
+def _int_list(text: str, flag: str, minimum: int) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise UsageError(f"{flag} takes comma-separated integers, e.g. 1,2 (got {text!r})") from None
+    if not values or min(values) < minimum:
+        raise UsageError(f"{flag} values must be >= {minimum} (got {text!r})")
+    return values
+
+
+@app.callback(invoke_without_command=True)
+def bench(
+    ctx: typer.Context,
+    model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Model to measure (repeatable). Default: the default model.", show_default=False)] = None,
+    n_prompt: Annotated[int, typer.Option("--n-prompt", "-p", min=1, help="Prompt tokens for the prefill test (ppP).")] = 512,
+    n_gen: Annotated[int, typer.Option("--n-gen", "-n", min=2, help="Tokens for the decode test (tgN).")] = 128,
+    repetitions: Annotated[int, typer.Option("--repetitions", "-r", min=1, help="Repetitions of each test, after a warm-up.")] = 5,
+    threads: Annotated[Optional[str], typer.Option("--threads", "-t", help="Thread counts to compare, e.g. 1,2. [physical cores]", show_default=False)] = None,
+    depth: Annotated[str, typer.Option("--depth", "-d", help="KV-cache depths for the raw tests, e.g. 0,512.")] = "0",
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Prompt tokens per step.")] = 512,
+    output_format: Annotated[str, typer.Option("--format", "-o", help="md, json or csv.")] = "md",
+) -> None:
+    """Run the benchmark (the default when no subcommand is given)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from llmcli import bench as core
+    from llmcli import models, render
+    from llmcli.gguf_header import read_header
+
+    if output_format not in ("md", "json", "csv"):
+        raise UsageError(f"--format must be md, json or csv (got {output_format!r})")
+    plan = core.BenchPlan(
+        n_prompt, n_gen, repetitions,
+        _int_list(threads, "--threads", 1) if threads else (),
+        _int_list(depth, "--depth", 0), batch_size,
+    )
+    resolved = [models.resolve(m) for m in (model or [None])]
+    headers = [read_header(m.path) for m in resolved]
+    rows: list[core.Row] = []
+    with render.progress_bar("benchmark") as advance:
+        for step in core.run_bench(resolved, headers, plan, rows):
+            advance(step.done, step.total, step.what)
+    environment = core.environment(resolved, plan.threads or (rows[0].threads,))
+    print(_format(rows, environment, plan, output_format), end="")
+
+
+def _human_size(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:.2f} MiB"
+
+
+def _human_params(n: int) -> str:
+    return f"{n / 1e6:.2f} M" if n < 1e9 else f"{n / 1e9:.2f} B"
+
+
+def _result(row: Any) -> str:
+    if row.unit == "x":
+        return f"{row.mean:.3f}×"
+    if row.unit == "s":
+        return f"{row.mean * 1000:.1f} ± {row.sd * 1000:.1f} ms"
+    if row.unit.startswith("%"):
+        return f"{row.mean:.1f} {row.unit}"
+    if row.unit == "GB/s":
+        return f"{row.mean:.1f} GB/s"
+    return f"{row.mean:.2f} ± {row.sd:.2f}"
+
+
+def _format(rows: list[Any], environment: dict[str, Any], plan: Any, fmt: str) -> str:
+    from dataclasses import asdict
+
+    if fmt == "json":
+        return json.dumps({"environment": environment, "plan": asdict(plan), "results": [r.to_dict() for r in rows]}, indent=2) + "\n"
+    if fmt == "csv":
+        buffer = io.StringIO()
+        fields = ["model", "size_bytes", "params", "quant", "threads", "test", "path", "unit", "mean", "sd", "n",
+                  "cpu", "physical_cores", "llama_cpp_python", "model_sha256"]
+        writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n")
+        writer.writeheader()
+        sha = {m["name"]: m["sha256"] for m in environment["models"]}
+        for r in rows:
+            record = {k: v for k, v in r.to_dict().items() if k in fields}
+            record.update(cpu=environment["cpu"], physical_cores=environment["physical_cores"],
+                          llama_cpp_python=environment["llama_cpp_python"], model_sha256=sha.get(r.model, ""))
+            writer.writerow(record)
+        return buffer.getvalue()
+    lines = [
+        "| model | size | params | quant | threads | test | path | t/s |",
+        "| --- | ---: | ---: | --- | ---: | --- | --- | ---: |",
+    ]
+    for r in rows:
+        lines.append(f"| {r.model} | {_human_size(r.size_bytes)} | {_human_params(r.params)} | {r.quant} | {r.threads} "
+                     f"| {r.test} | {r.path} | {_result(r)} |")
+    lines.append("")
+    lines.append(f"{environment['cpu']} · {environment['physical_cores']} cores · llama-cpp-python {environment['llama_cpp_python']}")
+    return "\n".join(lines) + "\n"
+
+
+@app.command("compare")
+def compare_cmd(
+    before: Annotated[Path, typer.Argument(help="Results of `llmcli bench --format json` (the baseline).", exists=True, dir_okay=False)],
+    after: Annotated[Path, typer.Argument(help="Results to compare with the baseline.", exists=True, dir_okay=False)],
+) -> None:
+    """Per-test ratio after/before, and whether the change is larger than the noise (Welch's t > 2)."""
+    from llmcli import bench as core
+
+    def load(path: Path) -> list[dict]:
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))["results"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UsageError(f"{path} is not a `llmcli bench --format json` file: {exc}") from None
+
+    rows = core.compare(load(before), load(after))
+    if not rows:
+        raise UsageError("the two files have no test in common")
+    print("| model | threads | test | path | before | after | ratio | note |")
+    print("| --- | ---: | --- | --- | ---: | ---: | ---: | --- |")
+    for c in rows:
+        model, threads, test, path = c.key
+        note = "significant" if c.significant else "within noise"
+        print(f"| {model} | {threads} | {test} | {path} | {c.before:.4g} | {c.after:.4g} | {c.ratio:.3f} | {note} |")

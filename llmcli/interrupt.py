@@ -1,0 +1,39 @@
+"""Ctrl-C and SIGTERM as a request to stop, not an exception.
+
+While `Cancellation.on_signals()` is active, the signals set a flag that the decode loop
+checks between tokens and llama.cpp's abort callback checks inside a running prefill,
+so generation ends cleanly: partial answer kept, stats reported, exit code 128 + signal.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+
+class Cancellation:
+    """Set from a signal handler; checked between tokens and inside a running prefill."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.signum is not None
+
+    def request(self, signum: int = signal.SIGINT) -> None:
+        self.signum = signum
+
+    @contextmanager
+    def on_signals(self, signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+        """While active, Ctrl-C and SIGTERM end generation gracefully instead of raising."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, lambda signum, frame: self.request(signum)) for s in signums}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)

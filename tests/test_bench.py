@@ -1,0 +1,100 @@
+"""`llmcli bench` output shapes on the real model (tiny settings: shapes, not speed)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import run_cli
+
+TINY = ("-p", "16", "-n", "8", "-r", "2")
+
+
+@pytest.fixture(scope="module")
+def bench_json(tmp_path_factory) -> dict:
+    result = run_cli("bench", *TINY, "--format", "json")
+    assert result.code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_json_has_environment_plan_and_every_test(bench_json):
+    env = bench_json["environment"]
+    for key in ("cpu", "physical_cores", "llama_cpp_python", "llama_cpp_system_info", "threads", "models"):
+        assert key in env
+    assert len(env["models"][0]["sha256"]) == 64
+    assert bench_json["plan"]["repetitions"] == 2
+    rows = {(r["test"], r["path"]): r for r in bench_json["results"]}
+    for test, path in [("pp16", "raw"), ("tg8", "raw"), ("tg8", "llmcli"), ("tg8", "raw, same prompt"), ("ttft", "llmcli"),
+                       ("overhead tg8", "ratio"), ("memory bandwidth", "roofline"), ("roofline tg8", "roofline")]:
+        assert (test, path) in rows, (test, path)
+    for row in bench_json["results"]:
+        assert row["mean"] > 0 and row["n"] == len(row["samples"])
+        assert set(row) >= {"model", "size_bytes", "params", "quant", "threads", "unit", "sd"}
+    assert rows[("tg8", "llmcli")]["n"] == 2 and rows[("tg8", "llmcli")]["unit"] == "t/s"
+    assert any(test.startswith("overhead pp") for test, _ in rows)
+
+
+def test_markdown_table_rows_and_thread_sweep():
+    result = run_cli("bench", *TINY, "-t", "1,2", "--depth", "0,16")
+    assert result.code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "| model | size | params | quant | threads | test | path | t/s |"
+    rows = [line.split(" | ") for line in lines[2:] if line.startswith("| ")]
+    assert {row[4] for row in rows} == {"1", "2"}
+    tests = {row[5] for row in rows}
+    assert {"pp16", "tg8", "pp16 @ d16", "tg8 @ d16", "ttft", "overhead tg8", "roofline tg8"} <= tests
+    assert all(row[3] == "Q4_1" for row in rows)
+
+
+def test_csv_header_and_environment_columns():
+    result = run_cli("bench", *TINY, "--format", "csv")
+    assert result.code == 0, result.stderr
+    records = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert list(records[0])[:11] == ["model", "size_bytes", "params", "quant", "threads", "test", "path", "unit", "mean", "sd", "n"]
+    assert records[0]["cpu"] and len(records[0]["model_sha256"]) == 64
+
+
+def test_compare_reports_ratio_and_significance(tmp_path, bench_json):
+    before = tmp_path / "a.json"
+    after = tmp_path / "b.json"
+    before.write_text(json.dumps(bench_json))
+    slower = json.loads(json.dumps(bench_json))
+    for row in slower["results"]:
+        row["mean"] /= 2
+        row["samples"] = [s / 2 for s in row["samples"]]
+    after.write_text(json.dumps(slower))
+    result = run_cli("bench", "compare", str(before), str(after))
+    assert result.code == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if "| tg8 | llmcli |" in line]
+    assert lines and "| 0.500 |" in lines[0]
+    same = run_cli("bench", "compare", str(before), str(before))
+    assert "within noise" in same.stdout and "significant" not in same.stdout.replace("within noise", "")
+
+
+def test_bad_bench_arguments_are_usage_errors(tmp_path):
+    assert run_cli("bench", "-t", "one").code == 2
+    assert run_cli("bench", "--format", "xml").code == 2
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    result = run_cli("bench", "compare", str(bad), str(bad))
+    assert result.code == 2 and result.stderr.startswith("Error: ")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["bench", "--help"], ["config", "show", "--help"]])
+def test_help_does_not_import_llama_cpp_or_the_hub(args):
+    code = (
+        "import sys\n"
+        f"sys.argv = ['llmcli', *{args!r}]\n"
+        "from llmcli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('llama_cpp', 'huggingface_hub', 'numpy') if m in sys.modules]\n"
+        "sys.stderr.write('HEAVY=' + ','.join(heavy))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "Usage:" in proc.stdout
+    assert proc.stderr.strip().endswith("HEAVY="), proc.stderr
