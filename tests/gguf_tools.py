@@ -46,3 +46,43 @@ def rewrite_metadata(
         out.write(body)
         out.write(memoryview(raw)[reader.data_offset :])
     return dst
+
+
+def split_gguf(src: Path, out_dir: Path, stem: str, parts: int) -> list[Path]:
+    """Split `src` into `parts` shards named STEM-0000i-of-0000n.gguf, as llama.cpp's gguf-split does:
+    shard 1 keeps all metadata, every shard carries split.no / split.count / split.tensors.count."""
+    reader = GGUFReader(src)
+    raw = src.read_bytes()
+    alignment = reader.alignment
+    tensors = list(reader.tensors)
+    per_part = -(-len(tensors) // parts)
+    kv_all = [
+        raw[f.offset : f.offset + sum(p.nbytes for p in f.parts)]
+        for name, f in reader.fields.items()
+        if not name.startswith("GGUF.")
+    ]
+    paths = []
+    for index in range(parts):
+        chunk = tensors[index * per_part : (index + 1) * per_part]
+        split_kv = [
+            _string("split.no") + struct.pack("<IH", 2, index),
+            _string("split.count") + struct.pack("<IH", 2, parts),
+            _string("split.tensors.count") + struct.pack("<Ii", 5, len(tensors)),
+        ]
+        kvs = (kv_all if index == 0 else []) + split_kv
+        infos, data, offset = [], [], 0
+        for tensor in chunk:
+            field = tensor.field
+            info = bytearray(raw[field.offset : field.offset + sum(p.nbytes for p in field.parts)])
+            info[-8:] = struct.pack("<Q", offset)
+            infos.append(bytes(info))
+            blob = raw[tensor.data_offset : tensor.data_offset + tensor.n_bytes]  # data_offset is absolute
+            padding = b"\0" * (-len(blob) % alignment)
+            data.append(blob + padding)
+            offset += len(blob) + len(padding)
+        body = b"GGUF" + struct.pack("<IQQ", 3, len(chunk), len(kvs)) + b"".join(kvs) + b"".join(infos)
+        body += b"\0" * (-len(body) % alignment)
+        path = out_dir / f"{stem}-{index + 1:05d}-of-{parts:05d}.gguf"
+        path.write_bytes(body + b"".join(data))
+        paths.append(path)
+    return paths

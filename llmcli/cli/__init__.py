@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -30,15 +32,19 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version and exit."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Where downloaded models live ($LLMCLI_CACHE_DIR).", file_okay=False),
 ) -> None:
     """Fast, local, quantized LLM inference on the CPU."""
+    if cache_dir is not None:
+        os.environ["LLMCLI_CACHE_DIR"] = str(cache_dir)  # read by llmcli.config.cache_dir() at call time
 
 
 def _register() -> None:
-    from llmcli.cli import bench, config_cmd
+    from llmcli.cli import bench, config_cmd, models_cmd
     from llmcli.cli.run import run
 
     app.command("run")(run)
+    models_cmd.register(app)
     app.add_typer(bench.app, name="bench")
     app.add_typer(config_cmd.app, name="config")
 

@@ -25,6 +25,7 @@ ModelOpt = Annotated[
     ),
 ]
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", "-p", help="Use a [profiles.NAME] table of the config file ($LLMCLI_PROFILE).", show_default=False)]
+OfflineOpt = Annotated[bool, typer.Option("--offline", help="Use only the local cache; never contact the Hub ($HF_HUB_OFFLINE=1).")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.", show_default=False)]
 RawOpt = Annotated[bool, typer.Option("--raw", help="Send the prompt as-is, without the chat template (base models).")]
 TemplateFileOpt = Annotated[

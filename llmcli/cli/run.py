@@ -29,6 +29,7 @@ def run(
         ),
     ] = None,
     model: o.ModelOpt = None,
+    offline: o.OfflineOpt = False,
     profile: o.ProfileOpt = None,
     system: o.SystemOpt = None,
     raw: o.RawOpt = False,
@@ -79,9 +80,11 @@ def run(
     message = combine_input(prompt_arg, stdin_text, stdin_first)
     request = Request(
         setting_flags(locals()), profile, raw, chat_template_file, tuple(logit_bias or ()),
-        grammar, grammar_file, json_schema, output_format, verbose,
+        grammar, grammar_file, json_schema, output_format, verbose, offline,
     )
-    with open_pipeline(request) as pipeline:
+    with render.download_progress() as progress:  # shown only if the model must be downloaded first
+        pipeline = open_pipeline(request, progress)
+    with pipeline:
         for text in pipeline.session.notices:
             render.print_notice(console, text)
         if show_prompt:

@@ -1,0 +1,127 @@
+"""What models are here and what is inside them: `list`, `show` and `rm` without loading any weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmcli import hub, models
+from llmcli.errors import IntegrityError, ModelNotFoundError, UsageError
+from llmcli.gguf_header import GGUFHeader, read_header, string_items
+from llmcli.references import looks_like_hub, parse
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    path: Path
+    source: str  # package:<dist> or hf:<repo>@<commit>
+    size: int
+    header: GGUFHeader | None  # None when the file failed its pre-flight check
+    problem: str | None = None
+    params: int | None = None  # all shards of a split model; else the header's count
+
+    def to_dict(self) -> dict[str, Any]:
+        h = self.header
+        return {
+            "name": self.name,
+            "path": str(self.path),
+            "source": self.source,
+            "size": self.size,
+            "quant": h.quant if h else None,
+            "params": self.params or (h.n_params if h else None),
+            "architecture": h.architecture if h else None,
+            "context_length": h.context_length if h else None,
+            "problem": self.problem,
+        }
+
+
+def _entry(name: str, path: Path, source: str, size: int | None = None) -> Entry:
+    try:
+        header = read_header(path)
+        return Entry(name, path, source, size if size is not None else header.file_size, header)
+    except (IntegrityError, OSError) as exc:
+        return Entry(name, path, source, size or 0, None, getattr(exc, "message", str(exc)))
+
+
+def entries() -> list[Entry]:
+    """Installed-package models, then models in the Hub cache."""
+    found = []
+    for model in models.packaged_models():
+        if model.assemble_with is not None and not model.path.is_file():
+            continue  # not assembled yet: nothing to describe until first use
+        found.append(_entry(model.short_name, model.path, f"package:{model.distribution}"))
+    for cached in hub.cached_models():
+        entry = _entry(cached.name, cached.files[0], f"hf:{cached.repo_id}@{cached.revision[:12]}", cached.size)
+        if len(cached.files) > 1 and entry.header is not None:
+            try:
+                total = sum(read_header(path).n_params for path in cached.files)
+            except (IntegrityError, OSError):
+                total = None
+            entry = Entry(entry.name, entry.path, entry.source, entry.size, entry.header, entry.problem, total)
+        found.append(entry)
+    return found
+
+
+def local_model(reference: str, aliases: dict[str, str] | None = None) -> models.ResolvedModel:
+    """Resolve without any network request: a path, a packaged model, or something in the cache."""
+    try:
+        return models.resolve(reference, offline=True, aliases=aliases)
+    except ModelNotFoundError as exc:
+        raise ModelNotFoundError(exc.message, hint=f"`llmcli pull {reference}` downloads it; `llmcli list` shows what is here.") from None
+
+
+def describe(model: models.ResolvedModel) -> dict[str, Any]:
+    header = read_header(model.path)
+    arch = header.architecture
+    meta = header.metadata
+    special = {}
+    ids = {kind: meta.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("bos", "eos", "eot", "padding", "unknown")}
+    texts = string_items(header, "tokenizer.ggml.tokens", {i for i in ids.values() if isinstance(i, int)})
+    for kind, token_id in ids.items():
+        if isinstance(token_id, int):
+            special[kind] = {"id": token_id, "text": texts.get(token_id)}
+    vocab = meta.get("tokenizer.ggml.tokens")
+    return {
+        "name": model.name,
+        "path": str(model.path),
+        "source": model.source,
+        "file_size": header.file_size,
+        "gguf_version": header.version,
+        "architecture": arch,
+        "model_name": header.name,
+        "parameters": header.n_params,
+        "quant": header.quant,
+        "context_length": header.context_length,
+        "embedding_length": meta.get(f"{arch}.embedding_length"),
+        "layers": meta.get(f"{arch}.block_count"),
+        "heads": meta.get(f"{arch}.attention.head_count"),
+        "kv_heads": meta.get(f"{arch}.attention.head_count_kv"),
+        "vocab_size": getattr(vocab, "length", len(vocab) if isinstance(vocab, list) else None),
+        "tokenizer": meta.get("tokenizer.ggml.model"),
+        "special_tokens": special,
+        "license": meta.get("general.license"),
+        "chat_template": header.chat_template,
+        "tensors": len(header.tensors),
+    }
+
+
+def removable(reference: str, aliases: dict[str, str] | None = None) -> list[hub.CachedModel]:
+    """The cached models `reference` names: OWNER/REPO (all of it), OWNER/REPO:QUANT or …/FILE.gguf."""
+    expanded = {**models.ALIASES, **(aliases or {})}.get(reference.lower(), reference)
+    if any(m.matches(reference) for m in models.packaged_models()):
+        raise UsageError(f"{reference} comes from an installed Python package; remove it with pip uninstall")
+    if not looks_like_hub(expanded):
+        raise UsageError(f"{reference} is not a cached model reference", hint="See `llmcli list` for names.")
+    wanted = parse(expanded)
+    matches = [
+        m for m in hub.cached_models()
+        if m.repo_id.lower() == wanted.repo_id.lower()
+        and (wanted.quant is None or m.quant == wanted.quant)
+        and (wanted.filename is None or any(str(f).endswith("/" + wanted.filename) for f in m.files))
+        and (wanted.revision is None or wanted.revision in (m.revision, *m.refs))
+    ]
+    if not matches:
+        raise ModelNotFoundError(f"{reference} is not in the cache", hint="See `llmcli list`.")
+    return matches

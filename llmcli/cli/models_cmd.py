@@ -1,0 +1,132 @@
+"""`llmcli pull | list | show | rm`: models from the Hub into the cache, and what is there."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from llmcli.cli import options as o
+
+ReferenceArg = Annotated[str, typer.Argument(help="OWNER/REPO[:QUANT][@REV], OWNER/REPO/FILE.gguf, an alias, an installed model or a path.", show_default=False)]
+
+
+def _aliases() -> dict[str, str]:
+    from llmcli.settings import load_config_file
+
+    return load_config_file().get("aliases", {})
+
+
+def _size(n_bytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n_bytes < 1024 or unit == "GiB":
+            return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
+        n_bytes /= 1024
+    return str(n_bytes)
+
+
+def _params(n: int | None) -> str:
+    if not n:
+        return ""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def pull(reference: ReferenceArg, offline: o.OfflineOpt = False, quiet: o.QuietOpt = False) -> None:
+    """Download a model into the cache (or check it is up to date), with progress on stderr."""
+    from llmcli import models, render
+
+    console = render.stderr_console()
+    with render.download_progress() as progress:
+        resolved = models.resolve(reference, offline=offline, refresh=True, on_progress=progress, aliases=_aliases())
+    if not quiet:
+        console.print(f"{resolved.name} ready: {resolved.path}")
+
+
+def list_models(as_json: o.JsonOpt = False) -> None:
+    """List installed and cached models: name, quant, size, parameters, architecture, context, source."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from llmcli import catalog
+
+    entries = catalog.entries()
+    if as_json:
+        print(json.dumps([e.to_dict() for e in entries]))
+        return
+    table = Table(box=None, pad_edge=False)
+    for column in ("NAME", "QUANT", "SIZE", "PARAMS", "ARCH", "CTX", "SOURCE"):
+        table.add_column(column, justify="right" if column in ("SIZE", "PARAMS", "CTX") else "left")
+    for e in entries:
+        d = e.to_dict()
+        table.add_row(e.name, d["quant"] or "?", _size(e.size), _params(d["params"]), d["architecture"] or f"({e.problem})",
+                      str(d["context_length"] or ""), e.source)
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=1000)  # piped: whole names, never cut or wrapped
+    console.print(table)
+
+
+def show(
+    reference: ReferenceArg,
+    as_json: o.JsonOpt = False,
+    template: Annotated[bool, typer.Option("--template", help="Print only the chat template.")] = False,
+) -> None:
+    """Show a model's metadata without loading its weights: arch, params, quant, context, special tokens, template, license."""
+    from llmcli import catalog
+
+    info = catalog.describe(catalog.local_model(reference, _aliases()))
+    if template:
+        print(info["chat_template"] or "")
+        return
+    if as_json:
+        print(json.dumps(info))
+        return
+    rows = [
+        ("name", info["name"]), ("path", info["path"]), ("source", info["source"]),
+        ("architecture", info["architecture"]), ("model name", info["model_name"]),
+        ("parameters", f"{_params(info['parameters'])} ({info['parameters']:,})"), ("quant", info["quant"]),
+        ("file size", _size(info["file_size"])), ("context length", info["context_length"]),
+        ("embedding length", info["embedding_length"]), ("layers", info["layers"]),
+        ("heads / kv heads", f"{info['heads']} / {info['kv_heads']}"), ("vocabulary", f"{info['vocab_size']} ({info['tokenizer']})"),
+        ("license", info["license"]),
+    ]
+    for kind, token in info["special_tokens"].items():
+        rows.append((f"{kind} token", f"{token['id']} {token['text']!r}"))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {'' if value is None else value}")
+    chat_template = info["chat_template"]
+    print(f"{'chat template':<{width}}  " + (f"{len(chat_template)} characters (--template prints it)" if chat_template else "none"))
+
+
+def rm(
+    reference: ReferenceArg,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+) -> None:
+    """Remove a cached model (OWNER/REPO removes every quant of it)."""
+    from llmcli import catalog, hub, render
+    from llmcli.errors import ExitCode, UsageError
+
+    doomed = catalog.removable(reference, _aliases())
+    console = render.stderr_console()
+    total = sum(m.size for m in doomed)
+    for model in doomed:
+        console.print(f"  {model.name} ({_size(model.size)})")
+    if not yes:
+        import sys
+
+        if not sys.stdin or not sys.stdin.isatty():
+            raise UsageError("refusing to remove without confirmation: stdin is not a terminal", hint="Pass -y/--yes.")
+        if not typer.confirm(f"Remove {len(doomed)} model file set(s), {_size(total)}?", default=False, err=True):
+            raise typer.Exit(ExitCode.ERROR)
+    freed = hub.delete(doomed)
+    console.print(f"removed {len(doomed)} model(s), freed {_size(freed)}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("pull")(pull)
+    app.command("list")(list_models)
+    app.command("show")(show)
+    app.command("rm")(rm)
+

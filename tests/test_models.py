@@ -1,0 +1,239 @@
+"""Hugging Face references, pulls into a verified cache, list/show/rm: against a loopback fake Hub."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from fake_hub import FakeHub, Fault
+
+REPO = "bartowski/SmolLM2-135M-Instruct-GGUF"
+Q4 = "SmolLM2-135M-Instruct-Q4_K_M.gguf"
+
+
+@pytest.fixture(scope="session")
+def shards(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    from gguf_tools import split_gguf
+
+    return split_gguf(smollm2, tmp_path_factory.mktemp("shards"), "SmolLM2-135M-Instruct-Q8_0", 3)
+
+
+@pytest.fixture
+def hub(smollm2: Path, shards: list[Path], monkeypatch: pytest.MonkeyPatch):
+    server = FakeHub()
+    server.add(REPO, {Q4: smollm2, "SmolLM2-135M-Instruct-Q2_K.gguf": smollm2, "SmolLM2-135M-Instruct-Q6_K.gguf": smollm2})
+    server.add("someone/no-preferred-GGUF", {"model-Q3_K_XL.gguf": smollm2, "model-IQ2_M.gguf": smollm2})
+    server.add("someone/split-GGUF", {p.name: p for p in shards})
+    server.add("meta/gated-GGUF", {"gated-Q4_K_M.gguf": smollm2}, gated=True)
+    server.start()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    yield server
+    server.stop()
+
+
+def cache_files(home: Path) -> list[str]:
+    root = home / "cache" / "hub"
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() or p.is_symlink()) if root.exists() else []
+
+
+def test_pull_then_run_then_no_more_downloads(hub, cli, isolated_env):
+    pulled = cli("pull", REPO)
+    assert pulled.code == 0, pulled.stderr
+    assert f"{REPO}:Q4_K_M ready" in pulled.stderr
+    assert len(hub.requests("GET", "/cdn/")) == 1
+    assert "MiB/s" not in pulled.stderr  # no progress bar when stderr is not a terminal
+
+    answer = cli("run", "-m", f"{REPO}:Q4_K_M", "--temp", "0", "-n", "8", "-q", "hi")
+    assert answer.code == 0, answer.stderr and answer.stdout.strip()
+
+    hub.log.clear()
+    again = cli("pull", REPO)
+    assert again.code == 0
+    assert hub.requests("GET", "/cdn/") == []  # already cached: metadata checked, file not fetched again
+
+    hub.log.clear()
+    offline = cli("run", "--offline", "-m", REPO, "--temp", "0", "-n", "8", "-q", "hi")
+    assert offline.code == 0, offline.stderr
+    assert offline.stdout == answer.stdout
+    assert hub.log == []  # no request at all
+    env_offline = cli("run", "-m", REPO, "-n", "4", "-q", "hi", env={"HF_HUB_OFFLINE": "1"})
+    assert env_offline.code == 0 and hub.log == []
+
+
+def test_run_auto_pulls_on_first_use(hub, cli):
+    result = cli("run", "-m", f"hf.co/{REPO}:q4_k_m", "--temp", "0", "-n", "6", "--json", "hi")
+    assert result.code == 0, result.stderr
+    assert json.loads(result.stdout)["model"] == f"{REPO}:Q4_K_M"
+    assert len(hub.requests("GET", "/cdn/")) == 1
+
+
+def test_quant_selection_and_choices(hub, cli):
+    assert cli("pull", f"{REPO}:Q6_K").stderr.startswith(f"{REPO}:Q6_K ready")
+    missing = cli("pull", f"{REPO}:Q5_K_M")
+    assert missing.code == 3
+    assert "has no Q5_K_M file; available: Q2_K, Q4_K_M, Q6_K" in missing.stderr
+    ambiguous = cli("pull", "someone/no-preferred-GGUF")
+    assert ambiguous.code == 3
+    assert "holds several models" in ambiguous.stderr and "IQ2_M, Q3_K_XL" in ambiguous.stderr
+    by_file = cli("pull", "someone/no-preferred-GGUF/model-IQ2_M.gguf")
+    assert by_file.code == 0, by_file.stderr
+
+
+def test_split_model_downloads_every_shard_and_loads(hub, cli, isolated_env):
+    result = cli("run", "-m", "someone/split-GGUF", "--temp", "0", "-n", "6", "--json", "hi")
+    assert result.code == 0, result.stderr
+    assert json.loads(result.stdout)["model"] == "someone/split-GGUF:Q8_0"
+    assert len(hub.requests("GET", "/cdn/")) == 3
+    assert sum("-of-00003.gguf" in f for f in cache_files(isolated_env)) == 3
+
+
+def test_dropped_connection_is_resumed(hub, cli, isolated_env):
+    hub.faults[Q4] = Fault(drop_after=20_000_000, times=1)
+    result = cli("pull", REPO)
+    assert result.code == 0, result.stderr
+    gets = hub.requests("GET", "/cdn/")
+    assert len(gets) == 2 and gets[1][2] is not None and gets[1][2].startswith("bytes=")
+    assert int(gets[1][2][len("bytes="):].rstrip("-")) > 0
+    assert cli("run", "-m", REPO, "-n", "4", "-q", "hi").code == 0
+
+
+def test_download_that_keeps_failing_fails_cleanly_and_restarts_later(hub, cli, isolated_env):
+    hub.faults[Q4] = Fault(drop_after=1_000_000, times=100)  # more drops than the client retries
+    failed = cli("pull", REPO)
+    assert failed.code == 4, failed.stderr
+    assert failed.stderr.startswith("Error: download of") and "Traceback" not in failed.stderr
+    assert len(failed.stderr.splitlines()) == 2  # the error and its hint, no retry chatter
+    files = cache_files(isolated_env)
+    assert not any(f.endswith((".gguf", ".incomplete")) or "/blobs/" in f for f in files)  # nothing partial
+    listed = json.loads(cli("list", "--json").stdout)
+    assert all(not e["source"].startswith("hf:") for e in listed)
+    assert cli("run", "--offline", "-m", REPO, "hi").code == 3
+    hub.faults.clear()
+    resumed = cli("pull", REPO)
+    assert resumed.code == 0, resumed.stderr
+    assert cli("run", "--offline", "-m", REPO, "-n", "3", "-q", "hi").code == 0
+
+
+def test_wrong_checksum_is_rejected_and_nothing_is_cached(hub, cli, isolated_env):
+    hub.faults[Q4] = Fault(corrupt=True)
+    result = cli("pull", REPO)
+    assert result.code == 5
+    assert "failed its checksum" in result.stderr and result.stderr.startswith("Error: ")
+    assert not any(f.endswith(".gguf") or "/blobs/" in f for f in cache_files(isolated_env) if not f.endswith(".incomplete"))
+    assert cli("run", "--offline", "-m", REPO, "hi").code == 3
+
+
+@pytest.mark.parametrize(
+    "reference, code, fragment, hint",
+    [
+        ("nobody/missing-GGUF", 3, "repository nobody/missing-GGUF not found", "Check the name"),
+        (f"{REPO}/nope.gguf", 3, "nope.gguf is not in", Q4),
+        ("meta/gated-GGUF", 1, "is gated", "HF_TOKEN"),
+        (f"{REPO}@v9", 3, "revision 'v9' not found", None),
+        ("owner/../etc", 2, "invalid repository name", None),
+        ("owner/repo/../../x.gguf", 2, "unsafe file name", None),
+    ],
+)
+def test_hub_errors_are_one_line_with_a_hint(hub, cli, reference, code, fragment, hint):
+    result = cli("pull", reference)
+    assert result.code == code, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("Error: ") and fragment in lines[0]
+    if hint:
+        assert lines[1].startswith("Hint: ") and hint in lines[1]
+    assert "Traceback" not in result.stderr
+
+
+def test_network_down_is_a_network_error(cli, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    result = cli("pull", REPO)
+    assert result.code == 4
+    assert result.stderr.startswith("Error: download of") and "--offline" in result.stderr
+
+
+def test_offline_miss_says_how_to_fix_it(cli, hub):
+    result = cli("pull", "--offline", REPO)
+    assert result.code == 3
+    assert "offline" in result.stderr and f"llmcli pull {REPO}" in result.stderr
+    assert hub.log == []
+
+
+def test_concurrent_pulls_share_one_verified_file(hub, isolated_env):
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "llmcli", "pull", REPO], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(3)
+    ]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1] for r in results]
+    blobs = [f for f in cache_files(isolated_env) if "/blobs/" in f]
+    assert len(blobs) == 1 and not blobs[0].endswith(".incomplete")
+
+
+def test_list_show_rm_on_a_cache_with_several_models(hub, cli, isolated_env, monkeypatch):
+    for reference in (REPO, f"{REPO}:Q6_K", "someone/split-GGUF"):
+        assert cli("pull", reference).code == 0
+    listed = json.loads(cli("list", "--json").stdout)
+    names = [e["name"] for e in listed]
+    assert names[0] == "smollm2"  # installed packages first
+    assert {f"{REPO}:Q4_K_M", f"{REPO}:Q6_K", "someone/split-GGUF:Q8_0"} <= set(names)
+    q4 = next(e for e in listed if e["name"] == f"{REPO}:Q4_K_M")
+    assert q4["quant"] == "Q4_1" and q4["architecture"] == "llama" and q4["context_length"] == 8192  # the real file inside
+    assert q4["size"] == 98362432 and q4["source"].startswith(f"hf:{REPO}@")
+    table = cli("list").stdout
+    assert "NAME" in table.splitlines()[0] and f"{REPO}:Q6_K" in table and "93.8 MiB" in table
+
+    shown = json.loads(cli("show", "--json", f"{REPO}:Q6_K").stdout)
+    assert shown["architecture"] == "llama" and shown["parameters"] == 134515008
+    assert shown["special_tokens"]["eos"] == {"id": 2, "text": "<|im_end|>"}
+    assert shown["chat_template"].startswith("{% for message in messages %}")
+    human = cli("show", "smollm2").stdout
+    assert "context length    8192" in human and "license           apache-2.0" in human
+    assert cli("show", "--template", "smollm2").stdout.startswith("{% for message")
+
+    refused = cli("rm", f"{REPO}:Q6_K")  # no terminal, no -y: refuse rather than hang
+    assert refused.code == 2 and "-y" in refused.stderr
+    removed = cli("rm", "-y", f"{REPO}:Q6_K")
+    assert removed.code == 0, removed.stderr
+    names = [e["name"] for e in json.loads(cli("list", "--json").stdout)]
+    assert f"{REPO}:Q6_K" not in names and f"{REPO}:Q4_K_M" in names  # the shared blob survives for Q4_K_M
+    assert cli("run", "--offline", "-m", REPO, "-n", "3", "-q", "hi").code == 0
+    assert cli("rm", "-y", REPO).code == 0 and cli("rm", "-y", "someone/split-GGUF").code == 0
+    assert [e["name"] for e in json.loads(cli("list", "--json").stdout) if e["source"].startswith("hf:")] == []
+    assert not (isolated_env / "cache" / "hub" / "models--bartowski--SmolLM2-135M-Instruct-GGUF").exists()
+    assert cli("rm", "-y", "smollm2").code == 2
+    assert cli("rm", "-y", REPO).code == 3
+
+
+def test_show_reads_metadata_without_loading_llama_cpp(smollm2):
+    code = (
+        "import sys\n"
+        f"sys.argv = ['llmcli', 'show', {str(smollm2)!r}]\n"
+        "from llmcli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "sys.stderr.write('LOADED=%s' % ('llama_cpp' in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "architecture      llama" in proc.stdout
+    assert proc.stderr.endswith("LOADED=False")
+
+
+def test_aliases_from_config_and_built_in(hub, cli, tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text(f'[aliases]\ntiny = "{REPO}:Q2_K"\n')
+    result = cli("pull", "tiny", env={"LLMCLI_CONFIG": str(config)})
+    assert result.code == 0, result.stderr
+    assert result.stderr.startswith(f"{REPO}:Q2_K ready")
+    builtin = cli("pull", "smollm2-135m")  # bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M
+    assert builtin.code == 0 and builtin.stderr.startswith(f"{REPO}:Q4_K_M ready")
+
+
+def test_cache_dir_option(hub, cli, tmp_path):
+    target = tmp_path / "elsewhere"
+    assert cli("--cache-dir", str(target), "pull", REPO).code == 0
+    assert (target / "hub" / "models--bartowski--SmolLM2-135M-Instruct-GGUF").is_dir()
