@@ -9,7 +9,7 @@ from typing import Any
 from llmcli import hub, models
 from llmcli.errors import IntegrityError, ModelNotFoundError, UsageError
 from llmcli.gguf_header import GGUFHeader, read_header, string_items
-from llmcli.references import looks_like_hub, parse
+from llmcli.references import choices, looks_like_hub, parse
 
 
 @dataclass(frozen=True)
@@ -125,3 +125,17 @@ def removable(reference: str, aliases: dict[str, str] | None = None) -> list[hub
     if not matches:
         raise ModelNotFoundError(f"{reference} is not in the cache", hint="See `llmcli list`.")
     return matches
+
+
+def known_names(aliases: dict[str, str] | None = None) -> list[str]:
+    """Every model name a user can type without a path, for shell completion: installed models,
+    aliases, and what the cache holds (read from its folders, without huggingface_hub)."""
+    names = [m.short_name for m in models.packaged_models()]
+    names += sorted({**models.ALIASES, **(aliases or {})})
+    root = hub.hub_cache()
+    for repo_dir in sorted(root.glob("models--*")) if root.exists() else []:
+        repo_id = repo_dir.name[len("models--"):].replace("--", "/", 1)
+        files = {str(p.relative_to(s)) for s in (repo_dir / "snapshots").glob("*") for p in s.rglob("*.gguf")}
+        names.append(repo_id)
+        names += [f"{repo_id}:{c.quant}" for c in choices(sorted(files)) if c.quant]
+    return list(dict.fromkeys(names))

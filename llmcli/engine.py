@@ -118,6 +118,11 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def n_cached(self) -> int:
+        """Tokens whose keys and values are in the KV cache now."""
+        return len(self._cached)
+
     def reset(self) -> None:
         """Empty the KV cache."""
         llama_cpp.llama_memory_clear(self._memory, True)

@@ -167,7 +167,7 @@ def resolve(
                 break
         else:
             values[setting.name], sources[setting.name] = setting.default, "default"
-        _check(setting, values[setting.name], sources[setting.name])
+        check_value(setting, values[setting.name], sources[setting.name])
     return Settings(values, sources, profile)
 
 
@@ -230,7 +230,7 @@ def _coerce(setting: Setting, value: Any, where: str) -> Any:
     return float(value) if kind is float else value
 
 
-def _check(setting: Setting, value: Any, source: str) -> None:
+def check_value(setting: Setting, value: Any, source: str) -> None:
     """Values from any layer obey the same rules as the flag; the message names flag and source."""
     if value is None:
         return
@@ -244,5 +244,5 @@ def _check(setting: Setting, value: Any, source: str) -> None:
     elif setting.minimum is not None and value < setting.minimum:
         problem = f"must be >= {setting.minimum:g}"
     if problem:
-        origin = "" if source.startswith("flag") else f", from {source}"
+        origin = "" if source.startswith(("flag", "/set")) else f", from {source}"
         raise UsageError(f"{setting.flag} {problem} (got {value}{origin})")

@@ -32,6 +32,7 @@ RENDER_SECONDS = 2.0
 class Message:
     role: str
     content: str
+    interrupted: bool = False  # a reply cut short by Ctrl-C (kept in the history, marked in records)
 
 
 @dataclass(frozen=True)

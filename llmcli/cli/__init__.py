@@ -41,9 +41,11 @@ def _root(
 
 def _register() -> None:
     from llmcli.cli import bench, config_cmd, models_cmd
+    from llmcli.cli.chat import chat
     from llmcli.cli.run import run
 
     app.command("run")(run)
+    app.command("chat")(chat)
     models_cmd.register(app)
     app.add_typer(bench.app, name="bench")
     app.add_typer(config_cmd.app, name="config")
@@ -55,7 +57,7 @@ _register()
 def main() -> None:
     """Entry point: run the app; turn every known failure into one `Error:` line and an exit code."""
     try:
-        app()
+        app(prog_name="llmcli")
     except StdoutClosed:
         _silence_stdout()
         sys.exit(ExitCode.STDOUT_CLOSED)

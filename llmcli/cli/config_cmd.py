@@ -38,12 +38,8 @@ def show(**given: Any) -> None:
 
 
 # `config show` takes exactly the setting flags of `run`: declared once, there.
-_run_params = inspect.signature(run, eval_str=True).parameters
-_params = [p for name, p in _run_params.items() if name in setting_flags({n: 1 for n in _run_params}) or name == "profile"]
-_params.append(inspect.Parameter("as_json", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=o.JsonOpt))
-_params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in _params]
-show.__signature__ = inspect.Signature(_params)  # type: ignore[attr-defined]
-show.__annotations__ = {p.name: p.annotation for p in _params}
+o.borrow_options(show, run, [*setting_flags({name: 1 for name in inspect.signature(run).parameters}), "profile"],
+                 [o.option("as_json", o.JsonOpt, False)])
 app.command("show")(show)
 
 

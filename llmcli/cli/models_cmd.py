@@ -9,7 +9,10 @@ import typer
 
 from llmcli.cli import options as o
 
-ReferenceArg = Annotated[str, typer.Argument(help="OWNER/REPO[:QUANT][@REV], OWNER/REPO/FILE.gguf, an alias, an installed model or a path.", show_default=False)]
+ReferenceArg = Annotated[str, typer.Argument(
+    help="OWNER/REPO[:QUANT][@REV], OWNER/REPO/FILE.gguf, an alias, an installed model or a path.",
+    show_default=False, autocompletion=o.complete_model,
+)]
 
 
 def _aliases() -> dict[str, str]:

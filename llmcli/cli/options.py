@@ -7,6 +7,8 @@ can tell a flag from a default; their built-in defaults are in the help text.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -16,12 +18,26 @@ SAMPLING = "Sampling"
 ENGINE = "Engine"
 OUTPUT = "Output"
 
+def complete_model(incomplete: str) -> list[str]:
+    """Shell completion for model names: installed models, aliases, the cache."""
+    from llmcli import catalog
+    from llmcli.settings import load_config_file
+
+    try:
+        aliases = load_config_file().get("aliases", {})
+    except Exception:  # a broken config file must not break the shell's completion
+        aliases = {}
+    return [name for name in catalog.known_names(aliases) if name.lower().startswith(incomplete.lower())]
+
+
 ModelOpt = Annotated[
     Optional[str],
     typer.Option(
         "--model", "-m",
-        help="A .gguf path or an installed model name. Default: $LLMCLI_MODEL, the config file, else the first GGUF shipped by an installed package.",
+        help="A .gguf path, OWNER/REPO[:QUANT] from Hugging Face, an alias or an installed model. "
+        "Default: $LLMCLI_MODEL, the config file, else the first GGUF shipped by an installed package.",
         show_default=False,
+        autocompletion=complete_model,
     ),
 ]
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", "-p", help="Use a [profiles.NAME] table of the config file ($LLMCLI_PROFILE).", show_default=False)]
@@ -69,3 +85,22 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cp
 
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Do not print the stats line on stderr.", rich_help_panel=OUTPUT)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (text, finish reason, token counts, timings) on stdout.", rich_help_panel=OUTPUT)]
+
+
+def borrow_options(target: Callable[..., Any], source: Callable[..., Any], names: Iterable[str],
+                   extra: Iterable[inspect.Parameter] = ()) -> Callable[..., Any]:
+    """Give `target(**given)` the options `names` of `source`, plus `extra`: declared once, in `source`.
+
+    Typer reads a command's options from its signature, so `chat` and `config show` take
+    exactly the settings flags of `run` without repeating two dozen declarations.
+    """
+    wanted = set(names)
+    params = [p for name, p in inspect.signature(source, eval_str=True).parameters.items() if name in wanted]
+    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in [*params, *extra]]
+    target.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    target.__annotations__ = {p.name: p.annotation for p in params}
+    return target
+
+
+def option(name: str, annotation: Any, default: Any = None) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)

@@ -1,0 +1,1 @@
+complete --command llmcli --no-files --arguments "(env _LLMCLI_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) llmcli)" --condition "env _LLMCLI_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) llmcli"

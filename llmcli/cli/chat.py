@@ -1,0 +1,280 @@
+"""`llmcli chat`: an interactive conversation (a REPL on a terminal, one message per line otherwise)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from llmcli.cli import options as o
+from llmcli.cli.run import run, setting_flags
+
+HELP = """Commands:
+  /help                 this list
+  /system TEXT          set the system prompt (empty: remove it)
+  /set PARAM VALUE      change a setting: temp, top_k, top_p, min_p, typical_p, repeat_penalty,
+                        repeat_last_n, presence_penalty, frequency_penalty, mirostat, mirostat_tau,
+                        mirostat_eta, seed, max_tokens, stop
+  /show                 model, settings, context used/total
+  /clear                forget the conversation (the system prompt stays)
+  /undo                 drop the last exchange
+  /retry                sample the last reply again
+  /save FILE            save the conversation as JSON;  /load FILE  load one
+  /history              the conversation so far
+  /stats                timings of the last reply and of the whole conversation
+  /exit                 leave (or Ctrl-D)
+A line with only \"\"\" starts and ends a multi-line message; a line ending in \\ continues."""
+
+
+def chat(**given: Any) -> None:
+    """Talk with a model: the KV cache is reused, so only each new turn is prefilled."""
+    from llmcli import render
+    from llmcli.conversation import Conversation, find_conversation, read_records
+    from llmcli.pipeline import Request, open_pipeline
+
+    console = render.stderr_console()
+    request = Request(
+        setting_flags(given), given["profile"], given["raw"], given["chat_template_file"], tuple(given["logit_bias"] or ()),
+        given["grammar"], given["grammar_file"], given["json_schema"], given["output_format"], given["verbose"], given["offline"],
+    )
+    resume_path = find_conversation(given["resume"]) if given["resume"] else None
+    with render.download_progress() as progress:
+        pipeline = open_pipeline(request, progress)
+    with pipeline:
+        conversation = Conversation(
+            pipeline.session, pipeline.generation, pipeline.model.name, pipeline.model.path,
+            save=not given["no_save"], conversation_id=resume_path.stem if resume_path else None,
+        )
+        if resume_path is not None:
+            conversation.replay(read_records(resume_path))
+            console.print(f"resumed {conversation.id}: {len(conversation.history) // 2} exchange(s)")
+        for notice in pipeline.session.notices:
+            render.print_notice(console, notice)
+        repl = Repl(conversation, pipeline.cancel, console, given["quiet"], given["as_json"])
+        interactive = sys.stdin is not None and sys.stdin.isatty()
+        repl.interactive() if interactive else repl.lines()
+
+
+class Repl:
+    def __init__(self, conversation: Any, cancel: Any, console: Any, quiet: bool, as_json: bool):
+        self.conversation = conversation
+        self.cancel = cancel
+        self.console = console
+        self.quiet = quiet
+        self.as_json = as_json
+
+    # -- input -----------------------------------------------------------------------------
+
+    def interactive(self) -> None:
+        from llmcli import config
+
+        history = config.data_dir() / "chat_history"
+        readline = _readline(history)
+        self.console.print(f"llmcli chat · {self.conversation.model_name} · /help for commands · Ctrl-D to leave")
+        try:
+            while True:
+                try:
+                    text = self._read_message()
+                except KeyboardInterrupt:
+                    self.console.print("\n(Ctrl-D or /exit to leave)")
+                    continue
+                except EOFError:
+                    self.console.print()
+                    return
+                try:
+                    if text is not None and not self.handle(text):
+                        return
+                except KeyboardInterrupt:  # Ctrl-C outside a reply (a command, or before it began)
+                    self.console.print("\n(interrupted)")
+        finally:
+            if readline is not None:
+                history.parent.mkdir(parents=True, exist_ok=True)
+                readline.write_history_file(str(history))
+
+    def _read_message(self) -> str | None:
+        line = input(">>> ")
+        if line.strip() == '"""':
+            lines = []
+            while (more := input("... ")).strip() != '"""':
+                lines.append(more)
+            return "\n".join(lines)
+        parts = [line]
+        while parts[-1].endswith("\\"):
+            parts[-1] = parts[-1][:-1]
+            parts.append(input("... "))
+        text = "\n".join(parts)
+        return text if text.strip() else None
+
+    def lines(self) -> None:
+        """stdin is not a terminal: one message (or /command) per line, until EOF."""
+        for raw_line in sys.stdin:
+            text = raw_line.rstrip("\r\n")
+            if text.strip() and not self.handle(text):
+                return
+
+    # -- commands and turns ----------------------------------------------------------------
+
+    def handle(self, text: str) -> bool:
+        """Act on one message or /command; False to leave."""
+        from llmcli.errors import LlmcliError
+
+        if not text.startswith("/"):
+            self.reply(self.conversation.ask(text))
+            return True
+        command, _, argument = text[1:].partition(" ")
+        command = command.lower()
+        if command in ("exit", "quit", "bye"):
+            return False
+        action = COMMANDS.get(command)
+        if action is None:
+            self.console.print(f"Unknown command /{command}. Type /help for the list.")
+            return True
+        try:
+            action(self, argument.strip())
+        except LlmcliError as exc:  # a bad /set value or file keeps the session going
+            from llmcli.render import print_error
+
+            print_error(self.console, exc.message, exc.hint)
+        return True
+
+    def reply(self, events: Any) -> None:
+        from llmcli.engine import Done
+        from llmcli.render import AnswerSink, print_notice, print_stats
+        from llmcli.session import Notice
+
+        sink = AnswerSink(as_json=self.as_json, extra={"model": self.conversation.model_name})
+        with self.cancel.on_signals():
+            for event in events:
+                if isinstance(event, Notice):
+                    print_notice(self.console, event.text)
+                    sink.notices.append(event.text)
+                    continue
+                sink.handle(event)
+                if isinstance(event, Done):
+                    if event.finish_reason == "interrupted":
+                        self.console.print("[interrupted: the partial reply stays in the conversation]")
+                    if not self.quiet:
+                        print_stats(self.console, event)
+        self.cancel.signum = None  # Ctrl-C ended this reply, not the session
+
+
+def _help(repl: Repl, argument: str) -> None:
+    repl.console.print(HELP)
+
+
+def _system(repl: Repl, argument: str) -> None:
+    repl.conversation.set_system(argument)
+    repl.console.print("system prompt " + ("set" if argument else "removed"))
+
+
+def _set(repl: Repl, argument: str) -> None:
+    from llmcli.errors import UsageError
+
+    name, _, value = argument.partition(" ")
+    if not name or not value:
+        raise UsageError("usage: /set PARAM VALUE (e.g. /set temp 0)")
+    repl.console.print(repl.conversation.set(name, value))
+
+
+def _show(repl: Repl, argument: str) -> None:
+    conversation = repl.conversation
+    engine = conversation.session.engine
+    repl.console.print(f"model    {conversation.model_name} ({conversation.model_path})")
+    repl.console.print(f"context  {engine.n_cached} / {engine.n_ctx} tokens used, {len(conversation.history) // 2} exchange(s)")
+    repl.console.print(f"system   {conversation.system or '(none)'}")
+    settings = ", ".join(f"{k}={v}" for k, v in conversation.settings_record().items() if k != "grammar_origin")
+    repl.console.print(f"settings {settings}")
+    if conversation.path is not None:
+        repl.console.print(f"saved as {conversation.path}")
+
+
+def _clear(repl: Repl, argument: str) -> None:
+    repl.conversation.clear()
+    repl.console.print("conversation cleared")
+
+
+def _undo(repl: Repl, argument: str) -> None:
+    repl.console.print("last exchange removed" if repl.conversation.undo() else "nothing to undo")
+
+
+def _retry(repl: Repl, argument: str) -> None:
+    repl.reply(repl.conversation.retry())
+
+
+def _save(repl: Repl, argument: str) -> None:
+    from llmcli.errors import UsageError
+
+    if not argument:
+        raise UsageError("usage: /save FILE")
+    repl.conversation.save(Path(argument).expanduser())
+    repl.console.print(f"saved {len(repl.conversation.history)} messages to {argument}")
+
+
+def _load(repl: Repl, argument: str) -> None:
+    from llmcli.errors import UsageError
+
+    if not argument:
+        raise UsageError("usage: /load FILE")
+    count = repl.conversation.load(Path(argument).expanduser())
+    repl.console.print(f"loaded {count} messages from {argument}")
+
+
+def _history(repl: Repl, argument: str) -> None:
+    conversation = repl.conversation
+    if conversation.system:
+        repl.console.print(f"[system] {conversation.system}")
+    for message in conversation.history:
+        mark = " (interrupted)" if message.interrupted else ""
+        repl.console.print(f"[{message.role}{mark}] {message.content}")
+    if not conversation.history:
+        repl.console.print("(no messages yet)")
+
+
+def _stats(repl: Repl, argument: str) -> None:
+    from llmcli.stats import summary_line
+
+    turns = repl.conversation.turn_stats
+    if not turns:
+        repl.console.print("no replies yet")
+        return
+    last = turns[-1]
+    repl.console.print("last:  " + summary_line(last.stats, last.finish_reason, last.stop_sequence))
+    tokens = sum(t.stats.completion_tokens for t in turns)
+    ttft = sum(t.stats.ttft_s for t in turns) / len(turns)
+    rates = [t.stats.decode_tps for t in turns if t.stats.decode_steps]
+    rate = f"{sum(rates) / len(rates):.1f} tok/s" if rates else "n/a"
+    repl.console.print(f"total: {len(turns)} replies · {tokens} tokens · mean TTFT {ttft:.2f} s · mean decode {rate}")
+
+
+COMMANDS = {
+    "help": _help, "?": _help, "system": _system, "set": _set, "show": _show, "clear": _clear,
+    "undo": _undo, "retry": _retry, "save": _save, "load": _load, "stats": _stats, "history": _history,
+}
+
+
+def _readline(history: Path) -> Any:
+    """Line editing and persistent history, where the readline module exists."""
+    try:
+        import readline
+    except ImportError:
+        return None
+    try:
+        readline.read_history_file(str(history))
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+    return readline
+
+
+_RUN_OPTIONS = [
+    "model", "offline", "profile", "system", "raw", "chat_template_file", "temp", "top_k", "top_p", "min_p", "typical_p",
+    "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "mirostat", "mirostat_tau",
+    "mirostat_eta", "seed", "logit_bias", "max_tokens", "stop", "grammar", "grammar_file", "json_schema",
+    "output_format", "on_overflow", "ctx_size", "threads", "batch_size", "mlock", "mmap", "verbose", "quiet", "as_json",
+]
+o.borrow_options(chat, run, _RUN_OPTIONS, [
+    o.option("resume", Annotated[Optional[str], typer.Option("--resume", help="Continue a saved conversation: its id, or `last`.", show_default=False)]),
+    o.option("no_save", Annotated[bool, typer.Option("--no-save", help="Do not save this conversation under the data dir.")], False),
+])

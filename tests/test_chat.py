@@ -1,0 +1,205 @@
+"""`llmcli chat` on the real SmolLM2: a REPL in a real pseudo-terminal, line mode, KV-cache reuse, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pexpect
+import pytest
+
+from conftest import run_cli
+
+PROMPT = ">>> "
+
+
+def spawn(*args: str, tmp_path=None) -> pexpect.spawn:
+    child = pexpect.spawn(
+        sys.executable, ["-m", "llmcli", "chat", *args], env={**os.environ, "TERM": "dumb"},
+        encoding="utf-8", timeout=120, dimensions=(40, 200),
+    )
+    child.expect("/help for commands")
+    child.expect_exact(PROMPT)
+    return child
+
+
+def say(child: pexpect.spawn, text: str) -> str:
+    """Send a message; return everything printed until the next prompt (answer and stats line)."""
+    child.sendline(text)
+    child.expect_exact(PROMPT)
+    assert "stop: " in child.before
+    return child.before
+
+
+def test_repl_turns_commands_interrupt_and_exit(tmp_path):
+    child = spawn("--temp", "0", "-n", "24")
+    say(child, "Hello, my name is Alice.")
+    second = say(child, "What is my name?")
+    assert "cached)" in second  # the first exchange came from the KV cache
+
+    child.sendline("/set temp 0.7")
+    child.expect_exact("--temp = 0.7")
+    child.expect_exact(PROMPT)
+    child.sendline("/set temp -1")
+    child.expect_exact("--temp must be >= 0")
+    child.expect_exact(PROMPT)
+
+    child.sendline("/undo")
+    child.expect_exact("last exchange removed")
+    child.expect_exact(PROMPT)
+    child.sendline("/set temp 0")
+    child.expect_exact(PROMPT)
+    retried = say(child, "/retry")
+    assert "TTFT" in retried
+
+    saved = tmp_path / "conversation.json"
+    child.sendline(f"/save {saved}")
+    child.expect_exact("saved 2 messages")
+    child.expect_exact(PROMPT)
+    assert json.loads(saved.read_text())["messages"][0]["content"] == "Hello, my name is Alice."
+    child.sendline("/clear")
+    child.expect_exact("conversation cleared")
+    child.expect_exact(PROMPT)
+    child.sendline(f"/load {saved}")
+    child.expect_exact("loaded 2 messages")
+    child.expect_exact(PROMPT)
+    child.sendline("/history")
+    child.expect_exact("[user] Hello, my name is Alice.")
+    child.expect_exact(PROMPT)
+
+    child.sendline("/frobnicate")
+    child.expect_exact("Unknown command /frobnicate. Type /help for the list.")
+    child.expect_exact(PROMPT)
+
+    # Ctrl-C during a reply stops it and keeps the session
+    child.sendline("/set max_tokens 3000")
+    child.expect_exact(PROMPT)
+    child.sendline("Write a very long story about a dragon and a knight.")
+    child.expect_exact("knight.\r\n")  # the terminal's echo of the line
+    child.expect(r"\w+ \w+ \w+")  # the answer is streaming
+    child.sendintr()
+    child.expect_exact("[interrupted")
+    child.expect("stop: interrupted")
+    child.expect_exact(PROMPT)
+    child.sendline("/history")
+    child.expect_exact("[assistant (interrupted)]")
+    child.expect_exact(PROMPT)
+    child.sendline("/set max_tokens 8")
+    child.expect_exact(PROMPT)
+    after = say(child, "Say hi.")  # the next turn works
+    assert "stop: max tokens" in after or "stop: eos" in after
+
+    # Ctrl-C at the prompt hints how to leave; Ctrl-D leaves with 0
+    child.sendintr()
+    child.expect_exact("(Ctrl-D or /exit to leave)")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_multi_line_message_and_exit_command():
+    child = spawn("--temp", "0", "-n", "8")
+    child.sendline('"""')
+    child.sendline("first line")
+    child.sendline("second line")
+    child.sendline('"""')
+    child.expect("stop: ")
+    child.expect_exact(PROMPT)
+    child.sendline("/history")
+    child.expect_exact("[user] first line\r\nsecond line")
+    child.expect_exact(PROMPT)
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def chat_lines(*args: str, messages: list[str]) -> list[dict]:
+    result = run_cli("chat", "--json", "-q", *args, input="\n".join(messages) + "\n")
+    assert result.code == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_only_the_new_turn_is_prefilled_over_eight_turns():
+    messages = [f"Tell me one fact about the number {n}." for n in range(1, 9)]
+    records = chat_lines("--temp", "0", "-n", "16", messages=messages)
+    assert len(records) == 8
+    for previous, current in zip(records, records[1:]):
+        usage, timings = current["usage"], current["timings"]
+        # everything the previous turn evaluated (its prompt and its answer) is reused...
+        assert usage["cached_tokens"] >= previous["usage"]["prompt_tokens"] + previous["usage"]["completion_tokens"] - 1
+        # ...so only the new message and the template's glue are evaluated
+        assert timings["prefill_tokens"] == usage["prompt_tokens"] - usage["cached_tokens"]
+        assert timings["prefill_tokens"] < 40
+    assert records[-1]["usage"]["prompt_tokens"] > 8 * 16  # while the history itself kept growing
+
+
+def test_long_conversation_in_a_small_context_drops_old_turns():
+    messages = [f"Write two sentences about the city number {n}." for n in range(12)]
+    result = run_cli("chat", "-c", "512", "--temp", "0", "-n", "48", "-q", "--json", input="\n".join(messages) + "\n")
+    assert result.code == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(records) == 12
+    assert "dropped the" in result.stderr
+    assert any(r["notices"] for r in records)
+    assert all(r["usage"]["prompt_tokens"] + 48 <= 512 for r in records)
+
+
+def test_resume_last_restores_the_history(isolated_env):
+    first = run_cli("chat", "--temp", "0", "-n", "8", "-q", input="My secret word is PINEAPPLE.\n")
+    assert first.code == 0, first.stderr
+    files = list((isolated_env / "data" / "conversations").glob("*.jsonl"))
+    assert len(files) == 1
+    records = [json.loads(line) for line in files[0].read_text().splitlines()]
+    header, exchange = records[0], records[1]
+    assert header["type"] == "session" and len(header["model_sha256"]) == 64 and len(header["template_sha256"]) == 64
+    assert exchange["user"] == "My secret word is PINEAPPLE." and exchange["sampling"]["temperature"] == 0.0
+
+    resumed = run_cli("chat", "--resume", "last", "--temp", "0", "-n", "8", "-q", input="/history\nWhat is my secret word?\n")
+    assert resumed.code == 0, resumed.stderr
+    assert "resumed" in resumed.stderr and "[user] My secret word is PINEAPPLE." in resumed.stderr
+    assert len(list((isolated_env / "data" / "conversations").glob("*.jsonl"))) == 1  # same conversation, appended
+    rendered = run_cli("chat", "--resume", "last", "--no-save", "-q", input="/history\n").stderr
+    assert rendered.count("[user]") == 2
+
+    unknown = run_cli("chat", "--resume", "nope", input="hi\n")
+    assert unknown.code == 2 and "no single conversation matches" in unknown.stderr
+
+
+def test_no_save_leaves_no_record(isolated_env):
+    assert run_cli("chat", "--no-save", "-n", "4", "-q", input="hi\n").code == 0
+    assert not (isolated_env / "data" / "conversations").exists()
+
+
+def test_bad_command_values_keep_the_session_in_line_mode():
+    result = run_cli("chat", "-n", "4", "-q", "--temp", "0", input="/set top_p 7\n/set nonsense 1\n/load /nonexistent\nhi\n")
+    assert result.code == 0
+    assert "--top-p must be in (0, 1]" in result.stderr
+    assert "unknown setting 'nonsense'" in result.stderr
+    assert "cannot load /nonexistent" in result.stderr
+    assert result.stdout.strip()
+
+
+@pytest.mark.parametrize("shell, name", [("bash", "llmcli.bash"), ("zsh", "_llmcli"), ("fish", "llmcli.fish")])
+def test_completion_scripts_match_the_app(shell, name, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.setenv("_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION", "1")
+    result = run_cli("--show-completion", shell)
+    committed = (Path(__file__).parent.parent / "completions" / name).read_text()
+    assert result.stdout == committed, f"completions/{name} is out of date: regenerate it (completions/README.md)"
+
+
+def test_completion_offers_model_names_and_commands(tmp_path):
+    env = {"_LLMCLI_COMPLETE": "complete_bash", "COMP_WORDS": "llmcli run -m smol", "COMP_CWORD": "3"}
+    names = run_cli(env=env).stdout.split()
+    assert "smollm2" in names and "smollm2-360m" in names
+    config = tmp_path / "config.toml"
+    config.write_text('[aliases]\nsmolly = "owner/repo:Q4_K_M"\n')
+    names = run_cli(env={**env, "LLMCLI_CONFIG": str(config)}).stdout.split()
+    assert "smolly" in names
+    commands = run_cli(env={**env, "COMP_WORDS": "llmcli ch", "COMP_CWORD": "1"}).stdout.split()
+    assert commands == ["chat"]
