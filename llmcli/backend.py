@@ -15,30 +15,42 @@ import llama_cpp
 
 
 class LlamaLog:
-    """Receives llama.cpp's log lines: forwards them to stderr when verbose, keeps the last error."""
+    """Receives llama.cpp's log lines: forwards them to stderr when verbose, keeps the recent errors."""
 
     LEVEL_ERROR = 4
+    KEPT = 4
 
     def __init__(self) -> None:
         self.verbose = False
-        self.last_error = ""
+        self.errors: list[str] = []
         self._line = ""
         self._callback = llama_cpp.llama_log_callback(self._on_log)  # referenced while installed
         llama_cpp.llama_log_set(self._callback, ctypes.c_void_p(0))
 
     def _on_log(self, level: int, text: bytes | None, user_data: object) -> None:
-        message = (text or b"").decode("utf-8", "replace")
-        if self.verbose:
-            sys.stderr.write(message)
-        if level == self.LEVEL_ERROR:
-            self._line += message
-            if self._line.endswith("\n"):
-                self.last_error = self._line.strip()
-                self._line = ""
+        try:
+            message = (text or b"").decode("utf-8", "replace")
+            if self.verbose:
+                sys.stderr.write(message)
+            if level == self.LEVEL_ERROR:
+                self._line += message
+                if self._line.endswith("\n"):
+                    self.errors = [*self.errors, self._line.strip()][-self.KEPT:]
+                    self._line = ""
+        except BaseException:  # nothing may propagate into C: a Ctrl-C here is re-raised after the C call
+            self.interrupted = True
+
+    interrupted = False
+
+    def raise_if_interrupted(self) -> None:
+        if self.interrupted:
+            self.interrupted = False
+            raise KeyboardInterrupt
 
     def take_error(self) -> str:
-        error, self.last_error = self.last_error, ""
-        return error
+        """The most specific recent error: the first of the chain (later lines say only that it failed)."""
+        errors, self.errors = self.errors, []
+        return errors[0] if errors else ""
 
 
 _log: LlamaLog | None = None

@@ -30,6 +30,11 @@ from llmcli.system import physical_cores
 DEFAULT_MAX_CTX = 4096  # llama-cpp-python's 512 is too small for chat; the training context is often too big
 
 
+def default_context(n_ctx_train: int | None) -> int:
+    """The model's training context, capped at DEFAULT_MAX_CTX."""
+    return min(n_ctx_train or DEFAULT_MAX_CTX, DEFAULT_MAX_CTX)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     n_ctx: int | None = None  # None: the model's training context, capped at DEFAULT_MAX_CTX
@@ -64,9 +69,13 @@ class Engine:
         self.header: GGUFHeader = read_header(path)  # pre-flight: llama.cpp never sees a malformed file
         log = llama_backend()
         log.verbose = config.verbose
+        log.errors.clear()  # only what this load reports explains its failure
         started = time.perf_counter()
 
         model_params = llama_cpp.llama_model_default_params()
+        # Called as loading proceeds; returning False aborts it: Ctrl-C during a load is honoured at once.
+        self._load_progress = llama_cpp.llama_progress_callback(lambda progress, data: not self.cancel)
+        model_params.progress_callback = self._load_progress
         model_params.load_mode = {
             (True, False): llama_cpp.LLAMA_LOAD_MODE_AUTO,  # llama.cpp picks mmap on the CPU
             (True, True): llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
@@ -74,6 +83,11 @@ class Engine:
             (False, True): llama_cpp.LLAMA_LOAD_MODE_MLOCK,
         }[(config.mmap, config.mlock)]
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        log.raise_if_interrupted()
+        if self.cancel:
+            if self._model:
+                llama_cpp.llama_model_free(self._model)
+            self.cancel.raise_for_signal()
         if not self._model:
             raise IntegrityError(
                 f"llama.cpp could not load {path}: {log.take_error() or 'unknown reason'}",
@@ -82,7 +96,7 @@ class Engine:
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
         threads = config.n_threads or physical_cores()
         ctx_params = llama_cpp.llama_context_default_params()
-        ctx_params.n_ctx = config.n_ctx or min(self.n_ctx_train, DEFAULT_MAX_CTX)
+        ctx_params.n_ctx = config.n_ctx or default_context(self.n_ctx_train)
         ctx_params.n_batch = ctx_params.n_ubatch = config.n_batch
         ctx_params.n_threads = ctx_params.n_threads_batch = threads
         ctx_params.no_perf = True

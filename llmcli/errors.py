@@ -64,3 +64,9 @@ class StdoutClosed(LlmcliError):
 
     def __init__(self) -> None:
         super().__init__("stdout was closed by its reader")
+
+
+class Terminated(BaseException):
+    """SIGTERM outside generation: unwinds like Ctrl-C so cleanup (temporary files, locks) runs.
+
+    A BaseException, so that code catching Exception (a library's retry loop) cannot swallow it."""

@@ -276,7 +276,46 @@ def _parse(cur: _Cursor) -> GGUFHeader:
             f"{cur.path} is truncated: its tensors need {end} bytes but the file has {cur.size}",
             hint="The download was probably interrupted; fetch the model again.",
         )
-    return GGUFHeader(cur.path, version, metadata, tuple(tensors), data_offset, cur.size)
+    header = GGUFHeader(cur.path, version, metadata, tuple(tensors), data_offset, cur.size)
+    _check_values(header, cur)
+    return header
+
+
+# Keys whose values size llama.cpp's allocations and loops: positive and bounded.
+_BOUNDED_COUNTS = {
+    "block_count": 4096, "embedding_length": 1 << 20, "feed_forward_length": 1 << 22,
+    "attention.head_count": 1 << 14, "attention.head_count_kv": 1 << 14, "context_length": 1 << 24,
+    "vocab_size": 1 << 24,
+}
+
+
+def _check_values(header: GGUFHeader, cur: _Cursor) -> None:
+    """What llama.cpp trusts without checking (it may assert and abort): counts, token ids, vocab arrays."""
+    meta = header.metadata
+    if meta.get("split.no", 0) != 0:
+        return  # a later shard of a split model carries tensors only
+    if not isinstance(meta.get("general.architecture"), str):
+        raise cur.fail("general.architecture is missing or not a string")
+    arch = header.architecture
+    for key, limit in _BOUNDED_COUNTS.items():
+        value = meta.get(f"{arch}.{key}")
+        if value is None or isinstance(value, list):  # absent, or per-layer arrays (checked by llama.cpp)
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+            raise cur.fail(f"{arch}.{key} = {value!r} is out of range")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    n_vocab = tokens.length if isinstance(tokens, ArraySummary) else len(tokens) if isinstance(tokens, list) else None
+    if n_vocab is None:
+        return
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        other = meta.get(key)
+        length = other.length if isinstance(other, ArraySummary) else len(other) if isinstance(other, list) else n_vocab
+        if length != n_vocab:
+            raise cur.fail(f"{key} has {length} entries for a vocabulary of {n_vocab}")
+    for key, value in meta.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
+            if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value < n_vocab:
+                raise cur.fail(f"{key} = {value!r} is outside the vocabulary of {n_vocab}")
 
 
 def string_items(header: GGUFHeader, key: str, indices: set[int]) -> dict[int, str]:

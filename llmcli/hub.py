@@ -16,14 +16,16 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcli import config
+from llmcli import config, resources
 from llmcli.errors import ExitCode, IntegrityError, LlmcliError, ModelNotFoundError, ResourceError, UsageError
 from llmcli.references import Choice, HubReference, check_filename, choices, select
 
@@ -79,7 +81,7 @@ class RemoteFile:
 
 
 def fetch(reference: HubReference, offline_only: bool = False, refresh: bool = False,
-          on_progress: ProgressCallback | None = None) -> Fetched:
+          on_progress: ProgressCallback | None = None, force: bool = False) -> Fetched:
     """The model files of `reference` in the local cache, downloading what is missing.
 
     Without `refresh`, a model already in the cache is used without any request (as `run` does);
@@ -98,7 +100,9 @@ def fetch(reference: HubReference, offline_only: bool = False, refresh: bool = F
         commit, remote = _listing(reference)
         choice = _choose(reference, list(remote))
         files = [remote[name] for name in choice.files]
+        resources.check_memory(str(reference), sum(f.size or 0 for f in files), force=force)
         _check_disk_space(reference, files)
+        prune()  # partial files a killed process left behind
         paths = tuple(_download(reference, file, on_progress) for file in files)
     return Fetched(reference, commit, paths, choice.quant)
 
@@ -111,7 +115,10 @@ def _listing(reference: HubReference) -> tuple[str | None, dict[str, RemoteFile]
     for sibling in info.siblings or []:
         if not sibling.rfilename.lower().endswith(".gguf"):
             continue
-        check_filename(sibling.rfilename)  # names from a listing are untrusted input too
+        try:
+            check_filename(sibling.rfilename)  # names from a listing are untrusted input too
+        except UsageError:
+            continue  # never offered, never joined to a path
         sha = sibling.lfs.sha256 if sibling.lfs else None
         size = sibling.lfs.size if sibling.lfs else sibling.size
         remote[sibling.rfilename] = RemoteFile(sibling.rfilename, size, sha)
@@ -160,6 +167,9 @@ def _download(reference: HubReference, file: RemoteFile, on_progress: ProgressCa
         reference.repo_id, file.name, revision=reference.revision, cache_dir=hub_cache(),
         endpoint=endpoint(), token=_token(), tqdm_class=_relay(file.name, on_progress),
     ))
+    resolved = path.resolve()
+    if not resolved.is_relative_to(hub_cache().resolve()) or not resolved.is_file():
+        raise IntegrityError(f"{file.name} from {reference.repo_id} resolved outside the cache or to a non-file: {resolved}")
     if not already and file.sha256:
         actual = sha256_of(path)
         if actual != file.sha256:
@@ -228,6 +238,53 @@ def _relay(filename: str, on_progress: ProgressCallback | None) -> type:
 
 
 # -- the local cache, without the network ---------------------------------------------------
+
+
+def prune() -> list[Path]:
+    """Remove partial downloads whose download is not running (its lock is free): what a killed
+    process left behind. Returns what was removed."""
+    from filelock import FileLock, Timeout  # a huggingface_hub dependency
+
+    removed = []
+    root = hub_cache()
+    for partial in sorted(root.glob("models--*/blobs/*.incomplete")) if root.exists() else []:
+        etag = partial.name.split(".", 1)[0]
+        lock = FileLock(str(root / ".locks" / partial.parent.parent.name / f"{etag}.lock"))
+        try:
+            with lock.acquire(timeout=0):
+                partial.unlink(missing_ok=True)
+                removed.append(partial)
+        except (Timeout, OSError):
+            continue  # a download is running: leave its file alone
+    packages = config.cache_dir() / "packages"
+    for partial in packages.glob(".*.incomplete") if packages.exists() else []:
+        if time.time() - partial.stat().st_mtime > 3600:  # an assembly takes seconds; an hour-old one is dead
+            partial.unlink(missing_ok=True)
+            removed.append(partial)
+    return removed
+
+
+@dataclass(frozen=True)
+class Verified:
+    path: Path
+    ok: bool
+    expected: str | None
+    actual: str
+
+
+def verify(models: list[CachedModel]) -> list[Verified]:
+    """Hash every file of these models against its blob's name (the LFS sha256); remove what fails."""
+    results = []
+    for model in models:
+        for path in model.files:
+            blob = path.resolve()
+            expected = blob.name if re.fullmatch(r"[0-9a-f]{64}", blob.name) else None
+            actual = sha256_of(path)
+            ok = expected is None or actual == expected
+            if not ok:
+                remove_file(path)
+            results.append(Verified(path, ok, expected, actual))
+    return results
 
 
 def _repo_dir(repo_id: str) -> Path:

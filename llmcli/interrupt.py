@@ -25,6 +25,14 @@ class Cancellation:
     def request(self, signum: int = signal.SIGINT) -> None:
         self.signum = signum
 
+    def raise_for_signal(self) -> None:
+        """Outside generation there is nothing to finish: unwind as the signal would have."""
+        from llmcli.errors import Terminated
+
+        if self.signum == signal.SIGTERM:
+            raise Terminated()
+        raise KeyboardInterrupt
+
     @contextmanager
     def on_signals(self, signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
         """While active, Ctrl-C and SIGTERM end generation gracefully instead of raising."""

@@ -47,6 +47,11 @@ class ResolvedModel:
     path: Path  # the file to load (the first shard of a split model)
     name: str  # what to call it in messages and records
     source: str  # "file", "package:<distribution>" or "hf:<owner/repo>@<commit>"
+    shards: tuple[Path, ...] = ()  # every file of a split model
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        return self.shards or (self.path,)
 
 
 # Distributions that ship a GGUF in chunks with an `assemble(output_path)` that joins and verifies them:
@@ -106,6 +111,7 @@ def resolve(
     refresh: bool = False,
     on_progress: ProgressCallback | None = None,
     aliases: dict[str, str] | None = None,
+    force: bool = False,
 ) -> ResolvedModel:
     """Turn what the user typed (or nothing) into a local GGUF file, or raise with a hint.
 
@@ -121,12 +127,12 @@ def resolve(
         return _from_path(Path(reference).expanduser())
     expanded = {**ALIASES, **(aliases or {})}.get(reference.lower())
     if expanded is not None:
-        return _from_hub(references.parse(expanded), offline, refresh, on_progress)
+        return _from_hub(references.parse(expanded), offline, refresh, on_progress, force)
     for model in packaged_models():
         if model.matches(reference):
             return _from_package(model)
     if references.looks_like_hub(reference):
-        return _from_hub(references.parse(reference), offline, refresh, on_progress)
+        return _from_hub(references.parse(reference), offline, refresh, on_progress, force)
     if reference.lower().endswith(".gguf"):
         return _from_path(Path(reference))
     known = ", ".join(m.short_name for m in packaged_models()) or "none installed"
@@ -138,12 +144,12 @@ def resolve(
 
 
 def _from_hub(reference: references.HubReference, offline: bool, refresh: bool,
-              on_progress: ProgressCallback | None) -> ResolvedModel:
+              on_progress: ProgressCallback | None, force: bool) -> ResolvedModel:
     from llmcli import hub  # huggingface_hub itself is imported only when a Hub model is asked for
 
-    fetched = hub.fetch(reference, offline_only=hub.offline(offline), refresh=refresh, on_progress=on_progress)
+    fetched = hub.fetch(reference, offline_only=hub.offline(offline), refresh=refresh, on_progress=on_progress, force=force)
     name = f"{reference.repo_id}:{fetched.quant}" if fetched.quant else f"{reference.repo_id}/{fetched.paths[0].name}"
-    return ResolvedModel(fetched.paths[0], name, f"hf:{reference.repo_id}@{fetched.commit}")
+    return ResolvedModel(fetched.paths[0], name, f"hf:{reference.repo_id}@{fetched.commit}", fetched.paths)
 
 
 def _looks_like_path(reference: str) -> bool:

@@ -32,13 +32,6 @@ def stderr_console() -> Console:
     return Console(stderr=True, highlight=False, markup=False, soft_wrap=True)
 
 
-def _color_system(stream: IO[str]) -> str | None:
-    console = Console(file=stream)
-    if not console.is_terminal or console.no_color:
-        return None
-    return console.color_system
-
-
 class AnswerSink:
     """Streams answer text to stdout; collects it for --json."""
 
@@ -48,8 +41,9 @@ class AnswerSink:
         self.extra = extra or {}
         self.parts: list[str] = []
         self.notices: list[str] = []
-        color_system = None if as_json else _color_system(self.stream)
-        self.terminal = color_system is not None
+        console = Console(file=self.stream)
+        self.terminal = console.is_terminal and not as_json  # neutralise control characters there
+        color_system = console.color_system if self.terminal and not console.no_color else None
         self._open, self._close = "", ""
         if color_system:
             self._open, _, self._close = ANSWER_STYLE.render("\0", color_system=color_system).partition("\0")

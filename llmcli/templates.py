@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import Any, Iterator
 
 import jinja2
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from llmcli.errors import TemplateError
@@ -103,6 +104,10 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """The sandbox blocks attribute escapes, not work: bound what operators may build."""
 
     intercepted_binops = frozenset({"*", "**", "+"})
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+        """Touching an unsafe attribute (`__class__`, `__globals__`, …) is an error, not a silent blank."""
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} is not allowed")
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "**":

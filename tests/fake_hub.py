@@ -14,6 +14,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -36,6 +37,8 @@ class Fault:
     drop_after: int | None = None  # close the connection after this many bytes of a body
     times: int = 1  # for this many GETs of the file
     corrupt: bool = False  # flip a byte in the middle (same size), on every GET
+    delay_per_mb: float = 0.0  # seconds to sleep per MiB sent: a slow download to interrupt
+    listed_size: int | None = None  # what the repository listing claims the size is
 
 
 @dataclass
@@ -119,7 +122,8 @@ class FakeHub:
                     return
                 siblings = []
                 for name, source in repo.files.items():
-                    size = source.stat().st_size
+                    fault = hub.faults.get(name)
+                    size = fault.listed_size if fault and fault.listed_size is not None else source.stat().st_size
                     siblings.append({
                         "rfilename": name, "size": size, "blobId": hashlib.sha1(name.encode()).hexdigest(),
                         "lfs": {"sha256": sha256_of(source), "size": size, "pointerSize": 134},
@@ -199,6 +203,8 @@ class FakeHub:
                         self.wfile.write(block)
                         sent += len(block)
                         position += len(block)
+                        if fault and fault.delay_per_mb:
+                            time.sleep(fault.delay_per_mb)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True

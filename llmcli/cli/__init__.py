@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -10,7 +11,7 @@ from typing import Optional
 import typer
 
 from llmcli import __version__, config
-from llmcli.errors import ExitCode, LlmcliError, StdoutClosed
+from llmcli.errors import ExitCode, LlmcliError, StdoutClosed, Terminated
 
 app = typer.Typer(
     name="llmcli",
@@ -54,8 +55,13 @@ def _register() -> None:
 _register()
 
 
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def main() -> None:
     """Entry point: run the app; turn every known failure into one `Error:` line and an exit code."""
+    signal.signal(signal.SIGTERM, _on_sigterm)  # generation installs its own graceful handler
     try:
         app(prog_name="llmcli")
     except StdoutClosed:
@@ -73,17 +79,37 @@ def main() -> None:
         sys.exit(ExitCode.STDOUT_CLOSED)
     except KeyboardInterrupt:
         sys.exit(ExitCode.INTERRUPTED)
+    except Terminated:
+        sys.exit(ExitCode.TERMINATED)
     except Exception as exc:  # an internal error: one line, the traceback only with LLMCLI_DEBUG=1
         if config.debug():
             raise
         from llmcli.render import print_error, stderr_console
 
+        log = _write_debug_log(exc)
         print_error(
             stderr_console(),
             f"internal error: {type(exc).__name__}: {exc}",
-            "Run again with LLMCLI_DEBUG=1 for the traceback, and report it.",
+            f"The traceback is in {log}; LLMCLI_DEBUG=1 prints it. Please report it." if log
+            else "Run again with LLMCLI_DEBUG=1 for the traceback, and report it.",
         )
         sys.exit(ExitCode.ERROR)
+
+
+def _write_debug_log(exc: BaseException) -> Path | None:
+    """Append the traceback of an internal error to the debug log; its path, or None if unwritable."""
+    import time
+    import traceback
+
+    path = config.data_dir() / "logs" / "debug.log"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as handle:
+            handle.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} llmcli {__version__} argv={sys.argv[1:]}\n")
+            handle.write("".join(traceback.format_exception(exc)))
+    except OSError:
+        return None
+    return path
 
 
 def _silence_stdout() -> None:

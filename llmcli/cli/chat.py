@@ -38,6 +38,7 @@ def chat(**given: Any) -> None:
     request = Request(
         setting_flags(given), given["profile"], given["raw"], given["chat_template_file"], tuple(given["logit_bias"] or ()),
         given["grammar"], given["grammar_file"], given["json_schema"], given["output_format"], given["verbose"], given["offline"],
+        given["force"],
     )
     resume_path = find_conversation(given["resume"]) if given["resume"] else None
     with render.download_progress() as progress:
@@ -269,7 +270,7 @@ def _readline(history: Path) -> Any:
 
 
 _RUN_OPTIONS = [
-    "model", "offline", "profile", "system", "raw", "chat_template_file", "temp", "top_k", "top_p", "min_p", "typical_p",
+    "model", "offline", "force", "profile", "system", "raw", "chat_template_file", "temp", "top_k", "top_p", "min_p", "typical_p",
     "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "mirostat", "mirostat_tau",
     "mirostat_eta", "seed", "logit_bias", "max_tokens", "stop", "grammar", "grammar_file", "json_schema",
     "output_format", "on_overflow", "ctx_size", "threads", "batch_size", "mlock", "mmap", "verbose", "quiet", "as_json",

@@ -6,7 +6,7 @@ import os
 import select
 import sys
 
-from llmcli.errors import UsageError
+from llmcli.errors import ResourceError, UsageError
 
 # With a prompt argument, piped stdin is added only if it shows data (or EOF) this soon:
 # agents and CI often pass an inherited stdin that never closes.
@@ -46,7 +46,19 @@ def _ready(stream: object, timeout: float) -> bool:
     return bool(readable)
 
 
+MAX_STDIN_BYTES = int(os.environ.get("LLMCLI_MAX_STDIN", str(64 * 2**20)))
+
+
 def _read_all() -> str:
+    """All of stdin as text: invalid UTF-8 becomes U+FFFD; more than MAX_STDIN_BYTES is refused."""
     buffer = getattr(sys.stdin, "buffer", None)
-    data = buffer.read() if buffer is not None else sys.stdin.read().encode("utf-8", "replace")
+    if buffer is None:
+        data = sys.stdin.read(MAX_STDIN_BYTES + 1).encode("utf-8", "replace")
+    else:
+        data = buffer.read(MAX_STDIN_BYTES + 1)
+    if len(data) > MAX_STDIN_BYTES:
+        raise ResourceError(
+            f"stdin holds more than {MAX_STDIN_BYTES // 2**20} MiB; no context window takes that much",
+            hint="Send a smaller part, or split the input.",
+        )
     return data.decode("utf-8", "replace").rstrip("\r\n")  # `echo`'s newline is not part of the message

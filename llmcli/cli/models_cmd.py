@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -35,13 +35,13 @@ def _params(n: int | None) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
 
-def pull(reference: ReferenceArg, offline: o.OfflineOpt = False, quiet: o.QuietOpt = False) -> None:
+def pull(reference: ReferenceArg, offline: o.OfflineOpt = False, force: o.ForceOpt = False, quiet: o.QuietOpt = False) -> None:
     """Download a model into the cache (or check it is up to date), with progress on stderr."""
     from llmcli import models, render
 
     console = render.stderr_console()
     with render.download_progress() as progress:
-        resolved = models.resolve(reference, offline=offline, refresh=True, on_progress=progress, aliases=_aliases())
+        resolved = models.resolve(reference, offline=offline, refresh=True, on_progress=progress, aliases=_aliases(), force=force)
     if not quiet:
         console.print(f"{resolved.name} ready: {resolved.path}")
 
@@ -127,9 +127,42 @@ def rm(
     console.print(f"removed {len(doomed)} model(s), freed {_size(freed)}")
 
 
+def verify(
+    reference: Annotated[Optional[str], typer.Argument(help="A cached model; default: every cached model.", show_default=False,
+                                                       autocompletion=o.complete_model)] = None,
+) -> None:
+    """Re-hash cached files against the sha256 they were downloaded with; remove any that fail."""
+    from llmcli import catalog, hub, render
+    from llmcli.errors import IntegrityError
+
+    doomed = catalog.removable(reference, _aliases()) if reference else hub.cached_models()
+    console = render.stderr_console()
+    results = hub.verify(doomed)
+    for result in results:
+        console.print(f"{'ok     ' if result.ok else 'CORRUPT'}  {result.path}")
+    bad = [r for r in results if not r.ok]
+    if bad:
+        raise IntegrityError(f"{len(bad)} of {len(results)} cached file(s) failed their checksum and were removed",
+                             hint="Pull the model again.")
+    console.print(f"{len(results)} file(s) verified")
+
+
+def prune() -> None:
+    """Remove partial downloads left behind by killed processes (running downloads are untouched)."""
+    from llmcli import hub, render
+
+    removed = hub.prune()
+    console = render.stderr_console()
+    for path in removed:
+        console.print(f"removed {path}")
+    console.print(f"{len(removed)} partial file(s) removed")
+
+
 def register(app: typer.Typer) -> None:
     app.command("pull")(pull)
     app.command("list")(list_models)
     app.command("show")(show)
     app.command("rm")(rm)
+    app.command("verify")(verify)
+    app.command("prune")(prune)
 

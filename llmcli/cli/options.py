@@ -42,6 +42,7 @@ ModelOpt = Annotated[
 ]
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", "-p", help="Use a [profiles.NAME] table of the config file ($LLMCLI_PROFILE).", show_default=False)]
 OfflineOpt = Annotated[bool, typer.Option("--offline", help="Use only the local cache; never contact the Hub ($HF_HUB_OFFLINE=1).")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Skip the check that the model and its KV cache fit in memory.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.", show_default=False)]
 RawOpt = Annotated[bool, typer.Option("--raw", help="Send the prompt as-is, without the chat template (base models).")]
 TemplateFileOpt = Annotated[

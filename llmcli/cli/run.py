@@ -30,6 +30,7 @@ def run(
     ] = None,
     model: o.ModelOpt = None,
     offline: o.OfflineOpt = False,
+    force: o.ForceOpt = False,
     profile: o.ProfileOpt = None,
     system: o.SystemOpt = None,
     raw: o.RawOpt = False,
@@ -80,7 +81,7 @@ def run(
     message = combine_input(prompt_arg, stdin_text, stdin_first)
     request = Request(
         setting_flags(locals()), profile, raw, chat_template_file, tuple(logit_bias or ()),
-        grammar, grammar_file, json_schema, output_format, verbose, offline,
+        grammar, grammar_file, json_schema, output_format, verbose, offline, force,
     )
     with render.download_progress() as progress:  # shown only if the model must be downloaded first
         pipeline = open_pipeline(request, progress)

@@ -1,0 +1,48 @@
+"""Will it fit? Memory for a model and its KV cache, checked before a download and before a load."""
+
+from __future__ import annotations
+
+from llmcli.errors import ResourceError
+from llmcli.gguf_header import GGUFHeader
+
+RUNTIME_OVERHEAD = 120 * 2**20  # Python, llama.cpp's compute buffers for small batches
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo (page cache counts: a mapped model lives there), or None."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def kv_cache_bytes(header: GGUFHeader, n_ctx: int, slots: int = 1) -> int:
+    """An upper bound on the f16 KV cache for `n_ctx` tokens (sliding-window layers counted in full)."""
+    meta, arch = header.metadata, header.architecture
+    layers = meta.get(f"{arch}.block_count") or 0
+    heads = meta.get(f"{arch}.attention.head_count") or 1
+    heads = max(heads) if isinstance(heads, list) else heads
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv") or heads
+    kv_heads = max(kv_heads) if isinstance(kv_heads, list) else kv_heads
+    embedding = meta.get(f"{arch}.embedding_length") or 0
+    key_len = meta.get(f"{arch}.attention.key_length") or embedding // max(heads, 1)
+    value_len = meta.get(f"{arch}.attention.value_length") or key_len
+    return int(layers) * int(kv_heads) * (int(key_len) + int(value_len)) * 2 * n_ctx * slots
+
+
+def check_memory(what: str, weights: int, kv_cache: int = 0, force: bool = False) -> None:
+    """Refuse, with the numbers, when weights + KV cache + overhead exceed the available memory."""
+    available = available_memory()
+    needed = weights + kv_cache + RUNTIME_OVERHEAD
+    if force or available is None or needed <= available:
+        return
+    mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
+    parts = f"model {mib(weights)}" + (f" + KV cache {mib(kv_cache)}" if kv_cache else "") + f" + {mib(RUNTIME_OVERHEAD)} runtime"
+    raise ResourceError(
+        f"{what} needs about {mib(needed)} of memory ({parts}); {mib(available)} is available",
+        hint="Use a smaller model or quant, a smaller --ctx-size, or --force to try anyway.",
+    )

@@ -1,0 +1,355 @@
+"""Hostile models, broken downloads, interrupts and bad input (the case table is tests/README.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import run_cli
+from fake_hub import FakeHub, Fault
+from gguf_tools import rewrite_metadata
+
+REPO = "bartowski/SmolLM2-135M-Instruct-GGUF"
+Q4 = "SmolLM2-135M-Instruct-Q4_K_M.gguf"
+
+
+# -- templates are code-shaped data ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "{{ cycler.__init__.__globals__.os.popen('touch CANARY').read() }}",
+        "{{ ''.__class__.__mro__[1].__subclasses__()[0]('touch CANARY') }}",
+        "{{ self.__init__.__globals__.__builtins__.open('CANARY', 'w') }}",
+        "{{ namespace.__init__.__globals__ }}",
+        "{{ joiner()() }}{{ lipsum() }}",
+    ],
+)
+def test_template_injection_is_refused_and_runs_nothing(tmp_path, payload, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    template = tmp_path / "evil.jinja"
+    template.write_text(payload)
+    result = run_cli("run", "--chat-template-file", str(template), "-n", "2", "hi")
+    assert result.code == 7, result.stderr
+    assert result.stderr.startswith("Error: chat template") and "Traceback" not in result.stderr
+    assert not (tmp_path / "CANARY").exists()
+
+
+@pytest.mark.parametrize(
+    "payload, reason",
+    [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "longer than"),
+        ("{{ 'a' * 10**9 }}", "too large"),
+        ("{% set s = 'a' * 1000 %}{% for i in range(100000) %}{{ s }}{% endfor %}", "output exceeds"),
+        ("{{ 2 ** 100000000 }}", "exponent"),
+    ],
+)
+def test_runaway_templates_stop_within_their_budget(tmp_path, payload, reason):
+    template = tmp_path / "slow.jinja"
+    template.write_text(payload)
+    result = run_cli("run", "--show-prompt", "--chat-template-file", str(template), "hi", timeout=60)
+    assert result.code == 7
+    assert "stopped" in result.stderr and reason in result.stderr
+
+
+def test_broken_template_in_the_model_does_not_make_it_unusable(tmp_path, smollm2):
+    broken = rewrite_metadata(smollm2, tmp_path / "broken.gguf", strings={"tokenizer.chat_template": "{% if x %}oops"})
+    result = run_cli("run", "-m", str(broken), "hi")
+    assert result.code == 7 and "syntax error" in result.stderr and "--raw" in result.stderr
+    raw = run_cli("run", "-m", str(broken), "--raw", "--temp", "0", "-n", "4", "-q", "Once upon a time")
+    assert raw.code == 0 and raw.stdout.strip()
+    template = tmp_path / "chatml.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    fixed = run_cli("run", "-m", str(broken), "--chat-template-file", str(template), "--temp", "0", "-n", "4", "-q", "hi")
+    assert fixed.code == 0 and fixed.stdout.strip()
+    assert run_cli("show", str(broken)).code == 0
+
+
+# -- GGUF pre-flight -------------------------------------------------------------------------
+
+
+def test_llama_cpp_reason_is_surfaced(tmp_path, smollm2):
+    # passes the pre-flight check, but llama.cpp cannot build the model without its layer count
+    model = rewrite_metadata(smollm2, tmp_path / "no-layers.gguf", drop=("llama.block_count",))
+    result = run_cli("run", "-m", str(model), "hi")
+    assert result.code == 5
+    assert result.stderr.startswith("Error: llama.cpp could not load") and "block_count" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def model_bytes(smollm2: Path) -> bytes:
+    return smollm2.read_bytes()
+
+
+HEADER_END = 1_785_664  # SmolLM2's data section starts here: everything before is header
+
+
+@st.composite
+def mutations(draw):
+    kind = draw(st.sampled_from(["flip", "truncate", "forge"]))
+    if kind == "flip":
+        return kind, draw(st.integers(4, HEADER_END - 1)), draw(st.integers(0, 7))
+    if kind == "truncate":
+        return kind, draw(st.integers(0, 98_362_431)), 0
+    return kind, draw(st.sampled_from([8, 16, 24, 31, 40, 1_769_060, 1_769_507])), draw(st.sampled_from([2**63, 2**40, 2**32 - 1]))
+
+
+def mutate(data: bytes, mutation: tuple[str, int, int]) -> bytes:
+    kind, offset, value = mutation
+    if kind == "truncate":
+        return data[:offset]
+    buffer = bytearray(data)
+    if kind == "flip":
+        buffer[offset] ^= 1 << value
+    else:
+        buffer[offset : offset + 8] = value.to_bytes(8, "little")
+    return bytes(buffer)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(mutation=mutations())
+def test_fuzzed_gguf_never_crashes_or_hangs(tmp_path, model_bytes, mutation):
+    path = tmp_path / "fuzzed.gguf"
+    path.write_bytes(mutate(model_bytes, mutation))
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmcli", "run", "-m", str(path), "--raw", "--temp", "0", "-n", "1", "-q", "hi"],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode >= 0, f"killed by signal {-proc.returncode} for {mutation}"
+    assert proc.returncode in (0, 3, 5, 6), (mutation, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    if proc.returncode:
+        assert proc.stderr.startswith("Error: "), (mutation, proc.stderr)
+    if mutation[0] == "truncate":
+        assert proc.returncode == 5
+
+
+# -- output hygiene --------------------------------------------------------------------------
+
+
+def test_escape_sequences_from_the_model_are_neutralised_on_a_terminal():
+    grammar = r'root ::= "\x1b[31mred\x1b[0m [bold]x[/bold]"'
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmcli", "run", "--grammar", grammar, "--temp", "0", "-q", "hi"],
+        stdin=subprocess.DEVNULL, stdout=follower, stderr=subprocess.DEVNULL, env={**os.environ, "NO_COLOR": "1"},
+    )
+    os.close(follower)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        output += chunk
+    proc.wait(timeout=60)
+    os.close(leader)
+    assert b"\x1b" not in output
+    assert b"^[[31mred^[[0m [bold]x[/bold]" in output
+    piped = run_cli("run", "--grammar", grammar, "--temp", "0", "-q", "hi")  # piped: the bytes, untouched
+    assert piped.stdout.rstrip("\n") == "\x1b[31mred\x1b[0m [bold]x[/bold]"
+
+
+# -- interrupts ------------------------------------------------------------------------------
+
+
+def test_ctrl_c_while_loading_exits_130_quietly():
+    proc = subprocess.Popen([sys.executable, "-m", "llmcli", "run", "hi"], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(0.6)  # imports and model load
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode in (130, 0), err  # 0 only if the whole answer beat the signal
+    assert b"Traceback" not in err and b"Exception ignored" not in err
+
+
+@pytest.fixture
+def slow_hub(smollm2: Path, monkeypatch: pytest.MonkeyPatch):
+    server = FakeHub()
+    server.add(REPO, {Q4: smollm2})
+    server.faults[Q4] = Fault(delay_per_mb=0.05)  # ~5 s for the whole file
+    server.start()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    yield server
+    server.stop()
+
+
+def cache_entries(home: Path) -> list[str]:
+    root = home / "cache" / "hub"
+    return [str(p) for p in root.rglob("*") if p.is_file() and p.suffix != ".lock"] if root.exists() else []
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_during_a_download_leaves_nothing_partial(slow_hub, isolated_env, signum, code):
+    proc = subprocess.Popen([sys.executable, "-m", "llmcli", "pull", REPO], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 30
+    while not slow_hub.requests("GET", "/cdn/") and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert b"Traceback" not in err
+    leftovers = [p for p in cache_entries(isolated_env) if "/blobs/" in p or p.endswith(".gguf")]
+    assert leftovers == []
+
+
+def test_prune_removes_orphaned_partial_files_but_not_running_ones(isolated_env):
+    from filelock import FileLock
+
+    blobs = isolated_env / "cache" / "hub" / "models--a--b" / "blobs"
+    blobs.mkdir(parents=True)
+    orphan = blobs / ("1" * 64 + ".abcd1234.incomplete")
+    running = blobs / ("2" * 64 + ".ef567890.incomplete")
+    orphan.write_bytes(b"x" * 100)
+    running.write_bytes(b"y" * 100)
+    locks = isolated_env / "cache" / "hub" / ".locks" / "models--a--b"
+    locks.mkdir(parents=True)
+    with FileLock(str(locks / ("2" * 64 + ".lock"))):
+        result = run_cli("prune")
+    assert result.code == 0 and "1 partial file(s) removed" in result.stderr
+    assert not orphan.exists() and running.exists()
+
+
+# -- disk, memory, integrity of the cache ----------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=80m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here: " + done.stderr.decode(errors="replace").strip())
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_disk_space_is_checked_before_a_pull(hub_for_disk, small_disk):
+    result = run_cli("--cache-dir", str(small_disk), "pull", REPO)
+    assert result.code == 6
+    assert "not enough disk space" in result.stderr and "MiB free" in result.stderr
+    assert hub_for_disk.requests("GET", "/cdn/") == []
+
+
+def test_disk_filling_up_anyway_is_a_clear_error_and_the_cache_stays_usable(hub_for_disk, small_disk):
+    hub_for_disk.faults[Q4] = Fault(listed_size=1000)  # the listing lies: the check passes, the disk fills
+    result = run_cli("--cache-dir", str(small_disk), "pull", REPO)
+    assert result.code == 6, result.stderr
+    assert "disk filled up" in result.stderr and "Traceback" not in result.stderr
+    assert [p for p in small_disk.rglob("*") if p.is_file() and "blobs" in str(p)] == []
+    listed = run_cli("--cache-dir", str(small_disk), "list", "--json")
+    assert listed.code == 0 and json.loads(listed.stdout)
+
+
+@pytest.fixture
+def hub_for_disk(smollm2: Path, monkeypatch: pytest.MonkeyPatch):
+    server = FakeHub()
+    server.add(REPO, {Q4: smollm2})
+    server.start()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    yield server
+    server.stop()
+
+
+def test_memory_is_checked_before_a_download(hub_for_disk):
+    hub_for_disk.faults[Q4] = Fault(listed_size=10 * 2**40)  # 10 TiB
+    result = run_cli("pull", REPO)
+    assert result.code == 6
+    assert "of memory" in result.stderr and "available" in result.stderr and "--force" in result.stderr
+    assert hub_for_disk.requests("GET", "/cdn/") == []
+
+
+def test_memory_is_checked_before_loading_and_force_overrides():
+    result = run_cli("run", "-c", "10000000", "hi")
+    assert result.code == 6
+    assert "KV cache" in result.stderr and "MiB is available" in result.stderr
+    forced = run_cli("run", "--force", "-c", "10000000", "hi")
+    assert forced.code == 6 and "could not create a context" in forced.stderr  # llama.cpp tried, and said why
+
+
+def test_verify_detects_a_corrupted_cached_file(hub_for_disk, isolated_env):
+    assert run_cli("pull", REPO).code == 0
+    assert run_cli("verify").code == 0
+    blob = next((isolated_env / "cache" / "hub").rglob("blobs/*"))
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    result = run_cli("verify", REPO)
+    assert result.code == 5 and "CORRUPT" in result.stderr and "failed their checksum" in result.stderr
+    assert run_cli("run", "--offline", "-m", REPO, "hi").code == 3  # removed, not loaded
+
+
+def test_unsafe_names_in_a_listing_are_never_used(smollm2, monkeypatch, isolated_env, tmp_path):
+    server = FakeHub()
+    server.add("evil/repo", {"../../../escape-Q4_K_M.gguf": smollm2, "/abs-Q4_K_M.gguf": smollm2, "good-Q8_0.gguf": smollm2})
+    server.start()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    try:
+        result = run_cli("pull", "evil/repo")
+    finally:
+        server.stop()
+    assert result.code == 0, result.stderr
+    assert "evil/repo:Q8_0 ready" in result.stderr
+    assert not list(tmp_path.rglob("escape-Q4_K_M.gguf")) and not Path("/abs-Q4_K_M.gguf").exists()
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+def test_binary_stdin_is_decoded_with_replacement_characters():
+    result = run_cli("run", "--show-prompt", "Summarize:", input=b"ok \xff\xfe\x00 bytes")
+    assert result.code == 0
+    assert "ok \ufffd\ufffd\x00 bytes" in result.stdout
+
+
+def test_huge_stdin_is_refused():
+    result = run_cli("run", "hi", input=b"x" * 5000, env={"LLMCLI_MAX_STDIN": "1000"})
+    assert result.code == 6 and "stdin holds more than" in result.stderr
+
+
+def test_fifo_as_model_is_a_usage_error(tmp_path):
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    result = run_cli("run", "-m", str(fifo), "hi", timeout=30)
+    assert result.code == 2 and "not a regular file" in result.stderr
+
+
+def test_unknown_model_name(tmp_path):
+    result = run_cli("run", "-m", "no-such-alias", "hi")
+    assert result.code == 3 and result.stderr.startswith("Error: unknown model 'no-such-alias'")
+
+
+def test_internal_error_is_one_line_with_the_debug_log(isolated_env):
+    code = (
+        "import llmcli.models as m\n"
+        "def boom(*a, **k):\n    raise RuntimeError('simulated bug')\n"
+        "m.resolve = boom\n"
+        "import llmcli.pipeline as p; p.models.resolve = boom\n"
+        "import sys; sys.argv = ['llmcli', 'run', 'hi']\n"
+        "from llmcli.cli import main; main()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert proc.returncode == 1
+    lines = proc.stderr.splitlines()
+    assert lines[0] == "Error: internal error: RuntimeError: simulated bug"
+    assert "Traceback" not in proc.stderr
+    log = isolated_env / "data" / "logs" / "debug.log"
+    assert str(log) in lines[1] and "simulated bug" in log.read_text() and "Traceback" in log.read_text()
+    debug = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                           timeout=60, env={**os.environ, "LLMCLI_DEBUG": "1"})
+    assert "Traceback" in debug.stderr
