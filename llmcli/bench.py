@@ -45,6 +45,7 @@ class BenchPlan:
     threads: tuple[int, ...] = ()  # empty: one per physical core
     depths: tuple[int, ...] = (0,)
     n_batch: int = 512
+    parallel: tuple[int, ...] = ()  # sequences decoded together (aggregate decode rate), e.g. (1, 8)
 
 
 @dataclass
@@ -142,7 +143,7 @@ def run_bench(
 ) -> Iterator[Progress]:
     """Measure every model at every thread count; fills `rows_out`, yields progress as it goes."""
     threads_list = plan.threads or (system.physical_cores(),)
-    per_rep = len(plan.depths) * 2 + 5
+    per_rep = len(plan.depths) * 2 + 5 + len(plan.parallel)
     total = len(models) * len(threads_list) * plan.repetitions * per_rep
     done = 0
     for model, header in zip(models, headers):
@@ -195,6 +196,10 @@ def run_bench(
                         done += 1
                         yield Progress(done, total, f"{model.name} t{threads} {target.test} ({target.path})")
 
+            if plan.parallel:
+                for step in _parallel_rows(model, plan, threads, row):
+                    done += 1
+                    yield Progress(done, total, f"{model.name} t{threads} {step}")
             row(f"overhead tg{plan.gen_tokens}", "ratio", "x").samples.append(tg_run.mean / tg_same.mean)
             row(f"overhead pp{len(pp_tokens)}", "ratio", "x").samples.append(pp_run.mean / pp_same.mean)
             # Decode reads every weight once per token: bandwidth / weight bytes is the ceiling.
@@ -202,6 +207,28 @@ def run_bench(
             ceiling = bandwidth / sum(t.n_bytes for t in header.tensors)
             row("memory bandwidth", "roofline", "GB/s").samples.append(bandwidth / 1e9)
             row(f"roofline tg{plan.gen_tokens}", "roofline", "% of ceiling").samples.append(100 * tg_same.mean / ceiling)
+
+
+def _parallel_rows(model: ResolvedModel, plan: BenchPlan, threads: int, row: Callable[[str, str, str], Row]) -> Iterator[str]:
+    """Aggregate decode rate with N sequences in one context (`llmcli run --batch --parallel N`)."""
+    from llmcli.interrupt import Cancellation
+    from llmcli.parallel import BatchItem, run_batch
+
+    widest = max(plan.parallel)
+    n_ctx = plan.gen_tokens + 128
+    config = EngineConfig(n_ctx=n_ctx, n_threads=threads, n_batch=plan.n_batch, n_seq_max=widest)
+    with Engine(model.path, config) as engine:
+        session = Session(engine)
+        sampling = SamplingConfig(temperature=0, logit_bias=tuple((t, -math.inf) for t in engine.end_of_generation_tokens()))
+        generation = GenerationOptions(sampling, plan.gen_tokens)
+        rows = {n: row(f"tg{plan.gen_tokens} x{n}", "parallel", "t/s") for n in plan.parallel}
+        run_batch(engine, session, [BatchItem(0, TTFT_PROMPT)], GenerationOptions(sampling, 8), 1, Cancellation(), lambda i, r: None)
+        for _ in range(plan.repetitions):
+            for n, target in rows.items():
+                items = [BatchItem(i, f"{TTFT_PROMPT} ({i})") for i in range(n)]
+                summary = run_batch(engine, session, items, generation, n, Cancellation(), lambda i, r: None)
+                target.samples.append(summary.decode_tps)
+                yield target.test
 
 
 def _first_token_s(engine: Engine, session: Session, generation: GenerationOptions) -> float:

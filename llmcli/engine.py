@@ -43,6 +43,7 @@ class EngineConfig:
     verbose: bool = False  # llama.cpp's own log lines on stderr
     mmap: bool = True  # map the file instead of reading it into memory
     mlock: bool = False  # keep the weights in RAM (no swapping)
+    n_seq_max: int = 1  # parallel sequences (slots), each with n_ctx tokens of its own
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,10 @@ class Engine:
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._model)
         threads = config.n_threads or physical_cores()
         ctx_params = llama_cpp.llama_context_default_params()
-        ctx_params.n_ctx = config.n_ctx or default_context(self.n_ctx_train)
+        per_sequence = config.n_ctx or default_context(self.n_ctx_train)
+        ctx_params.n_ctx = per_sequence * config.n_seq_max
+        ctx_params.n_seq_max = config.n_seq_max
+        ctx_params.kv_unified = False  # each sequence gets its own n_ctx cells
         ctx_params.n_batch = ctx_params.n_ubatch = config.n_batch
         ctx_params.n_threads = ctx_params.n_threads_batch = threads
         ctx_params.no_perf = True
@@ -108,7 +112,7 @@ class Engine:
                 f"{log.take_error() or 'out of memory?'}",
                 hint="Try a smaller --ctx-size.",
             )
-        self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
+        self.n_ctx = llama_cpp.llama_n_ctx_seq(self._ctx)  # what one sequence may use
         self.n_threads = threads
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)

@@ -34,6 +34,7 @@ class Request:
     verbose: bool = False
     offline: bool = False  # never ask the Hub; use only the cache
     force: bool = False  # skip the memory check
+    parallel: int = 1  # sequences decoded together (run --batch)
 
 
 @dataclass
@@ -77,7 +78,7 @@ def open_pipeline(request: Request, on_progress: models.ProgressCallback | None 
     header = read_header(model.path)
     n_ctx = effective["ctx_size"] or default_context(header.context_length)
     weights = sum(p.stat().st_size for p in model.files)
-    resources.check_memory(model.name, weights, resources.kv_cache_bytes(header, n_ctx), request.force)
+    resources.check_memory(model.name, weights, resources.kv_cache_bytes(header, n_ctx, request.parallel), request.force)
     cancel = cancel if cancel is not None else Cancellation()
     with cancel.on_signals():  # llama.cpp calls back into Python while loading: no exceptions there
         engine = Engine(
@@ -89,6 +90,7 @@ def open_pipeline(request: Request, on_progress: models.ProgressCallback | None 
                 verbose=request.verbose,
                 mmap=effective["mmap"],
                 mlock=effective["mlock"],
+                n_seq_max=request.parallel,
             ),
             cancel,
         )

@@ -40,14 +40,14 @@ def test_json_has_environment_plan_and_every_test(bench_json):
 
 
 def test_markdown_table_rows_and_thread_sweep():
-    result = run_cli("bench", *TINY, "-t", "1,2", "--depth", "0,16")
+    result = run_cli("bench", *TINY, "-t", "1,2", "--depth", "0,16", "--parallel", "1,2")
     assert result.code == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "| model | size | params | quant | threads | test | path | t/s |"
     rows = [line.split(" | ") for line in lines[2:] if line.startswith("| ")]
     assert {row[4] for row in rows} == {"1", "2"}
     tests = {row[5] for row in rows}
-    assert {"pp16", "tg8", "pp16 @ d16", "tg8 @ d16", "ttft", "overhead tg8", "roofline tg8"} <= tests
+    assert {"pp16", "tg8", "pp16 @ d16", "tg8 @ d16", "ttft", "overhead tg8", "roofline tg8", "tg8 x1", "tg8 x2"} <= tests
     assert all(row[3] == "Q4_1" for row in rows)
 
 

@@ -35,6 +35,7 @@ def bench(
     threads: Annotated[Optional[str], typer.Option("--threads", "-t", help="Thread counts to compare, e.g. 1,2. [physical cores]", show_default=False)] = None,
     depth: Annotated[str, typer.Option("--depth", "-d", help="KV-cache depths for the raw tests, e.g. 0,512.")] = "0",
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Prompt tokens per step.")] = 512,
+    parallel: Annotated[Optional[str], typer.Option("--parallel", "-P", help="Also measure aggregate decode with N sequences at once, e.g. 1,8.", show_default=False)] = None,
     output_format: Annotated[str, typer.Option("--format", "-o", help="md, json or csv.")] = "md",
 ) -> None:
     """Run the benchmark (the default when no subcommand is given)."""
@@ -50,6 +51,7 @@ def bench(
         n_prompt, n_gen, repetitions,
         _int_list(threads, "--threads", 1) if threads else (),
         _int_list(depth, "--depth", 0), batch_size,
+        _int_list(parallel, "--parallel", 1) if parallel else (),
     )
     resolved = [models.resolve(m) for m in (model or [None])]
     headers = [read_header(m.path) for m in resolved]

@@ -9,7 +9,7 @@ import typer
 
 from llmcli.cli import options as o
 from llmcli.cli.inputs import read_message
-from llmcli.errors import ExitCode
+from llmcli.errors import ExitCode, UsageError
 
 
 def setting_flags(given: dict[str, Any]) -> dict[str, Any]:
@@ -67,6 +67,8 @@ def run(
     quiet: o.QuietOpt = False,
     stdin_first: Annotated[bool, typer.Option("--stdin-first", help="Put piped stdin before the prompt argument.")] = False,
     wait_stdin: Annotated[bool, typer.Option("--stdin", help="Wait for piped stdin however long it takes to start.")] = False,
+    batch: Annotated[Optional[str], typer.Option("--batch", help="Answer many prompts: a file or `-`, one prompt per line or JSONL objects with a \"prompt\" field; JSONL out, in input order.", show_default=False)] = None,
+    parallel: Annotated[int, typer.Option("--parallel", "-P", min=1, max=64, help="With --batch: sequences decoded together in one context.")] = 4,
 ) -> None:
     """Answer one prompt, streamed to stdout; stats on stderr."""
     from llmcli import render
@@ -74,6 +76,14 @@ def run(
     from llmcli.pipeline import Request, open_pipeline
     from llmcli.session import Notice, combine_input
 
+    if batch is not None:
+        from llmcli.cli.batch import run_batch_command
+
+        if prompt is not None:
+            raise UsageError("--batch reads its prompts from the file; drop the prompt argument")
+        request = Request(setting_flags(locals()), profile, raw, chat_template_file, tuple(logit_bias or ()),
+                          grammar, grammar_file, json_schema, output_format, verbose, offline, force, parallel)
+        run_batch_command(batch, request, parallel, quiet)
     console = render.stderr_console()
     prompt_arg, stdin_text, notice = read_message(prompt, wait_stdin)
     if notice and not quiet:
