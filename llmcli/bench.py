@@ -12,7 +12,6 @@ The core never prints: `run_bench` yields progress and returns records; the CLI 
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import platform
@@ -21,9 +20,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from llmcli import backend, system
+from llmcli.hub import sha256_of
 from llmcli.engine import Done, Engine, EngineConfig, RawLoop
 from llmcli.gguf_header import GGUFHeader
 from llmcli.models import ResolvedModel
@@ -96,14 +95,6 @@ def memory_bandwidth(threads: int, megabytes: int = 256, repeats: int = 3) -> fl
             worker.join()
         best = max(best, 2 * chunk * 8 * threads / (time.perf_counter() - started))
     return best
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def environment(models: Sequence[ResolvedModel], threads: Sequence[int]) -> dict[str, object]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,3 +140,26 @@ def known_names(aliases: dict[str, str] | None = None) -> list[str]:
         names.append(repo_id)
         names += [f"{repo_id}:{c.quant}" for c in choices(sorted(files)) if c.quant]
     return list(dict.fromkeys(names))
+
+
+@dataclass(frozen=True)
+class Verified:
+    path: Path
+    ok: bool
+    expected: str | None
+    actual: str
+
+
+def verify(models: list[hub.CachedModel]) -> list[Verified]:
+    """Hash every file of these models against its blob's name (the LFS sha256); remove what fails."""
+    results = []
+    for model in models:
+        for path in model.files:
+            blob = path.resolve()
+            expected = blob.name if re.fullmatch(r"[0-9a-f]{64}", blob.name) else None
+            actual = hub.sha256_of(path)
+            ok = expected is None or actual == expected
+            if not ok:
+                hub.remove_file(path)
+            results.append(Verified(path, ok, expected, actual))
+    return results

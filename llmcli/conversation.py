@@ -20,6 +20,7 @@ from typing import Any
 
 from llmcli import config
 from llmcli.engine import Done, Token
+from llmcli.hub import sha256_of
 from llmcli.errors import ResourceError, UsageError
 from llmcli.sampling import RULES
 from llmcli.session import GenerationOptions, Notice, Session
@@ -45,11 +46,7 @@ def file_sha256(path: Path) -> str:
     except (OSError, ValueError):
         known = {}
     if key not in known:
-        digest = hashlib.sha256()
-        with path.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        known[key] = digest.hexdigest()
+        known[key] = sha256_of(path)
         store.parent.mkdir(parents=True, exist_ok=True)
         store.write_text(json.dumps(known))
     return known[key]

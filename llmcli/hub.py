@@ -8,25 +8,23 @@
 - Integrity: hf_hub_download does not check what it wrote; every new download is hashed and
   compared with the LFS sha256 from the repository listing, and removed on mismatch.
 - Endpoint and token are read at call time ($HF_ENDPOINT, $HF_TOKEN), never at import.
-- Every library exception is translated here, in one ordered table (`_translated`).
+- Every library exception is translated in one ordered table (hub_errors.py).
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
-import re
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmcli import config, resources
-from llmcli.errors import ExitCode, IntegrityError, LlmcliError, ModelNotFoundError, ResourceError, UsageError
+from llmcli.errors import IntegrityError, ModelNotFoundError, ResourceError, UsageError
+from llmcli.hub_errors import translated as _translated
 from llmcli.references import Choice, HubReference, check_filename, choices, select
 
 # Progress of one file: (file name, bytes done, bytes total or None).
@@ -102,7 +100,7 @@ def fetch(reference: HubReference, offline_only: bool = False, refresh: bool = F
         files = [remote[name] for name in choice.files]
         resources.check_memory(str(reference), sum(f.size or 0 for f in files), force=force)
         _check_disk_space(reference, files)
-        prune()  # partial files a killed process left behind
+        prune_partial()  # partial files a killed process left behind
         paths = tuple(_download(reference, file, on_progress) for file in files)
     return Fetched(reference, commit, paths, choice.quant)
 
@@ -240,7 +238,7 @@ def _relay(filename: str, on_progress: ProgressCallback | None) -> type:
 # -- the local cache, without the network ---------------------------------------------------
 
 
-def prune() -> list[Path]:
+def prune_partial() -> list[Path]:
     """Remove partial downloads whose download is not running (its lock is free): what a killed
     process left behind. Returns what was removed."""
     from filelock import FileLock, Timeout  # a huggingface_hub dependency
@@ -262,29 +260,6 @@ def prune() -> list[Path]:
             partial.unlink(missing_ok=True)
             removed.append(partial)
     return removed
-
-
-@dataclass(frozen=True)
-class Verified:
-    path: Path
-    ok: bool
-    expected: str | None
-    actual: str
-
-
-def verify(models: list[CachedModel]) -> list[Verified]:
-    """Hash every file of these models against its blob's name (the LFS sha256); remove what fails."""
-    results = []
-    for model in models:
-        for path in model.files:
-            blob = path.resolve()
-            expected = blob.name if re.fullmatch(r"[0-9a-f]{64}", blob.name) else None
-            actual = sha256_of(path)
-            ok = expected is None or actual == expected
-            if not ok:
-                remove_file(path)
-            results.append(Verified(path, ok, expected, actual))
-    return results
 
 
 def _repo_dir(repo_id: str) -> Path:
@@ -373,62 +348,3 @@ def delete(models: list[CachedModel]) -> int:
         if not snapshots.exists() or not any(snapshots.iterdir()):
             shutil.rmtree(repo, ignore_errors=True)
     return freed
-
-
-# -- errors ---------------------------------------------------------------------------------
-
-
-@contextmanager
-def _translated(reference: HubReference | None) -> Iterator[None]:
-    """huggingface_hub's and the transport's exceptions -> one-line LlmcliErrors (order matters)."""
-    _hf()
-    from huggingface_hub import errors
-
-    name = str(reference) if reference else "the cache"
-    repo = reference.repo_id if reference else ""
-    try:
-        yield
-    except (LlmcliError, KeyboardInterrupt):
-        raise
-    except errors.GatedRepoError:
-        raise LlmcliError(
-            f"{repo} is gated: you need to accept its terms and authenticate to download it",
-            hint="Accept the license on the model page, then set HF_TOKEN to a token with access.",
-        ) from None
-    except errors.RepositoryNotFoundError as exc:
-        status = getattr(getattr(exc, "response", None), "status_code", 404)
-        raise ModelNotFoundError(
-            f"repository {repo} not found on {endpoint()}" + (" (or it is private)" if status == 401 else ""),
-            hint="Check the name (OWNER/REPO); a private repository needs HF_TOKEN.",
-        ) from None
-    except errors.RevisionNotFoundError:
-        raise ModelNotFoundError(f"revision {reference.revision if reference else ''!r} not found in {repo}") from None
-    except errors.RemoteEntryNotFoundError:
-        raise ModelNotFoundError(f"{name}: file not found in the repository", hint="`llmcli pull OWNER/REPO` lists the files.") from None
-    except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled):
-        raise ModelNotFoundError(f"{name} is not in the cache and the Hub cannot be asked (offline)",
-                                 hint="Run `llmcli pull` while online.") from None
-    except errors.HfHubHTTPError as exc:
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        if status in (401, 403):
-            raise LlmcliError(f"{endpoint()} refused access to {repo} (HTTP {status})",
-                              hint="Set HF_TOKEN to a token with access to this repository.") from None
-        raise LlmcliError(f"the Hub answered HTTP {status} for {name}", exit_code=ExitCode.NETWORK,
-                          hint="Try again later, or use --offline for what is cached.") from None
-    except UsageError:
-        raise
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise ResourceError(f"the disk filled up while downloading {name}",
-                                hint="Free some space and pull again; nothing partial was kept.") from None
-        raise _network_error(name, exc) from None
-    except Exception as exc:  # the HTTP library's transport errors (connect, read, truncated body)
-        raise _network_error(name, exc) from None
-
-
-def _network_error(name: str, exc: BaseException) -> LlmcliError:
-    return LlmcliError(
-        f"download of {name} from {endpoint()} failed: {type(exc).__name__}: {str(exc)[:200]}",
-        exit_code=ExitCode.NETWORK,
-        hint="Check the connection and pull again; --offline uses only the cache.",
-    )

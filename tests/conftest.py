@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pty
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -76,3 +77,26 @@ def run_cli(*args: str, input: str | bytes | None = None, env: dict[str, str] | 
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def run_in_terminal(args: list[str], env: dict[str, str]) -> bytes:
+    """Run `python -m llmcli ARGS` with stdout on a pseudo-terminal; return what it printed there."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmcli", *args], stdin=subprocess.DEVNULL, stdout=follower, stderr=subprocess.DEVNULL,
+        env={**os.environ, **env},
+    )
+    os.close(follower)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        output += chunk
+    proc.wait(timeout=120)
+    os.close(leader)
+    assert proc.returncode == 0
+    return output

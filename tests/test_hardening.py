@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import run_cli
+from conftest import run_cli, run_in_terminal
 from fake_hub import FakeHub, Fault
 from gguf_tools import rewrite_metadata
 
@@ -140,23 +139,7 @@ def test_fuzzed_gguf_never_crashes_or_hangs(tmp_path, model_bytes, mutation):
 
 def test_escape_sequences_from_the_model_are_neutralised_on_a_terminal():
     grammar = r'root ::= "\x1b[31mred\x1b[0m [bold]x[/bold]"'
-    leader, follower = pty.openpty()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmcli", "run", "--grammar", grammar, "--temp", "0", "-q", "hi"],
-        stdin=subprocess.DEVNULL, stdout=follower, stderr=subprocess.DEVNULL, env={**os.environ, "NO_COLOR": "1"},
-    )
-    os.close(follower)
-    output = b""
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        output += chunk
-    proc.wait(timeout=60)
-    os.close(leader)
+    output = run_in_terminal(["run", "--grammar", grammar, "--temp", "0", "-q", "hi"], {"NO_COLOR": "1"})
     assert b"\x1b" not in output
     assert b"^[[31mred^[[0m [bold]x[/bold]" in output
     piped = run_cli("run", "--grammar", grammar, "--temp", "0", "-q", "hi")  # piped: the bytes, untouched

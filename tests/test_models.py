@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
 from fake_hub import FakeHub, Fault
 
 REPO = "bartowski/SmolLM2-135M-Instruct-GGUF"
@@ -147,6 +146,13 @@ def test_hub_errors_are_one_line_with_a_hint(hub, cli, reference, code, fragment
     if hint:
         assert lines[1].startswith("Hint: ") and hint in lines[1]
     assert "Traceback" not in result.stderr
+
+
+def test_hf_token_opens_a_gated_repository(hub, cli):
+    assert cli("pull", "meta/gated-GGUF").code == 1
+    result = cli("pull", "meta/gated-GGUF", env={"HF_TOKEN": "hf_example_token"})
+    assert result.code == 0, result.stderr
+    assert result.stderr.startswith("meta/gated-GGUF:Q4_K_M ready")
 
 
 def test_network_down_is_a_network_error(cli, monkeypatch):

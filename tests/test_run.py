@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_in_terminal
 
 PROMPT = "Explain what a KV cache is in two sentences."
 
@@ -104,33 +103,11 @@ def test_piped_output_has_no_escape_codes(cli):
     assert "\x1b" not in result.stdout
 
 
-def _run_in_terminal(args: list[str], env: dict[str, str]) -> bytes:
-    leader, follower = pty.openpty()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmcli", *args], stdin=subprocess.DEVNULL, stdout=follower, stderr=subprocess.DEVNULL,
-        env={**os.environ, **env},
-    )
-    os.close(follower)
-    output = b""
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        output += chunk
-    proc.wait(timeout=120)
-    os.close(leader)
-    assert proc.returncode == 0
-    return output
-
-
 def test_terminal_output_is_coloured_and_no_color_turns_it_off():
     args = ["run", "--temp", "0", "-n", "12", "-q", PROMPT]
-    coloured = _run_in_terminal(args, {"NO_COLOR": "", "TERM": "xterm-256color"})
+    coloured = run_in_terminal(args, {"NO_COLOR": "", "TERM": "xterm-256color"})
     assert b"\x1b[" in coloured
-    plain = _run_in_terminal(args, {"NO_COLOR": "1", "TERM": "xterm-256color"})
+    plain = run_in_terminal(args, {"NO_COLOR": "1", "TERM": "xterm-256color"})
     assert b"\x1b[" not in plain
     assert plain.strip()
 

@@ -137,7 +137,7 @@ def verify(
 
     doomed = catalog.removable(reference, _aliases()) if reference else hub.cached_models()
     console = render.stderr_console()
-    results = hub.verify(doomed)
+    results = catalog.verify(doomed)
     for result in results:
         console.print(f"{'ok     ' if result.ok else 'CORRUPT'}  {result.path}")
     bad = [r for r in results if not r.ok]
@@ -151,7 +151,7 @@ def prune() -> None:
     """Remove partial downloads left behind by killed processes (running downloads are untouched)."""
     from llmcli import hub, render
 
-    removed = hub.prune()
+    removed = hub.prune_partial()
     console = render.stderr_console()
     for path in removed:
         console.print(f"removed {path}")
