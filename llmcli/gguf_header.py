@@ -13,6 +13,7 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -205,9 +206,14 @@ class _Cursor:
 
 
 def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
-    """Parse and validate the header of the GGUF file at `path`."""
+    """Parse and validate the header of the GGUF file at `path` (remembered while the file is unchanged)."""
     path = Path(path)
-    size = path.stat().st_size
+    stat = path.stat()
+    return _read_header(path, stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=8)
+def _read_header(path: Path, size: int, mtime_ns: int) -> GGUFHeader:
     if size < 24:
         raise IntegrityError(
             f"{path} is not a GGUF file ({size} bytes)",
@@ -307,6 +313,10 @@ def _check_values(header: GGUFHeader, cur: _Cursor) -> None:
     n_vocab = tokens.length if isinstance(tokens, ArraySummary) else len(tokens) if isinstance(tokens, list) else None
     if n_vocab is None:
         return
+    if isinstance(tokens, ArraySummary):
+        if tokens.item_type != _STRING:
+            raise cur.fail("tokenizer.ggml.tokens is not an array of strings")
+        _check_unique_tokens(cur, tokens)
     for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
         other = meta.get(key)
         length = other.length if isinstance(other, ArraySummary) else len(other) if isinstance(other, list) else n_vocab
@@ -316,6 +326,21 @@ def _check_values(header: GGUFHeader, cur: _Cursor) -> None:
         if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
             if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value < n_vocab:
                 raise cur.fail(f"{key} = {value!r} is outside the vocabulary of {n_vocab}")
+
+
+def _check_unique_tokens(cur: _Cursor, tokens: ArraySummary) -> None:
+    """llama.cpp aborts the whole process (GGML_ASSERT) on a vocabulary with a repeated token."""
+    seen: set[bytes] = set()
+    saved, cur.pos = cur.pos, tokens.offset
+    for index in range(tokens.length):
+        length = cur.u64("token length")
+        cur.need(length, "token")
+        text = cur.buf[cur.pos : cur.pos + length]
+        if text in seen:
+            raise cur.fail(f"token {index} repeats an earlier token of the vocabulary")
+        seen.add(text)
+        cur.pos += length
+    cur.pos = saved
 
 
 def string_items(header: GGUFHeader, key: str, indices: set[int]) -> dict[int, str]:

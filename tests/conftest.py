@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import os
 import pty
+import selectors
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+import llmcli.cli  # noqa: F401  (imported once here, inherited by every forked CLI run)
+import llmcli.pipeline  # noqa: F401  (llama_cpp, jinja2: no llama.cpp state is created by importing)
+import llmcli.render  # noqa: F401
 from llmcli.models import packaged_models
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -61,17 +68,89 @@ class Result:
 
 
 def run_cli(*args: str, input: str | bytes | None = None, env: dict[str, str] | None = None, timeout: float = 180) -> Result:
-    """Run `python -m llmcli ARGS` as a user would: real process, real pipes, stdin from /dev/null unless given."""
+    """Run `llmcli ARGS` as a user would: a separate process with real pipes, stdin from /dev/null
+    unless given. The process is forked from this one, where llmcli is already imported, which
+    saves the interpreter start-up per call; LLMCLI_TEST_SUBPROCESS=1 uses `python -m llmcli`."""
     data = input.encode() if isinstance(input, str) else input
-    proc = subprocess.run(
-        [sys.executable, "-m", "llmcli", *args],
-        input=data,
-        stdin=None if data is not None else subprocess.DEVNULL,
-        capture_output=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-    return Result(proc.returncode, proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace"))
+    environment = {**os.environ, **(env or {})}
+    if os.environ.get("LLMCLI_TEST_SUBPROCESS"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "llmcli", *args], input=data, stdin=None if data is not None else subprocess.DEVNULL,
+            capture_output=True, timeout=timeout, env=environment,
+        )
+        return Result(proc.returncode, proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace"))
+    return _forked_cli(list(args), data, environment, timeout)
+
+
+def _forked_cli(args: list[str], data: bytes | None, environment: dict[str, str], timeout: float) -> Result:
+    stdin = tempfile.TemporaryFile()
+    stdin.write(data or b"")
+    stdin.seek(0)
+    stdin_fd = stdin.fileno() if data is not None else os.open(os.devnull, os.O_RDONLY)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: become `llmcli ARGS` with these fds and this environment
+        code = 70
+        try:
+            os.dup2(stdin_fd, 0)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            for fd in (out_r, out_w, err_r, err_w):
+                os.close(fd)
+            os.environ.clear()
+            os.environ.update(environment)
+            sys.stdin = open(0, "r", encoding="utf-8", errors="surrogateescape", closefd=False)
+            sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
+            sys.stderr = open(2, "w", encoding="utf-8", closefd=False, buffering=1)
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+                signal.signal(signum, signal.SIG_IGN if signum == signal.SIGPIPE else signal.default_int_handler
+                              if signum == signal.SIGINT else signal.SIG_DFL)
+            sys.argv = ["llmcli", *args]
+            from llmcli.cli import main
+
+            try:
+                main()
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:  # a failure of the harness itself, not of llmcli
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            except BaseException:
+                pass
+            os._exit(code)
+    os.close(out_w)
+    os.close(err_w)
+    if data is None:
+        os.close(stdin_fd)
+    stdin.close()
+    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+    selector = selectors.DefaultSelector()
+    for fd in chunks:
+        selector.register(fd, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while selector.get_map():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise subprocess.TimeoutExpired(["llmcli", *args], timeout)
+        for key, _ in selector.select(remaining):
+            block = os.read(key.fd, 65536)
+            if block:
+                chunks[key.fd].append(block)
+            else:
+                selector.unregister(key.fd)
+                os.close(key.fd)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    return Result(code, b"".join(chunks[out_r]).decode("utf-8", "replace"), b"".join(chunks[err_r]).decode("utf-8", "replace"))
 
 
 @pytest.fixture

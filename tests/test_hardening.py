@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import run_cli, run_in_terminal
@@ -86,9 +86,14 @@ def test_llama_cpp_reason_is_surfaced(tmp_path, smollm2):
     assert result.stderr.startswith("Error: llama.cpp could not load") and "block_count" in result.stderr
 
 
-@pytest.fixture(scope="module")
+_MODEL_BYTES: list[bytes] = []
+
+
 def model_bytes(smollm2: Path) -> bytes:
-    return smollm2.read_bytes()
+    """The real model's bytes, read once (kept out of hypothesis' reports of failing examples)."""
+    if not _MODEL_BYTES:
+        _MODEL_BYTES.append(smollm2.read_bytes())
+    return _MODEL_BYTES[0]
 
 
 HEADER_END = 1_785_664  # SmolLM2's data section starts here: everything before is header
@@ -116,11 +121,13 @@ def mutate(data: bytes, mutation: tuple[str, int, int]) -> bytes:
     return bytes(buffer)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, derandomize=True,  # the same cases on every run: CI cannot flake
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(mutation=mutations())
-def test_fuzzed_gguf_never_crashes_or_hangs(tmp_path, model_bytes, mutation):
+@example(mutation=("flip", 402478, 5))  # found by this test: a repeated token made llama.cpp abort (GGML_ASSERT)
+def test_fuzzed_gguf_never_crashes_or_hangs(tmp_path, smollm2, mutation):
     path = tmp_path / "fuzzed.gguf"
-    path.write_bytes(mutate(model_bytes, mutation))
+    path.write_bytes(mutate(model_bytes(smollm2), mutation))
     proc = subprocess.run(
         [sys.executable, "-m", "llmcli", "run", "-m", str(path), "--raw", "--temp", "0", "-n", "1", "-q", "hi"],
         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,

@@ -8,9 +8,15 @@ import sys
 
 from llmcli.errors import ResourceError, UsageError
 
-# With a prompt argument, piped stdin is added only if it shows data (or EOF) this soon:
-# agents and CI often pass an inherited stdin that never closes.
-STDIN_GRACE_S = float(os.environ.get("LLMCLI_STDIN_WAIT", "1.0"))
+def stdin_grace_s() -> float:
+    """With a prompt argument, piped stdin is added only if it shows data (or EOF) this soon
+    ($LLMCLI_STDIN_WAIT, 1 s): agents and CI often pass an inherited stdin that never closes."""
+    return float(os.environ.get("LLMCLI_STDIN_WAIT", "1.0"))
+
+
+def max_stdin_bytes() -> int:
+    """The most stdin llmcli reads ($LLMCLI_MAX_STDIN, 64 MiB): far beyond any context window."""
+    return int(os.environ.get("LLMCLI_MAX_STDIN", str(64 * 2**20)))
 
 
 def read_message(prompt: str | None, wait_for_stdin: bool = False) -> tuple[str | None, str | None, str | None]:
@@ -26,8 +32,9 @@ def read_message(prompt: str | None, wait_for_stdin: bool = False) -> tuple[str 
         return None, _read_all(), None
     if not piped:
         return prompt, None, None
-    if not wait_for_stdin and not _ready(stdin, STDIN_GRACE_S):
-        return prompt, None, f"stdin sent nothing for {STDIN_GRACE_S:g} s; ignoring it (--stdin waits for it)"
+    grace = stdin_grace_s()
+    if not wait_for_stdin and not _ready(stdin, grace):
+        return prompt, None, f"stdin sent nothing for {grace:g} s; ignoring it (--stdin waits for it)"
     return prompt, _read_all(), None
 
 
@@ -46,19 +53,17 @@ def _ready(stream: object, timeout: float) -> bool:
     return bool(readable)
 
 
-MAX_STDIN_BYTES = int(os.environ.get("LLMCLI_MAX_STDIN", str(64 * 2**20)))
-
-
 def _read_all() -> str:
-    """All of stdin as text: invalid UTF-8 becomes U+FFFD; more than MAX_STDIN_BYTES is refused."""
+    """All of stdin as text: invalid UTF-8 becomes U+FFFD; more than max_stdin_bytes() is refused."""
+    limit = max_stdin_bytes()
     buffer = getattr(sys.stdin, "buffer", None)
     if buffer is None:
-        data = sys.stdin.read(MAX_STDIN_BYTES + 1).encode("utf-8", "replace")
+        data = sys.stdin.read(limit + 1).encode("utf-8", "replace")
     else:
-        data = buffer.read(MAX_STDIN_BYTES + 1)
-    if len(data) > MAX_STDIN_BYTES:
+        data = buffer.read(limit + 1)
+    if len(data) > limit:
         raise ResourceError(
-            f"stdin holds more than {MAX_STDIN_BYTES // 2**20} MiB; no context window takes that much",
+            f"stdin holds more than {limit:,} bytes; no context window takes that much",
             hint="Send a smaller part, or split the input.",
         )
     return data.decode("utf-8", "replace").rstrip("\r\n")  # `echo`'s newline is not part of the message
