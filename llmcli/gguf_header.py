@@ -335,7 +335,8 @@ def _check_unique_tokens(cur: _Cursor, tokens: ArraySummary) -> None:
     for index in range(tokens.length):
         length = cur.u64("token length")
         cur.need(length, "token")
-        text = cur.buf[cur.pos : cur.pos + length]
+        # llama.cpp reads token texts as C strings: a NUL byte ends them, so compare what it would see
+        text = cur.buf[cur.pos : cur.pos + length].split(b"\0", 1)[0]
         if text in seen:
             raise cur.fail(f"token {index} repeats an earlier token of the vocabulary")
         seen.add(text)

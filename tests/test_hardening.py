@@ -124,7 +124,8 @@ def mutate(data: bytes, mutation: tuple[str, int, int]) -> bytes:
 @settings(max_examples=25, deadline=None, derandomize=True,  # the same cases on every run: CI cannot flake
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(mutation=mutations())
-@example(mutation=("flip", 402478, 5))  # found by this test: a repeated token made llama.cpp abort (GGML_ASSERT)
+@example(mutation=("flip", 402478, 5))  # found by fuzzing: a repeated token made llama.cpp abort (GGML_ASSERT)
+@example(mutation=("forge", 646937, 0))  # found by fuzzing: tokens equal up to a NUL byte, the same abort
 def test_fuzzed_gguf_never_crashes_or_hangs(tmp_path, smollm2, mutation):
     path = tmp_path / "fuzzed.gguf"
     path.write_bytes(mutate(model_bytes(smollm2), mutation))
