@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 
@@ -24,7 +25,7 @@ from llmcli.interrupt import Cancellation
 from llmcli.backend import llama_backend, stderr_captured
 from llmcli.sampling import SamplingConfig
 from llmcli.stats import Stats
-from llmcli.streaming import StopMatcher, Utf8Assembler
+from llmcli.streaming import AnswerText
 from llmcli.system import physical_cores
 
 DEFAULT_MAX_CTX = 4096  # llama-cpp-python's 512 is too small for chat; the training context is often too big
@@ -212,13 +213,7 @@ class Engine:
         """
         started = time.perf_counter() if started is None else started
         self.check_budget(len(prompt), max_tokens)
-        with stderr_captured() as captured:
-            try:
-                chain = sampling.to_llama(llama_cpp, self._vocab, seed)
-            except UsageError as exc:
-                # llama.cpp's grammar parser writes its reason straight to stderr, not to the log
-                reason = " ".join(captured().split()) or llama_backend().take_error() or "no reason given"
-                raise UsageError(f"{exc.message}: {reason}") from None
+        chain = self._sampler_chain(sampling, seed)
         try:
             cached = self._reuse_prefix(prompt)
             prefill_started = time.perf_counter()
@@ -226,16 +221,16 @@ class Engine:
             prefill_s = time.perf_counter() - prefill_started
             prefilled = max(0, len(self._cached) - cached)
 
-            assembler, matcher = Utf8Assembler(), StopMatcher(stops)
+            answer = AnswerText(stops)
             limit = max_tokens if max_tokens is not None else sys.maxsize
             one = (llama_cpp.llama_token * 1)()
             n_out = steps = 0
             first = last = ttft = 0.0
-            finish, stop = "interrupted", None
+            finish = "interrupted"
             while not self.cancel:
                 token = llama_cpp.llama_sampler_sample(chain, self._ctx, -1)
                 last = time.perf_counter()
-                if n_out or steps:
+                if first:
                     steps += 1
                 else:
                     first = last
@@ -243,15 +238,13 @@ class Engine:
                     finish = "stop"
                     break
                 n_out += 1
-                text = assembler.feed(self.piece(token))
+                text = answer.feed(self.piece(token))
                 if text:
-                    text, stop = matcher.feed(text)
-                    if text:
-                        ttft = ttft or time.perf_counter() - started
-                        yield Token(text)
-                    if stop is not None:
-                        finish = "stop_sequence"
-                        break
+                    ttft = ttft or time.perf_counter() - started
+                    yield Token(text)
+                if answer.stop is not None:
+                    finish = "stop_sequence"
+                    break
                 if n_out >= limit:
                     finish = "length"
                     break
@@ -261,12 +254,9 @@ class Engine:
                 one[0] = token
                 self._decode((token,), llama_cpp.llama_batch_get_one(one, 1), "decoding")
 
-            if stop is None:
-                text, stop = matcher.feed(assembler.finish())
-                if stop is None:
-                    tail, stop = matcher.finish()
-                    text += tail
-                if stop is not None:
+            if answer.stop is None:
+                text = answer.finish()
+                if answer.stop is not None:
                     finish = "stop_sequence"
                 if text:
                     ttft = ttft or time.perf_counter() - started
@@ -286,9 +276,20 @@ class Engine:
                 total_s=done - started,
                 seed=None if sampling.greedy else seed,
             )
-            yield Done(finish, stats, stop)
+            yield Done(finish, stats, answer.stop)
         finally:
             llama_cpp.llama_sampler_free(chain)
+
+    def _sampler_chain(self, sampling: SamplingConfig, seed: int) -> Any:
+        """The llama.cpp sampler chain; a grammar llama.cpp rejects is a usage error with its reason."""
+        if sampling.grammar is None:
+            return sampling.to_llama(llama_cpp, self._vocab, seed)
+        with stderr_captured() as captured:  # the grammar parser writes its reason to fd 2, not the log
+            try:
+                return sampling.to_llama(llama_cpp, self._vocab, seed)
+            except UsageError as exc:
+                reason = " ".join(captured().split()) or llama_backend().take_error() or "no reason given"
+                raise UsageError(f"{exc.message}: {reason}") from None
 
     def _reuse_prefix(self, prompt: Sequence[int]) -> int:
         """Keep the longest cached prefix of `prompt` (at most all but its last token); drop the rest."""

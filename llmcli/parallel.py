@@ -25,7 +25,7 @@ from llmcli.engine import Engine
 from llmcli.errors import LlmcliError
 from llmcli.interrupt import Cancellation
 from llmcli.session import GenerationOptions, Session
-from llmcli.streaming import StopMatcher, Utf8Assembler
+from llmcli.streaming import AnswerText
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,8 @@ class _Slot:
     n_out: int = 0
     first_token: float | None = None
     parts: list[str] = field(default_factory=list)
-    assembler: Utf8Assembler = field(default_factory=Utf8Assembler)
-    matcher: StopMatcher | None = None
+    answer: AnswerText = field(default_factory=lambda: AnswerText(()))
     finish: str | None = None
-    stop: str | None = None
 
     @property
     def pos(self) -> int:
@@ -214,7 +212,7 @@ def _schedule(engine: Engine, session: Session, item: BatchItem, generation: Gen
     seed = generation.sampling.effective_seed()
     summary.prompt_tokens += len(tokens)
     chain = generation.sampling.to_llama(llama_cpp, engine._vocab, seed)
-    return _Slot(seq, item, tokens, chain, seed, time.perf_counter(), matcher=StopMatcher(generation.stops))
+    return _Slot(seq, item, tokens, chain, seed, time.perf_counter(), answer=AnswerText(generation.stops))
 
 
 def _advance(engine: Engine, slot: _Slot, token: int, vocab: Any, generation: GenerationOptions) -> None:
@@ -224,12 +222,9 @@ def _advance(engine: Engine, slot: _Slot, token: int, vocab: Any, generation: Ge
         slot.finish = "stop"
     else:
         slot.n_out += 1
-        text = slot.assembler.feed(engine.piece(token))
-        if text:
-            text, slot.stop = slot.matcher.feed(text)
-            slot.parts.append(text)
-            if slot.stop is not None:
-                slot.finish = "stop_sequence"
+        slot.parts.append(slot.answer.feed(engine.piece(token)))
+        if slot.answer.stop is not None:
+            slot.finish = "stop_sequence"
     if slot.finish is None and generation.max_tokens is not None and slot.n_out >= generation.max_tokens:
         slot.finish = "length"
     if slot.finish is None and len(slot.tokens) + slot.n_out >= engine.n_ctx:
@@ -238,13 +233,9 @@ def _advance(engine: Engine, slot: _Slot, token: int, vocab: Any, generation: Ge
 
 
 def _record(slot: _Slot) -> dict[str, Any]:
-    if slot.stop is None:
-        tail, slot.stop = slot.matcher.feed(slot.assembler.finish())
-        slot.parts.append(tail)
-        if slot.stop is None:
-            tail, slot.stop = slot.matcher.finish()
-            slot.parts.append(tail)
-        if slot.stop is not None:
+    if slot.answer.stop is None:
+        slot.parts.append(slot.answer.finish())
+        if slot.answer.stop is not None:
             slot.finish = "stop_sequence"
     now = time.perf_counter()
     decode_s = now - slot.first_token if slot.first_token else 0.0
@@ -253,7 +244,7 @@ def _record(slot: _Slot) -> dict[str, Any]:
         "index": slot.item.index,
         "text": "".join(slot.parts),
         "finish_reason": slot.finish,
-        "stop_sequence": slot.stop,
+        "stop_sequence": slot.answer.stop,
         "usage": {"prompt_tokens": len(slot.tokens), "completion_tokens": slot.n_out},
         "timings": {
             "ttft_s": round((slot.first_token or now) - slot.scheduled, 4),

@@ -69,6 +69,35 @@ class StopMatcher:
         return limit
 
 
+class AnswerText:
+    """Token bytes in, printable answer text out: UTF-8 assembly, then stop-sequence hold-back.
+
+    `stop` names the stop sequence once one has matched; nothing after it is returned.
+    """
+
+    def __init__(self, stops: Iterable[str]):
+        self._utf8 = Utf8Assembler()
+        self._stops = StopMatcher(stops)
+        self.stop: str | None = None
+
+    def feed(self, piece: bytes) -> str:
+        text = self._utf8.feed(piece)
+        if not text or self.stop is not None:
+            return ""
+        text, self.stop = self._stops.feed(text)
+        return text
+
+    def finish(self) -> str:
+        """The answer is over: release what was held back (cut at a stop sequence that completes now)."""
+        if self.stop is not None:
+            return ""
+        text, self.stop = self._stops.feed(self._utf8.finish())
+        if self.stop is None:
+            tail, self.stop = self._stops.finish()
+            text += tail
+        return text
+
+
 def _first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str | None]:
     best_at, best = len(text), None
     for stop in stops:  # longest first, so of two stops at one index the longer is named

@@ -154,6 +154,28 @@ def _forked_cli(args: list[str], data: bytes | None, environment: dict[str, str]
 
 
 @pytest.fixture
+def serve_hub(monkeypatch: pytest.MonkeyPatch):
+    """Start a loopback fake Hub serving `repos` ({repo_id: {file: path}}) and point HF_ENDPOINT at it;
+    stopped when the test ends."""
+    from fake_hub import FakeHub
+
+    servers: list[FakeHub] = []
+
+    def start(repos: dict[str, dict[str, Path]], gated: tuple[str, ...] = (), faults: dict | None = None) -> FakeHub:
+        server = FakeHub()
+        for repo_id, files in repos.items():
+            server.add(repo_id, files, gated=repo_id in gated)
+        server.faults.update(faults or {})
+        servers.append(server.start())
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
 def cli():
     return run_cli
 

@@ -168,14 +168,8 @@ def test_ctrl_c_while_loading_exits_130_quietly():
 
 
 @pytest.fixture
-def slow_hub(smollm2: Path, monkeypatch: pytest.MonkeyPatch):
-    server = FakeHub()
-    server.add(REPO, {Q4: smollm2})
-    server.faults[Q4] = Fault(delay_per_mb=0.05)  # ~5 s for the whole file
-    server.start()
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    yield server
-    server.stop()
+def slow_hub(smollm2: Path, serve_hub) -> FakeHub:
+    return serve_hub({REPO: {Q4: smollm2}}, faults={Q4: Fault(delay_per_mb=0.05)})  # ~5 s for the whole file
 
 
 def cache_entries(home: Path) -> list[str]:
@@ -248,13 +242,8 @@ def test_disk_filling_up_anyway_is_a_clear_error_and_the_cache_stays_usable(hub_
 
 
 @pytest.fixture
-def hub_for_disk(smollm2: Path, monkeypatch: pytest.MonkeyPatch):
-    server = FakeHub()
-    server.add(REPO, {Q4: smollm2})
-    server.start()
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    yield server
-    server.stop()
+def hub_for_disk(smollm2: Path, serve_hub) -> FakeHub:
+    return serve_hub({REPO: {Q4: smollm2}})
 
 
 def test_memory_is_checked_before_a_download(hub_for_disk):
@@ -285,15 +274,9 @@ def test_verify_detects_a_corrupted_cached_file(hub_for_disk, isolated_env):
     assert run_cli("run", "--offline", "-m", REPO, "hi").code == 3  # removed, not loaded
 
 
-def test_unsafe_names_in_a_listing_are_never_used(smollm2, monkeypatch, isolated_env, tmp_path):
-    server = FakeHub()
-    server.add("evil/repo", {"../../../escape-Q4_K_M.gguf": smollm2, "/abs-Q4_K_M.gguf": smollm2, "good-Q8_0.gguf": smollm2})
-    server.start()
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    try:
-        result = run_cli("pull", "evil/repo")
-    finally:
-        server.stop()
+def test_unsafe_names_in_a_listing_are_never_used(smollm2, serve_hub, isolated_env, tmp_path):
+    serve_hub({"evil/repo": {"../../../escape-Q4_K_M.gguf": smollm2, "/abs-Q4_K_M.gguf": smollm2, "good-Q8_0.gguf": smollm2}})
+    result = run_cli("pull", "evil/repo")
     assert result.code == 0, result.stderr
     assert "evil/repo:Q8_0 ready" in result.stderr
     assert not list(tmp_path.rglob("escape-Q4_K_M.gguf")) and not Path("/abs-Q4_K_M.gguf").exists()

@@ -23,16 +23,13 @@ def shards(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path
 
 
 @pytest.fixture
-def hub(smollm2: Path, shards: list[Path], monkeypatch: pytest.MonkeyPatch):
-    server = FakeHub()
-    server.add(REPO, {Q4: smollm2, "SmolLM2-135M-Instruct-Q2_K.gguf": smollm2, "SmolLM2-135M-Instruct-Q6_K.gguf": smollm2})
-    server.add("someone/no-preferred-GGUF", {"model-Q3_K_XL.gguf": smollm2, "model-IQ2_M.gguf": smollm2})
-    server.add("someone/split-GGUF", {p.name: p for p in shards})
-    server.add("meta/gated-GGUF", {"gated-Q4_K_M.gguf": smollm2}, gated=True)
-    server.start()
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    yield server
-    server.stop()
+def hub(smollm2: Path, shards: list[Path], serve_hub) -> FakeHub:
+    return serve_hub({
+        REPO: {Q4: smollm2, "SmolLM2-135M-Instruct-Q2_K.gguf": smollm2, "SmolLM2-135M-Instruct-Q6_K.gguf": smollm2},
+        "someone/no-preferred-GGUF": {"model-Q3_K_XL.gguf": smollm2, "model-IQ2_M.gguf": smollm2},
+        "someone/split-GGUF": {p.name: p for p in shards},
+        "meta/gated-GGUF": {"gated-Q4_K_M.gguf": smollm2},
+    }, gated=("meta/gated-GGUF",))
 
 
 def cache_files(home: Path) -> list[str]:
