@@ -1,28 +1,33 @@
-"""Assembling the pipeline for one command from its settings: model, engine, session, generation options.
+"""Assembling the pipeline for one command from what the user asked: settings, model, engine, session.
 
-`run` and `chat` describe what the user asked for in a `Request`; `open_pipeline`
-resolves the settings (llmcli/settings.py), the model file, loads the engine and
-returns everything a command needs to ask questions.
+`run`, `chat` and `config show` describe the request in a `Request`; `resolve_settings`
+gives the effective settings and the model file (downloading it if it must), `open_pipeline`
+loads it and returns everything a command needs to ask questions.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmcli import models, resources, settings
-from llmcli.engine import Engine, EngineConfig, default_context
-from llmcli.interrupt import Cancellation
+from llmcli import settings
+from llmcli.chat.session import PromptOptions, Session
 from llmcli.errors import UsageError
-from llmcli.gguf_header import read_header
-from llmcli.sampling import build_grammar, parse_logit_bias
-from llmcli.session import GenerationOptions, PromptOptions, Session
+from llmcli.inference.engine import Engine, EngineConfig, default_context
+from llmcli.inference.generation import GenerationOptions
+from llmcli.inference.grammar import build_grammar
+from llmcli.inference.sampling import SamplingConfig, parse_logit_bias
+from llmcli.interrupt import Cancellation
+from llmcli.store import memory, models
+from llmcli.store.cache import ProgressCallback
+from llmcli.store.gguf_header import read_header
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Request:
-    flags: dict[str, Any]  # settings given on the command line (None = not given)
+    settings: Mapping[str, Any] = field(default_factory=dict)  # settings given as flags, by name (None: not given)
     profile: str | None = None
     raw: bool = False
     template_file: Path | None = None
@@ -55,18 +60,23 @@ class Pipeline:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def prompt_tokens(self, text: str) -> list[int]:
+        """The tokens of `text` as a new user message (template and system prompt applied)."""
+        return self.session.render(text).tokens
 
-def resolve_settings(request: Request, on_progress: models.ProgressCallback | None = None) -> tuple[settings.Settings, models.ResolvedModel]:
+
+def resolve_settings(request: Request,
+                     on_progress: ProgressCallback | None = None) -> tuple[settings.Settings, models.ResolvedModel]:
     """The effective settings and model (downloaded if it must be), without loading any weights."""
-    data = settings.load_config_file()
-    first = settings.resolve(request.flags, request.profile, config_data=data)
+    config = settings.load_config_file()
+    first = settings.resolve(request.settings, request.profile, config=config)
     model = models.resolve(first["model"], offline=request.offline, on_progress=on_progress,
-                           aliases=data.get("aliases"), force=request.force)
+                           aliases=config.aliases, force=request.force)
     defaults = settings.model_defaults(read_header(model.path).metadata)
-    return settings.resolve(request.flags, request.profile, defaults, data), model
+    return settings.resolve(request.settings, request.profile, defaults, config), model
 
 
-def open_pipeline(request: Request, on_progress: models.ProgressCallback | None = None,
+def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
                   cancel: Cancellation | None = None) -> Pipeline:
     """Resolve (and download) the model, then load it; Ctrl-C during the load aborts it at once."""
     if request.output_format not in (None, "json"):
@@ -78,28 +88,28 @@ def open_pipeline(request: Request, on_progress: models.ProgressCallback | None 
     header = read_header(model.path)
     n_ctx = effective["ctx_size"] or default_context(header.context_length)
     weights = sum(p.stat().st_size for p in model.files)
-    resources.check_memory(model.name, weights, resources.kv_cache_bytes(header, n_ctx, request.parallel), request.force)
+    memory.check_memory(model.name, weights, memory.kv_cache_bytes(header, n_ctx, request.parallel), request.force)
     cancel = cancel if cancel is not None else Cancellation()
+    config = EngineConfig(
+        n_ctx=effective["ctx_size"],
+        n_threads=effective["threads"],
+        n_batch=effective["batch_size"],
+        verbose=request.verbose,
+        mmap=effective["mmap"],
+        mlock=effective["mlock"],
+        n_seq_max=request.parallel,
+    )
     with cancel.on_signals():  # llama.cpp calls back into Python while loading: no exceptions there
-        engine = Engine(
-            model.path,
-            EngineConfig(
-                n_ctx=effective["ctx_size"],
-                n_threads=effective["threads"],
-                n_batch=effective["batch_size"],
-                verbose=request.verbose,
-                mmap=effective["mmap"],
-                mlock=effective["mlock"],
-                n_seq_max=request.parallel,
-            ),
-            cancel,
-        )
+        engine = Engine(model.path, config, cancel)
     try:
-        biases = parse_logit_bias(list(request.logit_bias), lambda t: engine.tokenize(t, add_special=False), engine.n_vocab)
-        sampling = effective.sampling(logit_bias=biases, grammar=grammar, grammar_origin=grammar_origin)
-        session = Session(engine, PromptOptions(effective["system"], request.raw, request.template_file))
+        vocab = engine.vocab
+        biases = parse_logit_bias(list(request.logit_bias), lambda t: vocab.tokenize(t, add_special=False), vocab.n_tokens)
+        sampling = SamplingConfig.from_settings(effective.values, logit_bias=biases, grammar=grammar,
+                                                grammar_origin=grammar_origin)
+        prompt = PromptOptions(effective["system"], request.raw, request.template_file, effective["on_overflow"])
+        session = Session(engine, prompt)
     except BaseException:
         engine.close()
         raise
-    generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]), effective["on_overflow"])
+    generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]))
     return Pipeline(effective, model, engine, session, generation, cancel)

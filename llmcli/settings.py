@@ -1,4 +1,8 @@
-"""Every tunable value, where it came from, and the one precedence rule:
+"""Every tunable value, declared once: its flags, type, default, check, help, config key and env name.
+
+The table `SETTINGS` is the single source. The CLI generates its options from it
+(llmcli/cli/options.py), the config file and the environment are validated against it,
+`llmcli config show` and chat's `/set` list it. One precedence rule:
 
     flag > environment (LLMCLI_<NAME>) > profile in the config file > config file > model defaults > built-in
 
@@ -17,77 +21,130 @@ Model defaults are the `general.sampling.*` keys some GGUF files carry.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from llmcli import config
+from llmcli import paths
 from llmcli.errors import UsageError
-from llmcli.sampling import RULES, SamplingConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
+
+# Help panels
+MODEL, SAMPLING, ENGINE = "Model and prompt", "Sampling and stopping", "Engine"
 
 
 @dataclass(frozen=True)
 class Setting:
-    name: str  # key in the config file; LLMCLI_<NAME> in the environment
-    kind: type
+    name: str  # key in the config file, LLMCLI_<NAME> in the environment, `/set NAME` in chat
+    kind: type  # float, int, str, bool or list (of str)
     default: Any
-    flag: str
+    help: str
+    flags: tuple[str, ...]  # long flag first; a bool's is "--on/--off"
+    panel: str
+    check: Callable[[Any], bool] | None = None
+    rule: str = ""  # what `check` demands, for the error message
+    choices: tuple[str, ...] = ()
     model_key: str | None = None  # GGUF metadata key holding the model's own default
-    choices: tuple[Any, ...] = ()
-    minimum: float | None = None
+    default_text: str | None = None  # the default as help shows it, where the value alone says too little
+    chat: bool = False  # can be changed in a chat with /set
 
     @property
     def env(self) -> str:
         return f"LLMCLI_{self.name.upper()}"
 
+    @property
+    def flag(self) -> str:
+        """The flag as messages name it (`--temp`, `--mmap`)."""
+        return self.flags[0].split("/")[0]
 
-def _s(name: str, kind: type, default: Any, flag: str, model_key: str | None = None, **extra: Any) -> Setting:
-    return Setting(name, kind, default, flag, model_key, **extra)
+    def shown_default(self) -> str:
+        if self.default_text is not None:
+            return self.default_text
+        if self.kind is bool:
+            return "on" if self.default else "off"
+        if self.default in (None, []):
+            return "none"
+        return f"{self.default:g}" if isinstance(self.default, float) else str(self.default)
 
+    def problem(self, value: Any) -> str | None:
+        """Why `value` is not allowed, or None."""
+        if value is None:
+            return None
+        if self.choices and value not in self.choices:
+            return f"must be one of {', '.join(self.choices)}"
+        if self.check is not None and not self.check(value):
+            return self.rule
+        return None
+
+
+def _s(name: str, kind: type, default: Any, help: str, *flags: str, panel: str = SAMPLING, **extra: Any) -> Setting:
+    return Setting(name, kind, default, help, flags or (f"--{name.replace('_', '-')}",), panel, **extra)
+
+
+def _at_least(minimum: float) -> dict[str, Any]:
+    return {"check": lambda v: v >= minimum, "rule": f"must be >= {minimum:g}"}
+
+
+_SAMPLING_KEY = "general.sampling."
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in [
-    _s("model", str, None, "--model"),
-    _s("system", str, None, "--system"),
-    _s("temp", float, 0.8, "--temp", "general.sampling.temp"),
-    _s("top_k", int, 40, "--top-k", "general.sampling.top_k"),
-    _s("top_p", float, 0.95, "--top-p", "general.sampling.top_p"),
-    _s("min_p", float, 0.05, "--min-p", "general.sampling.min_p"),
-    _s("typical_p", float, 1.0, "--typical-p"),
-    _s("repeat_penalty", float, 1.0, "--repeat-penalty", "general.sampling.penalty_repeat"),
-    _s("repeat_last_n", int, 64, "--repeat-last-n", "general.sampling.penalty_last_n"),
-    _s("presence_penalty", float, 0.0, "--presence-penalty"),
-    _s("frequency_penalty", float, 0.0, "--frequency-penalty"),
-    _s("mirostat", int, 0, "--mirostat", "general.sampling.mirostat"),
-    _s("mirostat_tau", float, 5.0, "--mirostat-tau", "general.sampling.mirostat_tau"),
-    _s("mirostat_eta", float, 0.1, "--mirostat-eta", "general.sampling.mirostat_eta"),
-    _s("seed", int, None, "--seed"),
-    _s("max_tokens", int, None, "--max-tokens", minimum=1),
-    _s("stop", list, [], "--stop"),
-    _s("ctx_size", int, None, "--ctx-size", minimum=16),
-    _s("threads", int, None, "--threads", minimum=1),
-    _s("batch_size", int, 512, "--batch-size", minimum=1),
-    _s("mlock", bool, False, "--mlock"),
-    _s("mmap", bool, True, "--mmap/--no-mmap"),
-    _s("on_overflow", str, "error", "--on-overflow", choices=("error", "truncate")),
+    _s("model", str, None, "A .gguf path, OWNER/REPO[:QUANT] from Hugging Face, an alias or an installed model.",
+       "--model", "-m", panel=MODEL, default_text="$LLMCLI_MODEL, the config file, else the first installed model"),
+    _s("system", str, None, "System prompt.", "--system", "-s", panel=MODEL, chat=True),
+    _s("temp", float, 0.8, "Temperature; 0 picks the most likely token (greedy).",
+       check=lambda v: v >= 0, rule="must be >= 0", model_key=_SAMPLING_KEY + "temp", chat=True),
+    _s("top_k", int, 40, "Keep the K most likely tokens; 0 disables.",
+       check=lambda v: v >= 0, rule="must be >= 0 (0 disables it)", model_key=_SAMPLING_KEY + "top_k", chat=True),
+    _s("top_p", float, 0.95, "Keep the smallest set of tokens whose probability sums to P, in (0, 1].",
+       check=lambda v: 0 < v <= 1, rule="must be in (0, 1]", model_key=_SAMPLING_KEY + "top_p", chat=True),
+    _s("min_p", float, 0.05, "Drop tokens less likely than P times the most likely one.",
+       check=lambda v: 0 <= v <= 1, rule="must be in [0, 1]", model_key=_SAMPLING_KEY + "min_p", chat=True),
+    _s("typical_p", float, 1.0, "Locally typical sampling, in (0, 1]; 1 disables.",
+       check=lambda v: 0 < v <= 1, rule="must be in (0, 1]", chat=True),
+    _s("repeat_penalty", float, 1.0, "Penalise repeated tokens; 1 disables.",
+       check=lambda v: v > 0, rule="must be > 0 (1 disables it)", model_key=_SAMPLING_KEY + "penalty_repeat", chat=True),
+    _s("repeat_last_n", int, 64, "How many recent tokens the penalties look at; -1 the whole context.",
+       check=lambda v: v >= -1, rule="must be >= -1 (-1: the whole context)", model_key=_SAMPLING_KEY + "penalty_last_n",
+       chat=True),
+    _s("presence_penalty", float, 0.0, "Penalise tokens that already appeared.",
+       check=math.isfinite, rule="must be a finite number", chat=True),
+    _s("frequency_penalty", float, 0.0, "Penalise tokens by how often they appeared.",
+       check=math.isfinite, rule="must be a finite number", chat=True),
+    _s("mirostat", int, 0, "Mirostat sampling: 0 off, 1 or 2 (replaces top-k/p and min-p).",
+       check=lambda v: v in (0, 1, 2), rule="must be 0, 1 or 2", model_key=_SAMPLING_KEY + "mirostat", chat=True),
+    _s("mirostat_tau", float, 5.0, "Mirostat target entropy.",
+       check=lambda v: v > 0, rule="must be > 0", model_key=_SAMPLING_KEY + "mirostat_tau", chat=True),
+    _s("mirostat_eta", float, 0.1, "Mirostat learning rate.",
+       check=lambda v: v > 0, rule="must be > 0", model_key=_SAMPLING_KEY + "mirostat_eta", chat=True),
+    _s("seed", int, None, "Random seed; the same seed repeats a sampled answer.",
+       check=lambda v: 0 <= v < 2**32 - 1, rule="must be in [0, 2^32 - 1)", default_text="random", chat=True),
+    _s("max_tokens", int, None, "Stop after this many tokens.", "--max-tokens", "-n",
+       default_text="until the model stops or the context is full", chat=True, **_at_least(1)),
+    _s("stop", list, [], "Stop when the answer contains this text (never printed). Repeatable.", chat=True),
+    _s("on_overflow", str, "error", "When the prompt does not fit the context: error, or truncate "
+       "(keep the system prompt and the end of the input).", choices=("error", "truncate"), chat=True),
+    _s("ctx_size", int, None, "Context window in tokens.", "--ctx-size", "-c", panel=ENGINE,
+       default_text="the model's, capped at 4096", **_at_least(16)),
+    _s("threads", int, None, "CPU threads.", "--threads", "-t", panel=ENGINE,
+       default_text="one per physical core", **_at_least(1)),
+    _s("batch_size", int, 512, "Prompt tokens evaluated per step.", "--batch-size", "-b", panel=ENGINE, **_at_least(1)),
+    _s("mlock", bool, False, "Keep the weights in RAM.", "--mlock/--no-mlock", panel=ENGINE),
+    _s("mmap", bool, True, "Map the model file instead of reading it.", "--mmap/--no-mmap", panel=ENGINE),
 ]}
-
-# SamplingConfig field <- setting name, where they differ
-_SAMPLING_NAMES = {"temperature": "temp"}
-
 
 RESERVED_TABLES = ("profiles", "aliases")
 
 
-def config_path() -> Path:
-    return Path(os.environ.get("LLMCLI_CONFIG") or config.config_dir() / "config.toml")
+def default(name: str) -> Any:
+    """The built-in default of a setting: the one place its literal lives is the table above."""
+    return SETTINGS[name].default
 
 
 @dataclass(frozen=True)
@@ -101,18 +158,22 @@ class Settings:
     def __getitem__(self, name: str) -> Any:
         return self.values[name]
 
-    def sampling(self, **extra: Any) -> SamplingConfig:
-        """The SamplingConfig these settings describe; `extra` adds logit_bias and grammar."""
-        kwargs = {field: self.values[_SAMPLING_NAMES.get(field, field)] for field in RULES}
-        return SamplingConfig(**kwargs, **extra)
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """The parsed, validated config file: top-level settings, profiles and aliases."""
+
+    settings: dict[str, Any]
+    profiles: dict[str, dict[str, Any]]
+    aliases: dict[str, str]
 
 
-def load_config_file(path: Path | None = None) -> dict[str, Any]:
-    path = path or config_path()
+def load_config_file() -> ConfigFile:
+    path = paths.config_file()
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        return {}
+        return ConfigFile({}, {}, {})
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read config file {path}: {exc}") from None
     try:
@@ -125,36 +186,35 @@ def load_config_file(path: Path | None = None) -> dict[str, Any]:
     aliases = data.get("aliases", {})
     if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
         raise UsageError(f"config file {path}: [aliases] maps names to model references (strings)")
-    data["aliases"] = {name.lower(): ref for name, ref in aliases.items()}
-    for where, table in [("", {k: v for k, v in data.items() if k not in RESERVED_TABLES})] + [
-        (f"[profiles.{name}] ", table) for name, table in profiles.items()
-    ]:
+    top = {k: v for k, v in data.items() if k not in RESERVED_TABLES}
+    tables = [("", top)] + [(f"[profiles.{name}] ", table) for name, table in profiles.items()]
+    for where, table in tables:
         for key, value in table.items():
             if key not in SETTINGS:
                 raise UsageError(f"config file {path}: {where}unknown setting {key!r}", hint=f"Known: {', '.join(SETTINGS)}")
-            table[key] = _coerce(SETTINGS[key], value, f"config file {path}: {where}{key}")
-    return data
+            table[key] = coerce(SETTINGS[key], value, f"config file {path}: {where}{key}")
+    return ConfigFile(top, profiles, {name.lower(): ref for name, ref in aliases.items()})
 
 
 def resolve(
     flags: Mapping[str, Any],
     profile: str | None = None,
     model_defaults: Mapping[str, Any] | None = None,
-    config_data: Mapping[str, Any] | None = None,
+    config: ConfigFile | None = None,
 ) -> Settings:
     """Merge the layers. `flags` holds only what was given on the command line."""
-    data = load_config_file() if config_data is None else config_data
-    profiles = data.get("profiles", {})
+    config = load_config_file() if config is None else config
     profile = profile or os.environ.get("LLMCLI_PROFILE") or None
-    if profile is not None and profile not in profiles:
-        known = ", ".join(profiles) or "none defined"
-        raise UsageError(f"unknown profile {profile!r} (profiles: {known})", hint=f"Define [profiles.{profile}] in {config_path()}.")
-    path = config_path().name
+    if profile is not None and profile not in config.profiles:
+        known = ", ".join(config.profiles) or "none defined"
+        raise UsageError(f"unknown profile {profile!r} (profiles: {known})",
+                         hint=f"Define [profiles.{profile}] in {paths.config_file()}.")
+    file_name = paths.config_file().name
     layers: list[tuple[str, Mapping[str, Any]]] = [
         ("flag", {k: v for k, v in flags.items() if v is not None}),
         ("env", _from_env()),
-        (f"profile {profile} ({path})", profiles.get(profile, {}) if profile else {}),
-        (path, {k: v for k, v in data.items() if k not in RESERVED_TABLES}),
+        (f"profile {profile} ({file_name})", config.profiles.get(profile, {}) if profile else {}),
+        (file_name, config.settings),
         ("model", model_defaults or {}),
     ]
     values: dict[str, Any] = {}
@@ -177,7 +237,7 @@ def model_defaults(metadata: Mapping[str, Any]) -> dict[str, Any]:
     for setting in SETTINGS.values():
         if setting.model_key and setting.model_key in metadata:
             try:
-                found[setting.name] = _coerce(setting, metadata[setting.model_key], setting.model_key)
+                found[setting.name] = coerce(setting, metadata[setting.model_key], setting.model_key)
             except UsageError:
                 continue  # a malformed model default is ignored, not fatal
     return found
@@ -197,27 +257,36 @@ def _from_env() -> dict[str, Any]:
     found = {}
     for setting in SETTINGS.values():
         raw = os.environ.get(setting.env)
-        if raw is None or raw == "":
-            continue
-        found[setting.name] = _parse_text(setting, raw, setting.env)
+        if raw:
+            found[setting.name] = parse_text(setting, raw, setting.env)
     return found
 
 
-def _parse_text(setting: Setting, raw: str, where: str) -> Any:
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_text(setting: Setting, raw: str, where: str) -> Any:
+    """A setting's value from text (the environment, chat's /set): `none` clears an optional number."""
+    text = raw.strip()
     try:
         if setting.kind is bool:
-            lowered = raw.strip().lower()
-            if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+            if text.lower() not in _TRUE + _FALSE:
                 raise ValueError
-            return lowered in ("1", "true", "yes", "on")
+            return text.lower() in _TRUE
         if setting.kind is list:
-            return json.loads(raw) if raw.lstrip().startswith("[") else [raw]
-        return setting.kind(raw)
+            value = json.loads(text) if text.startswith("[") else [raw]
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError
+            return value
+        if setting.kind in (int, float) and setting.default is None and text.lower() in ("none", "null"):
+            return None
+        return setting.kind(text)
     except (ValueError, json.JSONDecodeError):
         raise UsageError(f"{where}={raw!r} is not a valid {setting.kind.__name__} for {setting.flag}") from None
 
 
-def _coerce(setting: Setting, value: Any, where: str) -> Any:
+def coerce(setting: Setting, value: Any, where: str) -> Any:
+    """A value from TOML or GGUF metadata, type-checked (an int is a valid float)."""
     kind = setting.kind
     ok = (
         (kind is float and isinstance(value, (int, float)) and not isinstance(value, bool))
@@ -232,17 +301,7 @@ def _coerce(setting: Setting, value: Any, where: str) -> Any:
 
 def check_value(setting: Setting, value: Any, source: str) -> None:
     """Values from any layer obey the same rules as the flag; the message names flag and source."""
-    if value is None:
-        return
-    problem = None
-    field = next((f for f, name in _SAMPLING_NAMES.items() if name == setting.name), setting.name)
-    if field in RULES:
-        check, rule, _ = RULES[field]
-        problem = None if check(value) else rule
-    elif setting.choices and value not in setting.choices:
-        problem = f"must be one of {', '.join(setting.choices)}"
-    elif setting.minimum is not None and value < setting.minimum:
-        problem = f"must be >= {setting.minimum:g}"
+    problem = setting.problem(value)
     if problem:
         origin = "" if source.startswith(("flag", "/set")) else f", from {source}"
         raise UsageError(f"{setting.flag} {problem} (got {value}{origin})")

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +17,9 @@ from pathlib import Path
 import pytest
 
 import llmcli.cli  # noqa: F401  (imported once here, inherited by every forked CLI run)
+import llmcli.cli.stream  # noqa: F401
 import llmcli.pipeline  # noqa: F401  (llama_cpp, jinja2: no llama.cpp state is created by importing)
-import llmcli.render  # noqa: F401
-from llmcli.models import packaged_models
+from llmcli.store.packages import packaged_models
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -69,11 +70,13 @@ class Result:
 
 def run_cli(*args: str, input: str | bytes | None = None, env: dict[str, str] | None = None, timeout: float = 180) -> Result:
     """Run `llmcli ARGS` as a user would: a separate process with real pipes, stdin from /dev/null
-    unless given. The process is forked from this one, where llmcli is already imported, which
-    saves the interpreter start-up per call; LLMCLI_TEST_SUBPROCESS=1 uses `python -m llmcli`."""
+    unless given. While this process is single-threaded, the child is forked from it (llmcli is
+    already imported: no interpreter start-up per call); with other threads running (a fake Hub's
+    server) forking could inherit a held lock, so the child is `python -m llmcli`, as it is
+    always with LLMCLI_TEST_SUBPROCESS=1."""
     data = input.encode() if isinstance(input, str) else input
     environment = {**os.environ, **(env or {})}
-    if os.environ.get("LLMCLI_TEST_SUBPROCESS"):
+    if os.environ.get("LLMCLI_TEST_SUBPROCESS") or threading.active_count() > 1:
         proc = subprocess.run(
             [sys.executable, "-m", "llmcli", *args], input=data, stdin=None if data is not None else subprocess.DEVNULL,
             capture_output=True, timeout=timeout, env=environment,
@@ -100,7 +103,7 @@ def _forked_cli(args: list[str], data: bytes | None, environment: dict[str, str]
                 os.close(fd)
             os.environ.clear()
             os.environ.update(environment)
-            sys.stdin = open(0, "r", encoding="utf-8", errors="surrogateescape", closefd=False)
+            sys.stdin = open(0, encoding="utf-8", errors="surrogateescape", closefd=False)
             sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
             sys.stderr = open(2, "w", encoding="utf-8", closefd=False, buffering=1)
             for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):

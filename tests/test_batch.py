@@ -25,7 +25,7 @@ def test_eight_prompts_in_parallel_match_sequential_runs_in_input_order():
     assert code == 0, stderr
     assert [r["index"] for r in records] == list(range(8))
     sequential = [run_cli("run", "--json", "--temp", "0", "-n", "64", q) for q in QUESTIONS]
-    same = sum(json.loads(s.stdout)["text"] == r["text"] for s, r in zip(sequential, records))
+    same = sum(json.loads(s.stdout)["text"] == r["text"] for s, r in zip(sequential, records, strict=True))
     # llama.cpp is not batch-invariant in general; on this build all 8 match (see the closing note)
     assert same >= 7, f"only {same} of 8 batched answers equal the sequential ones"
     for record in records:

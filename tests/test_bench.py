@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import run_cli
 
 TINY = ("-p", "16", "-n", "8", "-r", "2")

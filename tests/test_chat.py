@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
 
 import pexpect
 import pytest
-
 from conftest import run_cli
 
 PROMPT = ">>> "
@@ -127,7 +127,7 @@ def test_only_the_new_turn_is_prefilled_over_eight_turns():
     messages = [f"Tell me one fact about the number {n}." for n in range(1, 9)]
     records = chat_lines("--temp", "0", "-n", "16", messages=messages)
     assert len(records) == 8
-    for previous, current in zip(records, records[1:]):
+    for previous, current in itertools.pairwise(records):
         usage, timings = current["usage"], current["timings"]
         # everything the previous turn evaluated (its prompt and its answer) is reused...
         assert usage["cached_tokens"] >= previous["usage"]["prompt_tokens"] + previous["usage"]["completion_tokens"] - 1
@@ -156,7 +156,7 @@ def test_resume_last_restores_the_history(isolated_env):
     records = [json.loads(line) for line in files[0].read_text().splitlines()]
     header, exchange = records[0], records[1]
     assert header["type"] == "session" and len(header["model_sha256"]) == 64 and len(header["template_sha256"]) == 64
-    assert exchange["user"] == "My secret word is PINEAPPLE." and exchange["sampling"]["temperature"] == 0.0
+    assert exchange["user"] == "My secret word is PINEAPPLE." and exchange["sampling"]["temp"] == 0.0
 
     resumed = run_cli("chat", "--resume", "last", "--temp", "0", "-n", "8", "-q", input="/history\nWhat is my secret word?\n")
     assert resumed.code == 0, resumed.stderr

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from fake_hub import FakeHub, Fault
 
 REPO = "bartowski/SmolLM2-135M-Instruct-GGUF"
@@ -45,7 +44,8 @@ def test_pull_then_run_then_no_more_downloads(hub, cli, isolated_env):
     assert "MiB/s" not in pulled.stderr  # no progress bar when stderr is not a terminal
 
     answer = cli("run", "-m", f"{REPO}:Q4_K_M", "--temp", "0", "-n", "8", "-q", "hi")
-    assert answer.code == 0, answer.stderr and answer.stdout.strip()
+    assert answer.code == 0, answer.stderr
+    assert answer.stdout.strip()
 
     hub.log.clear()
     again = cli("pull", REPO)

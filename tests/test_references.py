@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmcli.errors import UsageError
-from llmcli.references import Choice, HubReference, choices, parse, quant_of, select
+from llmcli.store.references import Choice, HubReference, choices, parse, quant_of, select
 
 
 @pytest.mark.parametrize(

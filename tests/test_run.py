@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import run_cli, run_in_terminal
 
 PROMPT = "Explain what a KV cache is in two sentences."
@@ -200,7 +199,7 @@ def test_truncated_gguf_is_rejected_before_loading(cli, tmp_path, smollm2):
 
 def test_no_installed_model_names_the_fix():
     code = (
-        "import llmcli.models as m; m.packaged_models = lambda: (); "
+        "import llmcli.store.models as m; m.packaged_models = lambda: (); "
         "import sys; sys.argv = ['llmcli', 'run', 'hi']; from llmcli.cli import main; main()"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
@@ -235,24 +234,30 @@ def test_ctrl_c_while_decoding_keeps_the_partial_answer():
 
 def test_ctrl_c_during_a_long_prefill_stops_at_once(tmp_path):
     long_input = tmp_path / "long.txt"
-    long_input.write_text("The quick brown fox jumps over the lazy dog. " * 400)  # ~4000 tokens: seconds of prefill
+    long_input.write_text("The quick brown fox jumps over the lazy dog. " * 400)  # ~4000 tokens
     with long_input.open("rb") as stdin:
+        # -b 1: one token per decode, so the prefill takes tens of seconds; -v: llama.cpp's log says when
+        # the context exists (the last thing before the prefill starts)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "llmcli", "run", "-c", "8192", "--json", "Summarize:", "--stdin"],
+            [sys.executable, "-m", "llmcli", "run", "-v", "-b", "1", "-c", "8192", "--json", "Summarize:", "--stdin"],
             stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
-    time.sleep(1.5)  # model loaded, prefill under way
+    log = b""
+    while b"llama_context:" not in log:
+        line = proc.stderr.readline()
+        assert line, log.decode(errors="replace")
+        log += line
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
-    record = json.loads(out)
+    record = json.loads(out)  # still one valid object
     assert record["finish_reason"] == "interrupted"
     assert record["usage"]["completion_tokens"] == 0
     assert record["timings"]["prefill_tokens"] < record["usage"]["prompt_tokens"]
 
 
 def test_sigterm_ends_generation_gracefully():
-    proc = _start("--temp", "0.8", "Write a very long story about a dragon.")
+    proc = _start("--temp", "0.8", "--seed", "7", "Write a very long story about a dragon.")
     _wait_for_output(proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
@@ -261,7 +266,8 @@ def test_sigterm_ends_generation_gracefully():
 
 
 def test_closed_stdout_exits_quietly():
-    shell = f"{sys.executable} -m llmcli run --temp 0.8 'Write a long story about a dragon.' | head -c 20; exit ${{PIPESTATUS[0]}}"
+    shell = (f"{sys.executable} -m llmcli run --temp 0.8 --seed 7 'Write a long story about a dragon.' | head -c 20; "
+             "exit ${PIPESTATUS[0]}")
     proc = subprocess.run(["bash", "-c", shell], capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
     assert len(proc.stdout) == 20
     assert proc.returncode == 141

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmcli.streaming import StopMatcher, Utf8Assembler, cut_at_first_stop
+from llmcli.inference.streaming import StopMatcher, Utf8Assembler, cut_at_first_stop
 
 
 def assemble(pieces: list[bytes]) -> list[str]:
@@ -31,7 +32,7 @@ def test_multibyte_characters_split_across_tokens_are_assembled():
 def test_any_split_of_any_text_reassembles(text, data):
     raw = text.encode("utf-8")
     cuts = sorted(data.draw(st.sets(st.integers(0, len(raw)))))
-    pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)])]
+    pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
     assert "".join(assemble(pieces)) == text
 
 
@@ -80,7 +81,7 @@ alphabet = st.sampled_from("ab\n é🎉")
 )
 def test_streaming_equals_cut_at_first_stop(text, stops, data):
     cuts = sorted(data.draw(st.sets(st.integers(0, len(text)))))
-    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     emitted, stop = stream(pieces, stops)
     expected_text, expected_stop = cut_at_first_stop(text, stops)
     assert "".join(emitted) == expected_text
@@ -92,3 +93,52 @@ def test_streaming_equals_cut_at_first_stop(text, stops, data):
     for chunk in emitted:
         printed += chunk
         assert not any(s in printed for s in stops)
+
+
+# -- AnswerText and Answer: what both decode loops feed every token to ---------------------------
+
+
+def test_answer_text_assembles_bytes_then_holds_back_stops():
+    from llmcli.inference.streaming import AnswerText
+
+    answer = AnswerText(["STOP"])
+    euro = "€".encode()
+    assert answer.feed(b"price: " + euro[:1]) == "price: "
+    assert answer.feed(euro[1:]) == "€"
+    assert answer.feed(b" ST") == " "  # "ST" may begin the stop sequence: held back
+    assert answer.feed(b"OP and more") == ""
+    assert answer.stop == "STOP"
+    assert answer.feed(b"after the stop") == ""
+    assert answer.finish() == ""
+
+
+def test_answer_text_finish_releases_a_false_start_and_a_dangling_byte():
+    from llmcli.inference.streaming import AnswerText
+
+    answer = AnswerText(["</end>"])
+    assert answer.feed(b"a </e") == "a "
+    assert answer.finish() == "</e"
+    assert answer.stop is None
+    dangling = AnswerText([])
+    assert dangling.feed(b"ok " + "€".encode()[:2]) == "ok "
+    assert dangling.finish() == "\ufffd"
+
+
+@pytest.mark.parametrize("max_tokens, n_prompt, n_ctx, tokens, finish, n_out", [
+    (None, 10, 100, [b"a", b"b", None], "stop", 2),  # None: the end-of-generation token (not counted)
+    (2, 10, 100, [b"a", b"b", b"c"], "length", 2),
+    (None, 10, 12, [b"a", b"b", b"c", b"d"], "context_full", 3),  # the third has no cell left to be decoded in
+    (None, 10, 100, [b"x", b"<", b"/", b"s", b">", b"y"], "stop_sequence", 5),
+])
+def test_answer_applies_one_finish_rule(max_tokens, n_prompt, n_ctx, tokens, finish, n_out):
+    from llmcli.inference.generation import Answer, GenerationOptions
+
+    answer = Answer(GenerationOptions(max_tokens=max_tokens, stops=("</s>",)), n_prompt, n_ctx)
+    text = ""
+    for piece in tokens:
+        text += answer.add(piece is None, piece or b"")
+        if answer.finish is not None:
+            break
+    text += answer.close()
+    assert (answer.finish, answer.n_out) == (finish, n_out)
+    assert "</s>" not in text

@@ -6,11 +6,11 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
-from llmcli import __version__, config
+from llmcli import __version__, paths
 from llmcli.errors import ExitCode, LlmcliError, StdoutClosed, Terminated
 
 app = typer.Typer(
@@ -30,14 +30,16 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+VersionOpt = Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")]
+CacheDirOpt = Annotated[Optional[Path], typer.Option(
+    "--cache-dir", help="Where downloaded models live ($LLMCLI_CACHE_DIR).", file_okay=False, show_default=False)]
+
+
 @app.callback()
-def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version and exit."),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Where downloaded models live ($LLMCLI_CACHE_DIR).", file_okay=False),
-) -> None:
+def _root(version: VersionOpt = False, cache_dir: CacheDirOpt = None) -> None:
     """Fast, local, quantized LLM inference on the CPU."""
     if cache_dir is not None:
-        os.environ["LLMCLI_CACHE_DIR"] = str(cache_dir)  # read by llmcli.config.cache_dir() at call time
+        os.environ["LLMCLI_CACHE_DIR"] = str(cache_dir)  # read by llmcli.paths.cache_dir() at call time
 
 
 def _register() -> None:
@@ -68,9 +70,9 @@ def main() -> None:
         _silence_stdout()
         sys.exit(ExitCode.STDOUT_CLOSED)
     except LlmcliError as exc:
-        if config.debug():
+        if paths.debug():
             raise
-        from llmcli.render import print_error, stderr_console
+        from llmcli.cli.output import print_error, stderr_console
 
         print_error(stderr_console(), exc.message, exc.hint)
         sys.exit(exc.exit_code)
@@ -82,9 +84,9 @@ def main() -> None:
     except Terminated:
         sys.exit(ExitCode.TERMINATED)
     except Exception as exc:  # an internal error: one line, the traceback only with LLMCLI_DEBUG=1
-        if config.debug():
+        if paths.debug():
             raise
-        from llmcli.render import print_error, stderr_console
+        from llmcli.cli.output import print_error, stderr_console
 
         log = _write_debug_log(exc)
         print_error(
@@ -101,7 +103,7 @@ def _write_debug_log(exc: BaseException) -> Path | None:
     import time
     import traceback
 
-    path = config.data_dir() / "logs" / "debug.log"
+    path = paths.debug_log()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a", encoding="utf-8") as handle:

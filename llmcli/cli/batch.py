@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
 
-from llmcli.errors import ExitCode, StdoutClosed, UsageError
+from llmcli.errors import ExitCode, UsageError
+
+if TYPE_CHECKING:
+    from llmcli.pipeline import Request
 
 
-def run_batch_command(source: str, request: Any, parallel: int, quiet: bool) -> None:
-    from llmcli import render
-    from llmcli.parallel import in_order, parse_items, run_batch
+def run_batch_command(source: str, request: Request, parallel: int, quiet: bool) -> None:
+    from llmcli.cli import output
+    from llmcli.cli.stream import write_json_line
+    from llmcli.inference.parallel import BatchRun, in_order, parse_items
     from llmcli.pipeline import open_pipeline
 
     if source == "-":
@@ -25,31 +28,22 @@ def run_batch_command(source: str, request: Any, parallel: int, quiet: bool) -> 
         except OSError as exc:
             raise UsageError(f"cannot read --batch {source}: {exc.strerror}") from None
     items = parse_items(lines)
-    console = render.stderr_console()
-    with render.download_progress() as progress:
+    console = output.stderr_console()
+    with output.download_progress() as progress:
         pipeline = open_pipeline(request, progress)
-
-    def write(record: dict[str, Any]) -> None:
-        try:
-            sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
-            sys.stdout.flush()
-        except BrokenPipeError:
-            raise StdoutClosed() from None
-
     with pipeline:
         for notice in pipeline.session.notices:
-            render.print_notice(console, notice)
-        with render.progress_bar("batch") as advance, pipeline.cancel.on_signals():
-            summary = run_batch(
-                pipeline.engine, pipeline.session, items, pipeline.generation, parallel, pipeline.cancel,
-                in_order(write), lambda done, total, rate: advance(done, total, f"batch · {rate:.0f} tok/s"),
-            )
+            output.print_notice(console, notice)
+        run = BatchRun(pipeline.engine, pipeline.prompt_tokens, pipeline.generation, parallel, pipeline.cancel,
+                       in_order(write_json_line))
+        with output.progress_bar("batch") as advance, pipeline.cancel.on_signals():
+            summary = run.run(items, lambda done, total, rate: advance(done, total, f"batch · {rate:.0f} tok/s"))
         signum = pipeline.cancel.signum
     if not quiet:
+        rate = summary.completion_tokens / summary.wall_s if summary.wall_s else 0
         console.print(
             f"batch: {summary.prompts} prompts ({summary.errors} errors) · prompt {summary.prompt_tokens} tok · "
-            f"{summary.completion_tokens} tok generated · {summary.wall_s:.2f} s · "
-            f"{summary.completion_tokens / summary.wall_s if summary.wall_s else 0:.1f} tok/s overall · "
+            f"{summary.completion_tokens} tok generated · {summary.wall_s:.2f} s · {rate:.1f} tok/s overall · "
             f"{summary.decode_tps:.1f} tok/s aggregate decode · {parallel} parallel"
             + (" · interrupted" if summary.interrupted else ""),
             style="dim",

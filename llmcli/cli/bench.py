@@ -28,47 +28,49 @@ def _int_list(text: str, flag: str, minimum: int) -> tuple[int, ...]:
 @app.callback(invoke_without_command=True)
 def bench(
     ctx: typer.Context,
-    model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Model to measure (repeatable). Default: the default model.", show_default=False)] = None,
+    model: Annotated[Optional[list[str]], typer.Option(
+        "--model", "-m", help="Model to measure (repeatable). Default: the default model.", show_default=False)] = None,
     n_prompt: Annotated[int, typer.Option("--n-prompt", "-p", min=1, help="Prompt tokens for the prefill test (ppP).")] = 512,
     n_gen: Annotated[int, typer.Option("--n-gen", "-n", min=2, help="Tokens for the decode test (tgN).")] = 128,
-    repetitions: Annotated[int, typer.Option("--repetitions", "-r", min=1, help="Repetitions of each test, after a warm-up.")] = 5,
-    threads: Annotated[Optional[str], typer.Option("--threads", "-t", help="Thread counts to compare, e.g. 1,2. [physical cores]", show_default=False)] = None,
+    repetitions: Annotated[int, typer.Option("--repetitions", "-r", min=1,
+                                             help="Repetitions of each test, after a warm-up.")] = 5,
+    threads: Annotated[Optional[str], typer.Option(
+        "--threads", "-t", help="Thread counts to compare, e.g. 1,2. [default: one per physical core]",
+        show_default=False)] = None,
     depth: Annotated[str, typer.Option("--depth", "-d", help="KV-cache depths for the raw tests, e.g. 0,512.")] = "0",
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Prompt tokens per step.")] = 512,
-    parallel: Annotated[Optional[str], typer.Option("--parallel", "-P", help="Also measure aggregate decode with N sequences at once, e.g. 1,8.", show_default=False)] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, show_default=False,
+                                                      help="Prompt tokens per step. [default: the batch_size setting's]")] = None,
+    parallel: Annotated[Optional[str], typer.Option(
+        "--parallel", "-P", help="Also measure aggregate decode with N sequences at once, e.g. 1,8.", show_default=False)] = None,
     output_format: Annotated[str, typer.Option("--format", "-o", help="md, json or csv.")] = "md",
 ) -> None:
     """Run the benchmark (the default when no subcommand is given)."""
     if ctx.invoked_subcommand is not None:
         return
-    from llmcli import bench as core
-    from llmcli import models, render
-    from llmcli.gguf_header import read_header
+    from llmcli import settings
+    from llmcli.bench.environment import environment
+    from llmcli.bench.measure import Benchmark, BenchPlan
+    from llmcli.cli import output
+    from llmcli.store import models
+    from llmcli.store.gguf_header import read_header
 
     if output_format not in ("md", "json", "csv"):
         raise UsageError(f"--format must be md, json or csv (got {output_format!r})")
-    plan = core.BenchPlan(
-        n_prompt, n_gen, repetitions,
-        _int_list(threads, "--threads", 1) if threads else (),
-        _int_list(depth, "--depth", 0), batch_size,
-        _int_list(parallel, "--parallel", 1) if parallel else (),
+    plan = BenchPlan(
+        prompt_tokens=n_prompt, gen_tokens=n_gen, repetitions=repetitions,
+        threads=_int_list(threads, "--threads", 1) if threads else (),
+        depths=_int_list(depth, "--depth", 0),
+        n_batch=batch_size or settings.default("batch_size"),
+        parallel=_int_list(parallel, "--parallel", 1) if parallel else (),
     )
-    resolved = [models.resolve(m) for m in (model or [None])]
-    headers = [read_header(m.path) for m in resolved]
-    rows: list[core.Row] = []
-    with render.progress_bar("benchmark") as advance:
-        for step in core.run_bench(resolved, headers, plan, rows):
+    config = settings.load_config_file()
+    default_model = settings.resolve({}, config=config)["model"]
+    resolved = [models.resolve(m, aliases=config.aliases) for m in (model or [default_model])]
+    benchmark = Benchmark(resolved, [read_header(m.path) for m in resolved], plan)
+    with output.progress_bar("benchmark") as advance:
+        for step in benchmark.run():
             advance(step.done, step.total, step.what)
-    environment = core.environment(resolved, plan.threads or (rows[0].threads,))
-    print(_format(rows, environment, plan, output_format), end="")
-
-
-def _human_size(n_bytes: int) -> str:
-    return f"{n_bytes / 2**20:.2f} MiB"
-
-
-def _human_params(n: int) -> str:
-    return f"{n / 1e6:.2f} M" if n < 1e9 else f"{n / 1e9:.2f} B"
+    print(_format(benchmark.rows, environment(resolved, benchmark.threads), plan, output_format), end="")
 
 
 def _result(row: Any) -> str:
@@ -86,8 +88,11 @@ def _result(row: Any) -> str:
 def _format(rows: list[Any], environment: dict[str, Any], plan: Any, fmt: str) -> str:
     from dataclasses import asdict
 
+    from llmcli.files import human_count, human_size
+
     if fmt == "json":
-        return json.dumps({"environment": environment, "plan": asdict(plan), "results": [r.to_dict() for r in rows]}, indent=2) + "\n"
+        record = {"environment": environment, "plan": asdict(plan), "results": [r.to_dict() for r in rows]}
+        return json.dumps(record, indent=2) + "\n"
     if fmt == "csv":
         buffer = io.StringIO()
         fields = ["model", "size_bytes", "params", "quant", "threads", "test", "path", "unit", "mean", "sd", "n",
@@ -106,28 +111,30 @@ def _format(rows: list[Any], environment: dict[str, Any], plan: Any, fmt: str) -
         "| --- | ---: | ---: | --- | ---: | --- | --- | ---: |",
     ]
     for r in rows:
-        lines.append(f"| {r.model} | {_human_size(r.size_bytes)} | {_human_params(r.params)} | {r.quant} | {r.threads} "
+        lines.append(f"| {r.model} | {human_size(r.size_bytes)} | {human_count(r.params)} | {r.quant} | {r.threads} "
                      f"| {r.test} | {r.path} | {_result(r)} |")
     lines.append("")
-    lines.append(f"{environment['cpu']} · {environment['physical_cores']} cores · llama-cpp-python {environment['llama_cpp_python']}")
+    lines.append(f"{environment['cpu']} · {environment['physical_cores']} cores · "
+                 f"llama-cpp-python {environment['llama_cpp_python']}")
     return "\n".join(lines) + "\n"
 
 
 @app.command("compare")
 def compare_cmd(
-    before: Annotated[Path, typer.Argument(help="Results of `llmcli bench --format json` (the baseline).", exists=True, dir_okay=False)],
+    before: Annotated[Path, typer.Argument(help="Results of `llmcli bench --format json` (the baseline).",
+                                           exists=True, dir_okay=False)],
     after: Annotated[Path, typer.Argument(help="Results to compare with the baseline.", exists=True, dir_okay=False)],
 ) -> None:
     """Per-test ratio after/before, and whether the change is larger than the noise (Welch's t > 2)."""
-    from llmcli import bench as core
+    from llmcli.bench.compare import compare
 
-    def load(path: Path) -> list[dict]:
+    def load(path: Path) -> list[dict[str, Any]]:
         try:
             return json.loads(path.read_text(encoding="utf-8"))["results"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"{path} is not a `llmcli bench --format json` file: {exc}") from None
 
-    rows = core.compare(load(before), load(after))
+    rows = compare(load(before), load(after))
     if not rows:
         raise UsageError("the two files have no test in common")
     print("| model | threads | test | path | before | after | ratio | note |")

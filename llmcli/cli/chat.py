@@ -9,14 +9,25 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmcli.cli import options as o
-from llmcli.cli.run import run, setting_flags
 
-HELP = """Commands:
+ResumeOpt = Annotated[Optional[str], typer.Option("--resume", help="Continue a saved conversation: its id, or `last`.",
+                                                  show_default=False)]
+NoSaveOpt = Annotated[bool, typer.Option("--no-save", help="Do not save this conversation under the data dir.")]
+
+
+def help_text() -> str:
+    """The REPL's /help, with the settings /set takes from the settings table."""
+    import textwrap
+
+    from llmcli.chat.conversation import CHAT_SETTINGS
+
+    names = textwrap.wrap(", ".join(CHAT_SETTINGS), 76)
+    settings = "\n".join(" " * 24 + line for line in names)
+    return f"""Commands:
   /help                 this list
   /system TEXT          set the system prompt (empty: remove it)
-  /set PARAM VALUE      change a setting: temp, top_k, top_p, min_p, typical_p, repeat_penalty,
-                        repeat_last_n, presence_penalty, frequency_penalty, mirostat, mirostat_tau,
-                        mirostat_eta, seed, max_tokens, stop
+  /set NAME VALUE       change a setting (`none` clears an optional one):
+{settings}
   /show                 model, settings, context used/total
   /clear                forget the conversation (the system prompt stays)
   /undo                 drop the last exchange
@@ -28,32 +39,35 @@ HELP = """Commands:
 A line with only \"\"\" starts and ends a multi-line message; a line ending in \\ continues."""
 
 
-def chat(**given: Any) -> None:
+@o.with_settings()
+def chat(
+    *,
+    resume: ResumeOpt = None,
+    no_save: NoSaveOpt = False,
+    as_json: o.JsonOpt = False,
+    quiet: o.QuietOpt = False,
+    **given: Any,
+) -> None:
     """Talk with a model: the KV cache is reused, so only each new turn is prefilled."""
-    from llmcli import render
-    from llmcli.conversation import Conversation, find_conversation, read_records
-    from llmcli.pipeline import Request, open_pipeline
+    from llmcli.chat.conversation import Conversation, find_conversation, read_records
+    from llmcli.cli import output
+    from llmcli.pipeline import open_pipeline
 
-    console = render.stderr_console()
-    request = Request(
-        setting_flags(given), given["profile"], given["raw"], given["chat_template_file"], tuple(given["logit_bias"] or ()),
-        given["grammar"], given["grammar_file"], given["json_schema"], given["output_format"], given["verbose"], given["offline"],
-        given["force"],
-    )
-    resume_path = find_conversation(given["resume"]) if given["resume"] else None
-    with render.download_progress() as progress:
-        pipeline = open_pipeline(request, progress)
+    console = output.stderr_console()
+    resume_path = find_conversation(resume) if resume else None
+    with output.download_progress() as progress:
+        pipeline = open_pipeline(o.build_request(given), progress)
     with pipeline:
         conversation = Conversation(
             pipeline.session, pipeline.generation, pipeline.model.name, pipeline.model.path,
-            save=not given["no_save"], conversation_id=resume_path.stem if resume_path else None,
+            save=not no_save, conversation_id=resume_path.stem if resume_path else None,
         )
         if resume_path is not None:
             conversation.replay(read_records(resume_path))
             console.print(f"resumed {conversation.id}: {len(conversation.history) // 2} exchange(s)")
         for notice in pipeline.session.notices:
-            render.print_notice(console, notice)
-        repl = Repl(conversation, pipeline.cancel, console, given["quiet"], given["as_json"])
+            output.print_notice(console, notice)
+        repl = Repl(conversation, pipeline.cancel, console, quiet, as_json)
         interactive = sys.stdin is not None and sys.stdin.isatty()
         repl.interactive() if interactive else repl.lines()
 
@@ -69,9 +83,9 @@ class Repl:
     # -- input -----------------------------------------------------------------------------
 
     def interactive(self) -> None:
-        from llmcli import config
+        from llmcli import paths
 
-        history = config.data_dir() / "chat_history"
+        history = paths.chat_history_file()
         readline = _readline(history)
         self.console.print(f"llmcli chat · {self.conversation.model_name} · /help for commands · Ctrl-D to leave")
         try:
@@ -135,15 +149,15 @@ class Repl:
         try:
             action(self, argument.strip())
         except LlmcliError as exc:  # a bad /set value or file keeps the session going
-            from llmcli.render import print_error
+            from llmcli.cli.output import print_error
 
             print_error(self.console, exc.message, exc.hint)
         return True
 
     def reply(self, events: Any) -> None:
-        from llmcli.engine import Done
-        from llmcli.render import AnswerSink, print_notice, print_stats
-        from llmcli.session import Notice
+        from llmcli.cli.output import print_notice, print_stats
+        from llmcli.cli.stream import AnswerSink
+        from llmcli.inference.events import Done, Notice
 
         sink = AnswerSink(as_json=self.as_json, extra={"model": self.conversation.model_name})
         with self.cancel.on_signals():
@@ -162,7 +176,7 @@ class Repl:
 
 
 def _help(repl: Repl, argument: str) -> None:
-    repl.console.print(HELP)
+    repl.console.print(help_text())
 
 
 def _system(repl: Repl, argument: str) -> None:
@@ -175,7 +189,7 @@ def _set(repl: Repl, argument: str) -> None:
 
     name, _, value = argument.partition(" ")
     if not name or not value:
-        raise UsageError("usage: /set PARAM VALUE (e.g. /set temp 0)")
+        raise UsageError("usage: /set NAME VALUE (e.g. /set temp 0)")
     repl.console.print(repl.conversation.set(name, value))
 
 
@@ -185,7 +199,7 @@ def _show(repl: Repl, argument: str) -> None:
     repl.console.print(f"model    {conversation.model_name} ({conversation.model_path})")
     repl.console.print(f"context  {engine.n_cached} / {engine.n_ctx} tokens used, {len(conversation.history) // 2} exchange(s)")
     repl.console.print(f"system   {conversation.system or '(none)'}")
-    settings = ", ".join(f"{k}={v}" for k, v in conversation.settings_record().items() if k != "grammar_origin")
+    settings = ", ".join(f"{k}={v}" for k, v in conversation.settings_record().items())
     repl.console.print(f"settings {settings}")
     if conversation.path is not None:
         repl.console.print(f"saved as {conversation.path}")
@@ -234,7 +248,7 @@ def _history(repl: Repl, argument: str) -> None:
 
 
 def _stats(repl: Repl, argument: str) -> None:
-    from llmcli.stats import summary_line
+    from llmcli.inference.stats import summary_line
 
     turns = repl.conversation.turn_stats
     if not turns:
@@ -267,15 +281,3 @@ def _readline(history: Path) -> Any:
         pass
     readline.set_history_length(1000)
     return readline
-
-
-_RUN_OPTIONS = [
-    "model", "offline", "force", "profile", "system", "raw", "chat_template_file", "temp", "top_k", "top_p", "min_p", "typical_p",
-    "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "mirostat", "mirostat_tau",
-    "mirostat_eta", "seed", "logit_bias", "max_tokens", "stop", "grammar", "grammar_file", "json_schema",
-    "output_format", "on_overflow", "ctx_size", "threads", "batch_size", "mlock", "mmap", "verbose", "quiet", "as_json",
-]
-o.borrow_options(chat, run, _RUN_OPTIONS, [
-    o.option("resume", Annotated[Optional[str], typer.Option("--resume", help="Continue a saved conversation: its id, or `last`.", show_default=False)]),
-    o.option("no_save", Annotated[bool, typer.Option("--no-save", help="Do not save this conversation under the data dir.")], False),
-])

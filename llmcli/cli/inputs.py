@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import select
 import sys
+from typing import Any
 
 from llmcli.errors import ResourceError, UsageError
+
 
 def stdin_grace_s() -> float:
     """With a prompt argument, piped stdin is added only if it shows data (or EOF) this soon
@@ -45,7 +47,7 @@ def _is_tty(stream: object) -> bool:
         return True
 
 
-def _ready(stream: object, timeout: float) -> bool:
+def _ready(stream: Any, timeout: float) -> bool:
     try:
         readable, _, _ = select.select([stream], [], [], timeout)
     except (ValueError, OSError, TypeError):
@@ -67,3 +69,12 @@ def _read_all() -> str:
             hint="Send a smaller part, or split the input.",
         )
     return data.decode("utf-8", "replace").rstrip("\r\n")  # `echo`'s newline is not part of the message
+
+
+def combine_input(prompt: str | None, stdin_text: str | None, stdin_first: bool = False) -> str:
+    """The prompt argument and piped stdin as one message: prompt, blank line, stdin (or the reverse)."""
+    parts = (stdin_text, prompt) if stdin_first else (prompt, stdin_text)
+    text = "\n\n".join(p for p in parts if p and p.strip())
+    if not text.strip():
+        raise UsageError("no prompt given", hint='Pass a prompt: llmcli run "..." or pipe text into llmcli run -')
+    return text

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Optional
 
 import typer
@@ -18,29 +17,16 @@ ReferenceArg = Annotated[str, typer.Argument(
 def _aliases() -> dict[str, str]:
     from llmcli.settings import load_config_file
 
-    return load_config_file().get("aliases", {})
-
-
-def _size(n_bytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n_bytes < 1024 or unit == "GiB":
-            return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
-        n_bytes /= 1024
-    return str(n_bytes)
-
-
-def _params(n: int | None) -> str:
-    if not n:
-        return ""
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+    return load_config_file().aliases
 
 
 def pull(reference: ReferenceArg, offline: o.OfflineOpt = False, force: o.ForceOpt = False, quiet: o.QuietOpt = False) -> None:
     """Download a model into the cache (or check it is up to date), with progress on stderr."""
-    from llmcli import models, render
+    from llmcli.cli import output
+    from llmcli.store import models
 
-    console = render.stderr_console()
-    with render.download_progress() as progress:
+    console = output.stderr_console()
+    with output.download_progress() as progress:
         resolved = models.resolve(reference, offline=offline, refresh=True, on_progress=progress, aliases=_aliases(), force=force)
     if not quiet:
         console.print(f"{resolved.name} ready: {resolved.path}")
@@ -48,26 +34,21 @@ def pull(reference: ReferenceArg, offline: o.OfflineOpt = False, force: o.ForceO
 
 def list_models(as_json: o.JsonOpt = False) -> None:
     """List installed and cached models: name, quant, size, parameters, architecture, context, source."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from llmcli import catalog
+    from llmcli.cli import output
+    from llmcli.files import human_count, human_size
+    from llmcli.store import catalog
 
     entries = catalog.entries()
     if as_json:
-        print(json.dumps([e.to_dict() for e in entries]))
+        output.print_json([e.to_dict() for e in entries])
         return
-    table = Table(box=None, pad_edge=False)
-    for column in ("NAME", "QUANT", "SIZE", "PARAMS", "ARCH", "CTX", "SOURCE"):
-        table.add_column(column, justify="right" if column in ("SIZE", "PARAMS", "CTX") else "left")
+    rows = []
     for e in entries:
         d = e.to_dict()
-        table.add_row(e.name, d["quant"] or "?", _size(e.size), _params(d["params"]), d["architecture"] or f"({e.problem})",
-                      str(d["context_length"] or ""), e.source)
-    console = Console(highlight=False)
-    if not console.is_terminal:
-        console = Console(highlight=False, width=1000)  # piped: whole names, never cut or wrapped
-    console.print(table)
+        rows.append((e.name, d["quant"] or "?", human_size(e.size), human_count(d["params"]),
+                     d["architecture"] or f"({e.problem})", d["context_length"] or "", e.source))
+    output.print_table(("NAME", "QUANT", "SIZE", "PARAMS", "ARCH", "CTX", "SOURCE"), rows, right=("SIZE", "PARAMS", "CTX"),
+                       boxed=False)
 
 
 def show(
@@ -76,31 +57,32 @@ def show(
     template: Annotated[bool, typer.Option("--template", help="Print only the chat template.")] = False,
 ) -> None:
     """Show a model's metadata without loading its weights: arch, params, quant, context, special tokens, template, license."""
-    from llmcli import catalog
+    from llmcli.cli import output
+    from llmcli.files import human_count, human_size
+    from llmcli.store import catalog
 
     info = catalog.describe(catalog.local_model(reference, _aliases()))
     if template:
         print(info["chat_template"] or "")
         return
     if as_json:
-        print(json.dumps(info))
+        output.print_json(info)
         return
     rows = [
         ("name", info["name"]), ("path", info["path"]), ("source", info["source"]),
         ("architecture", info["architecture"]), ("model name", info["model_name"]),
-        ("parameters", f"{_params(info['parameters'])} ({info['parameters']:,})"), ("quant", info["quant"]),
-        ("file size", _size(info["file_size"])), ("context length", info["context_length"]),
+        ("parameters", f"{human_count(info['parameters'])} ({info['parameters']:,})"), ("quant", info["quant"]),
+        ("file size", human_size(info["file_size"])), ("context length", info["context_length"]),
         ("embedding length", info["embedding_length"]), ("layers", info["layers"]),
-        ("heads / kv heads", f"{info['heads']} / {info['kv_heads']}"), ("vocabulary", f"{info['vocab_size']} ({info['tokenizer']})"),
+        ("heads / kv heads", f"{info['heads']} / {info['kv_heads']}"),
+        ("vocabulary", f"{info['vocab_size']} ({info['tokenizer']})"),
         ("license", info["license"]),
     ]
     for kind, token in info["special_tokens"].items():
         rows.append((f"{kind} token", f"{token['id']} {token['text']!r}"))
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key:<{width}}  {'' if value is None else value}")
     chat_template = info["chat_template"]
-    print(f"{'chat template':<{width}}  " + (f"{len(chat_template)} characters (--template prints it)" if chat_template else "none"))
+    rows.append(("chat template", f"{len(chat_template)} characters (--template prints it)" if chat_template else "none"))
+    output.print_fields(rows)
 
 
 def rm(
@@ -108,23 +90,25 @@ def rm(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
 ) -> None:
     """Remove a cached model (OWNER/REPO removes every quant of it)."""
-    from llmcli import catalog, hub, render
+    from llmcli.cli import output
     from llmcli.errors import ExitCode, UsageError
+    from llmcli.files import human_size
+    from llmcli.store import cache, catalog
 
     doomed = catalog.removable(reference, _aliases())
-    console = render.stderr_console()
+    console = output.stderr_console()
     total = sum(m.size for m in doomed)
     for model in doomed:
-        console.print(f"  {model.name} ({_size(model.size)})")
+        console.print(f"  {model.name} ({human_size(model.size)})")
     if not yes:
         import sys
 
         if not sys.stdin or not sys.stdin.isatty():
             raise UsageError("refusing to remove without confirmation: stdin is not a terminal", hint="Pass -y/--yes.")
-        if not typer.confirm(f"Remove {len(doomed)} model file set(s), {_size(total)}?", default=False, err=True):
+        if not typer.confirm(f"Remove {len(doomed)} model file set(s), {human_size(total)}?", default=False, err=True):
             raise typer.Exit(ExitCode.ERROR)
-    freed = hub.delete(doomed)
-    console.print(f"removed {len(doomed)} model(s), freed {_size(freed)}")
+    freed = cache.delete(doomed)
+    console.print(f"removed {len(doomed)} model(s), freed {human_size(freed)}")
 
 
 def verify(
@@ -132,11 +116,12 @@ def verify(
                                                        autocompletion=o.complete_model)] = None,
 ) -> None:
     """Re-hash cached files against the sha256 they were downloaded with; remove any that fail."""
-    from llmcli import catalog, hub, render
+    from llmcli.cli import output
     from llmcli.errors import IntegrityError
+    from llmcli.store import catalog, hub
 
     doomed = catalog.removable(reference, _aliases()) if reference else hub.cached_models()
-    console = render.stderr_console()
+    console = output.stderr_console()
     results = catalog.verify(doomed)
     for result in results:
         console.print(f"{'ok     ' if result.ok else 'CORRUPT'}  {result.path}")
@@ -149,10 +134,11 @@ def verify(
 
 def prune() -> None:
     """Remove partial downloads left behind by killed processes (running downloads are untouched)."""
-    from llmcli import hub, render
+    from llmcli.cli import output
+    from llmcli.store import hub
 
     removed = hub.prune_partial()
-    console = render.stderr_console()
+    console = output.stderr_console()
     for path in removed:
         console.print(f"removed {path}")
     console.print(f"{len(removed)} partial file(s) removed")

@@ -1,107 +1,147 @@
-"""Options shared by several commands, declared once.
+"""Command-line options: the settings' options generated from the one table (llmcli/settings.py), and
+the options that are not settings, declared once here and shared by the commands that take them.
 
-Settings options default to None ("not given") so that the precedence rule
-(flag > env > profile > config file > model > built-in, see llmcli/settings.py)
-can tell a flag from a default; their built-in defaults are in the help text.
+Setting options default to None ("not given") so that the precedence rule
+(flag > env > profile > config file > model > built-in) can tell a flag from a default;
+their built-in default is shown in the help, generated from the table.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar
 
 import typer
 
-SAMPLING = "Sampling"
-ENGINE = "Engine"
+from llmcli.settings import ENGINE, MODEL, SETTINGS, Setting
+
+if TYPE_CHECKING:
+    from llmcli.pipeline import Request
+
 OUTPUT = "Output"
+F = TypeVar("F", bound=Callable[..., Any])
+
 
 def complete_model(incomplete: str) -> list[str]:
     """Shell completion for model names: installed models, aliases, the cache."""
-    from llmcli import catalog
     from llmcli.settings import load_config_file
+    from llmcli.store import catalog
 
     try:
-        aliases = load_config_file().get("aliases", {})
+        aliases = load_config_file().aliases
     except Exception:  # a broken config file must not break the shell's completion
         aliases = {}
     return [name for name in catalog.known_names(aliases) if name.lower().startswith(incomplete.lower())]
 
 
-ModelOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--model", "-m",
-        help="A .gguf path, OWNER/REPO[:QUANT] from Hugging Face, an alias or an installed model. "
-        "Default: $LLMCLI_MODEL, the config file, else the first GGUF shipped by an installed package.",
-        show_default=False,
-        autocompletion=complete_model,
-    ),
-]
-ProfileOpt = Annotated[Optional[str], typer.Option("--profile", "-p", help="Use a [profiles.NAME] table of the config file ($LLMCLI_PROFILE).", show_default=False)]
-OfflineOpt = Annotated[bool, typer.Option("--offline", help="Use only the local cache; never contact the Hub ($HF_HUB_OFFLINE=1).")]
-ForceOpt = Annotated[bool, typer.Option("--force", help="Skip the check that the model and its KV cache fit in memory.")]
-SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.", show_default=False)]
-RawOpt = Annotated[bool, typer.Option("--raw", help="Send the prompt as-is, without the chat template (base models).")]
-TemplateFileOpt = Annotated[
-    Optional[Path],
-    typer.Option("--chat-template-file", help="A Jinja chat template to use instead of the model's.", dir_okay=False, show_default=False),
-]
+# What the table cannot say about a setting's option: the CLI-only extras.
+_EXTRAS: dict[str, dict[str, Any]] = {"model": {"autocompletion": complete_model}}
 
 
-def _opt(*names: str, help: str, kind: Any = Optional[float], panel: str = SAMPLING) -> Any:
-    return Annotated[kind, typer.Option(*names, help=help, show_default=False, rich_help_panel=panel)]
+def setting_option(setting: Setting) -> Any:
+    """The Typer option of one row of the settings table."""
+    kind: Any = {list: Optional[list[str]], bool: Optional[bool], int: Optional[int], float: Optional[float]}.get(
+        setting.kind, Optional[str])
+    choices = f" ({'|'.join(setting.choices)})" if setting.choices else ""
+    help_text = f"{setting.help}{choices} [default: {setting.shown_default()}; env {setting.env}]"
+    option = typer.Option(*setting.flags, help=help_text, show_default=False, rich_help_panel=setting.panel,
+                          **_EXTRAS.get(setting.name, {}))
+    return Annotated[kind, option]
 
 
-TempOpt = _opt("--temp", help="Temperature; 0 picks the most likely token (greedy). [0.8]")
-TopKOpt = _opt("--top-k", help="Keep the K most likely tokens; 0 disables. [40]", kind=Optional[int])
-TopPOpt = _opt("--top-p", help="Keep the smallest set of tokens whose probability sums to P, in (0, 1]. [0.95]")
-MinPOpt = _opt("--min-p", help="Drop tokens less likely than P times the most likely one. [0.05]")
-TypicalPOpt = _opt("--typical-p", help="Locally typical sampling, in (0, 1]; 1 disables. [1.0]")
-RepeatPenaltyOpt = _opt("--repeat-penalty", help="Penalise repeated tokens; 1 disables. [1.0]")
-RepeatLastNOpt = _opt("--repeat-last-n", help="How many recent tokens the penalties look at; -1 the whole context. [64]", kind=Optional[int])
-PresencePenaltyOpt = _opt("--presence-penalty", help="Penalise tokens that already appeared. [0]")
-FrequencyPenaltyOpt = _opt("--frequency-penalty", help="Penalise tokens by how often they appeared. [0]")
-MirostatOpt = _opt("--mirostat", help="Mirostat sampling: 0 off, 1 or 2 (replaces top-k/p, min-p). [0]", kind=Optional[int])
-MirostatTauOpt = _opt("--mirostat-tau", help="Mirostat target entropy. [5.0]")
-MirostatEtaOpt = _opt("--mirostat-eta", help="Mirostat learning rate. [0.1]")
-SeedOpt = _opt("--seed", help="Random seed; the same seed repeats a sampled answer. [random]", kind=Optional[int])
-LogitBiasOpt = _opt("--logit-bias", help="TOKEN=BIAS: add BIAS to a token's logit (id or one-token text; -inf bans it). Repeatable.", kind=Optional[list[str]])
-MaxTokensOpt = _opt("--max-tokens", "-n", help="Stop after this many tokens. [until the model stops or the context is full]", kind=Optional[int])
-StopOpt = _opt("--stop", help="Stop when the answer contains this text (never printed). Repeatable.", kind=Optional[list[str]])
-GrammarOpt = _opt("--grammar", help="Constrain the answer with a GBNF grammar (root rule: root).", kind=Optional[str])
-GrammarFileOpt = _opt("--grammar-file", help="Constrain the answer with the GBNF grammar in FILE.", kind=Optional[Path])
-JsonSchemaOpt = _opt("--json-schema", help="Constrain the answer to JSON matching this schema (JSON text or a file).", kind=Optional[str])
-FormatOpt = _opt("--format", help="`json`: the answer is always valid JSON.", kind=Optional[str])
-OnOverflowOpt = _opt("--on-overflow", help="When the prompt does not fit the context: error, or truncate (keep the system prompt and the end of the input). [error]", kind=Optional[str])
+# -- options that are not settings --------------------------------------------------------------
 
-CtxSizeOpt = _opt("--ctx-size", "-c", help="Context window in tokens. [the model's, capped at 4096]", kind=Optional[int], panel=ENGINE)
-ThreadsOpt = _opt("--threads", "-t", help="CPU threads. [one per physical core]", kind=Optional[int], panel=ENGINE)
-BatchSizeOpt = _opt("--batch-size", "-b", help="Prompt tokens evaluated per step. [512]", kind=Optional[int], panel=ENGINE)
-MlockOpt = Annotated[Optional[bool], typer.Option("--mlock/--no-mlock", help="Keep the weights in RAM. [off]", show_default=False, rich_help_panel=ENGINE)]
-MmapOpt = Annotated[Optional[bool], typer.Option("--mmap/--no-mmap", help="Map the model file instead of reading it. [on]", show_default=False, rich_help_panel=ENGINE)]
+ProfileOpt = Annotated[Optional[str], typer.Option(
+    "--profile", "-p", help="Use a [profiles.NAME] table of the config file ($LLMCLI_PROFILE).", show_default=False,
+    rich_help_panel=MODEL)]
+OfflineOpt = Annotated[bool, typer.Option(
+    "--offline", help="Use only the local cache; never contact the Hub ($HF_HUB_OFFLINE=1).", rich_help_panel=MODEL)]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Skip the check that the model and its KV cache fit in memory.",
+                                        rich_help_panel=ENGINE)]
+RawOpt = Annotated[bool, typer.Option("--raw", help="Send the prompt as-is, without the chat template (base models).",
+                                      rich_help_panel=MODEL)]
+TemplateFileOpt = Annotated[Optional[Path], typer.Option(
+    "--chat-template-file", help="A Jinja chat template to use instead of the model's.", dir_okay=False, show_default=False,
+    rich_help_panel=MODEL)]
+_CONSTRAIN = "Constrained output"
+LogitBiasOpt = Annotated[Optional[list[str]], typer.Option(
+    "--logit-bias", help="TOKEN=BIAS: add BIAS to a token's logit (id or one-token text; -inf bans it). Repeatable.",
+    show_default=False, rich_help_panel=_CONSTRAIN)]
+GrammarOpt = Annotated[Optional[str], typer.Option(
+    "--grammar", help="Constrain the answer with a GBNF grammar (root rule: root).", show_default=False,
+    rich_help_panel=_CONSTRAIN)]
+GrammarFileOpt = Annotated[Optional[Path], typer.Option(
+    "--grammar-file", help="Constrain the answer with the GBNF grammar in FILE.", show_default=False,
+    rich_help_panel=_CONSTRAIN)]
+JsonSchemaOpt = Annotated[Optional[str], typer.Option(
+    "--json-schema", help="Constrain the answer to JSON matching this schema (JSON text or a file).", show_default=False,
+    rich_help_panel=_CONSTRAIN)]
+FormatOpt = Annotated[Optional[str], typer.Option(
+    "--format", help="json: the answer is always valid JSON.", show_default=False, rich_help_panel=_CONSTRAIN)]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's own log on stderr.", rich_help_panel=ENGINE)]
-
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Do not print the stats line on stderr.", rich_help_panel=OUTPUT)]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (text, finish reason, token counts, timings) on stdout.", rich_help_panel=OUTPUT)]
+JsonOpt = Annotated[bool, typer.Option(
+    "--json", help="Print one JSON object (text, finish reason, token counts, timings) on stdout.", rich_help_panel=OUTPUT)]
+
+# The options every command that answers prompts takes, besides the settings: name -> (annotation, default).
+REQUEST_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "profile": (ProfileOpt, None),
+    "offline": (OfflineOpt, False),
+    "force": (ForceOpt, False),
+    "raw": (RawOpt, False),
+    "chat_template_file": (TemplateFileOpt, None),
+    "logit_bias": (LogitBiasOpt, None),
+    "grammar": (GrammarOpt, None),
+    "grammar_file": (GrammarFileOpt, None),
+    "json_schema": (JsonSchemaOpt, None),
+    "output_format": (FormatOpt, None),
+    "verbose": (VerboseOpt, False),
+}
 
 
-def borrow_options(target: Callable[..., Any], source: Callable[..., Any], names: Iterable[str],
-                   extra: Iterable[inspect.Parameter] = ()) -> Callable[..., Any]:
-    """Give `target(**given)` the options `names` of `source`, plus `extra`: declared once, in `source`.
+def with_settings(*, request: bool = True) -> Callable[[F], F]:
+    """Give a command `def cmd(explicit…, **given)` the options of every setting (and, with `request`,
+    REQUEST_OPTIONS): Typer reads a command's options from its signature, so they are added there,
+    generated from the tables instead of written out in each command."""
 
-    Typer reads a command's options from its signature, so `chat` and `config show` take
-    exactly the settings flags of `run` without repeating two dozen declarations.
-    """
-    wanted = set(names)
-    params = [p for name, p in inspect.signature(source, eval_str=True).parameters.items() if name in wanted]
-    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in [*params, *extra]]
-    target.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    target.__annotations__ = {p.name: p.annotation for p in params}
-    return target
+    def decorate(command: F) -> F:
+        explicit = [p for p in inspect.signature(command, eval_str=True).parameters.values()
+                    if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        added = [(name, annotation, default) for name, (annotation, default) in REQUEST_OPTIONS.items()] if request else [
+            ("profile", ProfileOpt, None)]
+        added += [(name, setting_option(setting), None) for name, setting in SETTINGS.items()]
+        params = explicit + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+                             for name, annotation, default in added]
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return decorate
 
 
-def option(name: str, annotation: Any, default: Any = None) -> inspect.Parameter:
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+def given_settings(given: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings given on the command line, by name (an empty --stop list is 'not given')."""
+    return {name: given[name] for name in SETTINGS if given.get(name) not in (None, [])}
+
+
+def build_request(given: Mapping[str, Any], parallel: int = 1) -> Request:
+    """The Request that a command's options (settings and REQUEST_OPTIONS) describe."""
+    from llmcli.pipeline import Request  # the pipeline loads llama.cpp: not for --help
+
+    return Request(
+        settings=given_settings(given),
+        profile=given["profile"],
+        raw=given["raw"],
+        template_file=given["chat_template_file"],
+        logit_bias=tuple(given["logit_bias"] or ()),
+        grammar=given["grammar"],
+        grammar_file=given["grammar_file"],
+        json_schema=given["json_schema"],
+        output_format=given["output_format"],
+        verbose=given["verbose"],
+        offline=given["offline"],
+        force=given["force"],
+        parallel=parallel,
+    )

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Iterator
+from typing import Any
 
 import jinja2
 from jinja2.exceptions import SecurityError

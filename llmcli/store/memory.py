@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llmcli.errors import ResourceError
-from llmcli.gguf_header import GGUFHeader
+from llmcli.store.gguf_header import GGUFHeader
 
 RUNTIME_OVERHEAD = 120 * 2**20  # Python, llama.cpp's compute buffers for small batches
 

@@ -70,7 +70,8 @@ def parse(reference: str) -> HubReference:
         quant = quant.upper()
     parts = body.split("/")
     if len(parts) < 2:
-        raise UsageError(f"invalid model reference {reference!r}", hint="Use OWNER/REPO, OWNER/REPO:QUANT or OWNER/REPO/FILE.gguf.")
+        raise UsageError(f"invalid model reference {reference!r}",
+                         hint="Use OWNER/REPO, OWNER/REPO:QUANT or OWNER/REPO/FILE.gguf.")
     owner, repo, path = parts[0], parts[1], parts[2:]
     for name, what in ((owner, "owner"), (repo, "repository name")):
         if not _NAME.match(name) or ".." in name or "--" in name:
@@ -140,8 +141,8 @@ def choices(filenames: list[str]) -> list[Choice]:
     result = []
     for files in groups.values():
         files.sort()
-        complete = [f for f in files if shard_info(f)]
-        if complete and len(complete) != shard_info(complete[0])[1]:
+        shards = [info for info in map(shard_info, files) if info]
+        if shards and len(shards) != shards[0][1]:
             continue  # an incomplete set of shards cannot be loaded
         result.append(Choice(tuple(files), quant_of(files[0])))
     return sorted(result, key=lambda c: c.first)
@@ -157,7 +158,8 @@ def select(available: list[Choice], quant: str | None, repo_id: str) -> Choice:
         if not matching:
             raise LookupError(f"{repo_id} has no {quant} file; available: {listing}")
         if len(matching) > 1:
-            raise LookupError(f"{repo_id} has several {quant} files: {', '.join(c.first for c in matching)}; name one with OWNER/REPO/FILE.gguf")
+            names = ", ".join(c.first for c in matching)
+            raise LookupError(f"{repo_id} has several {quant} files: {names}; name one with OWNER/REPO/FILE.gguf")
         return matching[0]
     if len(available) == 1:
         return available[0]

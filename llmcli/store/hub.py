@@ -8,27 +8,28 @@
 - Integrity: hf_hub_download does not check what it wrote; every new download is hashed and
   compared with the LFS sha256 from the repository listing, and removed on mismatch.
 - Endpoint and token are read at call time ($HF_ENDPOINT, $HF_TOKEN), never at import.
-- Every library exception is translated in one ordered table (hub_errors.py).
+- Every library exception is translated in one ordered table (`translated`, below).
+- The cache's layout, read without the library, is llmcli/store/cache.py's.
 """
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcli import config, resources
-from llmcli.errors import IntegrityError, ModelNotFoundError, ResourceError, UsageError
-from llmcli.hub_errors import translated as _translated
-from llmcli.references import Choice, HubReference, check_filename, choices, select
-
-# Progress of one file: (file name, bytes done, bytes total or None).
-ProgressCallback = Callable[[str, int, "int | None"], None]
+from llmcli import paths
+from llmcli.errors import ExitCode, IntegrityError, LlmcliError, ModelNotFoundError, ResourceError, UsageError
+from llmcli.files import sha256_of
+from llmcli.store import memory
+from llmcli.store.cache import CachedModel, Fetched, ProgressCallback, choose, from_cache, partial_downloads, remove_file
+from llmcli.store.references import HubReference, check_filename, choices
 
 DISK_MARGIN = 64 * 1024 * 1024
 
@@ -39,16 +40,13 @@ def _hf() -> Any:
     # 3-second timeout that would stall every offline run.
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     import huggingface_hub
+    import huggingface_hub.errors  # noqa: F401  (the exception classes `translated` maps)
     from huggingface_hub.utils import logging as hf_logging
 
     # Its retry warnings ("Trying to resume download...") are not for our users' stderr;
     # what failed in the end reaches them as one translated error line.
     hf_logging.set_verbosity_error()
     return huggingface_hub
-
-
-def hub_cache() -> Path:
-    return config.cache_dir() / "hub"
 
 
 def endpoint() -> str:
@@ -61,14 +59,6 @@ def offline(flag: bool = False) -> bool:
 
 def _token() -> str | None:
     return os.environ.get("HF_TOKEN") or None
-
-
-@dataclass(frozen=True)
-class Fetched:
-    reference: HubReference
-    commit: str | None
-    paths: tuple[Path, ...]  # the first is the one to load
-    quant: str | None
 
 
 @dataclass(frozen=True)
@@ -91,18 +81,18 @@ def fetch(reference: HubReference, offline_only: bool = False, refresh: bool = F
             return cached
         if offline_only:
             raise ModelNotFoundError(
-                f"{reference} is not in the cache ({hub_cache()}) and offline mode is on",
+                f"{reference} is not in the cache ({paths.hub_cache()}) and offline mode is on",
                 hint=f"Run `llmcli pull {reference}` while online.",
             )
-    with _translated(reference):
+    with translated(reference):
         commit, remote = _listing(reference)
-        choice = _choose(reference, list(remote))
+        choice = choose(reference, list(remote))
         files = [remote[name] for name in choice.files]
-        resources.check_memory(str(reference), sum(f.size or 0 for f in files), force=force)
+        memory.check_memory(str(reference), sum(f.size or 0 for f in files), force=force)
         _check_disk_space(reference, files)
         prune_partial()  # partial files a killed process left behind
-        paths = tuple(_download(reference, file, on_progress) for file in files)
-    return Fetched(reference, commit, paths, choice.quant)
+        downloaded = tuple(_download(reference, file, on_progress) for file in files)
+    return Fetched(reference, commit, downloaded, choice.quant)
 
 
 def _listing(reference: HubReference) -> tuple[str | None, dict[str, RemoteFile]]:
@@ -123,24 +113,11 @@ def _listing(reference: HubReference) -> tuple[str | None, dict[str, RemoteFile]
     return info.sha, remote
 
 
-def _choose(reference: HubReference, names: list[str]) -> Choice:
-    if reference.filename is not None:
-        if reference.filename not in names:
-            shown = ", ".join(sorted(names)[:12]) or "none"
-            raise ModelNotFoundError(f"{reference.filename} is not in {reference.repo_id}", hint=f"Files there: {shown}")
-        group = [c for c in choices(names) if reference.filename in c.files]
-        return group[0] if group else Choice((reference.filename,), None)
-    try:
-        return select(choices(names), reference.quant, reference.repo_id)
-    except LookupError as exc:
-        raise ModelNotFoundError(str(exc), hint="Name a quant (OWNER/REPO:Q4_K_M) or a file (OWNER/REPO/FILE.gguf).") from None
-
-
 def _check_disk_space(reference: HubReference, files: list[RemoteFile]) -> None:
     needed = sum(f.size or 0 for f in files if _cached_path(reference, f.name) is None)
     if not needed:
         return
-    where = hub_cache()
+    where = paths.hub_cache()
     probe = where
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -154,7 +131,7 @@ def _check_disk_space(reference: HubReference, files: list[RemoteFile]) -> None:
 
 def _cached_path(reference: HubReference, filename: str) -> Path | None:
     found = _hf().try_to_load_from_cache(
-        reference.repo_id, filename, cache_dir=hub_cache(), revision=reference.revision
+        reference.repo_id, filename, cache_dir=paths.hub_cache(), revision=reference.revision
     )
     return Path(found) if isinstance(found, str) else None
 
@@ -162,11 +139,11 @@ def _cached_path(reference: HubReference, filename: str) -> Path | None:
 def _download(reference: HubReference, file: RemoteFile, on_progress: ProgressCallback | None) -> Path:
     already = _cached_path(reference, file.name) is not None
     path = Path(_hf().hf_hub_download(
-        reference.repo_id, file.name, revision=reference.revision, cache_dir=hub_cache(),
+        reference.repo_id, file.name, revision=reference.revision, cache_dir=paths.hub_cache(),
         endpoint=endpoint(), token=_token(), tqdm_class=_relay(file.name, on_progress),
     ))
     resolved = path.resolve()
-    if not resolved.is_relative_to(hub_cache().resolve()) or not resolved.is_file():
+    if not resolved.is_relative_to(paths.hub_cache().resolve()) or not resolved.is_file():
         raise IntegrityError(f"{file.name} from {reference.repo_id} resolved outside the cache or to a non-file: {resolved}")
     if not already and file.sha256:
         actual = sha256_of(path)
@@ -178,26 +155,6 @@ def _download(reference: HubReference, file: RemoteFile, on_progress: ProgressCa
                 hint="Pull again; if it keeps failing, the server or a proxy is corrupting the file.",
             )
     return path
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def remove_file(path: Path) -> None:
-    """Remove a snapshot file and its blob (when no other snapshot links to that blob)."""
-    blob = path.resolve()
-    path.unlink(missing_ok=True)
-    repo_dir = blob.parent.parent
-    still_linked = any(
-        link.is_symlink() and link.resolve() == blob for link in (repo_dir / "snapshots").rglob("*")
-    ) if (repo_dir / "snapshots").exists() else False
-    if not still_linked:
-        blob.unlink(missing_ok=True)
 
 
 def _relay(filename: str, on_progress: ProgressCallback | None) -> type:
@@ -244,17 +201,14 @@ def prune_partial() -> list[Path]:
     from filelock import FileLock, Timeout  # a huggingface_hub dependency
 
     removed = []
-    root = hub_cache()
-    for partial in sorted(root.glob("models--*/blobs/*.incomplete")) if root.exists() else []:
-        etag = partial.name.split(".", 1)[0]
-        lock = FileLock(str(root / ".locks" / partial.parent.parent.name / f"{etag}.lock"))
+    for partial, lock_file in partial_downloads():
         try:
-            with lock.acquire(timeout=0):
+            with FileLock(str(lock_file)).acquire(timeout=0):
                 partial.unlink(missing_ok=True)
                 removed.append(partial)
         except (Timeout, OSError):
             continue  # a download is running: leave its file alone
-    packages = config.cache_dir() / "packages"
+    packages = paths.assembled_models_dir()
     for partial in packages.glob(".*.incomplete") if packages.exists() else []:
         if time.time() - partial.stat().st_mtime > 3600:  # an assembly takes seconds; an hour-old one is dead
             partial.unlink(missing_ok=True)
@@ -262,63 +216,12 @@ def prune_partial() -> list[Path]:
     return removed
 
 
-def _repo_dir(repo_id: str) -> Path:
-    return hub_cache() / f"models--{repo_id.replace('/', '--')}"
-
-
-def _snapshot_dir(reference: HubReference) -> Path | None:
-    repo = _repo_dir(reference.repo_id)
-    revision = reference.revision or "main"
-    ref_file = repo / "refs" / revision
-    commit = ref_file.read_text().strip() if ref_file.is_file() else revision
-    snapshot = repo / "snapshots" / commit
-    inside = snapshot.resolve().is_relative_to(hub_cache().resolve()) if snapshot.exists() else False
-    return snapshot if inside and snapshot.is_dir() else None
-
-
-def _local_files(snapshot: Path) -> list[str]:
-    return sorted(
-        str(p.relative_to(snapshot)) for p in snapshot.rglob("*.gguf") if p.is_file()
-    )
-
-
-def from_cache(reference: HubReference) -> Fetched | None:
-    """The cached files of `reference`, or None when they are not (all) there."""
-    snapshot = _snapshot_dir(reference)
-    if snapshot is None:
-        return None
-    names = _local_files(snapshot)
-    try:
-        choice = _choose(reference, names)
-    except ModelNotFoundError:
-        return None
-    paths = tuple(snapshot / name for name in choice.files)
-    if not all(p.is_file() for p in paths):
-        return None
-    return Fetched(reference, snapshot.name, paths, choice.quant)
-
-
-@dataclass(frozen=True)
-class CachedModel:
-    repo_id: str
-    revision: str  # commit
-    refs: tuple[str, ...]  # branch/tag names pointing at it
-    files: tuple[Path, ...]  # first one loads
-    quant: str | None
-    size: int
-
-    @property
-    def name(self) -> str:
-        label = f"{self.repo_id}:{self.quant}" if self.quant else f"{self.repo_id}/{self.files[0].name}"
-        return label
-
-
 def cached_models() -> list[CachedModel]:
     """Every loadable model in the cache, from huggingface_hub's cache scan."""
-    if not hub_cache().exists():
+    if not paths.hub_cache().exists():
         return []
-    with _translated(None):
-        info = _hf().scan_cache_dir(hub_cache())
+    with translated(None):
+        info = _hf().scan_cache_dir(paths.hub_cache())
     found = []
     for repo in sorted(info.repos, key=lambda r: r.repo_id):
         if repo.repo_type != "model":
@@ -328,23 +231,62 @@ def cached_models() -> list[CachedModel]:
             for choice in choices(list(by_name)):
                 files = tuple(by_name[n].file_path for n in choice.files)
                 size = sum(by_name[n].size_on_disk for n in choice.files)
-                found.append(CachedModel(repo.repo_id, revision.commit_hash, tuple(sorted(revision.refs)), files, choice.quant, size))
+                refs = tuple(sorted(revision.refs))
+                found.append(CachedModel(repo.repo_id, revision.commit_hash, refs, files, choice.quant, size))
     return found
 
 
-def delete(models: list[CachedModel]) -> int:
-    """Remove these models' files; empty snapshots and repositories go too. Returns bytes freed."""
-    freed = 0
-    for model in models:
-        for path in model.files:
-            blob = path.resolve()
-            freed += blob.stat().st_size if blob.exists() else 0
-            remove_file(path)
-    for repo in {_repo_dir(m.repo_id) for m in models}:
-        snapshots = repo / "snapshots"
-        for snapshot in list(snapshots.iterdir()) if snapshots.exists() else []:
-            if not any(p.is_file() or p.is_symlink() for p in snapshot.rglob("*")):
-                shutil.rmtree(snapshot, ignore_errors=True)
-        if not snapshots.exists() or not any(snapshots.iterdir()):
-            shutil.rmtree(repo, ignore_errors=True)
-    return freed
+# -- one ordered table: huggingface_hub's and the transport's exceptions -> LlmcliErrors --------------
+
+
+@contextmanager
+def translated(reference: HubReference | None) -> Iterator[None]:
+    """huggingface_hub's and the transport's exceptions -> one-line LlmcliErrors (order matters)."""
+    errors = _hf().errors
+    name = str(reference) if reference else "the cache"
+    repo = reference.repo_id if reference else ""
+    try:
+        yield
+    except (LlmcliError, KeyboardInterrupt):
+        raise
+    except errors.GatedRepoError:
+        raise LlmcliError(
+            f"{repo} is gated: you need to accept its terms and authenticate to download it",
+            hint="Accept the license on the model page, then set HF_TOKEN to a token with access.",
+        ) from None
+    except errors.RepositoryNotFoundError as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", 404)
+        raise ModelNotFoundError(
+            f"repository {repo} not found on {endpoint()}" + (" (or it is private)" if status == 401 else ""),
+            hint="Check the name (OWNER/REPO); a private repository needs HF_TOKEN.",
+        ) from None
+    except errors.RevisionNotFoundError:
+        raise ModelNotFoundError(f"revision {reference.revision if reference else ''!r} not found in {repo}") from None
+    except errors.RemoteEntryNotFoundError:
+        raise ModelNotFoundError(f"{name}: file not found in the repository",
+                                 hint="`llmcli pull OWNER/REPO` lists the files.") from None
+    except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled):
+        raise ModelNotFoundError(f"{name} is not in the cache and the Hub cannot be asked (offline)",
+                                 hint="Run `llmcli pull` while online.") from None
+    except errors.HfHubHTTPError as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if status in (401, 403):
+            raise LlmcliError(f"{endpoint()} refused access to {repo} (HTTP {status})",
+                              hint="Set HF_TOKEN to a token with access to this repository.") from None
+        raise LlmcliError(f"the Hub answered HTTP {status} for {name}", exit_code=ExitCode.NETWORK,
+                          hint="Try again later, or use --offline for what is cached.") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise ResourceError(f"the disk filled up while downloading {name}",
+                                hint="Free some space and pull again; nothing partial was kept.") from None
+        raise _network_error(name, exc) from None
+    except Exception as exc:  # the HTTP library's transport errors (connect, read, truncated body)
+        raise _network_error(name, exc) from None
+
+
+def _network_error(name: str, exc: BaseException) -> LlmcliError:
+    return LlmcliError(
+        f"download of {name} from {endpoint()} failed: {type(exc).__name__}: {str(exc)[:200]}",
+        exit_code=ExitCode.NETWORK,
+        hint="Check the connection and pull again; --offline uses only the cache.",
+    )

@@ -7,10 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcli import hub, models
 from llmcli.errors import IntegrityError, ModelNotFoundError, UsageError
-from llmcli.gguf_header import GGUFHeader, read_header, string_items
-from llmcli.references import choices, looks_like_hub, parse
+from llmcli.files import sha256_of
+from llmcli.store import cache, models
+from llmcli.store.cache import CachedModel
+from llmcli.store.gguf_header import GGUFHeader, read_header, string_items
+from llmcli.store.packages import packaged_models
+from llmcli.store.references import choices, looks_like_hub, parse
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,9 @@ def _entry(name: str, path: Path, source: str, size: int | None = None) -> Entry
 def entries() -> list[Entry]:
     """Installed-package models, then models in the Hub cache."""
     found = []
-    for model in models.packaged_models():
+    from llmcli.store import hub  # the cache scan is huggingface_hub's
+
+    for model in packaged_models():
         if model.assemble_with is not None and not model.path.is_file():
             continue  # not assembled yet: nothing to describe until first use
         found.append(_entry(model.short_name, model.path, f"package:{model.distribution}"))
@@ -70,7 +75,8 @@ def local_model(reference: str, aliases: dict[str, str] | None = None) -> models
     try:
         return models.resolve(reference, offline=True, aliases=aliases)
     except ModelNotFoundError as exc:
-        raise ModelNotFoundError(exc.message, hint=f"`llmcli pull {reference}` downloads it; `llmcli list` shows what is here.") from None
+        hint = f"`llmcli pull {reference}` downloads it; `llmcli list` shows what is here."
+        raise ModelNotFoundError(exc.message, hint=hint) from None
 
 
 def describe(model: models.ResolvedModel) -> dict[str, Any]:
@@ -108,14 +114,16 @@ def describe(model: models.ResolvedModel) -> dict[str, Any]:
     }
 
 
-def removable(reference: str, aliases: dict[str, str] | None = None) -> list[hub.CachedModel]:
+def removable(reference: str, aliases: dict[str, str] | None = None) -> list[CachedModel]:
     """The cached models `reference` names: OWNER/REPO (all of it), OWNER/REPO:QUANT or …/FILE.gguf."""
     expanded = {**models.ALIASES, **(aliases or {})}.get(reference.lower(), reference)
-    if any(m.matches(reference) for m in models.packaged_models()):
+    if any(m.matches(reference) for m in packaged_models()):
         raise UsageError(f"{reference} comes from an installed Python package; remove it with pip uninstall")
     if not looks_like_hub(expanded):
         raise UsageError(f"{reference} is not a cached model reference", hint="See `llmcli list` for names.")
     wanted = parse(expanded)
+    from llmcli.store import hub
+
     matches = [
         m for m in hub.cached_models()
         if m.repo_id.lower() == wanted.repo_id.lower()
@@ -131,12 +139,10 @@ def removable(reference: str, aliases: dict[str, str] | None = None) -> list[hub
 def known_names(aliases: dict[str, str] | None = None) -> list[str]:
     """Every model name a user can type without a path, for shell completion: installed models,
     aliases, and what the cache holds (read from its folders, without huggingface_hub)."""
-    names = [m.short_name for m in models.packaged_models()]
+    names = [m.short_name for m in packaged_models()]
     names += sorted({**models.ALIASES, **(aliases or {})})
-    root = hub.hub_cache()
-    for repo_dir in sorted(root.glob("models--*")) if root.exists() else []:
-        repo_id = repo_dir.name[len("models--"):].replace("--", "/", 1)
-        files = {str(p.relative_to(s)) for s in (repo_dir / "snapshots").glob("*") for p in s.rglob("*.gguf")}
+    for repo_id, repo_dir in cache.repo_dirs():
+        files = {name for snapshot in (repo_dir / "snapshots").glob("*") for name in cache.gguf_names(snapshot)}
         names.append(repo_id)
         names += [f"{repo_id}:{c.quant}" for c in choices(sorted(files)) if c.quant]
     return list(dict.fromkeys(names))
@@ -150,16 +156,16 @@ class Verified:
     actual: str
 
 
-def verify(models: list[hub.CachedModel]) -> list[Verified]:
+def verify(models: list[CachedModel]) -> list[Verified]:
     """Hash every file of these models against its blob's name (the LFS sha256); remove what fails."""
     results = []
     for model in models:
         for path in model.files:
             blob = path.resolve()
             expected = blob.name if re.fullmatch(r"[0-9a-f]{64}", blob.name) else None
-            actual = hub.sha256_of(path)
+            actual = sha256_of(path)
             ok = expected is None or actual == expected
             if not ok:
-                hub.remove_file(path)
+                cache.remove_file(path)
             results.append(Verified(path, ok, expected, actual))
     return results

@@ -8,15 +8,17 @@ lets the engine prefill only what its KV cache does not hold yet.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmcli import templates
-from llmcli.engine import Done, Engine, Token
+from llmcli.chat import templates
+from llmcli.chat.templates import ChatTemplate, Message
 from llmcli.errors import ResourceError, UsageError
-from llmcli.sampling import SamplingConfig
-from llmcli.templates import ChatTemplate, Message
+from llmcli.inference.engine import Engine
+from llmcli.inference.events import Done, Notice, Token
+from llmcli.inference.generation import GenerationOptions
+from llmcli.settings import default
 
 
 @dataclass(frozen=True)
@@ -24,21 +26,7 @@ class PromptOptions:
     system: str | None = None
     raw: bool = False  # send the text as-is: no template (base models)
     template_file: Path | None = None  # overrides the template stored in the model
-
-
-@dataclass(frozen=True)
-class GenerationOptions:
-    sampling: SamplingConfig = SamplingConfig()
-    max_tokens: int | None = None
-    stops: tuple[str, ...] = ()
-    on_overflow: str = "error"  # or "truncate": drop the start of the message until it fits
-
-
-@dataclass(frozen=True)
-class Notice:
-    """Something the user should know about this answer (printed on stderr, not part of it)."""
-
-    text: str
+    on_overflow: str = default("on_overflow")  # or "truncate": drop the start of the message until it fits
 
 
 @dataclass(frozen=True)
@@ -48,9 +36,9 @@ class RenderedPrompt:
 
 
 class Session:
-    def __init__(self, engine: Engine, options: PromptOptions = PromptOptions()):
+    def __init__(self, engine: Engine, options: PromptOptions | None = None):
         self.engine = engine
-        self.options = options
+        self.options = options = options or PromptOptions()
         self.history: list[Message] = []
         self.notices: list[str] = []  # warnings for the user, printed by the CLI
         self.template = None if options.raw else self._find_template()
@@ -65,11 +53,11 @@ class Session:
                 raise UsageError(f"cannot read --chat-template-file {path}: {exc}") from None
             template = ChatTemplate(source, str(path))
         else:
-            source = self.engine.header.chat_template
-            if source is None:
+            stored = self.engine.header.chat_template
+            if stored is None:
                 self.notices.append("this model has no chat template; sending the prompt as-is (--raw)")
                 return None
-            template = ChatTemplate(source, "model")
+            template = ChatTemplate(stored, "model")
         templates.check(template)
         return template
 
@@ -85,15 +73,14 @@ class Session:
         """The exact text and tokens the model will see for this new message."""
         if self.template is None:
             text = "\n\n".join(m.content for m in self.messages_with(user_text))
-            return RenderedPrompt(text, self.engine.tokenize(text, add_special=True))
-        bos = self.engine.bos_text
-        text = self.template.render(self.messages_with(user_text), bos_token=bos, eos_token=self.engine.eos_text)
+            return RenderedPrompt(text, self.engine.vocab.tokenize(text, add_special=True))
+        vocab = self.engine.vocab
+        bos = vocab.bos_text
+        text = self.template.render(self.messages_with(user_text), bos_token=bos, eos_token=vocab.eos_text)
         # A template that writes the BOS token itself must not get a second one from the tokenizer.
-        if bos and text.startswith(bos):
-            return RenderedPrompt(text, self.engine.tokenize(text, add_special=False))
-        return RenderedPrompt(text, self.engine.tokenize(text, add_special=True))
+        return RenderedPrompt(text, vocab.tokenize(text, add_special=not (bos and text.startswith(bos))))
 
-    def _answer_room(self, max_tokens: int | None) -> int:
+    def answer_room(self, max_tokens: int | None) -> int:
         """Tokens kept free for the answer: -n, else a quarter of the context (at most 256)."""
         return max_tokens or min(256, self.engine.n_ctx // 4)
 
@@ -102,7 +89,7 @@ class Session:
 
     def _truncate(self, user_text: str, max_tokens: int | None) -> tuple[str, RenderedPrompt]:
         """Keep the system prompt and the end of the message: the fewest leading characters dropped that fit."""
-        budget = self.engine.n_ctx - self._answer_room(max_tokens)
+        budget = self.engine.n_ctx - self.answer_room(max_tokens)
         low, high = 0, len(user_text)
         best = None
         while low <= high:
@@ -120,11 +107,11 @@ class Session:
             )
         return best
 
-    def ask(self, user_text: str, options: GenerationOptions = GenerationOptions()) -> Iterator[Token | Done | Notice]:
+    def ask(self, user_text: str, options: GenerationOptions) -> Iterator[Token | Done | Notice]:
         """Answer `user_text`; the exchange joins the history when the answer is done."""
         started = time.perf_counter()
         prompt = self.render(user_text)
-        if options.on_overflow == "truncate" and not self._fits(prompt, options.max_tokens):
+        if self.options.on_overflow == "truncate" and not self._fits(prompt, options.max_tokens):
             full = len(prompt.tokens)
             user_text, prompt = self._truncate(user_text, options.max_tokens)
             yield Notice(
@@ -134,27 +121,10 @@ class Session:
         prompt_s = time.perf_counter() - started
         load_s, self._load_s = self._load_s, 0.0
         answer: list[str] = []
-        for event in self.engine.generate(
-            prompt.tokens,
-            options.sampling,
-            seed=options.sampling.effective_seed(),
-            max_tokens=options.max_tokens,
-            stops=options.stops,
-            started=started,
-            prompt_s=prompt_s,
-            load_s=load_s,
-        ):
+        seed = options.sampling.effective_seed()
+        for event in self.engine.generate(prompt.tokens, options, seed, started=started, prompt_s=prompt_s, load_s=load_s):
             if isinstance(event, Token):
                 answer.append(event.text)
             else:
                 self.history += [Message("user", user_text), Message("assistant", "".join(answer))]
             yield event
-
-
-def combine_input(prompt: str | None, stdin_text: str | None, stdin_first: bool = False) -> str:
-    """The prompt argument and piped stdin as one message: prompt, blank line, stdin (or the reverse)."""
-    parts: Sequence[str | None] = (stdin_text, prompt) if stdin_first else (prompt, stdin_text)
-    text = "\n\n".join(p for p in parts if p and p.strip())
-    if not text.strip():
-        raise UsageError("no prompt given", hint='Pass a prompt: llmcli run "..." or pipe text into llmcli run -')
-    return text

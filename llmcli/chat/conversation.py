@@ -18,38 +18,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from llmcli import config
-from llmcli.engine import Done, Token
-from llmcli.hub import sha256_of
+from llmcli import paths
+from llmcli.chat.session import Session
+from llmcli.chat.templates import Message
 from llmcli.errors import ResourceError, UsageError
-from llmcli.sampling import RULES
-from llmcli.session import GenerationOptions, Notice, Session
-from llmcli.settings import SETTINGS, check_value
-from llmcli.templates import Message
+from llmcli.files import remembered_sha256
+from llmcli.inference.events import Done, Notice, Token
+from llmcli.inference.generation import GenerationOptions
+from llmcli.inference.sampling import SETTING_FIELDS
+from llmcli.settings import SETTINGS, check_value, parse_text
 
-# /set names -> GenerationOptions / SamplingConfig fields
-_SAMPLING_ALIASES = {"temp": "temperature", "temperature": "temperature"}
-_GENERATION_FIELDS = {"max_tokens", "stop", "on_overflow"}
-
-
-def conversations_dir() -> Path:
-    return config.data_dir() / "conversations"
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a model file, remembered by (path, size, mtime) so a large model is hashed once."""
-    stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    store = config.data_dir() / "hashes.json"
-    try:
-        known = json.loads(store.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key not in known:
-        known[key] = sha256_of(path)
-        store.parent.mkdir(parents=True, exist_ok=True)
-        store.write_text(json.dumps(known))
-    return known[key]
+# What chat's /set may change: every setting marked for chat in the table.
+CHAT_SETTINGS = tuple(name for name, setting in SETTINGS.items() if setting.chat)
 
 
 class Conversation:
@@ -60,7 +40,7 @@ class Conversation:
         self.model_name = model_name
         self.model_path = model_path
         self.id = conversation_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-        self.path: Path | None = conversations_dir() / f"{self.id}.jsonl" if save else None
+        self.path: Path | None = paths.conversations_dir() / f"{self.id}.jsonl" if save else None
         self.system = session.options.system
         self.turn_stats: list[Done] = []
         self._started = False
@@ -76,7 +56,7 @@ class Conversation:
                 template = self.session.template.source if self.session.template else ""
                 self._write({
                     "type": "session", "id": self.id, "model": self.model_name, "model_path": str(self.model_path),
-                    "model_sha256": file_sha256(self.model_path),
+                    "model_sha256": remembered_sha256(self.model_path),
                     "template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
                     "system": self.system, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 })
@@ -85,9 +65,9 @@ class Conversation:
             handle.write(json.dumps({**record, "time": time.time()}, ensure_ascii=False) + "\n")
 
     def settings_record(self) -> dict[str, Any]:
-        sampling = dataclasses.asdict(self.generation.sampling)
-        sampling.pop("grammar", None)
-        return {**sampling, "max_tokens": self.generation.max_tokens, "stop": list(self.generation.stops)}
+        """The settings that shape the next answer, as the record and /show list them."""
+        return {**self.generation.sampling.record(), "max_tokens": self.generation.max_tokens,
+                "stop": list(self.generation.stops), "on_overflow": self.session.options.on_overflow}
 
     # -- turns -----------------------------------------------------------------------------
 
@@ -118,7 +98,7 @@ class Conversation:
     def _fit(self, text: str) -> int:
         """Drop the oldest exchanges until the prompt plus room for the answer fits; returns how many."""
         engine = self.session.engine
-        room = self.generation.max_tokens or min(256, engine.n_ctx // 4)
+        room = self.session.answer_room(self.generation.max_tokens)
         dropped = 0
         while len(self.session.render(text).tokens) + room > engine.n_ctx:
             if len(self.history) < 2:
@@ -157,24 +137,25 @@ class Conversation:
         self._write({"type": "system", "system": self.system})
 
     def set(self, name: str, value: str) -> str:
-        """`/set PARAM VALUE` for any sampling control, max_tokens or stop; validated like the flag."""
+        """`/set NAME VALUE` for any setting marked for chat in the table; parsed and checked like its flag."""
         key = name.strip().lstrip("-").replace("-", "_").lower()
-        field = _SAMPLING_ALIASES.get(key, key)
-        if key in ("system",):
-            self.set_system(value)
-            return "system prompt set"
-        setting = SETTINGS.get("temp" if field == "temperature" else key)
-        if setting is None or (field not in RULES and key not in _GENERATION_FIELDS):
-            known = sorted({*_SAMPLING_ALIASES, *(f for f in RULES if f != "temperature"), *_GENERATION_FIELDS})
-            raise UsageError(f"unknown setting {name!r}", hint="Settings: " + ", ".join(known))
-        parsed = _parse(setting.kind, value, setting.flag)
+        key = "temp" if key == "temperature" else key
+        if key not in CHAT_SETTINGS:
+            raise UsageError(f"unknown setting {name!r}", hint="Settings: " + ", ".join(CHAT_SETTINGS))
+        setting = SETTINGS[key]
+        parsed = parse_text(setting, value, f"/set {key}")
         check_value(setting, parsed, "/set")
-        if key in _GENERATION_FIELDS:
+        if key == "system":
+            self.set_system(parsed)
+            return "system prompt set" if parsed else "system prompt removed"
+        if key == "on_overflow":
+            self.session.options = dataclasses.replace(self.session.options, on_overflow=parsed)
+        elif key in SETTING_FIELDS:
+            sampling = dataclasses.replace(self.generation.sampling, **{key: parsed})
+            self.generation = dataclasses.replace(self.generation, sampling=sampling)
+        else:
             changes = {"stops": tuple(parsed)} if key == "stop" else {key: parsed}
             self.generation = dataclasses.replace(self.generation, **changes)
-        else:
-            sampling = dataclasses.replace(self.generation.sampling, **{field: parsed})  # validates
-            self.generation = dataclasses.replace(self.generation, sampling=sampling)
         self._write({"type": "set", "name": key, "value": parsed})
         return f"{setting.flag} = {parsed}"
 
@@ -219,7 +200,8 @@ class Conversation:
                 self.history[:] = [Message(m["role"], m["content"], bool(m.get("interrupted"))) for m in record["messages"]]
             elif kind == "set":
                 try:
-                    self.set(record["name"], json.dumps(record["value"]) if isinstance(record["value"], list) else str(record["value"]))
+                    value = record["value"]
+                    self.set(record["name"], json.dumps(value) if isinstance(value, list) else str(value))
                 except UsageError:
                     pass
         self._started = True  # continue appending to the same file, without a second header
@@ -227,7 +209,7 @@ class Conversation:
 
 def find_conversation(which: str) -> Path:
     """`last` or an id (or a unique prefix of one) -> the conversation's JSONL file."""
-    folder = conversations_dir()
+    folder = paths.conversations_dir()
     files = sorted(folder.glob("*.jsonl"), key=lambda p: p.stat().st_mtime) if folder.exists() else []
     if not files:
         raise UsageError("there is no saved conversation to resume", hint=f"Conversations are saved in {folder}.")
@@ -248,18 +230,3 @@ def read_records(path: Path) -> list[dict[str, Any]]:
             except ValueError:
                 raise UsageError(f"{path}:{number} is not valid JSON; the conversation file is damaged") from None
     return records
-
-
-def _parse(kind: type, value: str, flag: str) -> Any:
-    text = value.strip()
-    try:
-        if kind is list:
-            return json.loads(text) if text.startswith("[") else [bytes(text, "utf-8").decode("unicode_escape")]
-        if kind is bool:
-            return text.lower() in ("1", "true", "yes", "on")
-        if text.lower() in ("none", "null", "") and kind is int:
-            return None
-        return kind(text)
-    except ValueError:
-        raise UsageError(f"{flag} takes a {kind.__name__} (got {value!r})") from None
-

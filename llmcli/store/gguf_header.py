@@ -160,17 +160,22 @@ class _Cursor:
     def u64(self, what: str) -> int:
         return self.unpack("<Q", 8, what)
 
-    def string(self, what: str, keep: bool = True) -> str | None:
-        length = self.u64(f"{what} length")
-        self.need(length, what)
-        start = self.pos
-        self.pos += length
-        if not keep:
-            return None
+    def string(self, what: str) -> str:
+        start, length = self._string_span(what)
         try:
             return bytes(self.buf[start : start + length]).decode("utf-8")
         except UnicodeDecodeError:
             raise self.fail(f"{what} is not valid UTF-8") from None
+
+    def skip_string(self, what: str) -> None:
+        self._string_span(what)
+
+    def _string_span(self, what: str) -> tuple[int, int]:
+        length = self.u64(f"{what} length")
+        self.need(length, what)
+        start = self.pos
+        self.pos += length
+        return start, length
 
     def value(self, type_id: int, what: str, depth: int = 0) -> Any:
         if type_id in _SCALARS:
@@ -200,7 +205,7 @@ class _Cursor:
 
     def skip_value(self, type_id: int, what: str, depth: int) -> None:
         if type_id == _STRING:
-            self.string(what, keep=False)
+            self.skip_string(what)
         else:
             self.value(type_id, what, depth)
 
@@ -357,7 +362,8 @@ def string_items(header: GGUFHeader, key: str, indices: set[int]) -> dict[int, s
         cur = _Cursor(buf, header.file_size, header.path)
         cur.pos = summary.offset
         for index in range(max(wanted, default=-1) + 1):
-            text = cur.string(f"{key}[{index}]", keep=index in wanted)
-            if text is not None:
-                found[index] = text
+            if index in wanted:
+                found[index] = cur.string(f"{key}[{index}]")
+            else:
+                cur.skip_string(f"{key}[{index}]")
     return found

@@ -1,0 +1,220 @@
+"""Step 7 at scale: llama-bench's tests, plus what it leaves out.
+
+For each model and thread count, interleaved over `repetitions` after a warm-up:
+- `pp{P}` / `tg{N}` (optionally `@ d{D}`): the raw llama.cpp loop (inference.raw.RawLoop), as llama-bench;
+- the same through llmcli's own path (template, tokenize, sample, detokenize, stop check);
+- `ttft`: request to first token for a templated chat prompt;
+- overhead: llmcli's rate divided by the raw loop's, same model, same sampler chain, same process;
+- roofline: decode rate as a share of memory bandwidth / bytes read per token.
+
+The core never prints: `Benchmark.run` yields progress and collects `rows`; the CLI renders them.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+
+from llmcli.bench.environment import memory_bandwidth
+from llmcli.chat.session import Session
+from llmcli.inference import system
+from llmcli.inference.engine import Engine, EngineConfig
+from llmcli.inference.events import Done
+from llmcli.inference.generation import GenerationOptions
+from llmcli.inference.parallel import BatchItem, BatchRun
+from llmcli.inference.raw import RawLoop
+from llmcli.inference.sampling import greedy_without_end
+from llmcli.interrupt import Cancellation
+from llmcli.settings import default
+from llmcli.store.gguf_header import GGUFHeader
+from llmcli.store.models import ResolvedModel
+
+TTFT_PROMPT = "Explain what a KV cache is in two sentences."
+FILLER = (
+    "The history of computing is a story of ideas meeting machines. Engineers measured, "
+    "guessed, and measured again, until the numbers told them what the machine could do. "
+)
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    prompt_tokens: int = 512
+    gen_tokens: int = 128
+    repetitions: int = 5
+    threads: tuple[int, ...] = ()  # empty: one per physical core
+    depths: tuple[int, ...] = (0,)
+    n_batch: int = default("batch_size")
+    parallel: tuple[int, ...] = ()  # sequences decoded together (aggregate decode rate), e.g. (1, 8)
+
+
+@dataclass
+class Row:
+    model: str
+    size_bytes: int
+    params: int
+    quant: str
+    threads: int
+    test: str  # pp512, tg128, pp512 @ d512, ttft, overhead tg128, roofline tg128, ...
+    path: str  # raw | llmcli | ratio | roofline
+    unit: str  # t/s, s, x, %
+    samples: list[float] = field(default_factory=list)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.samples) if self.samples else 0.0
+
+    @property
+    def sd(self) -> float:
+        return statistics.stdev(self.samples) if len(self.samples) > 1 else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "mean": self.mean, "sd": self.sd, "n": len(self.samples)}
+
+
+@dataclass(frozen=True)
+class Progress:
+    done: int
+    total: int
+    what: str
+
+
+class _Subject:
+    """One loaded model at one thread count: each method measures one test once."""
+
+    def __init__(self, engine: Engine, plan: BenchPlan):
+        self.engine, self.plan = engine, plan
+        self.raw, self.session = RawLoop(engine), Session(engine)
+        # Greedy with end-of-generation banned: every run yields exactly gen_tokens, in both paths.
+        self.sampling = greedy_without_end(engine.vocab.end_of_generation_tokens())
+        self.generation = GenerationOptions(self.sampling, plan.gen_tokens)
+        n_corpus = max(plan.depths) + plan.prompt_tokens
+        self.corpus = engine.vocab.tokenize(FILLER * (engine.n_ctx // 20 + 8), add_special=True)[:n_corpus]
+        self.pp_text, self.pp_tokens = self._text_of_about(plan.prompt_tokens)
+        self.chat_tokens = self.session.render(TTFT_PROMPT).tokens
+
+    def _text_of_about(self, n_tokens: int) -> tuple[str, list[int]]:
+        """A user message whose rendered prompt has at most `n_tokens` tokens, as close as words allow."""
+        words = (FILLER * (n_tokens // 20 + 2)).split()
+        low, high, best = 1, len(words), (words[0], self.session.render(words[0]).tokens)
+        while low <= high:
+            mid = (low + high) // 2
+            text = " ".join(words[:mid])
+            tokens = self.session.render(text).tokens
+            if len(tokens) <= n_tokens:
+                low, best = mid + 1, (text, tokens)
+            else:
+                high = mid - 1
+        return best
+
+    def warm_up(self) -> None:
+        """Page in the weights, build the graphs."""
+        self.raw.prefill(self.corpus[:64])
+        self.raw.decode(self.corpus[:8], self.sampling, 8)
+
+    def raw_prefill(self, depth: int) -> float:
+        return self.plan.prompt_tokens / self.raw.prefill(self.corpus[: depth + self.plan.prompt_tokens], depth)
+
+    def raw_decode(self, depth: int) -> float:
+        return (self.plan.gen_tokens - 1) / self.raw.decode(self.corpus[: max(depth, 1)], self.sampling, self.plan.gen_tokens)
+
+    def raw_prefill_same(self) -> float:
+        return len(self.pp_tokens) / self.raw.prefill(self.pp_tokens)
+
+    def raw_decode_same(self) -> float:
+        return (self.plan.gen_tokens - 1) / self.raw.decode(self.chat_tokens, self.sampling, self.plan.gen_tokens)
+
+    def llmcli_prefill(self) -> float:
+        return self._ask(self.pp_text, self.generation).stats.prefill_tps
+
+    def llmcli_decode(self) -> float:
+        return self._ask(TTFT_PROMPT, self.generation).stats.decode_tps
+
+    def ttft(self) -> float:
+        return self._ask(TTFT_PROMPT, GenerationOptions(self.sampling, 1)).stats.ttft_s
+
+    def _ask(self, text: str, generation: GenerationOptions) -> Done:
+        self.engine.clear()
+        self.session.history.clear()
+        done = [e for e in self.session.ask(text, generation) if isinstance(e, Done)]
+        return done[0]
+
+
+class Benchmark:
+    """Every model at every thread count; `run()` yields progress and fills `rows`."""
+
+    def __init__(self, models: Sequence[ResolvedModel], headers: Sequence[GGUFHeader], plan: BenchPlan):
+        self.models, self.headers, self.plan = models, headers, plan
+        self.threads = plan.threads or (system.physical_cores(),)
+        self.rows: list[Row] = []
+
+    def run(self) -> Iterator[Progress]:
+        plan = self.plan
+        per_repetition = len(plan.depths) * 2 + 5 + len(plan.parallel)
+        total = len(self.models) * len(self.threads) * plan.repetitions * per_repetition
+        done = 0
+        for model, header in zip(self.models, self.headers, strict=True):
+            for threads in self.threads:
+                for what in self._measure(model, header, threads):
+                    done += 1
+                    yield Progress(done, total, f"{model.name} t{threads} {what}")
+
+    def _row(self, model: ResolvedModel, header: GGUFHeader, threads: int, test: str, path: str, unit: str) -> Row:
+        row = Row(model.name, header.file_size, header.n_params, header.quant, threads, test, path, unit)
+        self.rows.append(row)
+        return row
+
+    def _measure(self, model: ResolvedModel, header: GGUFHeader, threads: int) -> Iterator[str]:
+        plan = self.plan
+        row = partial(self._row, model, header, threads)
+        n_ctx = max(plan.depths) + plan.prompt_tokens + plan.gen_tokens + 64
+        with Engine(model.path, EngineConfig(n_ctx=n_ctx, n_threads=threads, n_batch=plan.n_batch)) as engine:
+            subject = _Subject(engine, plan)
+            steps: list[tuple[Row, Callable[[], float]]] = []
+            for depth in plan.depths:
+                suffix = f" @ d{depth}" if depth else ""
+                steps.append((row(f"pp{plan.prompt_tokens}{suffix}", "raw", "t/s"), partial(subject.raw_prefill, depth)))
+                steps.append((row(f"tg{plan.gen_tokens}{suffix}", "raw", "t/s"), partial(subject.raw_decode, depth)))
+            # llmcli's own path, and the raw loop on exactly the same prompt tokens for the overhead ratio
+            n_pp = len(subject.pp_tokens)
+            pp_same, tg_same = row(f"pp{n_pp}", "raw, same prompt", "t/s"), row(f"tg{plan.gen_tokens}", "raw, same prompt", "t/s")
+            pp_run, tg_run = row(f"pp{n_pp}", "llmcli", "t/s"), row(f"tg{plan.gen_tokens}", "llmcli", "t/s")
+            steps += [(pp_same, subject.raw_prefill_same), (pp_run, subject.llmcli_prefill),
+                      (tg_same, subject.raw_decode_same), (tg_run, subject.llmcli_decode),
+                      (row("ttft", "llmcli", "s"), subject.ttft)]
+            subject.warm_up()
+            for _ in range(plan.repetitions):
+                for target, measure in steps:
+                    target.samples.append(measure())
+                    yield f"{target.test} ({target.path})"
+        if plan.parallel:
+            yield from self._parallel_rows(model, threads, row)
+        row(f"overhead tg{plan.gen_tokens}", "ratio", "x").samples.append(tg_run.mean / tg_same.mean)
+        row(f"overhead pp{n_pp}", "ratio", "x").samples.append(pp_run.mean / pp_same.mean)
+        # Decode reads every weight once per token: bandwidth / weight bytes is the ceiling.
+        bandwidth = memory_bandwidth(threads)
+        ceiling = bandwidth / sum(t.n_bytes for t in header.tensors)
+        row("memory bandwidth", "roofline", "GB/s").samples.append(bandwidth / 1e9)
+        row(f"roofline tg{plan.gen_tokens}", "roofline", "% of ceiling").samples.append(100 * tg_same.mean / ceiling)
+
+    def _parallel_rows(self, model: ResolvedModel, threads: int, row: Callable[..., Row]) -> Iterator[str]:
+        """Aggregate decode rate with N sequences in one context (`llmcli run --batch --parallel N`)."""
+        plan = self.plan
+        config = EngineConfig(n_ctx=plan.gen_tokens + 128, n_threads=threads, n_batch=plan.n_batch, n_seq_max=max(plan.parallel))
+        with Engine(model.path, config) as engine:
+            session = Session(engine)
+            sampling = greedy_without_end(engine.vocab.end_of_generation_tokens())
+
+            def batch(n: int, gen_tokens: int) -> float:
+                items = [BatchItem(i, f"{TTFT_PROMPT} ({i})") for i in range(n)]
+                run = BatchRun(engine, lambda text: session.render(text).tokens, GenerationOptions(sampling, gen_tokens),
+                               n, Cancellation(), lambda index, record: None)
+                return run.run(items).decode_tps
+
+            batch(1, 8)  # warm-up
+            rows = {n: row(f"tg{plan.gen_tokens} x{n}", "parallel", "t/s") for n in plan.parallel}
+            for _ in range(plan.repetitions):
+                for n, target in rows.items():
+                    target.samples.append(batch(n, plan.gen_tokens))
+                    yield target.test

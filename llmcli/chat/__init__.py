@@ -1,0 +1,1 @@
+"""Step 2 and conversations: chat templates, the session that renders and asks, the chat record."""

@@ -1,0 +1,105 @@
+"""Everything a command prints besides the streamed answer: notices, errors, stats, tables, JSON, progress.
+
+stdout is data (tables, JSON); stderr is everything else. Nothing is parsed as rich markup.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from llmcli.inference.events import Done
+from llmcli.inference.stats import summary_line
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True, highlight=False, markup=False, soft_wrap=True)
+
+
+def stdout_console() -> Console:
+    """For tables on stdout: piped, whole names (never cut or wrapped)."""
+    console = Console(highlight=False, markup=False)
+    return console if console.is_terminal else Console(highlight=False, markup=False, width=1000)
+
+
+def print_stats(console: Console, done: Done) -> None:
+    console.print(Text(summary_line(done.stats, done.finish_reason, done.stop_sequence), style="dim"))
+
+
+def print_notice(console: Console, message: str) -> None:
+    console.print(Text.assemble(("Warning: ", "yellow"), message))
+
+
+def print_error(console: Console, message: str, hint: str | None = None) -> None:
+    console.print(Text.assemble(("Error: ", "bold red"), message))
+    if hint:
+        console.print(Text.assemble(("Hint: ", "bold"), hint))
+
+
+def print_json(value: Any) -> None:
+    """One JSON document on stdout."""
+    print(json.dumps(value, ensure_ascii=False))
+
+
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[str] = (), title: str | None = None,
+                boxed: bool = True) -> None:
+    """A table on stdout; `right` names the right-aligned columns."""
+    from rich import box
+
+    table = Table(title=title, box=box.HEAVY_HEAD if boxed else None, pad_edge=boxed)
+    for column in columns:
+        table.add_column(column, justify="right" if column in right else "left")
+    for row in rows:
+        table.add_row(*("" if cell is None else str(cell) for cell in row))
+    stdout_console().print(table)
+
+
+def print_fields(rows: Sequence[tuple[str, Any]]) -> None:
+    """`key  value` lines on stdout, keys aligned."""
+    width = max((len(key) for key, _ in rows), default=0)
+    for key, value in rows:
+        print(f"{key:<{width}}  {'' if value is None else value}")
+
+
+@contextmanager
+def progress_bar(label: str) -> Iterator[Callable[[int, int, str], None]]:
+    """A progress bar on stderr (hidden when stderr is not a terminal); yields advance(done, total, what)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    console = stderr_console()
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        console=console, transient=True, disable=not console.is_terminal, redirect_stdout=False,
+    ) as progress:
+        task = progress.add_task(label, total=None)
+
+        def advance(done: int, total: int, what: str) -> None:
+            progress.update(task, completed=done, total=total, description=what)
+
+        yield advance
+
+
+@contextmanager
+def download_progress() -> Iterator[Callable[[str, int, int | None], None]]:
+    """Per-file download bars on stderr (size, speed, ETA), hidden when stderr is not a terminal."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    console = stderr_console()
+    tasks: dict[str, Any] = {}
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+        console=console, disable=not console.is_terminal, redirect_stdout=False,
+    ) as progress:
+
+        def update(name: str, done: int, total: int | None) -> None:
+            if name not in tasks:
+                tasks[name] = progress.add_task(name.rsplit("/", 1)[-1], total=total)
+            progress.update(tasks[name], completed=done, total=total)
+
+        yield update

@@ -1,0 +1,54 @@
+"""Hashing and sizes of files on disk: one helper each, for the store, chat records and bench."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from llmcli import paths
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def remembered_sha256(path: Path) -> str:
+    """sha256 of a model file, remembered by (path, size, mtime) so a large model is hashed once."""
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    store = paths.hash_memo_file()
+    try:
+        known = json.loads(store.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    if key not in known:
+        known[key] = sha256_of(path)
+        try:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            store.write_text(json.dumps(known))
+        except OSError:
+            pass  # a memo, not a record: an unwritable data dir only costs a re-hash next time
+    return str(known[key])
+
+
+def human_size(n_bytes: float) -> str:
+    """`512 B`, `1.5 KiB`, `94.0 MiB`, `2.3 GiB`."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n_bytes < 1024 or unit == "GiB":
+            return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
+        n_bytes /= 1024
+    return f"{n_bytes:.1f} GiB"
+
+
+def human_count(n: int | None) -> str:
+    """Parameter counts: `135M`, `1.10B`."""
+    if not n:
+        return ""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"

@@ -1,0 +1,299 @@
+"""Load, prefill, decode, stop: the pipeline's steps 3-6 on llama.cpp.
+
+Inference talks to llama.cpp through llama-cpp-python's C API, not its high-level `Llama`
+class: that one copies the logits into numpy for every token and costs ~14% of decode speed
+on a small model. `Engine.generate` never prints: it yields `Token` events and one final `Done`.
+
+The public API, for the decode loops in this package and the features built on them:
+vocabulary (`engine.vocab`), sequences in the KV cache (`remove`, `copy`, `clear`),
+`prefill`, `decode` of a `Batch`, a `sampler` for a SamplingConfig, and `generate`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+
+from llmcli.errors import IntegrityError, LlmcliError, ResourceError
+from llmcli.inference.backend import llama_backend
+from llmcli.inference.batch import Batch
+from llmcli.inference.events import Done, Token
+from llmcli.inference.generation import Answer, GenerationOptions
+from llmcli.inference.sampler import Sampler
+from llmcli.inference.sampling import SamplingConfig
+from llmcli.inference.stats import Stats
+from llmcli.inference.system import physical_cores
+from llmcli.inference.vocab import Vocabulary
+from llmcli.interrupt import Cancellation
+from llmcli.settings import default
+from llmcli.store.gguf_header import GGUFHeader, read_header
+
+DEFAULT_MAX_CTX = 4096  # llama-cpp-python's 512 is too small for chat; the training context is often too big
+
+
+def default_context(n_ctx_train: int | None) -> int:
+    """The model's training context, capped at DEFAULT_MAX_CTX."""
+    return min(n_ctx_train or DEFAULT_MAX_CTX, DEFAULT_MAX_CTX)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    n_ctx: int | None = None  # per sequence; None: the model's training context, capped at DEFAULT_MAX_CTX
+    n_threads: int | None = None  # None: one per physical core
+    n_batch: int = default("batch_size")  # prompt tokens evaluated per llama_decode call
+    verbose: bool = False  # llama.cpp's own log lines on stderr
+    mmap: bool = default("mmap")  # map the file instead of reading it into memory
+    mlock: bool = default("mlock")  # keep the weights in RAM (no swapping)
+    n_seq_max: int = 1  # parallel sequences (slots), each with n_ctx tokens of its own
+
+
+class Engine:
+    """One model and one context (one KV cache, `n_seq_max` sequences) loaded from a GGUF file."""
+
+    def __init__(self, path: Path, config: EngineConfig | None = None, cancel: Cancellation | None = None):
+        self.path = path
+        self.config = config = config or EngineConfig()
+        self.cancel = cancel if cancel is not None else Cancellation()
+        self.header: GGUFHeader = read_header(path)  # pre-flight: llama.cpp never sees a malformed file
+        log = llama_backend()
+        log.verbose = config.verbose
+        log.errors.clear()  # only what this load reports explains its failure
+        started = time.perf_counter()
+
+        model_params = llama_cpp.llama_model_default_params()
+        # Called as loading proceeds; returning False aborts it: Ctrl-C during a load is honoured at once.
+        self._load_progress = llama_cpp.llama_progress_callback(lambda progress, data: not self.cancel)
+        model_params.progress_callback = self._load_progress
+        model_params.load_mode = {
+            (True, False): llama_cpp.LLAMA_LOAD_MODE_AUTO,  # llama.cpp picks mmap on the CPU
+            (True, True): llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
+            (False, False): llama_cpp.LLAMA_LOAD_MODE_NONE,
+            (False, True): llama_cpp.LLAMA_LOAD_MODE_MLOCK,
+        }[(config.mmap, config.mlock)]
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        log.raise_if_interrupted()
+        if self.cancel:
+            if self._model:
+                llama_cpp.llama_model_free(self._model)
+            self.cancel.raise_for_signal()
+        if not self._model:
+            raise IntegrityError(
+                f"llama.cpp could not load {path}: {log.take_error() or 'unknown reason'}",
+                hint="Check that the file is a complete GGUF model supported by this llama.cpp build.",
+            )
+        self.n_ctx_train: int = llama_cpp.llama_model_n_ctx_train(self._model)
+        threads = config.n_threads or physical_cores()
+        ctx_params = llama_cpp.llama_context_default_params()
+        per_sequence = config.n_ctx or default_context(self.n_ctx_train)
+        ctx_params.n_ctx = per_sequence * config.n_seq_max
+        ctx_params.n_seq_max = config.n_seq_max
+        ctx_params.kv_unified = False  # each sequence gets its own n_ctx cells
+        ctx_params.n_batch = ctx_params.n_ubatch = config.n_batch
+        ctx_params.n_threads = ctx_params.n_threads_batch = threads
+        ctx_params.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
+        if not self._ctx:
+            llama_cpp.llama_model_free(self._model)
+            raise ResourceError(
+                f"llama.cpp could not create a context of {ctx_params.n_ctx} tokens: "
+                f"{log.take_error() or 'out of memory?'}",
+                hint="Try a smaller --ctx-size.",
+            )
+        self.n_ctx: int = llama_cpp.llama_n_ctx_seq(self._ctx)  # what one sequence may use
+        self.n_threads = threads
+        self.vocab = Vocabulary(llama_cpp.llama_model_get_vocab(self._model))
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._abort = llama_cpp.ggml_abort_callback(lambda _: bool(self.cancel))  # referenced while installed
+        self._cached: list[int] = []  # sequence 0: the tokens whose keys and values are in the KV cache, in order
+        self.load_s = time.perf_counter() - started
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def llama_context(self) -> Any:
+        """The llama_context pointer, for the loops in llmcli.inference that call llama.cpp directly."""
+        return self._ctx
+
+    # -- the KV cache -----------------------------------------------------
+
+    @property
+    def n_cached(self) -> int:
+        """Tokens of sequence 0 whose keys and values are in the KV cache now."""
+        return len(self._cached)
+
+    def clear(self) -> None:
+        """Empty the KV cache, every sequence."""
+        llama_cpp.llama_memory_clear(self._memory, True)
+        self._cached.clear()
+
+    def remove(self, seq: int, start: int = 0, end: int = -1) -> bool:
+        """Drop positions [start, end) of sequence `seq` (end -1: to its end); False if llama.cpp cannot."""
+        removed = bool(llama_cpp.llama_memory_seq_rm(self._memory, seq, start, end))
+        if removed and seq == 0:
+            del self._cached[start : None if end < 0 else end]
+        return removed
+
+    def copy(self, source: int, target: int, start: int = 0, end: int = -1) -> None:
+        """Share positions [start, end) of sequence `source` with `target` (no copy of the data)."""
+        llama_cpp.llama_memory_seq_cp(self._memory, source, target, start, end)
+
+    # -- evaluation -------------------------------------------------------
+
+    def sampler(self, sampling: SamplingConfig, seed: int) -> Sampler:
+        """A sampler chain for this model, sampling from this context's logits."""
+        return Sampler(sampling, self.vocab.handle, seed, self._ctx)
+
+    def check_budget(self, n_prompt: int, max_tokens: int | None) -> None:
+        needed = n_prompt + (max_tokens or 1)
+        if needed > self.n_ctx:
+            what = f"{n_prompt} prompt tokens" + (f" + {max_tokens} max tokens" if max_tokens else "")
+            raise ResourceError(
+                f"{what} do not fit the context window of {self.n_ctx} tokens",
+                hint=f"Use --ctx-size {_round_up(needed)} (the model was trained on {self.n_ctx_train}), "
+                "a shorter input, a smaller -n, or --on-overflow truncate.",
+            )
+
+    def prefill(self, prompt: Sequence[int], start: int = 0) -> bool:
+        """Evaluate prompt[start:] into sequence 0 in batches of n_batch; False when Ctrl-C aborted it
+        (at once, inside a running batch)."""
+        tokens = (llama_cpp.llama_token * len(prompt))(*prompt)
+        item = ctypes.sizeof(llama_cpp.llama_token)
+        llama_cpp.llama_set_abort_callback(self._ctx, self._abort, None)
+        try:
+            for begin in range(start, len(prompt), self.config.n_batch):
+                count = min(self.config.n_batch, len(prompt) - begin)
+                start_ptr = ctypes.cast(ctypes.addressof(tokens) + begin * item, llama_cpp.llama_token_p)
+                batch = llama_cpp.llama_batch_get_one(start_ptr, count)
+                if self.cancel or not self._decode_seq0(prompt[begin : begin + count], batch, "evaluating the prompt"):
+                    return False
+        finally:
+            # The callback runs once per graph node: too costly to leave on while decoding
+            # token by token, where Ctrl-C is checked between tokens instead.
+            llama_cpp.llama_set_abort_callback(self._ctx, llama_cpp.ggml_abort_callback(), None)
+        return True
+
+    def decode(self, batch: Batch, what: str = "decoding a batch") -> None:
+        """Evaluate a batch of any sequences (their positions are the caller's to track)."""
+        rc = llama_cpp.llama_decode(self._ctx, batch.raw)
+        if rc != 0:
+            raise self._decode_error(rc, what)
+
+    def _decode_seq0(self, tokens: Sequence[int], batch: Any, what: str) -> bool:
+        """Evaluate `batch` (holding `tokens`, appended to sequence 0); False when Ctrl-C aborted it."""
+        self._cached.extend(tokens)
+        rc = llama_cpp.llama_decode(self._ctx, batch)
+        if rc == 0:
+            return True
+        # After an abort or error the micro-batches already processed stay in the KV cache.
+        del self._cached[max(0, llama_cpp.llama_memory_seq_pos_max(self._memory, 0) + 1) :]
+        if rc == 2 and self.cancel:
+            return False
+        raise self._decode_error(rc, what)
+
+    def _decode_error(self, rc: int, what: str) -> LlmcliError:
+        if rc == 1:
+            return ResourceError(f"the KV cache is full while {what} ({self.n_ctx} tokens)", hint="Use a larger --ctx-size.")
+        return LlmcliError(f"llama.cpp failed while {what} (code {rc}): {llama_backend().take_error() or 'no reason given'}")
+
+    def _reuse_prefix(self, prompt: Sequence[int]) -> int:
+        """Keep the longest cached prefix of `prompt` (at most all but its last token); drop the rest."""
+        keep = 0
+        limit = min(len(self._cached), len(prompt) - 1)
+        while keep < limit and self._cached[keep] == prompt[keep]:
+            keep += 1
+        if keep < len(self._cached) and not self.remove(0, keep, -1):
+            self.clear()
+            keep = 0
+        return keep
+
+    # -- generation -------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        options: GenerationOptions,
+        seed: int,
+        started: float | None = None,
+        prompt_s: float = 0.0,
+        load_s: float = 0.0,
+    ) -> Iterator[Token | Done]:
+        """Prefill `prompt` (reusing the cached prefix), then sample until the answer ends; yield it.
+
+        `started` is the perf_counter() of the request, so TTFT counts template and tokenization.
+        """
+        started = time.perf_counter() if started is None else started
+        self.check_budget(len(prompt), options.max_tokens)
+        with self.sampler(options.sampling, seed) as sampler:
+            cached = self._reuse_prefix(prompt)
+            prefill_started = time.perf_counter()
+            self.prefill(prompt, cached)
+            prefill_s = time.perf_counter() - prefill_started
+            prefilled = max(0, len(self._cached) - cached)
+
+            answer = Answer(options, len(prompt), self.n_ctx)
+            sample, chain, ctx = llama_cpp.llama_sampler_sample, sampler.chain, self._ctx
+            is_eog, vocab, piece = llama_cpp.llama_vocab_is_eog, self.vocab.handle, self.vocab.piece
+            one = (llama_cpp.llama_token * 1)()
+            steps = 0
+            first = last = ttft = 0.0
+            while not self.cancel:
+                token = sample(chain, ctx, -1)
+                last = time.perf_counter()
+                if first:
+                    steps += 1
+                else:
+                    first = last
+                text = answer.add(is_eog(vocab, token), piece(token))
+                if text:
+                    ttft = ttft or time.perf_counter() - started
+                    yield Token(text)
+                if answer.finish is not None:
+                    break
+                one[0] = token
+                self._decode_seq0((token,), llama_cpp.llama_batch_get_one(one, 1), "decoding")
+
+            text = answer.close()
+            if text:
+                ttft = ttft or time.perf_counter() - started
+                yield Token(text)
+            done = time.perf_counter()
+            stats = Stats(
+                load_s=load_s,
+                prompt_s=prompt_s,
+                prompt_tokens=len(prompt),
+                cached_tokens=cached,
+                prefill_tokens=prefilled,
+                prefill_s=prefill_s,
+                ttft_s=ttft or ((first or done) - started),
+                completion_tokens=answer.n_out,
+                decode_steps=steps,
+                decode_s=last - first if steps else 0.0,
+                total_s=done - started,
+                seed=None if options.sampling.greedy else seed,
+            )
+            yield Done(answer.finish or "interrupted", stats, answer.stop_sequence)
+
+
+def _round_up(n_tokens: int) -> int:
+    size = 256
+    while size < n_tokens:
+        size *= 2
+    return size

@@ -1,0 +1,54 @@
+"""What generation yields, and the one record of a finished answer (used by run --json, chat and --batch).
+
+Importing this module loads no llama.cpp: renderers and tests use the events without a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llmcli.inference.stats import Stats
+
+# Why an answer ended: the model's end of generation, -n, a stop sequence, a full context, Ctrl-C/SIGTERM.
+FINISH_REASONS = ("stop", "length", "stop_sequence", "context_full", "interrupted")
+
+
+@dataclass(frozen=True)
+class Token:
+    """A piece of the answer, safe to print: complete characters, no part of a stop sequence."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str  # one of FINISH_REASONS
+    stats: Stats
+    stop_sequence: str | None = None
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something the user should know about this answer (printed on stderr, not part of it)."""
+
+    text: str
+
+
+def answer_record(text: str, done: Done, notices: Sequence[str] = ()) -> dict[str, Any]:
+    """The machine-readable record of one answer: text, why it ended, token counts and timings."""
+    stats = done.stats
+    return {
+        "text": text,
+        "finish_reason": done.finish_reason,
+        "stop_sequence": done.stop_sequence,
+        "notices": list(notices),
+        "usage": {
+            "prompt_tokens": stats.prompt_tokens,
+            "cached_tokens": stats.cached_tokens,
+            "completion_tokens": stats.completion_tokens,
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        },
+        "timings": stats.to_dict(),
+    }

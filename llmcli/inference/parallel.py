@@ -1,0 +1,247 @@
+"""Many prompts decoded together: parallel sequences in one llama.cpp context (continuous batching).
+
+Decode reads every weight once per step whether it advances one sequence or eight, so N
+slots share one context (one KV cache, one sequence id each). Every step builds one batch: the
+next token of every decoding slot, then prompt chunks of newly scheduled slots in the room
+left (so prefill rides along with the others' decode steps). A finished slot is cleared and
+the next prompt takes it. Each prompt has its own sampler chain and seed, so with a seed its
+answer does not depend on its slot or its neighbours (up to llama.cpp's batch numerics).
+
+Built on the engine's public API; it never prints.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmcli.errors import LlmcliError
+from llmcli.inference.batch import Batch
+from llmcli.inference.engine import Engine
+from llmcli.inference.events import Done, answer_record
+from llmcli.inference.generation import Answer, GenerationOptions
+from llmcli.inference.sampler import Sampler
+from llmcli.inference.stats import Stats
+from llmcli.interrupt import Cancellation
+
+Record = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    index: int
+    prompt: str | None
+    extra: dict[str, Any] = field(default_factory=dict)  # other JSONL fields, carried to the output
+    error: str | None = None
+
+    def error_record(self, message: str) -> Record:
+        return {**self.extra, "index": self.index, "error": message}
+
+
+def parse_items(lines: Iterable[str]) -> list[BatchItem]:
+    """One prompt per line, or JSONL objects with a `prompt` field; bad lines become error items."""
+    items = []
+    for index, raw in enumerate(lines):
+        line = raw.rstrip("\r\n")
+        if not line.strip():
+            items.append(BatchItem(index, None, error="empty line"))
+            continue
+        if not line.lstrip().startswith("{"):
+            items.append(BatchItem(index, line))
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            items.append(BatchItem(index, None, error=f"malformed JSON: {exc}"))
+            continue
+        prompt = record.pop("prompt", None) if isinstance(record, dict) else None
+        if not isinstance(prompt, str) or not prompt.strip():
+            extra = record if isinstance(record, dict) else {}
+            items.append(BatchItem(index, None, extra, 'no "prompt" string in the object'))
+            continue
+        items.append(BatchItem(index, prompt, record))
+    return items
+
+
+@dataclass
+class _Slot:
+    seq: int
+    item: BatchItem
+    tokens: list[int]
+    sampler: Sampler
+    answer: Answer
+    scheduled: float
+    prefilled: int = 0
+    pending: int | None = None  # the sampled token still to be decoded
+    sampled: int = 0  # tokens sampled, an end-of-generation token included
+    first_token: float | None = None
+    parts: list[str] = field(default_factory=list)
+
+    @property
+    def pos(self) -> int:
+        """Position of the pending token: right after the prompt and the tokens decoded so far."""
+        return self.prefilled + self.answer.n_out - 1
+
+    def record(self, finish: str | None = None) -> Record:
+        self.parts.append(self.answer.close())
+        now = time.perf_counter()
+        first = self.first_token or now
+        stats = Stats(
+            load_s=0.0, prompt_s=0.0, prompt_tokens=len(self.tokens), cached_tokens=0, prefill_tokens=self.prefilled,
+            prefill_s=first - self.scheduled, ttft_s=first - self.scheduled, completion_tokens=self.answer.n_out,
+            decode_steps=max(0, self.sampled - 1), decode_s=now - first, total_s=now - self.scheduled,
+            seed=self.sampler.seed,
+        )
+        done = Done(finish or self.answer.finish or "interrupted", stats, self.answer.stop_sequence)
+        return {**self.item.extra, "index": self.item.index, **answer_record("".join(self.parts), done)}
+
+
+@dataclass
+class Summary:
+    prompts: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    wall_s: float = 0.0
+    decode_steps_s: float = 0.0  # time in steps that only decoded (no prompt chunk)
+    decode_step_tokens: int = 0  # tokens sampled in those steps
+    interrupted: bool = False
+
+    @property
+    def decode_tps(self) -> float:
+        """Aggregate decode rate: tokens per second over all slots, in steps without prefill."""
+        return self.decode_step_tokens / self.decode_steps_s if self.decode_steps_s > 0 else 0.0
+
+
+class BatchRun:
+    """Answers a list of items in `n_parallel` slots; `on_result(index, record)` as each finishes (any order)."""
+
+    def __init__(self, engine: Engine, render: Callable[[str], list[int]], generation: GenerationOptions,
+                 n_parallel: int, cancel: Cancellation, on_result: Callable[[int, Record], None]):
+        self.engine, self.render, self.generation = engine, render, generation
+        self.cancel, self.on_result = cancel, on_result
+        self.slots: list[_Slot | None] = [None] * n_parallel
+        self.queue: deque[BatchItem] = deque()
+        self.summary = Summary()
+        self.done = 0
+
+    def run(self, items: list[BatchItem], on_progress: Callable[[int, int, float], None] | None = None) -> Summary:
+        started = time.perf_counter()
+        self.summary.prompts = len(items)
+        for item in items:
+            if item.error is None:
+                self.queue.append(item)
+            else:
+                self._error(item, item.error)
+        with Batch(max(self.engine.config.n_batch, len(self.slots))) as batch:
+            try:
+                while (self.queue or any(self.slots)) and not self.cancel:
+                    self._fill_slots()
+                    if not self._step(batch):
+                        break
+                    if on_progress is not None:
+                        elapsed = time.perf_counter() - started
+                        generated = self.summary.completion_tokens + sum(s.answer.n_out for s in self.slots if s)
+                        on_progress(self.done, len(items), generated / elapsed if elapsed > 0 else 0.0)
+            finally:
+                self._abandon()
+        self.summary.interrupted = bool(self.cancel)
+        self.summary.wall_s = time.perf_counter() - started
+        return self.summary
+
+    def _fill_slots(self) -> None:
+        for seq in range(len(self.slots)):
+            while self.slots[seq] is None and self.queue:
+                self.slots[seq] = self._schedule(self.queue.popleft(), seq)
+
+    def _schedule(self, item: BatchItem, seq: int) -> _Slot | None:
+        """Render and check one prompt; a slot for it, or None after writing its error record."""
+        try:
+            tokens = self.render(item.prompt or "")
+            self.engine.check_budget(len(tokens), self.generation.max_tokens)
+        except LlmcliError as exc:
+            self._error(item, exc.message)
+            return None
+        self.summary.prompt_tokens += len(tokens)
+        sampler = self.engine.sampler(self.generation.sampling, self.generation.sampling.effective_seed())
+        answer = Answer(self.generation, len(tokens), self.engine.n_ctx)
+        return _Slot(seq, item, tokens, sampler, answer, time.perf_counter())
+
+    def _step(self, batch: Batch) -> bool:
+        """One decode: every decoding slot's pending token, then prompt chunks; False when there was nothing."""
+        batch.clear()
+        sample_at = [(slot, batch.add(slot.pending, slot.pos, slot.seq, True))
+                     for slot in filter(None, self.slots) if slot.pending is not None]
+        prefilling = False
+        for slot in filter(None, self.slots):
+            while slot.prefilled < len(slot.tokens) and not batch.full:
+                last = slot.prefilled == len(slot.tokens) - 1
+                index = batch.add(slot.tokens[slot.prefilled], slot.prefilled, slot.seq, last)
+                slot.prefilled += 1
+                prefilling = True
+                if last:
+                    sample_at.append((slot, index))
+        if batch.n == 0:
+            return False
+        step_started = time.perf_counter()
+        try:
+            self.engine.decode(batch)
+        except LlmcliError as exc:
+            raise LlmcliError(exc.message, hint="Try a smaller --parallel.", exit_code=exc.exit_code) from None
+        for slot, index in sample_at:
+            self._advance(slot, slot.sampler.sample(index))
+        if not prefilling:
+            self.summary.decode_steps_s += time.perf_counter() - step_started
+            self.summary.decode_step_tokens += len(sample_at)
+        for seq, running in enumerate(self.slots):
+            if running is not None and running.answer.finish is not None:
+                self._finish(running)
+                self.slots[seq] = None
+        return True
+
+    def _advance(self, slot: _Slot, token: int) -> None:
+        slot.first_token = slot.first_token or time.perf_counter()
+        slot.sampled += 1
+        vocab = self.engine.vocab
+        slot.parts.append(slot.answer.add(vocab.is_end_of_generation(token), vocab.piece(token)))
+        slot.pending = token if slot.answer.finish is None else None
+
+    def _finish(self, slot: _Slot, finish: str | None = None) -> None:
+        self.summary.completion_tokens += slot.answer.n_out
+        self.on_result(slot.item.index, slot.record(finish))
+        slot.sampler.close()
+        self.engine.remove(slot.seq)
+        self.done += 1
+
+    def _error(self, item: BatchItem, message: str) -> None:
+        self.summary.errors += 1
+        self.on_result(item.index, item.error_record(message))
+        self.done += 1
+
+    def _abandon(self) -> None:
+        """Interrupted (or failed): a record for every slot in flight and every item not started."""
+        for seq, slot in enumerate(self.slots):
+            if slot is not None:
+                self._finish(slot, "interrupted")
+                self.slots[seq] = None
+        while self.queue:
+            item = self.queue.popleft()
+            self.on_result(item.index, item.error_record("interrupted before it started"))
+
+
+def in_order(write: Callable[[Record], None]) -> Callable[[int, Record], None]:
+    """Results arrive in any order; `write` sees them in input order, each as soon as it can."""
+    waiting: dict[int, Record] = {}
+    next_index = [0]
+
+    def accept(index: int, record: Record) -> None:
+        waiting[index] = record
+        while next_index[0] in waiting:
+            write(waiting.pop(next_index[0]))
+            next_index[0] += 1
+
+    return accept

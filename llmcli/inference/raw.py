@@ -1,0 +1,63 @@
+"""The baseline: llama.cpp driven with no Python work per token beyond the C calls themselves.
+
+`llmcli bench` divides the rates of `Engine.generate` by these to show what the Python layer costs.
+Both leave the engine's KV cache empty.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Sequence
+
+import llama_cpp
+
+from llmcli.errors import LlmcliError
+from llmcli.inference.engine import Engine
+from llmcli.inference.sampling import SamplingConfig
+
+
+class RawLoop:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def prefill(self, tokens: Sequence[int], depth: int = 0) -> float:
+        """Seconds to evaluate tokens[depth:] in batches of n_batch, after tokens[:depth] (untimed)."""
+        engine = self.engine
+        engine.clear()
+        if depth:
+            engine.prefill(tokens[:depth])
+        array = (llama_cpp.llama_token * len(tokens))(*tokens)
+        base, item, step = ctypes.addressof(array), ctypes.sizeof(llama_cpp.llama_token), engine.config.n_batch
+        decode, get_batch, token_p = llama_cpp.llama_decode, llama_cpp.llama_batch_get_one, llama_cpp.llama_token_p
+        ctx = engine.llama_context
+        started = time.perf_counter()
+        for begin in range(depth, len(tokens), step):
+            if decode(ctx, get_batch(ctypes.cast(base + begin * item, token_p), min(step, len(tokens) - begin))):
+                raise LlmcliError("llama.cpp failed in the raw prefill loop")
+        elapsed = time.perf_counter() - started
+        engine.clear()
+        return elapsed
+
+    def decode(self, prompt: Sequence[int], sampling: SamplingConfig, n_tokens: int, seed: int = 0) -> float:
+        """Seconds for the n_tokens - 1 {decode, sample} steps after the first sample, as `generate` counts them."""
+        engine = self.engine
+        engine.clear()
+        engine.prefill(prompt)  # untimed: the decode steps start from the same cache as generate's
+        sample, decode, get_one = llama_cpp.llama_sampler_sample, llama_cpp.llama_decode, llama_cpp.llama_batch_get_one
+        ctx = engine.llama_context
+        one = (llama_cpp.llama_token * 1)()
+        try:
+            with engine.sampler(sampling, seed) as sampler:
+                chain = sampler.chain
+                token = sample(chain, ctx, -1)
+                started = time.perf_counter()
+                for _ in range(n_tokens - 1):
+                    one[0] = token
+                    if decode(ctx, get_one(one, 1)):
+                        raise LlmcliError("llama.cpp failed in the raw decode loop")
+                    token = sample(chain, ctx, -1)
+                elapsed = time.perf_counter() - started
+        finally:
+            engine.clear()
+        return elapsed

@@ -1,0 +1,94 @@
+"""Step 4, how the next token is chosen: one frozen, validated config (pure data; llmcli/inference/sampler.py
+maps it to llama.cpp's sampler chain).
+
+Its fields are the settings of the same names (llmcli/settings.py), with the same defaults and checks.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from llmcli.errors import UsageError
+from llmcli.settings import SETTINGS, default
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temp: float = default("temp")
+    top_k: int = default("top_k")
+    top_p: float = default("top_p")
+    min_p: float = default("min_p")
+    typical_p: float = default("typical_p")
+    repeat_penalty: float = default("repeat_penalty")
+    repeat_last_n: int = default("repeat_last_n")
+    presence_penalty: float = default("presence_penalty")
+    frequency_penalty: float = default("frequency_penalty")
+    mirostat: int = default("mirostat")
+    mirostat_tau: float = default("mirostat_tau")
+    mirostat_eta: float = default("mirostat_eta")
+    seed: int | None = default("seed")  # None: a fresh random seed for every answer (reported in the stats)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); -inf bans the token
+    grammar: str | None = field(default=None, repr=False)  # GBNF, root rule "root"
+    grammar_origin: str = "--grammar"  # the flag the grammar came from, for error messages
+
+    def __post_init__(self) -> None:
+        for name in SETTING_FIELDS:
+            setting, value = SETTINGS[name], getattr(self, name)
+            problem = setting.problem(value)
+            if problem:
+                raise UsageError(f"{setting.flag} {problem} (got {value})")
+
+    @classmethod
+    def from_settings(cls, values: Mapping[str, Any], **extra: Any) -> SamplingConfig:
+        """The config the effective settings describe; `extra` adds logit_bias and grammar."""
+        return cls(**{name: values[name] for name in SETTING_FIELDS}, **extra)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp <= 0
+
+    def effective_seed(self) -> int:
+        """The configured seed, else a fresh random one."""
+        return self.seed if self.seed is not None else random.randrange(2**32 - 1)
+
+    def record(self) -> dict[str, Any]:
+        """The settings as a conversation record and chat's /show list them (no grammar text)."""
+        return {name: getattr(self, name) for name in SETTING_FIELDS} | {"logit_bias": [list(b) for b in self.logit_bias]}
+
+
+SETTING_FIELDS = tuple(f.name for f in fields(SamplingConfig) if f.name in SETTINGS)
+
+
+def greedy_without_end(end_of_generation: tuple[int, ...]) -> SamplingConfig:
+    """Greedy with end-of-generation banned: every run yields exactly the tokens asked for (benchmarks)."""
+    return SamplingConfig(temp=0, logit_bias=tuple((t, -math.inf) for t in end_of_generation))
+
+
+def parse_logit_bias(specs: list[str], tokenize: Callable[[str], list[int]], n_vocab: int) -> tuple[tuple[int, float], ...]:
+    """`TOKEN=BIAS` pairs: TOKEN is a token id or a text that is exactly one token; BIAS a number or -inf."""
+    biases = []
+    for spec in specs:
+        token_text, sep, bias_text = spec.rpartition("=")
+        if not sep or not token_text:
+            raise UsageError(f"--logit-bias {spec!r}: expected TOKEN=BIAS, e.g. 15043=-inf or 'Hello=2.5'")
+        try:
+            bias = float(bias_text)
+        except ValueError:
+            raise UsageError(f"--logit-bias {spec!r}: {bias_text!r} is not a number (or -inf)") from None
+        if token_text.lstrip("-").isdigit():
+            token = int(token_text)
+            if not 0 <= token < n_vocab:
+                raise UsageError(f"--logit-bias {spec!r}: token id {token} is outside the vocabulary (0..{n_vocab - 1})")
+        else:
+            tokens = tokenize(token_text)
+            if len(tokens) != 1:
+                raise UsageError(
+                    f"--logit-bias {spec!r}: {token_text!r} is {len(tokens)} tokens {tokens}; give one token or its id"
+                )
+            token = tokens[0]
+        biases.append((token, bias))
+    return tuple(biases)

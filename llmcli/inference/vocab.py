@@ -1,0 +1,53 @@
+"""A model's vocabulary: text to tokens, tokens to bytes, special tokens."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import llama_cpp
+
+
+class Vocabulary:
+    def __init__(self, vocab: Any):
+        self.handle = vocab  # llama_vocab *, owned by the model
+        self.n_tokens: int = llama_cpp.llama_vocab_n_tokens(vocab)
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """Text to tokens; special tokens written in the text (`<|im_start|>`) are parsed as such."""
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        while True:
+            buf = (llama_cpp.llama_token * capacity)()
+            n = llama_cpp.llama_tokenize(self.handle, data, len(data), buf, capacity, add_special, True)
+            if n >= 0:
+                return list(buf[:n])
+            capacity = -n
+
+    def piece(self, token: int) -> bytes:
+        """The bytes of one token (possibly part of a UTF-8 character); control tokens give b''."""
+        n = llama_cpp.llama_token_to_piece(self.handle, token, self._piece_buf, len(self._piece_buf), 0, False)
+        if n < 0:
+            self._piece_buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.handle, token, self._piece_buf, -n, 0, False)
+        return ctypes.string_at(self._piece_buf, n)
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.handle, token))
+
+    def end_of_generation_tokens(self) -> tuple[int, ...]:
+        return tuple(t for t in range(self.n_tokens) if llama_cpp.llama_vocab_is_eog(self.handle, t))
+
+    def token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return (llama_cpp.llama_vocab_get_text(self.handle, token) or b"").decode("utf-8", "replace")
+
+    @property
+    def bos_text(self) -> str:
+        return self.token_text(llama_cpp.llama_vocab_bos(self.handle))
+
+    @property
+    def eos_text(self) -> str:
+        return self.token_text(llama_cpp.llama_vocab_eos(self.handle))

@@ -1,0 +1,60 @@
+"""Where llmcli keeps things: the only place paths are computed (platformdirs, moved by environment variables).
+
+Read at call time, never at import, so tests and `--cache-dir` can move them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from platformdirs import user_cache_dir, user_config_dir, user_data_dir
+
+APP = "llmcli"
+
+
+def cache_dir() -> Path:
+    """Downloaded and assembled models: $LLMCLI_CACHE_DIR or the platform cache dir."""
+    return Path(os.environ.get("LLMCLI_CACHE_DIR") or user_cache_dir(APP))
+
+
+def hub_cache() -> Path:
+    """huggingface_hub's cache layout (`models--OWNER--REPO/…`), inside the cache dir."""
+    return cache_dir() / "hub"
+
+
+def assembled_models_dir() -> Path:
+    """Models assembled from chunk packages on first use."""
+    return cache_dir() / "packages"
+
+
+def config_file() -> Path:
+    """The TOML config file: $LLMCLI_CONFIG or `<platform config dir>/config.toml`."""
+    return Path(os.environ.get("LLMCLI_CONFIG") or Path(user_config_dir(APP)) / "config.toml")
+
+
+def data_dir() -> Path:
+    """Conversations, REPL history, the debug log: $LLMCLI_DATA_DIR or the platform data dir."""
+    return Path(os.environ.get("LLMCLI_DATA_DIR") or user_data_dir(APP))
+
+
+def conversations_dir() -> Path:
+    return data_dir() / "conversations"
+
+
+def chat_history_file() -> Path:
+    return data_dir() / "chat_history"
+
+
+def hash_memo_file() -> Path:
+    """sha256 of model files, remembered by (path, size, mtime)."""
+    return data_dir() / "hashes.json"
+
+
+def debug_log() -> Path:
+    return data_dir() / "logs" / "debug.log"
+
+
+def debug() -> bool:
+    """$LLMCLI_DEBUG=1 re-raises errors with their traceback."""
+    return os.environ.get("LLMCLI_DEBUG", "") not in ("", "0")

@@ -1,0 +1,96 @@
+"""The architecture is checked, not only described: the import contract (pyproject's [tool.importlinter],
+run by `lint-imports`), the engine's privacy, module sizes, and settings declared once."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+from llmcli.settings import SETTINGS
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "llmcli"
+LINT_IMPORTS = str(Path(sys.executable).parent / "lint-imports")
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+    """import-linter on the `llmcli` package under `root` (the working directory comes first on its path)."""
+    return subprocess.run([LINT_IMPORTS, "--no-cache"], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={"PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(root)})
+
+
+@pytest.fixture(scope="module")
+def tree_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the package and its contract, to break on purpose."""
+    root = tmp_path_factory.mktemp("tree")
+    shutil.copytree(PACKAGE, root / "llmcli", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
+    return root
+
+
+def test_the_import_contract_holds():
+    result = lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Contracts: 5 kept, 0 broken." in result.stdout
+
+
+@pytest.mark.parametrize("module, added, broken", [
+    ("settings.py", "import llama_cpp", "llama_cpp only in llmcli.inference BROKEN"),
+    ("store/models.py", "import huggingface_hub", "huggingface_hub and filelock only in llmcli.store.hub BROKEN"),
+    ("inference/engine.py", "import rich", "typer, click and rich only in llmcli.cli BROKEN"),
+    ("store/models.py", "import llmcli.cli.output", "Layers: cli > bench"),
+    ("store/cache.py", "import llmcli.store.catalog", "No import cycles between sibling modules BROKEN"),
+])
+def test_a_forbidden_import_breaks_the_contract(tree_copy: Path, module: str, added: str, broken: str):
+    target = tree_copy / "llmcli" / module
+    original = target.read_text()
+    target.write_text(f"{added}  # a forbidden import, added by the test\n{original}")
+    try:
+        result = lint_imports(tree_copy)
+    finally:
+        target.write_text(original)
+    assert result.returncode != 0
+    assert broken in result.stdout, result.stdout
+
+
+def test_only_the_engine_touches_its_private_parts():
+    pattern = re.compile(r"engine\._|\._ctx\b|\._vocab\b|\._memory\b")
+    offenders = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+                 for path in PACKAGE.rglob("*.py") if path.name != "engine.py"
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == []
+
+
+def test_no_module_is_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
+
+
+def test_every_setting_is_an_option_of_run_chat_and_config_show_with_its_default():
+    for command in ("run", "chat", "config show"):
+        result = run_cli(*command.split(), "--help", env={"COLUMNS": "400"})
+        assert result.code == 0, result.stderr
+        for setting in SETTINGS.values():
+            for flag in setting.flags:
+                assert flag in result.stdout, (command, flag)
+            assert f"[default: {setting.shown_default()}; env {setting.env}]" in result.stdout, (command, setting.name)
+
+
+def test_config_show_and_chat_set_come_from_the_table(tmp_path):
+    shown = run_cli("config", "show", "--json")
+    assert shown.code == 0, shown.stderr
+    record = json.loads(shown.stdout)["settings"]
+    assert list(record) == list(SETTINGS)
+    assert {name: entry["value"] for name, entry in record.items() if entry["source"] == "default"} == {
+        name: s.default for name, s in SETTINGS.items() if name != "model"}
+    chat_help = run_cli("chat", "-q", "--no-save", input="/help\n")
+    block = chat_help.stderr.split("/set NAME VALUE", 1)[1].split("/show", 1)[0]
+    listed = block.split(":", 1)[1].replace("\n", " ").split(", ")
+    assert [name.strip() for name in listed] == [name for name, s in SETTINGS.items() if s.chat]
