@@ -96,7 +96,7 @@ _SAMPLING_KEY = "general.sampling."
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _s("model", str, None, "A .gguf path, OWNER/REPO[:QUANT] from Hugging Face, an alias or an installed model.",
-       "--model", "-m", panel=MODEL, default_text="$LLMCLI_MODEL, the config file, else the first installed model"),
+       "--model", "-m", panel=MODEL, default_text="the config file's, else the first installed model"),
     _s("system", str, None, "System prompt.", "--system", "-s", panel=MODEL, chat=True),
     _s("temp", float, 0.8, "Temperature; 0 picks the most likely token (greedy).",
        check=lambda v: v >= 0, rule="must be >= 0", model_key=_SAMPLING_KEY + "temp", chat=True),

@@ -41,6 +41,10 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("NO_COLOR", "1")
     monkeypatch.setenv("COLUMNS", "120")
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        # Test workers share the cores: one llama.cpp thread each, or their OpenMP threads spin against
+        # each other (tests that measure threads set -t themselves).
+        monkeypatch.setenv("LLMCLI_THREADS", "1")
     return home
 
 

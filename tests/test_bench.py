@@ -39,7 +39,7 @@ def test_json_has_environment_plan_and_every_test(bench_json):
 
 
 def test_markdown_table_rows_and_thread_sweep():
-    result = run_cli("bench", *TINY, "-t", "1,2", "--depth", "0,16", "--parallel", "1,2")
+    result = run_cli("bench", "-p", "16", "-n", "8", "-r", "1", "-t", "1,2", "--depth", "0,16", "--parallel", "1,2")
     assert result.code == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "| model | size | params | quant | threads | test | path | t/s |"
@@ -51,7 +51,7 @@ def test_markdown_table_rows_and_thread_sweep():
 
 
 def test_csv_header_and_environment_columns():
-    result = run_cli("bench", *TINY, "--format", "csv")
+    result = run_cli("bench", "-p", "16", "-n", "8", "-r", "1", "--format", "csv")
     assert result.code == 0, result.stderr
     records = list(csv.DictReader(io.StringIO(result.stdout)))
     assert list(records[0])[:11] == ["model", "size_bytes", "params", "quant", "threads", "test", "path", "unit", "mean", "sd", "n"]

@@ -138,14 +138,14 @@ def test_only_the_new_turn_is_prefilled_over_eight_turns():
 
 
 def test_long_conversation_in_a_small_context_drops_old_turns():
-    messages = [f"Write two sentences about the city number {n}." for n in range(12)]
-    result = run_cli("chat", "-c", "512", "--temp", "0", "-n", "48", "-q", "--json", input="\n".join(messages) + "\n")
+    messages = [f"Write two sentences about the city number {n}." for n in range(6)]
+    result = run_cli("chat", "-c", "256", "--temp", "0", "-n", "40", "-q", "--json", input="\n".join(messages) + "\n")
     assert result.code == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
-    assert len(records) == 12
+    assert len(records) == 6
     assert "dropped the" in result.stderr
     assert any(r["notices"] for r in records)
-    assert all(r["usage"]["prompt_tokens"] + 48 <= 512 for r in records)
+    assert all(r["usage"]["prompt_tokens"] + 40 <= 256 for r in records)
 
 
 def test_resume_last_restores_the_history(isolated_env):

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import run_cli, run_in_terminal
@@ -272,3 +271,17 @@ def test_closed_stdout_exits_quietly():
     assert len(proc.stdout) == 20
     assert proc.returncode == 141
     assert b"Traceback" not in proc.stderr and b"Exception ignored" not in proc.stderr
+
+
+def test_gemma_base_model_from_its_chunk_packages(cli, isolated_env):
+    """The second real model: Gemma-3-270M (base, Q4_K_M), assembled into the cache on first use."""
+    first = cli("run", "-m", "gemma3-270m", "--raw", "--temp", "0", "-n", "12", "--json", "The capital of France is")
+    assert first.code == 0, first.stderr
+    record = json.loads(first.stdout)
+    assert record["model"] == "gemma3-270m" and record["finish_reason"] == "length"
+    assert record["usage"]["completion_tokens"] == 12 and record["text"].strip()
+    assert (isolated_env / "cache" / "packages" / "gemma3-270m.gguf").is_file()
+    again = cli("run", "-m", "gemma3-270m", "--raw", "--temp", "0", "-n", "12", "--json", "The capital of France is")
+    assert json.loads(again.stdout)["text"] == record["text"]
+    listed = json.loads(cli("list", "--json").stdout)
+    assert any(e["name"] == "gemma3-270m" and e["quant"] == "Q4_K_M" for e in listed)

@@ -72,8 +72,18 @@ def test_repeat_penalty_and_mirostat_change_the_chain():
     plain = answer("--temp", "0", "-n", "40", prompt)["text"]
     penalised = answer("--temp", "0", "-n", "40", "--repeat-penalty", "1.5", prompt)["text"]
     assert plain != penalised
-    mirostat = answer("--mirostat", "2", "--seed", "9", "-n", "16", prompt)
-    assert mirostat["usage"]["completion_tokens"] > 0
+
+    # Mirostat replaces top-k/p: at a target surprise near 0 it keeps only the likeliest token (greedy at
+    # temperature 1, whatever the seed); at a high target it samples, and a seed repeats the sample.
+    story = "Write a story about a dragon."
+    greedy = answer("--temp", "0", "-n", "24", story)["text"]
+    for version, seed in (("1", "9"), ("2", "10")):
+        focused = answer("--mirostat", version, "--mirostat-tau", "0.01", "--temp", "1", "--seed", seed, "-n", "24", story)
+        assert focused["text"] == greedy, version
+    free = [answer("--mirostat", "2", "--mirostat-tau", "8", "--temp", "1", "--seed", "9", "-n", "24", story)["text"]
+            for _ in range(2)]
+    assert free[0] == free[1] != greedy
+    assert free[0] != answer("--temp", "1", "--seed", "9", "-n", "24", story)["text"]  # not the plain chain
 
 
 def test_prompt_larger_than_the_context_is_refused_before_prefill(tmp_path):
