@@ -70,8 +70,8 @@ def resolve_settings(request: Request,
     """The effective settings and model (downloaded if it must be), without loading any weights."""
     config = settings.load_config_file()
     first = settings.resolve(request.settings, request.profile, config=config)
-    model = models.resolve(first["model"], offline=request.offline, on_progress=on_progress,
-                           aliases=config.aliases, force=request.force)
+    fetch = models.Fetch(offline=request.offline, force=request.force, on_progress=on_progress)
+    model = models.resolve(first["model"], config.aliases, fetch)
     defaults = settings.model_defaults(read_header(model.path).metadata)
     return settings.resolve(request.settings, request.profile, defaults, config), model
 
@@ -108,6 +108,9 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
                                                 grammar_origin=grammar_origin)
         prompt = PromptOptions(effective["system"], request.raw, request.template_file, effective["on_overflow"])
         session = Session(engine, prompt)
+        if engine.n_ctx > engine.n_ctx_train > 0:
+            session.notices.append(f"the context of {engine.n_ctx} tokens exceeds the {engine.n_ctx_train} this model was "
+                                   "trained on: answers that reach past it may lose coherence")
     except BaseException:
         engine.close()
         raise

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,11 +31,6 @@ from typing import Any
 
 from llmcli import paths
 from llmcli.errors import UsageError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
 # Help panels
 MODEL, SAMPLING, ENGINE = "Model and prompt", "Sampling and stopping", "Engine"
@@ -54,6 +50,7 @@ class Setting:
     model_key: str | None = None  # GGUF metadata key holding the model's own default
     default_text: str | None = None  # the default as help shows it, where the value alone says too little
     chat: bool = False  # can be changed in a chat with /set
+    escapes: bool = False  # backslash escapes in text typed as a flag, env value or /set are interpreted
 
     @property
     def env(self) -> str:
@@ -127,7 +124,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        check=lambda v: 0 <= v < 2**32 - 1, rule="must be in [0, 2^32 - 1)", default_text="random", chat=True),
     _s("max_tokens", int, None, "Stop after this many tokens.", "--max-tokens", "-n",
        default_text="until the model stops or the context is full", chat=True, **_at_least(1)),
-    _s("stop", list, [], "Stop when the answer contains this text (never printed). Repeatable.", chat=True),
+    _s("stop", list, [], "Stop when the answer contains this text (never printed; \\n, \\t, \\uXXXX are interpreted). "
+       "Repeatable.", chat=True, escapes=True),
     _s("on_overflow", str, "error", "When the prompt does not fit the context: error, or truncate "
        "(keep the system prompt and the end of the input).", choices=("error", "truncate"), chat=True),
     _s("ctx_size", int, None, "Context window in tokens.", "--ctx-size", "-c", panel=ENGINE,
@@ -140,6 +138,21 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
 ]}
 
 RESERVED_TABLES = ("profiles", "aliases")
+
+
+_ESCAPE = r"\\(u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[ntr0\\\"'])"  # compiled on first use (re caches it)
+_SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", '"': '"', "'": "'"}
+
+
+def unescape(text: str) -> str:
+    r"""`\n`, `\t`, `\r`, `\0`, `\\`, `\"`, `\'`, `\xHH`, `\uXXXX` as the characters they name, as llama.cpp's
+    tools read them; any other backslash stays as it is."""
+
+    def replace(match: re.Match[str]) -> str:
+        code = match.group(1)
+        return chr(int(code[1:], 16)) if code[0] in "ux" else _SIMPLE_ESCAPES[code]
+
+    return re.sub(_ESCAPE, replace, text)
 
 
 def default(name: str) -> Any:
@@ -158,6 +171,11 @@ class Settings:
     def __getitem__(self, name: str) -> Any:
         return self.values[name]
 
+    def chosen_now(self) -> frozenset[str]:
+        """The settings given for this run (flag, environment, profile): they outrank what a resumed
+        conversation saved, which ranks where the config file does."""
+        return frozenset(name for name, source in self.sources.items() if source.split()[0] in ("flag", "env", "profile"))
+
 
 @dataclass(frozen=True)
 class ConfigFile:
@@ -169,6 +187,11 @@ class ConfigFile:
 
 
 def load_config_file() -> ConfigFile:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
+
     path = paths.config_file()
     try:
         text = path.read_text(encoding="utf-8")
@@ -211,7 +234,7 @@ def resolve(
                          hint=f"Define [profiles.{profile}] in {paths.config_file()}.")
     file_name = paths.config_file().name
     layers: list[tuple[str, Mapping[str, Any]]] = [
-        ("flag", {k: v for k, v in flags.items() if v is not None}),
+        ("flag", {k: _typed(SETTINGS[k], v) if k in SETTINGS else v for k, v in flags.items() if v is not None}),
         ("env", _from_env()),
         (f"profile {profile} ({file_name})", config.profiles.get(profile, {}) if profile else {}),
         (file_name, config.settings),
@@ -229,6 +252,13 @@ def resolve(
             values[setting.name], sources[setting.name] = setting.default, "default"
         check_value(setting, values[setting.name], sources[setting.name])
     return Settings(values, sources, profile)
+
+
+def _typed(setting: Setting, value: Any) -> Any:
+    """A flag's value as the setting holds it: escapes interpreted where the setting takes them."""
+    if setting.escapes and isinstance(value, list):
+        return [unescape(v) for v in value]
+    return value
 
 
 def model_defaults(metadata: Mapping[str, Any]) -> dict[str, Any]:
@@ -273,8 +303,8 @@ def parse_text(setting: Setting, raw: str, where: str) -> Any:
             if text.lower() not in _TRUE + _FALSE:
                 raise ValueError
             return text.lower() in _TRUE
-        if setting.kind is list:
-            value = json.loads(text) if text.startswith("[") else [raw]
+        if setting.kind is list:  # a JSON list (its own escapes), or one item
+            value = json.loads(text) if text.startswith("[") else [unescape(raw) if setting.escapes else raw]
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ValueError
             return value

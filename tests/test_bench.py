@@ -61,18 +61,37 @@ def test_csv_header_and_environment_columns():
 def test_compare_reports_ratio_and_significance(tmp_path, bench_json):
     before = tmp_path / "a.json"
     after = tmp_path / "b.json"
-    before.write_text(json.dumps(bench_json))
-    slower = json.loads(json.dumps(bench_json))
+    steady = json.loads(json.dumps(bench_json))
+    for row in steady["results"]:  # measured alongside other tests: fix the noise at 1 % (the statistics have their own test)
+        row["sd"] = row["mean"] * 0.01
+    before.write_text(json.dumps(steady))
+    slower = json.loads(json.dumps(steady))
     for row in slower["results"]:
         row["mean"] /= 2
+        row["sd"] /= 2
         row["samples"] = [s / 2 for s in row["samples"]]
     after.write_text(json.dumps(slower))
     result = run_cli("bench", "compare", str(before), str(after))
     assert result.code == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if "| tg8 | llmcli |" in line]
-    assert lines and "| 0.500 |" in lines[0]
+    assert lines and "| 0.500 | worse |" in lines[0]  # a rate that halved
     same = run_cli("bench", "compare", str(before), str(before))
-    assert "within noise" in same.stdout and "significant" not in same.stdout.replace("within noise", "")
+    assert "within noise" in same.stdout and "better" not in same.stdout and "worse" not in same.stdout
+
+
+@pytest.mark.parametrize("before, after, verdict", [
+    ({"mean": 100.0, "sd": 1.0, "n": 2}, {"mean": 102.0, "sd": 1.0, "n": 2}, "within noise"),  # 2 % at -r 2: noise
+    ({"mean": 100.0, "sd": 1.0, "n": 10}, {"mean": 103.0, "sd": 1.0, "n": 10}, "better"),
+    ({"mean": 100.0, "sd": 1.0, "n": 10}, {"mean": 97.0, "sd": 1.0, "n": 10}, "worse"),
+])
+def test_compare_needs_the_t_distribution_and_says_which_way(before, after, verdict):
+    from llmcli.bench.compare import compare
+
+    row = {"model": "m", "threads": 2, "test": "tg128", "path": "llmcli", "unit": "t/s"}
+    assert compare([{**row, **before}], [{**row, **after}])[0].verdict == verdict
+    ttft = {**row, "test": "ttft", "unit": "s"}  # for a time, lower is better
+    if verdict != "within noise":
+        assert compare([{**ttft, **before}], [{**ttft, **after}])[0].verdict == {"better": "worse", "worse": "better"}[verdict]
 
 
 def test_bad_bench_arguments_are_usage_errors(tmp_path):

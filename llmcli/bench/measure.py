@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 
 from llmcli.bench.environment import memory_bandwidth
+from llmcli.bench.plan import BenchPlan
 from llmcli.chat.session import Session
 from llmcli.inference import system
 from llmcli.inference.engine import Engine, EngineConfig
@@ -27,7 +28,6 @@ from llmcli.inference.parallel import BatchItem, BatchRun
 from llmcli.inference.raw import RawLoop
 from llmcli.inference.sampling import greedy_without_end
 from llmcli.interrupt import Cancellation
-from llmcli.settings import default
 from llmcli.store.gguf_header import GGUFHeader
 from llmcli.store.models import ResolvedModel
 
@@ -36,17 +36,6 @@ FILLER = (
     "The history of computing is a story of ideas meeting machines. Engineers measured, "
     "guessed, and measured again, until the numbers told them what the machine could do. "
 )
-
-
-@dataclass(frozen=True)
-class BenchPlan:
-    prompt_tokens: int = 512
-    gen_tokens: int = 128
-    repetitions: int = 5
-    threads: tuple[int, ...] = ()  # empty: one per physical core
-    depths: tuple[int, ...] = (0,)
-    n_batch: int = default("batch_size")
-    parallel: tuple[int, ...] = ()  # sequences decoded together (aggregate decode rate), e.g. (1, 8)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from llmcli.chat.session import Session
 from llmcli.chat.templates import Message
 from llmcli.errors import ResourceError, UsageError
 from llmcli.files import remembered_sha256
-from llmcli.inference.events import Done, Notice, Token
+from llmcli.inference.events import Done, Notice, Token, answer_record
 from llmcli.inference.generation import GenerationOptions
 from llmcli.inference.sampling import SETTING_FIELDS
 from llmcli.settings import SETTINGS, check_value, parse_text
@@ -34,7 +34,7 @@ CHAT_SETTINGS = tuple(name for name, setting in SETTINGS.items() if setting.chat
 
 class Conversation:
     def __init__(self, session: Session, generation: GenerationOptions, model_name: str, model_path: Path,
-                 save: bool = True, conversation_id: str | None = None):
+                 save: bool = True, conversation_id: str | None = None, pinned: frozenset[str] = frozenset()):
         self.session = session
         self.generation = generation
         self.model_name = model_name
@@ -43,26 +43,35 @@ class Conversation:
         self.path: Path | None = paths.conversations_dir() / f"{self.id}.jsonl" if save else None
         self.system = session.options.system
         self.turn_stats: list[Done] = []
+        self.pinned = pinned  # settings given now: a resumed conversation's saved values do not replace them
+        self.save_failure: str | None = None  # why the record could not be written, until it is reported
         self._started = False
 
     # -- the record ------------------------------------------------------------------------
 
     def _write(self, record: dict[str, Any]) -> None:
+        """Append to the record (its header first); a failure turns saving off and is reported once."""
         if self.path is None:
             return
+        records = [record]
         if not self._started:
             self._started = True
             if not self.path.exists():
                 template = self.session.template.source if self.session.template else ""
-                self._write({
+                records.insert(0, {
                     "type": "session", "id": self.id, "model": self.model_name, "model_path": str(self.model_path),
                     "model_sha256": remembered_sha256(self.model_path),
                     "template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
                     "system": self.system, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 })
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps({**record, "time": time.time()}, ensure_ascii=False) + "\n")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8") as handle:
+                for entry in records:
+                    handle.write(json.dumps({**entry, "time": time.time()}, ensure_ascii=False) + "\n")
+        except OSError as exc:
+            where, self.path = self.path, None  # one notice, then the session goes on unsaved
+            self.save_failure = f"cannot save the conversation to {where}: {exc.strerror or exc}; it is not saved from now on"
 
     def settings_record(self) -> dict[str, Any]:
         """The settings that shape the next answer, as the record and /show list them."""
@@ -86,14 +95,17 @@ class Conversation:
                 interrupted = event.finish_reason == "interrupted"
                 if interrupted and self.history:
                     self.history[-1] = dataclasses.replace(self.history[-1], interrupted=True)
-                self._write({
-                    "type": "exchange", "user": text, "assistant": self.history[-1].content if self.history else "",
-                    "interrupted": interrupted, "finish_reason": event.finish_reason,
-                    "usage": {"prompt_tokens": event.stats.prompt_tokens, "cached_tokens": event.stats.cached_tokens,
-                              "completion_tokens": event.stats.completion_tokens},
-                    "seed": event.stats.seed, "sampling": self.settings_record(),
-                })
+                reply = self.history[-1].content if self.history else ""
+                self._write({"type": "exchange", "user": text, **answer_record(reply, event),
+                             "interrupted": interrupted, "sampling": self.settings_record()})
             yield event
+        if self.save_failure is not None:
+            yield Notice(self.take_save_failure() or "")
+
+    def take_save_failure(self) -> str | None:
+        """Why the record could not be written (once)."""
+        failure, self.save_failure = self.save_failure, None
+        return failure
 
     def _fit(self, text: str) -> int:
         """Drop the oldest exchanges until the prompt plus room for the answer fits; returns how many."""
@@ -164,29 +176,40 @@ class Conversation:
     def save(self, path: Path) -> None:
         data = {"model": self.model_name, "system": self.system,
                 "messages": [dataclasses.asdict(m) for m in self.history], "settings": self.settings_record()}
-        path.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+        try:
+            path.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"cannot save to {path}: {exc.strerror or exc}") from None
 
     def load(self, path: Path) -> int:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             messages = [Message(m["role"], m["content"], bool(m.get("interrupted"))) for m in data["messages"]]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise UsageError(f"cannot load {path}: {exc}") from None
+        except OSError as exc:
+            raise UsageError(f"cannot load {path}: {exc.strerror or exc}") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UsageError(f"cannot load {path}: not a conversation saved with /save ({type(exc).__name__}: {exc})") from None
+        if not all(isinstance(m.role, str) and isinstance(m.content, str) for m in messages) or not isinstance(
+                data.get("system"), (str, type(None))):
+            raise UsageError(f"cannot load {path}: roles, contents and the system prompt must be strings")
         self.history[:] = messages
         self.set_system(data.get("system"))
         self._write({"type": "load", "messages": [dataclasses.asdict(m) for m in messages]})
         return len(messages)
 
     def replay(self, records: list[dict[str, Any]]) -> None:
-        """Rebuild the state a conversation file describes (used by --resume)."""
+        """Rebuild the state a conversation file describes (used by --resume); settings given now stay."""
         for record in records:
             kind = record.get("type")
+            if kind in ("session", "system") and "system" in self.pinned:
+                continue
             if kind == "session":
                 self.system = record.get("system")
                 self.session.options = dataclasses.replace(self.session.options, system=self.system)
             elif kind == "exchange":
+                reply = record["text"] if "text" in record else record["assistant"]  # older records: "assistant"
                 self.history.extend([Message("user", record["user"]),
-                                     Message("assistant", record["assistant"], bool(record.get("interrupted")))])
+                                     Message("assistant", reply, bool(record.get("interrupted")))])
             elif kind == "undo":
                 del self.history[-2:]
             elif kind == "clear":
@@ -198,7 +221,7 @@ class Conversation:
                 self.session.options = dataclasses.replace(self.session.options, system=self.system)
             elif kind == "load":
                 self.history[:] = [Message(m["role"], m["content"], bool(m.get("interrupted"))) for m in record["messages"]]
-            elif kind == "set":
+            elif kind == "set" and record.get("name") not in self.pinned:
                 try:
                     value = record["value"]
                     self.set(record["name"], json.dumps(value) if isinstance(value, list) else str(value))

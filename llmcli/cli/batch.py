@@ -41,8 +41,11 @@ def run_batch_command(source: str, request: Request, parallel: int, quiet: bool)
         signum = pipeline.cancel.signum
     if not quiet:
         rate = summary.completion_tokens / summary.wall_s if summary.wall_s else 0
+        counts = f"{summary.errors} error{'' if summary.errors == 1 else 's'}" + (
+            f", {summary.not_started} not started" if summary.not_started else "")
         console.print(
-            f"batch: {summary.prompts} prompts ({summary.errors} errors) · prompt {summary.prompt_tokens} tok · "
+            f"batch: {summary.prompts} prompt{'' if summary.prompts == 1 else 's'} ({counts}) · "
+            f"prompt {summary.prompt_tokens} tok · "
             f"{summary.completion_tokens} tok generated · {summary.wall_s:.2f} s · {rate:.1f} tok/s overall · "
             f"{summary.decode_tps:.1f} tok/s aggregate decode · {parallel} parallel"
             + (" · interrupted" if summary.interrupted else ""),

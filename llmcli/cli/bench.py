@@ -10,6 +10,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from llmcli.bench.plan import BenchPlan
 from llmcli.errors import UsageError
 
 app = typer.Typer(help="Measure prefill/decode speed, TTFT and the Python layer's overhead.")
@@ -30,16 +31,16 @@ def bench(
     ctx: typer.Context,
     model: Annotated[Optional[list[str]], typer.Option(
         "--model", "-m", help="Model to measure (repeatable). Default: the default model.", show_default=False)] = None,
-    n_prompt: Annotated[int, typer.Option("--n-prompt", "-p", min=1, help="Prompt tokens for the prefill test (ppP).")] = 512,
-    n_gen: Annotated[int, typer.Option("--n-gen", "-n", min=2, help="Tokens for the decode test (tgN).")] = 128,
+    n_prompt: Annotated[int, typer.Option("--n-prompt", "-p", min=1,
+                                          help="Prompt tokens for the prefill test (ppP).")] = BenchPlan.prompt_tokens,
+    n_gen: Annotated[int, typer.Option("--n-gen", "-n", min=2, help="Tokens for the decode test (tgN).")] = BenchPlan.gen_tokens,
     repetitions: Annotated[int, typer.Option("--repetitions", "-r", min=1,
-                                             help="Repetitions of each test, after a warm-up.")] = 5,
+                                             help="Repetitions of each test, after a warm-up.")] = BenchPlan.repetitions,
     threads: Annotated[Optional[str], typer.Option(
         "--threads", "-t", help="Thread counts to compare, e.g. 1,2. [default: one per physical core]",
         show_default=False)] = None,
     depth: Annotated[str, typer.Option("--depth", "-d", help="KV-cache depths for the raw tests, e.g. 0,512.")] = "0",
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, show_default=False,
-                                                      help="Prompt tokens per step. [default: the batch_size setting's]")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Prompt tokens per step.")] = BenchPlan.n_batch,
     parallel: Annotated[Optional[str], typer.Option(
         "--parallel", "-P", help="Also measure aggregate decode with N sequences at once, e.g. 1,8.", show_default=False)] = None,
     output_format: Annotated[str, typer.Option("--format", "-o", help="md, json or csv.")] = "md",
@@ -49,7 +50,7 @@ def bench(
         return
     from llmcli import settings
     from llmcli.bench.environment import environment
-    from llmcli.bench.measure import Benchmark, BenchPlan
+    from llmcli.bench.measure import Benchmark
     from llmcli.cli import output
     from llmcli.store import models
     from llmcli.store.gguf_header import read_header
@@ -60,12 +61,12 @@ def bench(
         prompt_tokens=n_prompt, gen_tokens=n_gen, repetitions=repetitions,
         threads=_int_list(threads, "--threads", 1) if threads else (),
         depths=_int_list(depth, "--depth", 0),
-        n_batch=batch_size or settings.default("batch_size"),
+        n_batch=batch_size,
         parallel=_int_list(parallel, "--parallel", 1) if parallel else (),
     )
     config = settings.load_config_file()
     default_model = settings.resolve({}, config=config)["model"]
-    resolved = [models.resolve(m, aliases=config.aliases) for m in (model or [default_model])]
+    resolved = [models.resolve(m, config.aliases) for m in (model or [default_model])]
     benchmark = Benchmark(resolved, [read_header(m.path) for m in resolved], plan)
     with output.progress_bar("benchmark") as advance:
         for step in benchmark.run():
@@ -125,12 +126,13 @@ def compare_cmd(
                                            exists=True, dir_okay=False)],
     after: Annotated[Path, typer.Argument(help="Results to compare with the baseline.", exists=True, dir_okay=False)],
 ) -> None:
-    """Per-test ratio after/before, and whether the change is larger than the noise (Welch's t > 2)."""
+    """Per-test ratio after/before: better, worse (beyond the noise: Welch's t-test at 95 %) or within noise."""
     from llmcli.bench.compare import compare
 
     def load(path: Path) -> list[dict[str, Any]]:
         try:
-            return json.loads(path.read_text(encoding="utf-8"))["results"]
+            results: list[dict[str, Any]] = json.loads(path.read_text(encoding="utf-8"))["results"]
+            return results
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"{path} is not a `llmcli bench --format json` file: {exc}") from None
 
@@ -141,5 +143,4 @@ def compare_cmd(
     print("| --- | ---: | --- | --- | ---: | ---: | ---: | --- |")
     for c in rows:
         model, threads, test, path = c.key
-        note = "significant" if c.significant else "within noise"
-        print(f"| {model} | {threads} | {test} | {path} | {c.before:.4g} | {c.after:.4g} | {c.ratio:.3f} | {note} |")
+        print(f"| {model} | {threads} | {test} | {path} | {c.before:.4g} | {c.after:.4g} | {c.ratio:.3f} | {c.verdict} |")

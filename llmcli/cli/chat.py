@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -61,6 +62,7 @@ def chat(
         conversation = Conversation(
             pipeline.session, pipeline.generation, pipeline.model.name, pipeline.model.path,
             save=not no_save, conversation_id=resume_path.stem if resume_path else None,
+            pinned=pipeline.settings.chosen_now(),
         )
         if resume_path is not None:
             conversation.replay(read_records(resume_path))
@@ -132,26 +134,28 @@ class Repl:
     # -- commands and turns ----------------------------------------------------------------
 
     def handle(self, text: str) -> bool:
-        """Act on one message or /command; False to leave."""
+        """Act on one message or /command; False to leave. Only /exit (and EOF) ends the session:
+        a message that does not fit, a bad value or an unreadable file is one error line."""
+        from llmcli.cli.output import print_error, print_notice
         from llmcli.errors import LlmcliError
 
-        if not text.startswith("/"):
-            self.reply(self.conversation.ask(text))
-            return True
-        command, _, argument = text[1:].partition(" ")
+        command, _, argument = text[1:].partition(" ") if text.startswith("/") else ("", "", text)
         command = command.lower()
         if command in ("exit", "quit", "bye"):
             return False
-        action = COMMANDS.get(command)
+        action = COMMANDS.get(command) if command else _message
         if action is None:
             self.console.print(f"Unknown command /{command}. Type /help for the list.")
             return True
         try:
-            action(self, argument.strip())
-        except LlmcliError as exc:  # a bad /set value or file keeps the session going
-            from llmcli.cli.output import print_error
-
+            action(self, argument.strip() if command else argument)
+        except LlmcliError as exc:
             print_error(self.console, exc.message, exc.hint)
+        except OSError as exc:  # a file a command was given: never the end of the session
+            print_error(self.console, f"/{command}: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""))
+        failure = self.conversation.take_save_failure()
+        if failure:
+            print_notice(self.console, failure)
         return True
 
     def reply(self, events: Any) -> None:
@@ -173,6 +177,10 @@ class Repl:
                     if not self.quiet:
                         print_stats(self.console, event)
         self.cancel.signum = None  # Ctrl-C ended this reply, not the session
+
+
+def _message(repl: Repl, text: str) -> None:
+    repl.reply(repl.conversation.ask(text))
 
 
 def _help(repl: Repl, argument: str) -> None:
@@ -199,10 +207,19 @@ def _show(repl: Repl, argument: str) -> None:
     repl.console.print(f"model    {conversation.model_name} ({conversation.model_path})")
     repl.console.print(f"context  {engine.n_cached} / {engine.n_ctx} tokens used, {len(conversation.history) // 2} exchange(s)")
     repl.console.print(f"system   {conversation.system or '(none)'}")
-    settings = ", ".join(f"{k}={v}" for k, v in conversation.settings_record().items())
+    settings = ", ".join(f"{k}={_shown(k, v)}" for k, v in conversation.settings_record().items())
     repl.console.print(f"settings {settings}")
     if conversation.path is not None:
         repl.console.print(f"saved as {conversation.path}")
+
+
+def _shown(name: str, value: Any) -> str:
+    """A setting's value as a person reads it (no Python reprs)."""
+    if value is None:
+        return "random" if name == "seed" else "none"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(json.dumps(v, ensure_ascii=False) for v in value) + "]" if value else "none"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _clear(repl: Repl, argument: str) -> None:

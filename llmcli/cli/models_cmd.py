@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from pathlib import Path
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -27,17 +28,29 @@ def pull(reference: ReferenceArg, offline: o.OfflineOpt = False, force: o.ForceO
 
     console = output.stderr_console()
     with output.download_progress() as progress:
-        resolved = models.resolve(reference, offline=offline, refresh=True, on_progress=progress, aliases=_aliases(), force=force)
+        fetch = models.Fetch(offline=offline, refresh=True, force=force, on_progress=progress)
+        resolved = models.resolve(reference, _aliases(), fetch)
     if not quiet:
         console.print(f"{resolved.name} ready: {resolved.path}")
 
 
-def list_models(as_json: o.JsonOpt = False) -> None:
+AvailableOpt = Annotated[bool, typer.Option(
+    "--available", help="List the names you can use without a path instead: aliases and the extras' packaged models.")]
+
+
+def list_models(as_json: o.JsonOpt = False, available: AvailableOpt = False) -> None:
     """List installed and cached models: name, quant, size, parameters, architecture, context, source."""
     from llmcli.cli import output
     from llmcli.files import human_count, human_size
     from llmcli.store import catalog
 
+    if available:
+        names = catalog.available(_aliases())
+        if as_json:
+            output.print_json([{"name": n, "target": t, "kind": k} for n, t, k in names])
+        else:
+            output.print_table(("NAME", "RESOLVES TO", "KIND"), names, boxed=False)
+        return
     entries = catalog.entries()
     if as_json:
         output.print_json([e.to_dict() for e in entries])
@@ -45,7 +58,7 @@ def list_models(as_json: o.JsonOpt = False) -> None:
     rows = []
     for e in entries:
         d = e.to_dict()
-        rows.append((e.name, d["quant"] or "?", human_size(e.size), human_count(d["params"]),
+        rows.append((e.name, d["quant"] or "?", human_size(e.size) if e.size else "", human_count(d["params"]),
                      d["architecture"] or f"({e.problem})", d["context_length"] or "", e.source))
     output.print_table(("NAME", "QUANT", "SIZE", "PARAMS", "ARCH", "CTX", "SOURCE"), rows, right=("SIZE", "PARAMS", "CTX"),
                        boxed=False)
@@ -95,8 +108,12 @@ def rm(
     from llmcli.files import human_size
     from llmcli.store import cache, catalog
 
-    doomed = catalog.removable(reference, _aliases())
     console = output.stderr_console()
+    assembled = catalog.assembled_copy(reference)
+    if assembled is not None:
+        _remove_assembled(reference, assembled, yes, console)
+        return
+    doomed = catalog.removable(reference, _aliases())
     total = sum(m.size for m in doomed)
     for model in doomed:
         console.print(f"  {model.name} ({human_size(model.size)})")
@@ -109,6 +126,25 @@ def rm(
             raise typer.Exit(ExitCode.ERROR)
     freed = cache.delete(doomed)
     console.print(f"removed {len(doomed)} model(s), freed {human_size(freed)}")
+
+
+def _remove_assembled(reference: str, path: Path, yes: bool, console: Any) -> None:
+    import sys
+
+    from llmcli.errors import ExitCode, ModelNotFoundError, UsageError
+    from llmcli.files import human_size
+
+    if not path.is_file():
+        raise ModelNotFoundError(f"{reference} has not been assembled: there is no copy to remove")
+    size = path.stat().st_size
+    console.print(f"  {reference}: the assembled copy {path} ({human_size(size)}); its packages stay installed")
+    if not yes:
+        if not sys.stdin or not sys.stdin.isatty():
+            raise UsageError("refusing to remove without confirmation: stdin is not a terminal", hint="Pass -y/--yes.")
+        if not typer.confirm(f"Remove it, {human_size(size)}?", default=False, err=True):
+            raise typer.Exit(ExitCode.ERROR)
+    path.unlink()
+    console.print(f"removed the assembled copy of {reference}, freed {human_size(size)} (it is built again on next use)")
 
 
 def verify(

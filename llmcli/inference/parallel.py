@@ -103,7 +103,8 @@ class _Slot:
 @dataclass
 class Summary:
     prompts: int = 0
-    errors: int = 0
+    errors: int = 0  # lines that could not be answered (empty, malformed, too long)
+    not_started: int = 0  # prompts an interrupt left unanswered
     prompt_tokens: int = 0
     completion_tokens: int = 0
     wall_s: float = 0.0
@@ -230,6 +231,7 @@ class BatchRun:
                 self.slots[seq] = None
         while self.queue:
             item = self.queue.popleft()
+            self.summary.not_started += 1
             self.on_result(item.index, item.error_record("interrupted before it started"))
 
 

@@ -12,7 +12,7 @@ from llmcli.files import sha256_of
 from llmcli.store import cache, models
 from llmcli.store.cache import CachedModel
 from llmcli.store.gguf_header import GGUFHeader, read_header, string_items
-from llmcli.store.packages import packaged_models
+from llmcli.store.packages import PACKAGE_EXTRAS, packaged_models
 from llmcli.store.references import choices, looks_like_hub, parse
 
 
@@ -41,6 +41,9 @@ class Entry:
         }
 
 
+NOT_ASSEMBLED = "not assembled yet: built from its packages on first use"
+
+
 def _entry(name: str, path: Path, source: str, size: int | None = None) -> Entry:
     try:
         header = read_header(path)
@@ -56,7 +59,8 @@ def entries() -> list[Entry]:
 
     for model in packaged_models():
         if model.assemble_with is not None and not model.path.is_file():
-            continue  # not assembled yet: nothing to describe until first use
+            found.append(Entry(model.short_name, model.path, f"package:{model.distribution}", 0, None, NOT_ASSEMBLED))
+            continue
         found.append(_entry(model.short_name, model.path, f"package:{model.distribution}"))
     for cached in hub.cached_models():
         entry = _entry(cached.name, cached.files[0], f"hf:{cached.repo_id}@{cached.revision[:12]}", cached.size)
@@ -73,7 +77,7 @@ def entries() -> list[Entry]:
 def local_model(reference: str, aliases: dict[str, str] | None = None) -> models.ResolvedModel:
     """Resolve without any network request: a path, a packaged model, or something in the cache."""
     try:
-        return models.resolve(reference, offline=True, aliases=aliases)
+        return models.resolve(reference, aliases, models.Fetch(cached_only=True))
     except ModelNotFoundError as exc:
         hint = f"`llmcli pull {reference}` downloads it; `llmcli list` shows what is here."
         raise ModelNotFoundError(exc.message, hint=hint) from None
@@ -114,11 +118,22 @@ def describe(model: models.ResolvedModel) -> dict[str, Any]:
     }
 
 
+def assembled_copy(reference: str) -> Path | None:
+    """The copy a chunk-packaged model was assembled into, if `reference` names one (it can be removed:
+    the packages stay and build it again on next use)."""
+    for model in packaged_models():
+        if model.matches(reference) and model.assemble_with is not None:
+            return model.path
+    return None
+
+
 def removable(reference: str, aliases: dict[str, str] | None = None) -> list[CachedModel]:
     """The cached models `reference` names: OWNER/REPO (all of it), OWNER/REPO:QUANT or …/FILE.gguf."""
     expanded = {**models.ALIASES, **(aliases or {})}.get(reference.lower(), reference)
-    if any(m.matches(reference) for m in packaged_models()):
-        raise UsageError(f"{reference} comes from an installed Python package; remove it with pip uninstall")
+    shipped = next((m for m in packaged_models() if m.matches(reference) and m.assemble_with is None), None)
+    if shipped is not None:
+        raise UsageError(f"{reference} is a file inside the installed package {shipped.distribution}",
+                         hint=f"pip uninstall {shipped.distribution} removes it.")
     if not looks_like_hub(expanded):
         raise UsageError(f"{reference} is not a cached model reference", hint="See `llmcli list` for names.")
     wanted = parse(expanded)
@@ -134,6 +149,17 @@ def removable(reference: str, aliases: dict[str, str] | None = None) -> list[Cac
     if not matches:
         raise ModelNotFoundError(f"{reference} is not in the cache", hint="See `llmcli list`.")
     return matches
+
+
+def available(aliases: dict[str, str] | None = None) -> list[tuple[str, str, str]]:
+    """(name, what it resolves to, where the name comes from) for every model name that needs no path:
+    the config file's aliases, the built-in ones, and the packaged models of llmcli's extras."""
+    rows = [(name, target, "alias (config file)") for name, target in sorted((aliases or {}).items())]
+    rows += [(name, target, "alias (built-in)") for name, target in sorted(models.ALIASES.items())]
+    installed = {m.short_name for m in packaged_models()}
+    rows += [(name, "installed" if name in installed else f'pip install "llmcli[{extra}]"', "package")
+             for name, extra in PACKAGE_EXTRAS.items()]
+    return rows
 
 
 def known_names(aliases: dict[str, str] | None = None) -> list[str]:

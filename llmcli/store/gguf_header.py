@@ -155,10 +155,10 @@ class _Cursor:
         return value
 
     def u32(self, what: str) -> int:
-        return self.unpack("<I", 4, what)
+        return int(self.unpack("<I", 4, what))
 
     def u64(self, what: str) -> int:
-        return self.unpack("<Q", 8, what)
+        return int(self.unpack("<Q", 8, what))
 
     def string(self, what: str) -> str:
         start, length = self._string_span(what)

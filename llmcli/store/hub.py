@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import time
@@ -41,11 +42,10 @@ def _hf() -> Any:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     import huggingface_hub
     import huggingface_hub.errors  # noqa: F401  (the exception classes `translated` maps)
-    from huggingface_hub.utils import logging as hf_logging
 
     # Its retry warnings ("Trying to resume download...") are not for our users' stderr;
     # what failed in the end reaches them as one translated error line.
-    hf_logging.set_verbosity_error()
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     return huggingface_hub
 
 

@@ -40,7 +40,9 @@ def check_memory(what: str, weights: int, kv_cache: int = 0, force: bool = False
     needed = weights + kv_cache + RUNTIME_OVERHEAD
     if force or available is None or needed <= available:
         return
-    mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
+    def mib(n: int) -> str:
+        return f"{n / 2**20:,.0f} MiB"
+
     parts = f"model {mib(weights)}" + (f" + KV cache {mib(kv_cache)}" if kv_cache else "") + f" + {mib(RUNTIME_OVERHEAD)} runtime"
     raise ResourceError(
         f"{what} needs about {mib(needed)} of memory ({parts}); {mib(available)} is available",

