@@ -19,6 +19,7 @@ class ExitCode(enum.IntEnum):
     INTEGRITY = 5  # not a GGUF, corrupt/truncated file, checksum mismatch
     RESOURCES = 6  # context window, memory or disk too small
     TEMPLATE = 7  # chat template failed to compile or render
+    INVALID_ANSWER = 8  # the answer is not the JSON that --format json / --json-schema asked for
     INTERRUPTED = 130  # SIGINT (Ctrl-C)
     STDOUT_CLOSED = 141  # the reader of stdout went away (128 + SIGPIPE)
     TERMINATED = 143  # SIGTERM
@@ -55,6 +56,12 @@ class ResourceError(LlmcliError):
 
 class TemplateError(LlmcliError):
     exit_code = ExitCode.TEMPLATE
+
+
+class InvalidAnswer(LlmcliError):
+    """The answer was printed, but it is not the JSON that --format json / --json-schema asked for."""
+
+    exit_code = ExitCode.INVALID_ANSWER
 
 
 class StdoutClosed(LlmcliError):

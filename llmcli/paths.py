@@ -51,6 +51,17 @@ def hash_memo_file() -> Path:
     return data_dir() / "hashes.json"
 
 
+def runtime_dir() -> Path:
+    """Short-lived state of running processes (which llmcli processes are generating):
+    `$XDG_RUNTIME_DIR/llmcli`, else `llmcli-UID` in the temporary dir (platformdirs warns there instead)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / APP
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"{APP}-{os.getuid()}"
+
+
 def debug_log() -> Path:
     return data_dir() / "logs" / "debug.log"
 

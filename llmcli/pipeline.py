@@ -17,7 +17,7 @@ from llmcli.chat.session import PromptOptions, Session
 from llmcli.errors import UsageError
 from llmcli.inference.engine import Engine, EngineConfig, default_context
 from llmcli.inference.generation import GenerationOptions
-from llmcli.inference.grammar import build_grammar
+from llmcli.inference.grammar import build_constraint
 from llmcli.inference.sampling import SamplingConfig, parse_logit_bias
 from llmcli.interrupt import Cancellation
 from llmcli.store import memory, models
@@ -81,9 +81,7 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
     """Resolve (and download) the model, then load it; Ctrl-C during the load aborts it at once."""
     if request.output_format not in (None, "json"):
         raise UsageError(f"--format {request.output_format!r}: the only format is 'json'")
-    grammar, grammar_origin = build_grammar(
-        request.grammar, request.grammar_file, request.json_schema, request.output_format == "json"
-    )
+    constraint = build_constraint(request.grammar, request.grammar_file, request.json_schema, request.output_format == "json")
     effective, model = resolve_settings(request, on_progress)
     header = read_header(model.path)
     n_ctx = effective["ctx_size"] or default_context(header.context_length)
@@ -104,8 +102,8 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
     try:
         vocab = engine.vocab
         biases = parse_logit_bias(list(request.logit_bias), lambda t: vocab.tokenize(t, add_special=False), vocab.n_tokens)
-        sampling = SamplingConfig.from_settings(effective.values, logit_bias=biases, grammar=grammar,
-                                                grammar_origin=grammar_origin)
+        sampling = SamplingConfig.from_settings(effective.values, logit_bias=biases, grammar=constraint.grammar,
+                                                grammar_origin=constraint.origin)
         prompt = PromptOptions(effective["system"], request.raw, request.template_file, effective["on_overflow"])
         session = Session(engine, prompt)
         if engine.n_ctx > engine.n_ctx_train > 0:
@@ -114,5 +112,5 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
     except BaseException:
         engine.close()
         raise
-    generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]))
+    generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]), constraint)
     return Pipeline(effective, model, engine, session, generation, cancel)

@@ -35,6 +35,7 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         ("XDG_CONFIG_HOME", "xdg-config"),
         ("XDG_CACHE_HOME", "xdg-cache"),
         ("XDG_DATA_HOME", "xdg-data"),
+        ("XDG_RUNTIME_DIR", "xdg-runtime"),  # which llmcli processes are generating: per test
     ]:
         monkeypatch.setenv(var, str(home / sub))
     for var in ("LLMCLI_MODEL", "LLMCLI_CONFIG", "LLMCLI_DEBUG", "FORCE_COLOR", "HF_TOKEN", "HF_HUB_OFFLINE"):

@@ -21,16 +21,16 @@ def batch(*args: str, input: str) -> tuple[list[dict], str, int]:
 
 
 def test_eight_prompts_in_parallel_match_sequential_runs_in_input_order():
-    records, stderr, code = batch("-P", "8", "--temp", "0", "-n", "32", input="\n".join(QUESTIONS) + "\n")
+    records, stderr, code = batch("-P", "8", "--temp", "0", "-n", "24", input="\n".join(QUESTIONS) + "\n")
     assert code == 0, stderr
     assert [r["index"] for r in records] == list(range(8))
-    sequential = [run_cli("run", "--json", "--temp", "0", "-n", "32", q) for q in QUESTIONS]
+    sequential = [run_cli("run", "--json", "--temp", "0", "-n", "24", q) for q in QUESTIONS]
     same = sum(json.loads(s.stdout)["text"] == r["text"] for s, r in zip(sequential, records, strict=True))
     # llama.cpp is not batch-invariant in general; on this build all 8 match (see the closing note)
     assert same >= 7, f"only {same} of 8 batched answers equal the sequential ones"
     for record in records:
         assert record["finish_reason"] in ("stop", "length")
-        assert record["usage"]["completion_tokens"] <= 32 and record["timings"]["ttft_s"] > 0
+        assert record["usage"]["completion_tokens"] <= 24 and record["timings"]["ttft_s"] > 0
     summary = stderr.strip().splitlines()[-1]
     assert summary.startswith("batch: 8 prompts (0 errors)") and "aggregate decode" in summary and "8 parallel" in summary
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +122,40 @@ def test_a_context_beyond_the_training_context_warns(smollm2: Path):
     result = run_cli("run", "-c", "9000", "-n", "1", "hi")  # SmolLM2 was trained on 8192
     assert result.code == 0, result.stderr
     assert "exceeds the 8192 this model was trained on" in result.stderr
+
+
+# 10. concurrent runs share the cores instead of spinning against each other
+
+def _threads_used(*prefix: str, env: dict[str, str] | None = None) -> int:
+    proc = subprocess.run([*prefix, sys.executable, "-m", "llmcli", "run", "--json", "-q", "-n", "2", "hi"],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
+                          env={**os.environ, "LLMCLI_THREADS": "", **(env or {})})
+    assert proc.returncode == 0, proc.stderr
+    return int(json.loads(proc.stdout)["timings"]["threads"])
+
+
+def test_threads_follow_the_cpu_affinity():
+    from llmcli.inference.system import physical_cores
+
+    assert _threads_used() == physical_cores()  # this process may use every core
+    assert _threads_used("taskset", "-c", "0") == 1  # pinned to one CPU: one thread
+
+
+def test_a_generating_llmcli_takes_its_share_of_the_cores(isolated_env):
+    from llmcli.inference.system import physical_cores
+
+    generating = isolated_env / "xdg-runtime" / "llmcli" / "generating"
+    generating.mkdir(parents=True)
+    peer = subprocess.Popen(["sleep", "60"])  # stands in for another llmcli that is generating
+    try:
+        (generating / str(peer.pid)).touch()
+        stale = generating / "999999999"  # a pid that does not run: left behind by a killed process
+        stale.touch()
+        assert _threads_used() == max(1, physical_cores() // 2)
+        assert not stale.exists()
+        assert _threads_used(env={"LLMCLI_THREADS": "2"}) == 2  # --threads/LLMCLI_THREADS given: fixed
+    finally:
+        peer.kill()
+        peer.wait()
+    assert _threads_used() == physical_cores()  # alone again
+    assert sorted(p.name for p in generating.iterdir()) == []  # every run unregistered itself

@@ -6,6 +6,8 @@ import json
 
 import pytest
 from conftest import run_cli
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def answer(*args: str) -> dict:
@@ -188,3 +190,87 @@ def test_bad_config_file_is_a_usage_error(tmp_path, text, fragment):
     result = run_cli("run", "hi", env=write_config(tmp_path, text))
     assert result.code == 2
     assert result.stderr.startswith("Error: config file") and fragment in result.stderr
+
+
+# -- JSON answers: bounds enforced in the grammar, the whole schema checked afterwards (issue 12, defect 4) ----
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "population": {"type": "integer", "minimum": 1000, "maximum": 50000000},
+        "city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
+        "rank": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 11},
+    },
+    "required": ["population", "city", "rank"],
+}
+
+
+def test_json_schema_answers_validate_over_twenty_seeds():
+    import jsonschema
+
+    prompt = "Describe a French city as JSON."
+    lines = "".join(json.dumps({"prompt": "A French city as JSON:", "seed": seed}) + "\n" for seed in range(20))  # a seed a line
+    batch = run_cli("run", "--batch", "-", "--raw", "-P", "4", "--json-schema", json.dumps(CITY_SCHEMA), "--temp", "1",
+                    "-n", "48", input=lines)
+    assert batch.code == 0, batch.stderr
+    records = [json.loads(line) for line in batch.stdout.splitlines()]
+    assert [r["timings"]["seed"] for r in records] == list(range(20))
+    assert len({r["text"] for r in records}) > 10  # sampled: different answers
+    for record in records:
+        if record["format_error"] is None:
+            jsonschema.validate(json.loads(record["text"]), CITY_SCHEMA)
+        else:  # only a cut-off answer may fail, and the record says why
+            assert record["finish_reason"] == "length" and "cut off by -n" in record["format_error"]
+    for seed in (0, 7):  # and through `run`, which exits 0 only for an answer that validates
+        result = run_cli("run", "--json", "--json-schema", json.dumps(CITY_SCHEMA), "--seed", str(seed), "--temp", "1",
+                         "-n", "48", prompt)
+        record = json.loads(result.stdout)
+        assert result.code == (0 if record["format_error"] is None else 8), result.stderr
+        if result.code == 0:
+            jsonschema.validate(json.loads(record["text"]), CITY_SCHEMA)
+
+
+def test_an_answer_that_is_not_the_json_asked_for_exits_8_with_the_reason():
+    cut = run_cli("run", "--json", "--format", "json", "-n", "4", "--temp", "0", "Give me a JSON object about cats.")
+    assert cut.code == 8
+    record = json.loads(cut.stdout)  # still one valid record, with the reason
+    assert record["finish_reason"] == "length" and "not valid JSON (cut off by -n)" in record["format_error"]
+    assert "Error: the answer is not valid JSON (cut off by -n)" in cut.stderr
+    # a bound the grammar does not express (a float's maximum) is caught by the check
+    loose = {"type": "object", "properties": {"x": {"type": "number", "maximum": 0.5}}, "required": ["x"]}
+    outcomes = set()
+    for seed in range(4):
+        result = run_cli("run", "-q", "--json-schema", json.dumps(loose), "--seed", str(seed), "--temp", "1", "-n", "30",
+                         "Give me a number as JSON.")
+        outcomes.add(result.code)
+        if result.code == 8:
+            assert "does not match the --json-schema at x" in result.stderr
+    assert outcomes <= {0, 8}
+    bad_schema = run_cli("run", "--json-schema", '{"type": "integer", "minimum": "ten"}', "hi")
+    assert bad_schema.code == 2 and "not a valid JSON Schema" in bad_schema.stderr
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(low=st.one_of(st.none(), st.integers(-10**7, 10**7)), span=st.one_of(st.none(), st.integers(0, 10**7)),
+       probes=st.lists(st.integers(-2 * 10**7, 2 * 10**7), min_size=20, max_size=20))
+def test_integer_range_patterns_match_exactly_the_range(low, span, probes):
+    import re
+
+    from llmcli.inference.schema_grammar import integer_range
+
+    high = None if span is None else (span if low is None else low + span)
+    as_regex = re.sub(r'"(-?\d*)"', r"\1", integer_range(low, high)).replace(" ", "")  # GBNF literals -> regex
+    pattern = re.compile(as_regex)
+    edges = [v for v in (low, high) if v is not None]
+    for n in [*probes, *edges, *(v + 1 for v in edges), *(v - 1 for v in edges), 0, -1, 1]:
+        assert bool(pattern.fullmatch(str(n))) == ((low is None or n >= low) and (high is None or n <= high)), n
+    for malformed in ("01", "-01", "+1", "1.0"):
+        assert not pattern.fullmatch(malformed)
+
+
+def test_a_grammar_checked_after_sampling_gives_the_grammar_first_greedy_answer():
+    """With a grammar, the token is sampled, then checked; a penalty keeps the grammar first (the old way)."""
+    schema = json.dumps(CITY_SCHEMA)
+    checked = answer("--temp", "0", "-n", "48", "--json-schema", schema, "Tell me about Lyon in JSON.")
+    first = answer("--temp", "0", "-n", "48", "--repeat-penalty", "1.000001", "--json-schema", schema, "Tell me about Lyon in JSON.")
+    assert checked["text"] == first["text"] and checked["format_error"] is None

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
+from llmcli.bench.contention import pair_decode_rate
 from llmcli.bench.environment import memory_bandwidth
 from llmcli.bench.plan import BenchPlan
 from llmcli.chat.session import Session
@@ -140,7 +141,7 @@ class Benchmark:
 
     def run(self) -> Iterator[Progress]:
         plan = self.plan
-        per_repetition = len(plan.depths) * 2 + 5 + len(plan.parallel)
+        per_repetition = len(plan.depths) * 2 + 5 + len(plan.parallel) + 2 * plan.contention
         total = len(self.models) * len(self.threads) * plan.repetitions * per_repetition
         done = 0
         for model, header in zip(self.models, self.headers, strict=True):
@@ -179,6 +180,8 @@ class Benchmark:
                     yield f"{target.test} ({target.path})"
         if plan.parallel:
             yield from self._parallel_rows(model, threads, row)
+        if plan.contention:
+            yield from self._contention_rows(model, threads, row)
         row(f"overhead tg{plan.gen_tokens}", "ratio", "x").samples.append(tg_run.mean / tg_same.mean)
         row(f"overhead pp{n_pp}", "ratio", "x").samples.append(pp_run.mean / pp_same.mean)
         # Decode reads every weight once per token: bandwidth / weight bytes is the ceiling.
@@ -186,6 +189,17 @@ class Benchmark:
         ceiling = bandwidth / sum(t.n_bytes for t in header.tensors)
         row("memory bandwidth", "roofline", "GB/s").samples.append(bandwidth / 1e9)
         row(f"roofline tg{plan.gen_tokens}", "roofline", "% of ceiling").samples.append(100 * tg_same.mean / ceiling)
+
+    def _contention_rows(self, model: ResolvedModel, threads: int, row: Callable[..., Row]) -> Iterator[str]:
+        """Two processes at once, each at its share of the cores (the default) and each at `threads` (fixed)."""
+        gen = min(self.plan.gen_tokens, 64)  # fixed threads can collapse to ~1 tok/s: keep the pair short
+        shared = row(f"tg{gen} 2 processes", "each, shared cores", "t/s")
+        fixed = row(f"tg{gen} 2 processes", f"each, -t {threads}", "t/s")
+        for _ in range(self.plan.repetitions):
+            shared.samples.append(pair_decode_rate(model.path, gen))
+            yield shared.test
+            fixed.samples.append(pair_decode_rate(model.path, gen, threads))
+            yield fixed.test
 
     def _parallel_rows(self, model: ResolvedModel, threads: int, row: Callable[..., Row]) -> Iterator[str]:
         """Aggregate decode rate with N sequences in one context (`llmcli run --batch --parallel N`)."""

@@ -16,3 +16,4 @@ class BenchPlan:
     depths: tuple[int, ...] = (0,)
     n_batch: int = default("batch_size")
     parallel: tuple[int, ...] = ()  # sequences decoded together (aggregate decode rate), e.g. (1, 8)
+    contention: bool = False  # two llmcli processes decoding at once: shared cores vs every core each

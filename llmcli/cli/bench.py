@@ -43,6 +43,8 @@ def bench(
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Prompt tokens per step.")] = BenchPlan.n_batch,
     parallel: Annotated[Optional[str], typer.Option(
         "--parallel", "-P", help="Also measure aggregate decode with N sequences at once, e.g. 1,8.", show_default=False)] = None,
+    contention: Annotated[bool, typer.Option(
+        "--contention", help="Also measure two llmcli processes decoding at once (shared cores vs every core each).")] = False,
     output_format: Annotated[str, typer.Option("--format", "-o", help="md, json or csv.")] = "md",
 ) -> None:
     """Run the benchmark (the default when no subcommand is given)."""
@@ -63,6 +65,7 @@ def bench(
         depths=_int_list(depth, "--depth", 0),
         n_batch=batch_size,
         parallel=_int_list(parallel, "--parallel", 1) if parallel else (),
+        contention=contention,
     )
     config = settings.load_config_file()
     default_model = settings.resolve({}, config=config)["model"]

@@ -172,6 +172,10 @@ class Repl:
                     continue
                 sink.handle(event)
                 if isinstance(event, Done):
+                    if event.format_error is not None:
+                        from llmcli.cli.output import print_error
+
+                        print_error(self.console, event.format_error)
                     if event.finish_reason == "interrupted":
                         self.console.print("[interrupted: the partial reply stays in the conversation]")
                     if not self.quiet:

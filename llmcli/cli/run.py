@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmcli.cli import options as o
-from llmcli.errors import ExitCode, UsageError
+from llmcli.errors import ExitCode, InvalidAnswer, UsageError
 
 PromptArg = Annotated[Optional[str], typer.Argument(
     help="The prompt. With text piped in, the message is the prompt, a blank line, then stdin "
@@ -67,6 +67,7 @@ def run(
             console.print(f"{len(rendered.tokens)} tokens ({pipeline.model.name}, {mode}, context {pipeline.engine.n_ctx})")
             return
         sink = AnswerSink(as_json=as_json, extra={"model": pipeline.model.name})
+        format_error = None
         with pipeline.cancel.on_signals():
             for event in pipeline.session.ask(message, pipeline.generation):
                 if isinstance(event, Notice):
@@ -74,9 +75,13 @@ def run(
                     output.print_notice(console, event.text)
                     continue
                 sink.handle(event)
-                if isinstance(event, Done) and not quiet:
-                    output.print_stats(console, event)
+                if isinstance(event, Done):
+                    format_error = event.format_error
+                    if not quiet:
+                        output.print_stats(console, event)
         signum = pipeline.cancel.signum
     if signum is not None:
         raise typer.Exit(128 + signum)
+    if format_error is not None:
+        raise InvalidAnswer(format_error, hint="Raise -n, or simplify the schema; --json records the reason.")
     raise typer.Exit(ExitCode.OK)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from llmcli.inference.events import Done, Token
 from llmcli.inference.generation import Answer, GenerationOptions
 from llmcli.inference.sampler import Sampler
 from llmcli.inference.sampling import SamplingConfig
+from llmcli.inference.sharing import CoreShare
 from llmcli.inference.stats import Stats
 from llmcli.inference.system import physical_cores
 from llmcli.inference.vocab import Vocabulary
@@ -45,7 +47,7 @@ def default_context(n_ctx_train: int | None) -> int:
 @dataclass(frozen=True)
 class EngineConfig:
     n_ctx: int | None = None  # per sequence; None: the model's training context, capped at DEFAULT_MAX_CTX
-    n_threads: int | None = None  # None: one per physical core
+    n_threads: int | None = None  # None: one per physical core, shared with other generating llmcli processes
     n_batch: int = default("batch_size")  # prompt tokens evaluated per llama_decode call
     verbose: bool = False  # llama.cpp's own log lines on stderr
     mmap: bool = default("mmap")  # map the file instead of reading it into memory
@@ -107,6 +109,9 @@ class Engine:
             )
         self.n_ctx: int = llama_cpp.llama_n_ctx_seq(self._ctx)  # what one sequence may use
         self.n_threads = threads
+        self._share = CoreShare(threads) if config.n_threads is None else None  # --threads given: fixed
+        if self._share is not None:  # about to compute: peers that start now see this one before they prefill
+            self._share.register(self._share.threads())
         self.vocab = Vocabulary(llama_cpp.llama_model_get_vocab(self._model))
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._abort = llama_cpp.ggml_abort_callback(lambda _: bool(self.cancel))  # referenced while installed
@@ -114,6 +119,9 @@ class Engine:
         self.load_s = time.perf_counter() - started
 
     def close(self) -> None:
+        share: CoreShare | None = getattr(self, "_share", None)
+        if share is not None:
+            share.unregister()
         if getattr(self, "_ctx", None):
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
@@ -155,6 +163,37 @@ class Engine:
         """Share positions [start, end) of sequence `source` with `target` (no copy of the data)."""
         llama_cpp.llama_memory_seq_cp(self._memory, source, target, start, end)
 
+    # -- threads ----------------------------------------------------------
+
+    @contextmanager
+    def sharing_cores(self) -> Iterator[None]:
+        """While generating: registered among the llmcli processes that generate, on this one's share of the cores."""
+        if self._share is None:
+            yield
+            return
+        share = self._share
+        threads = share.threads()
+        share.register(threads)
+        share.wait_for_room(threads)
+        try:
+            self.set_threads(threads)
+            yield
+        finally:
+            share.unregister()
+
+    def adapt_threads(self, now: float) -> None:
+        """Between decode steps: take this process's share of the cores again, when a look is due."""
+        share = self._share
+        if share is not None and now >= share.due:
+            self.set_threads(share.threads(now))
+
+    def set_threads(self, threads: int) -> None:
+        if threads != self.n_threads:
+            llama_cpp.llama_set_n_threads(self._ctx, threads, threads)
+            self.n_threads = threads
+            if self._share is not None:
+                self._share.publish(threads)
+
     # -- evaluation -------------------------------------------------------
 
     def sampler(self, sampling: SamplingConfig, seed: int) -> Sampler:
@@ -184,6 +223,7 @@ class Engine:
                 batch = llama_cpp.llama_batch_get_one(start_ptr, count)
                 if self.cancel or not self._decode_seq0(prompt[begin : begin + count], batch, "evaluating the prompt"):
                     return False
+                self.adapt_threads(time.perf_counter())
         finally:
             # The callback runs once per graph node: too costly to leave on while decoding
             # token by token, where Ctrl-C is checked between tokens instead.
@@ -241,7 +281,7 @@ class Engine:
         """
         started = time.perf_counter() if started is None else started
         self.check_budget(len(prompt), options.max_tokens)
-        with self.sampler(options.sampling, seed) as sampler:
+        with self.sampler(options.sampling, seed) as sampler, self.sharing_cores():
             cached = self._reuse_prefix(prompt)
             prefill_started = time.perf_counter()
             self.prefill(prompt, cached)
@@ -254,9 +294,13 @@ class Engine:
             one = (llama_cpp.llama_token * 1)()
             steps = 0
             first = last = ttft = 0.0
+            share = self._share
+            checked = sampler.checks_grammar
             while not self.cancel:
-                token = sample(chain, ctx, -1)
+                token = sampler.sample(-1) if checked else sample(chain, ctx, -1)
                 last = time.perf_counter()
+                if share is not None and last >= share.due:
+                    self.adapt_threads(last)
                 if first:
                     steps += 1
                 else:
@@ -288,8 +332,10 @@ class Engine:
                 decode_s=last - first if steps else 0.0,
                 total_s=done - started,
                 seed=None if options.sampling.greedy else seed,
+                threads=self.n_threads,
             )
-            yield Done(answer.finish or "interrupted", stats, answer.stop_sequence)
+            finish = answer.finish or "interrupted"
+            yield Done(finish, stats, answer.stop_sequence, answer.format_error(finish))
 
 
 def _round_up(n_tokens: int) -> int:

@@ -27,6 +27,7 @@ class Done:
     finish_reason: str  # one of FINISH_REASONS
     stats: Stats
     stop_sequence: str | None = None
+    format_error: str | None = None  # why the answer is not the JSON --format json / --json-schema asked for
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ def answer_record(text: str, done: Done, notices: Sequence[str] = ()) -> dict[st
         "text": text,
         "finish_reason": done.finish_reason,
         "stop_sequence": done.stop_sequence,
+        "format_error": done.format_error,
         "notices": list(notices),
         "usage": {
             "prompt_tokens": stats.prompt_tokens,

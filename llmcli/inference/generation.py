@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+from llmcli.inference.grammar import Constraint
 from llmcli.inference.sampling import SamplingConfig
 from llmcli.inference.streaming import AnswerText
 
@@ -18,6 +19,7 @@ class GenerationOptions:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_tokens: int | None = None
     stops: tuple[str, ...] = ()
+    constraint: Constraint = field(default_factory=Constraint)  # what the finished answer must be
 
 
 class Answer:
@@ -33,6 +35,8 @@ class Answer:
         self.room = n_ctx - n_prompt  # tokens of answer that fit after the prompt
         self.n_out = 0  # tokens of the answer (an end-of-generation token is not counted)
         self.finish: str | None = None
+        self.constraint = options.constraint
+        self.parts: list[str] = []  # the text returned so far
 
     def add(self, end_of_generation: bool, piece: bytes) -> str:
         """One sampled token (its bytes); returns the text now safe to print."""
@@ -41,6 +45,7 @@ class Answer:
             return ""
         self.n_out += 1
         text = self.text.feed(piece)
+        self.parts.append(text)
         if self.text.stop is not None:
             self.finish = "stop_sequence"
         elif self.n_out >= self.limit:
@@ -52,9 +57,14 @@ class Answer:
     def close(self) -> str:
         """No more tokens: release what was held back (a stop sequence completing now ends it there)."""
         text = self.text.finish()
+        self.parts.append(text)
         if self.text.stop is not None:
             self.finish = "stop_sequence"
         return text
+
+    def format_error(self, finish_reason: str) -> str | None:
+        """Why the whole answer is not what --format json or --json-schema asked for, or None."""
+        return self.constraint.problem("".join(self.parts), finish_reason)
 
     @property
     def stop_sequence(self) -> str | None:

@@ -1,22 +1,63 @@
-"""Grammars for constrained answers: GBNF text from --grammar, --grammar-file, --json-schema or --format json."""
+"""Constrained answers: GBNF from --grammar, --grammar-file, --json-schema or --format json, and the check
+of the finished answer against what was asked (a grammar cannot express everything a schema says, and an
+answer cut off by -n or the context is not valid JSON).
+
+Enforced while generating (the grammar): JSON syntax, object keys and required properties, types, enums
+and constants, string lengths, integer bounds (`minimum`, `maximum` and their exclusive forms: see
+schema_grammar.py). Checked afterwards (jsonschema): all of the schema (patterns, number bounds, array
+lengths, formats, combinations the grammar approximates). An answer that fails the check carries the reason
+(`Done.format_error`), and `llmcli run` exits 8.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from llmcli.errors import UsageError
 
 
-def build_grammar(
+@dataclass(frozen=True)
+class Constraint:
+    grammar: str | None = None  # GBNF, root rule "root"
+    origin: str = ""  # the flag it came from, for messages
+    json: bool = False  # the answer must be one JSON value (--format json, --json-schema)
+    schema: Mapping[str, Any] | None = None  # ... matching this schema (--json-schema)
+
+    def problem(self, text: str, finish_reason: str) -> str | None:
+        """Why the finished answer is not what was asked, or None."""
+        if not self.json:
+            return None
+        cut = {"length": " (cut off by -n)", "context_full": " (cut off: the context is full)",
+               "interrupted": " (interrupted)"}.get(finish_reason, "")
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            return f"the answer is not valid JSON{cut}: {exc}"
+        if self.schema is None:
+            return None
+        import jsonschema  # only when a schema is asked for
+
+        validator = jsonschema.validators.validator_for(self.schema)(self.schema)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+        if error is None:
+            return None
+        where = "/".join(str(part) for part in error.absolute_path) or "the answer"
+        return f"the answer does not match the --json-schema at {where}: {error.message}"
+
+
+def build_constraint(
     gbnf: str | None = None,
     gbnf_file: Path | None = None,
     json_schema: str | None = None,
     json_format: bool = False,
-) -> tuple[str | None, str]:
-    """GBNF text from whichever of --grammar, --grammar-file, --json-schema, --format json is set.
+) -> Constraint:
+    """The constraint whichever of --grammar, --grammar-file, --json-schema, --format json asks for.
 
-    Returns (grammar or None, the flag it came from). A schema is a JSON document or a path to one.
+    A schema is a JSON document or a path to one.
     """
     chosen = [flag for flag, value in (
         ("--grammar", gbnf), ("--grammar-file", gbnf_file), ("--json-schema", json_schema), ("--format json", json_format)
@@ -24,20 +65,33 @@ def build_grammar(
     if len(chosen) > 1:
         raise UsageError(f"{' and '.join(chosen)} cannot be combined: choose one way to constrain the answer")
     if not chosen:
-        return None, ""
+        return Constraint()
     flag = chosen[0]
     if gbnf_file is not None:
         try:
-            return gbnf_file.read_text(encoding="utf-8"), flag
+            return Constraint(gbnf_file.read_text(encoding="utf-8"), flag)
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"cannot read --grammar-file {gbnf_file}: {exc}") from None
     if gbnf is not None:
-        return gbnf, flag
+        return Constraint(gbnf, flag)
     from llama_cpp import llama_grammar  # pure Python: the GBNF converter that ships with llama-cpp-python
 
     if json_format:
-        return llama_grammar.JSON_GBNF, flag
+        return Constraint(llama_grammar.JSON_GBNF, flag, json=True)
     assert json_schema is not None
+    schema = _load_schema(json_schema)
+    from llmcli.inference.schema_grammar import schema_to_gbnf
+
+    try:
+        gbnf_text = schema_to_gbnf(schema)
+    except Exception as exc:  # the converter raises plain exceptions on schemas it cannot express
+        raise UsageError(f"--json-schema cannot be turned into a grammar: {exc}") from None
+    # llama-cpp-python's converter lets raw control characters (a newline) into strings, which
+    # is not JSON; llama.cpp's own converter excludes them. Exclude them here too.
+    return Constraint(gbnf_text.replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR), flag, json=True, schema=schema)
+
+
+def _load_schema(json_schema: str) -> dict[str, Any]:
     text = json_schema
     if not text.lstrip().startswith("{"):
         try:
@@ -50,13 +104,13 @@ def build_grammar(
         raise UsageError(f"--json-schema is not valid JSON: {exc}") from None
     if not isinstance(schema, dict):
         raise UsageError("--json-schema must be a JSON object (a schema)")
+    import jsonschema
+
     try:
-        gbnf_text = llama_grammar.json_schema_to_gbnf(json.dumps(schema))
-    except Exception as exc:  # the converter raises plain exceptions on schemas it cannot express
-        raise UsageError(f"--json-schema cannot be turned into a grammar: {exc}") from None
-    # llama-cpp-python's converter lets raw control characters (a newline) into strings, which
-    # is not JSON; llama.cpp's own converter excludes them. Exclude them here too.
-    return gbnf_text.replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR), flag
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.exceptions.SchemaError as exc:
+        raise UsageError(f"--json-schema is not a valid JSON Schema: {exc.message}") from None
+    return schema
 
 
 _LOOSE_JSON_CHAR = r'char ::= [^"\\] |'

@@ -86,7 +86,7 @@ class _Slot:
         """Position of the pending token: right after the prompt and the tokens decoded so far."""
         return self.prefilled + self.answer.n_out - 1
 
-    def record(self, finish: str | None = None) -> Record:
+    def record(self, finish: str | None = None, threads: int | None = None) -> Record:
         self.parts.append(self.answer.close())
         now = time.perf_counter()
         first = self.first_token or now
@@ -94,9 +94,10 @@ class _Slot:
             load_s=0.0, prompt_s=0.0, prompt_tokens=len(self.tokens), cached_tokens=0, prefill_tokens=self.prefilled,
             prefill_s=first - self.scheduled, ttft_s=first - self.scheduled, completion_tokens=self.answer.n_out,
             decode_steps=max(0, self.sampled - 1), decode_s=now - first, total_s=now - self.scheduled,
-            seed=self.sampler.seed,
+            seed=self.sampler.seed, threads=threads,
         )
-        done = Done(finish or self.answer.finish or "interrupted", stats, self.answer.stop_sequence)
+        reason = finish or self.answer.finish or "interrupted"
+        done = Done(reason, stats, self.answer.stop_sequence, self.answer.format_error(reason))
         return {**self.item.extra, "index": self.item.index, **answer_record("".join(self.parts), done)}
 
 
@@ -138,7 +139,7 @@ class BatchRun:
                 self.queue.append(item)
             else:
                 self._error(item, item.error)
-        with Batch(max(self.engine.config.n_batch, len(self.slots))) as batch:
+        with Batch(max(self.engine.config.n_batch, len(self.slots))) as batch, self.engine.sharing_cores():
             try:
                 while (self.queue or any(self.slots)) and not self.cancel:
                     self._fill_slots()
@@ -168,7 +169,10 @@ class BatchRun:
             self._error(item, exc.message)
             return None
         self.summary.prompt_tokens += len(tokens)
-        sampler = self.engine.sampler(self.generation.sampling, self.generation.sampling.effective_seed())
+        seed = item.extra.get("seed")  # a JSONL line may carry its own seed
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32 - 1:
+            seed = self.generation.sampling.effective_seed()
+        sampler = self.engine.sampler(self.generation.sampling, seed)
         answer = Answer(self.generation, len(tokens), self.engine.n_ctx)
         return _Slot(seq, item, tokens, sampler, answer, time.perf_counter())
 
@@ -191,6 +195,7 @@ class BatchRun:
         step_started = time.perf_counter()
         try:
             self.engine.decode(batch)
+            self.engine.adapt_threads(time.perf_counter())
         except LlmcliError as exc:
             raise LlmcliError(exc.message, hint="Try a smaller --parallel.", exit_code=exc.exit_code) from None
         for slot, index in sample_at:
@@ -213,7 +218,7 @@ class BatchRun:
 
     def _finish(self, slot: _Slot, finish: str | None = None) -> None:
         self.summary.completion_tokens += slot.answer.n_out
-        self.on_result(slot.item.index, slot.record(finish))
+        self.on_result(slot.item.index, slot.record(finish, self.engine.n_threads))
         slot.sampler.close()
         self.engine.remove(slot.seq)
         self.done += 1

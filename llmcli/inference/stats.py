@@ -19,6 +19,7 @@ class Stats:
     decode_s: float  # first token sampled -> last token sampled
     total_s: float  # request -> done
     seed: int | None = None
+    threads: int | None = None  # llama.cpp threads at the end (shared with other llmcli processes unless --threads)
 
     @property
     def prefill_tps(self) -> float:

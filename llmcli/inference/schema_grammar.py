@@ -1,0 +1,94 @@
+"""JSON Schema -> GBNF: llama-cpp-python's converter, taught the integer bounds it leaves out.
+
+llama-cpp-python's `SchemaConverter` lags llama.cpp's C++ converter: `minimum`/`maximum` (and their
+exclusive forms) of an integer are ignored, so a constrained answer could still break its schema.
+Here an integer with bounds becomes an alternation of digit patterns that matches exactly the integers
+in range, as llama.cpp's own converter writes them (the patterns are this module's own).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from llama_cpp import llama_grammar
+
+DIGIT = "[0-9]"
+
+
+def schema_to_gbnf(schema: dict[str, Any]) -> str:
+    converter = _Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    resolved = converter.resolve_refs(schema, "schema")
+    converter.visit(resolved, "")
+    return str(converter.format_grammar())
+
+
+class _Converter(llama_grammar.SchemaConverter):
+    def visit(self, schema: dict[str, Any], name: str) -> Any:
+        bounds = integer_bounds(schema) if isinstance(schema, dict) and schema.get("type") == "integer" else None
+        if bounds is None or bounds == (None, None):
+            return super().visit(schema, name)
+        rule_name = name + "-" if name in llama_grammar.RESERVED_NAMES else name or "root"
+        return self._add_rule(rule_name, f"({integer_range(*bounds)}) space")
+
+
+def integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The smallest and largest integer a schema allows (None: unbounded)."""
+    low = high = None
+    if isinstance(schema.get("minimum"), (int, float)):
+        low = math.ceil(schema["minimum"])
+    if isinstance(schema.get("exclusiveMinimum"), (int, float)) and not isinstance(schema["exclusiveMinimum"], bool):
+        low = max(low if low is not None else -math.inf, math.floor(schema["exclusiveMinimum"]) + 1)
+    if isinstance(schema.get("maximum"), (int, float)):
+        high = math.floor(schema["maximum"])
+    if isinstance(schema.get("exclusiveMaximum"), (int, float)) and not isinstance(schema["exclusiveMaximum"], bool):
+        high = min(high if high is not None else math.inf, math.ceil(schema["exclusiveMaximum"]) - 1)
+    return (None if low is None else int(low)), (None if high is None else int(high))
+
+
+def integer_range(low: int | None, high: int | None) -> str:
+    """A GBNF alternation matching exactly the JSON integers in [low, high] (no leading zeros)."""
+    alternatives: list[str] = []
+    if low is None or low < 0:  # the negative part: "-" and the magnitudes
+        top = None if low is None else -low
+        bottom = 1 if high is None or high >= 0 else -high
+        if top is None or bottom <= top:
+            alternatives += [f'"-" {alt}' for alt in _naturals(bottom, top)]
+    if high is None or high >= 0:
+        alternatives += _naturals(max(low or 0, 0), high)
+    if not alternatives:
+        raise ValueError(f"no integer lies in [{low}, {high}]")
+    return " | ".join(f"({alt})" for alt in alternatives)
+
+
+def _naturals(low: int, high: int | None) -> list[str]:
+    """Alternatives for the integers in [low, high] (low >= 0; high None: unbounded), by digit count."""
+    alternatives = []
+    digits = len(str(low))
+    last = len(str(high)) if high is not None else digits
+    for length in range(digits, last + 1):
+        start = max(low, 10 ** (length - 1) if length > 1 else 0)
+        end = min(high, 10**length - 1) if high is not None else 10**length - 1
+        if start <= end:
+            alternatives += _same_length(str(start), str(end))
+    if high is None:  # every longer number
+        alternatives.append(" ".join(["[1-9]", *[DIGIT] * digits]) + f" {DIGIT}*")
+    return alternatives
+
+
+def _same_length(low: str, high: str) -> list[str]:
+    """Alternatives for the numbers between two digit strings of one length."""
+    if low == high:
+        return [f'"{low}"']
+    if len(low) == 1:
+        return [f"[{low}-{high}]"]
+    if low[0] == high[0]:
+        return [f'"{low[0]}" ({" | ".join(_same_length(low[1:], high[1:]))})']
+    rest = len(low) - 1
+    if low[1:] == "0" * rest and high[1:] == "9" * rest:
+        return [" ".join([f"[{low[0]}-{high[0]}]", *[DIGIT] * rest])]
+    alternatives = [f'"{low[0]}" ({" | ".join(_same_length(low[1:], "9" * rest))})']
+    if int(high[0]) - int(low[0]) > 1:
+        alternatives.append(" ".join([f"[{int(low[0]) + 1}-{int(high[0]) - 1}]", *[DIGIT] * rest]))
+    alternatives.append(f'"{high[0]}" ({" | ".join(_same_length("0" * rest, high[1:]))})')
+    return alternatives

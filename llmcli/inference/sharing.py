@@ -1,0 +1,100 @@
+"""Sharing the cores with the other llmcli processes that generate at the same time.
+
+llama.cpp's OpenMP threads spin while they wait for each other, so two processes that each use every
+core slow each other down many times over (two runs on 2 cores: 1.3 tok/s each instead of 130; on a
+16-core machine 0.44 tok/s each instead of 90). Each generating llmcli therefore registers itself (a
+file named by its pid in the runtime dir, holding the threads it uses now) and uses its share of the
+cores: cores // processes generating now, at least one. It looks again every RECHECK_S seconds, between
+two decode steps, so a run that started alone gives half its cores back when a second one starts and
+takes them again when that one ends; a newcomer waits (at most ROOM_WAIT_S) until the others have made
+room before its first decode, so the two never run more threads than cores. A solo run does what it
+did before: all its cores.
+
+A process registers as soon as its model is loaded and unregisters when an answer ends (an idle chat
+takes no share) or the model closes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from llmcli import paths
+
+RECHECK_S = 0.05
+ROOM_WAIT_S = 1.0
+
+
+class CoreShare:
+    """This process's registration while it generates, and its share of `cores`."""
+
+    def __init__(self, cores: int):
+        self.cores = cores
+        self.folder = paths.runtime_dir() / "generating"
+        self.mine: Path | None = None
+        self.due = 0.0  # perf_counter() time of the next look at the others
+
+    def register(self, threads: int | None = None) -> None:
+        """Count this process among those generating (idempotent)."""
+        if self.mine is not None:
+            return
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.mine = self.folder / str(os.getpid())
+            self.publish(threads or self.cores)
+        except OSError:
+            self.mine = None  # no shared folder: behave as if alone
+
+    def unregister(self) -> None:
+        if self.mine is not None:
+            self.mine.unlink(missing_ok=True)
+            self.mine = None
+
+    def publish(self, threads: int) -> None:
+        """Tell the others how many threads this process uses now."""
+        if self.mine is not None:
+            self.mine.write_text(str(threads))
+
+    def threads(self, now: float | None = None) -> int:
+        """This process's share of the cores now; the next look is due RECHECK_S later."""
+        self.due = (time.perf_counter() if now is None else now) + RECHECK_S
+        return max(1, self.cores // (1 + len(self._others())))
+
+    def wait_for_room(self, threads: int) -> None:
+        """Before computing: wait until the others' threads and these fit the cores (they adapt within
+        RECHECK_S of a step), or ROOM_WAIT_S has passed."""
+        deadline = time.perf_counter() + ROOM_WAIT_S
+        while sum(self._others().values()) + threads > self.cores and time.perf_counter() < deadline:
+            time.sleep(0.005)
+
+    def _others(self) -> dict[int, int]:
+        """pid -> threads of the other generating processes (stale entries of dead ones removed)."""
+        if self.mine is None:
+            return {}
+        try:
+            entries = [entry.name for entry in os.scandir(self.folder)]
+        except OSError:
+            return {}
+        others = {}
+        for name in entries:
+            if not name.isdigit() or int(name) == os.getpid():
+                continue
+            if not _alive(int(name)):  # a process that died without cleaning up
+                (self.folder / name).unlink(missing_ok=True)
+                continue
+            try:
+                others[int(name)] = int((self.folder / name).read_text() or self.cores)
+            except (OSError, ValueError):
+                others[int(name)] = self.cores
+        return others
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
