@@ -21,7 +21,7 @@ from llmcli.inference.grammar import build_constraint
 from llmcli.inference.sampling import SamplingConfig, parse_logit_bias
 from llmcli.interrupt import Cancellation
 from llmcli.store import memory, models
-from llmcli.store.cache import ProgressCallback
+from llmcli.store.cache import Fetch, ProgressCallback, WaitingNotice
 from llmcli.store.gguf_header import read_header
 
 
@@ -65,24 +65,25 @@ class Pipeline:
         return self.session.render(text).tokens
 
 
-def resolve_settings(request: Request,
-                     on_progress: ProgressCallback | None = None) -> tuple[settings.Settings, models.ResolvedModel]:
+def resolve_settings(request: Request, on_progress: ProgressCallback | None = None,
+                     on_waiting: WaitingNotice | None = None) -> tuple[settings.Settings, models.ResolvedModel]:
     """The effective settings and model (downloaded if it must be), without loading any weights."""
     config = settings.load_config_file()
     first = settings.resolve(request.settings, request.profile, config=config)
-    fetch = models.Fetch(offline=request.offline, force=request.force, on_progress=on_progress)
+    fetch = Fetch(offline=request.offline, force=request.force, timeout=first["hub_timeout"],
+                  on_progress=on_progress, on_waiting=on_waiting)
     model = models.resolve(first["model"], config.aliases, fetch)
     defaults = settings.model_defaults(read_header(model.path).metadata)
     return settings.resolve(request.settings, request.profile, defaults, config), model
 
 
 def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
-                  cancel: Cancellation | None = None) -> Pipeline:
+                  cancel: Cancellation | None = None, on_waiting: WaitingNotice | None = None) -> Pipeline:
     """Resolve (and download) the model, then load it; Ctrl-C during the load aborts it at once."""
     if request.output_format not in (None, "json"):
         raise UsageError(f"--format {request.output_format!r}: the only format is 'json'")
     constraint = build_constraint(request.grammar, request.grammar_file, request.json_schema, request.output_format == "json")
-    effective, model = resolve_settings(request, on_progress)
+    effective, model = resolve_settings(request, on_progress, on_waiting)
     header = read_header(model.path)
     n_ctx = effective["ctx_size"] or default_context(header.context_length)
     weights = sum(p.stat().st_size for p in model.files)

@@ -128,6 +128,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "Repeatable.", chat=True, escapes=True),
     _s("on_overflow", str, "error", "When the prompt does not fit the context: error, or truncate "
        "(keep the system prompt and the end of the input).", choices=("error", "truncate"), chat=True),
+    _s("hub_timeout", float, 10.0, "Seconds to wait for the Hub to connect or to send the next bytes before giving up.",
+       panel=MODEL, check=lambda v: v > 0, rule="must be > 0"),
     _s("ctx_size", int, None, "Context window in tokens.", "--ctx-size", "-c", panel=ENGINE,
        default_text="the model's, capped at 4096", **_at_least(16)),
     _s("threads", int, None, "CPU threads.", "--threads", "-t", panel=ENGINE,

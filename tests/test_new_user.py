@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,16 @@ def test_a_generating_llmcli_takes_its_share_of_the_cores(isolated_env):
         peer.wait()
     assert _threads_used() == physical_cores()  # alone again
     assert sorted(p.name for p in generating.iterdir()) == []  # every run unregistered itself
+
+
+# 5. a Hub that accepts the connection and then says nothing
+
+def test_a_hub_that_never_answers_is_given_up_on():
+    with socket.socket() as silent:  # listens (the kernel accepts connections) but never reads or writes
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        pulled = run_cli("pull", "someone/x-GGUF", env={"HF_ENDPOINT": endpoint, "LLMCLI_HUB_TIMEOUT": "1"})
+        ran = run_cli("run", "--hub-timeout", "1.5", "-m", "someone/x-GGUF", "hi", env={"HF_ENDPOINT": endpoint})
+    assert pulled.code == 4 and "did not answer within 1 s" in pulled.stderr and "--hub-timeout" in pulled.stderr
+    assert ran.code == 4 and "did not answer within 1.5 s" in ran.stderr

@@ -30,7 +30,7 @@ def run_batch_command(source: str, request: Request, parallel: int, quiet: bool)
     items = parse_items(lines)
     console = output.stderr_console()
     with output.download_progress() as progress:
-        pipeline = open_pipeline(request, progress)
+        pipeline = open_pipeline(request, progress, on_waiting=output.waiting_for)
     with pipeline:
         for notice in pipeline.session.notices:
             output.print_notice(console, notice)

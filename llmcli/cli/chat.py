@@ -57,7 +57,7 @@ def chat(
     console = output.stderr_console()
     resume_path = find_conversation(resume) if resume else None
     with output.download_progress() as progress:
-        pipeline = open_pipeline(o.build_request(given), progress)
+        pipeline = open_pipeline(o.build_request(given), progress, on_waiting=output.waiting_for)
     with pipeline:
         conversation = Conversation(
             pipeline.session, pipeline.generation, pipeline.model.name, pipeline.model.path,

@@ -23,12 +23,16 @@ def _aliases() -> dict[str, str]:
 
 def pull(reference: ReferenceArg, offline: o.OfflineOpt = False, force: o.ForceOpt = False, quiet: o.QuietOpt = False) -> None:
     """Download a model into the cache (or check it is up to date), with progress on stderr."""
+    from llmcli import settings
     from llmcli.cli import output
     from llmcli.store import models
+    from llmcli.store.cache import Fetch
 
     console = output.stderr_console()
     with output.download_progress() as progress:
-        fetch = models.Fetch(offline=offline, refresh=True, force=force, on_progress=progress)
+        timeout = settings.resolve({})["hub_timeout"]  # $LLMCLI_HUB_TIMEOUT, the config file, or the default
+        fetch = Fetch(offline=offline, refresh=True, force=force, timeout=timeout, on_progress=progress,
+                      on_waiting=output.waiting_for)
         resolved = models.resolve(reference, _aliases(), fetch)
     if not quiet:
         console.print(f"{resolved.name} ready: {resolved.path}")

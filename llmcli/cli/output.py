@@ -86,6 +86,26 @@ def progress_bar(label: str) -> Iterator[Callable[[int, int, str], None]]:
 
 
 @contextmanager
+def waiting_for(host: str, after_s: float = 2.0) -> Iterator[None]:
+    """A "waiting for HOST…" status on a terminal's stderr once a request has taken `after_s` seconds."""
+    import threading
+
+    console = stderr_console()
+    if not console.is_terminal:
+        yield
+        return
+    status = console.status(f"waiting for {host}…")
+    timer = threading.Timer(after_s, status.start)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        status.stop()
+
+
+@contextmanager
 def download_progress() -> Iterator[Callable[[str, int, int | None], None]]:
     """Per-file download bars on stderr (size, speed, ETA), hidden when stderr is not a terminal."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn

@@ -56,7 +56,7 @@ def run(
         output.print_notice(console, notice)
     message = combine_input(prompt_arg, stdin_text, stdin_first)
     with output.download_progress() as progress:  # shown only if the model must be downloaded first
-        pipeline = open_pipeline(o.build_request(given), progress)
+        pipeline = open_pipeline(o.build_request(given), progress, on_waiting=output.waiting_for)
     with pipeline:
         for text in pipeline.session.notices:
             output.print_notice(console, text)

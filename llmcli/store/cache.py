@@ -11,17 +11,34 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmcli import paths
 from llmcli.errors import ModelNotFoundError
+from llmcli.settings import default
 from llmcli.store.references import Choice, HubReference, choices, select
 
 REPO_PREFIX = "models--"
 
 # Progress of one download: (file name, bytes done, bytes total or None).
 ProgressCallback = Callable[[str, int, "int | None"], None]
+# Around a request to a host that may keep us waiting: a context manager that tells the user (after a while).
+WaitingNotice = Callable[[str], AbstractContextManager[object]]
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """How a Hub model may be fetched while resolving."""
+
+    offline: bool = False  # never ask the Hub (also $HF_HUB_OFFLINE)
+    refresh: bool = False  # ask the Hub even when the model is cached (`pull`)
+    cached_only: bool = False  # look in the cache alone, without the Hub client (`show`)
+    force: bool = False  # skip the memory check before a download
+    timeout: float = default("hub_timeout")  # seconds to connect, or between received bytes
+    on_progress: ProgressCallback | None = None
+    on_waiting: WaitingNotice | None = None
 
 
 @dataclass(frozen=True)

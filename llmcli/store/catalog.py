@@ -10,7 +10,7 @@ from typing import Any
 from llmcli.errors import IntegrityError, ModelNotFoundError, UsageError
 from llmcli.files import sha256_of
 from llmcli.store import cache, models
-from llmcli.store.cache import CachedModel
+from llmcli.store.cache import CachedModel, Fetch
 from llmcli.store.gguf_header import GGUFHeader, read_header, string_items
 from llmcli.store.packages import PACKAGE_EXTRAS, packaged_models
 from llmcli.store.references import choices, looks_like_hub, parse
@@ -77,7 +77,7 @@ def entries() -> list[Entry]:
 def local_model(reference: str, aliases: dict[str, str] | None = None) -> models.ResolvedModel:
     """Resolve without any network request: a path, a packaged model, or something in the cache."""
     try:
-        return models.resolve(reference, aliases, models.Fetch(cached_only=True))
+        return models.resolve(reference, aliases, Fetch(cached_only=True))
     except ModelNotFoundError as exc:
         hint = f"`llmcli pull {reference}` downloads it; `llmcli list` shows what is here."
         raise ModelNotFoundError(exc.message, hint=hint) from None

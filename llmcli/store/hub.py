@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,15 +30,19 @@ from typing import Any
 from llmcli import paths
 from llmcli.errors import ExitCode, IntegrityError, LlmcliError, ModelNotFoundError, ResourceError, UsageError
 from llmcli.files import sha256_of
+from llmcli.settings import default
 from llmcli.store import memory
-from llmcli.store.cache import CachedModel, Fetched, ProgressCallback, choose, from_cache, partial_downloads, remove_file
+from llmcli.store.cache import CachedModel, Fetch, Fetched, ProgressCallback, choose, from_cache, partial_downloads, remove_file
 from llmcli.store.references import HubReference, check_filename, choices
 
 DISK_MARGIN = 64 * 1024 * 1024
 
 
-def _hf() -> Any:
+def _hf(timeout: float | None = None) -> Any:
     """Import huggingface_hub on first use (never at import: `--help` stays fast)."""
+    if timeout is not None and "huggingface_hub" not in sys.modules:
+        # Read once, at its import: how long a download may wait for its next bytes.
+        os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", str(max(1, math.ceil(timeout))))
     # No user-agent telemetry: it also makes the client fetch a registry from the Hub, with a
     # 3-second timeout that would stall every offline run.
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -68,14 +74,16 @@ class RemoteFile:
     sha256: str | None
 
 
-def fetch(reference: HubReference, offline_only: bool = False, refresh: bool = False,
-          on_progress: ProgressCallback | None = None, force: bool = False) -> Fetched:
+def fetch(reference: HubReference, policy: Fetch) -> Fetched:
     """The model files of `reference` in the local cache, downloading what is missing.
 
     Without `refresh`, a model already in the cache is used without any request (as `run` does);
-    `pull` refreshes: it lists the repository and downloads only what changed.
+    `pull` refreshes: it lists the repository and downloads only what changed. A Hub that accepts the
+    connection and then says nothing is given up on after `policy.timeout` seconds (exit 4).
     """
-    if not refresh or offline_only:
+    offline_only = offline(policy.offline)
+    _hf(policy.timeout)
+    if not policy.refresh or offline_only:
         cached = from_cache(reference)
         if cached is not None:
             return cached
@@ -84,21 +92,27 @@ def fetch(reference: HubReference, offline_only: bool = False, refresh: bool = F
                 f"{reference} is not in the cache ({paths.hub_cache()}) and offline mode is on",
                 hint=f"Run `llmcli pull {reference}` while online.",
             )
-    with translated(reference):
-        commit, remote = _listing(reference)
+    waiting = policy.on_waiting(_host()) if policy.on_waiting is not None else nullcontext()
+    with translated(reference, policy.timeout):
+        with waiting:
+            commit, remote = _listing(reference, policy.timeout)
         choice = choose(reference, list(remote))
         files = [remote[name] for name in choice.files]
-        memory.check_memory(str(reference), sum(f.size or 0 for f in files), force=force)
+        memory.check_memory(str(reference), sum(f.size or 0 for f in files), force=policy.force)
         _check_disk_space(reference, files)
         prune_partial()  # partial files a killed process left behind
-        downloaded = tuple(_download(reference, file, on_progress) for file in files)
+        downloaded = tuple(_download(reference, file, policy) for file in files)
     return Fetched(reference, commit, downloaded, choice.quant)
 
 
-def _listing(reference: HubReference) -> tuple[str | None, dict[str, RemoteFile]]:
+def _host() -> str:
+    return endpoint().split("://", 1)[-1].split("/", 1)[0]
+
+
+def _listing(reference: HubReference, timeout: float) -> tuple[str | None, dict[str, RemoteFile]]:
     hf = _hf()
     api = hf.HfApi(endpoint=endpoint(), token=_token())
-    info = api.model_info(reference.repo_id, revision=reference.revision, files_metadata=True)
+    info = api.model_info(reference.repo_id, revision=reference.revision, files_metadata=True, timeout=timeout)
     remote = {}
     for sibling in info.siblings or []:
         if not sibling.rfilename.lower().endswith(".gguf"):
@@ -136,11 +150,11 @@ def _cached_path(reference: HubReference, filename: str) -> Path | None:
     return Path(found) if isinstance(found, str) else None
 
 
-def _download(reference: HubReference, file: RemoteFile, on_progress: ProgressCallback | None) -> Path:
+def _download(reference: HubReference, file: RemoteFile, policy: Fetch) -> Path:
     already = _cached_path(reference, file.name) is not None
     path = Path(_hf().hf_hub_download(
         reference.repo_id, file.name, revision=reference.revision, cache_dir=paths.hub_cache(),
-        endpoint=endpoint(), token=_token(), tqdm_class=_relay(file.name, on_progress),
+        endpoint=endpoint(), token=_token(), tqdm_class=_relay(file.name, policy.on_progress), etag_timeout=policy.timeout,
     ))
     resolved = path.resolve()
     if not resolved.is_relative_to(paths.hub_cache().resolve()) or not resolved.is_file():
@@ -240,7 +254,7 @@ def cached_models() -> list[CachedModel]:
 
 
 @contextmanager
-def translated(reference: HubReference | None) -> Iterator[None]:
+def translated(reference: HubReference | None, timeout: float | None = None) -> Iterator[None]:
     """huggingface_hub's and the transport's exceptions -> one-line LlmcliErrors (order matters)."""
     errors = _hf().errors
     name = str(reference) if reference else "the cache"
@@ -281,10 +295,17 @@ def translated(reference: HubReference | None) -> Iterator[None]:
                                 hint="Free some space and pull again; nothing partial was kept.") from None
         raise _network_error(name, exc) from None
     except Exception as exc:  # the HTTP library's transport errors (connect, read, truncated body)
-        raise _network_error(name, exc) from None
+        raise _network_error(name, exc, timeout) from None
 
 
-def _network_error(name: str, exc: BaseException) -> LlmcliError:
+def _network_error(name: str, exc: BaseException, timeout: float | None = None) -> LlmcliError:
+    if "timeout" in type(exc).__name__.lower() or "timed out" in str(exc).lower():
+        return LlmcliError(
+            f"{_host()} did not answer within {timeout or default('hub_timeout'):g} s while fetching {name}",
+            exit_code=ExitCode.NETWORK,
+            hint="Check the connection or $HF_ENDPOINT; --hub-timeout (LLMCLI_HUB_TIMEOUT) waits longer; "
+            "--offline uses only the cache.",
+        )
     return LlmcliError(
         f"download of {name} from {endpoint()} failed: {type(exc).__name__}: {str(exc)[:200]}",
         exit_code=ExitCode.NETWORK,

@@ -20,7 +20,7 @@ from pathlib import Path
 from llmcli import paths
 from llmcli.errors import LlmcliError, ModelNotFoundError, UsageError
 from llmcli.store import references
-from llmcli.store.cache import ProgressCallback, from_cache
+from llmcli.store.cache import Fetch, from_cache
 from llmcli.store.packages import PACKAGE_EXTRAS, PackagedModel, ensure_assembled, packaged_models
 
 # Popular small models, by the names people use for them.
@@ -54,23 +54,13 @@ class ResolvedModel:
         return self.shards or (self.path,)
 
 
-@dataclass(frozen=True)
-class Fetch:
-    """How a Hub model may be fetched while resolving."""
-
-    offline: bool = False  # never ask the Hub (also $HF_HUB_OFFLINE)
-    refresh: bool = False  # ask the Hub even when the model is cached (`pull`)
-    cached_only: bool = False  # look in the cache alone, without the Hub client (`show`)
-    force: bool = False  # skip the memory check before a download
-    on_progress: ProgressCallback | None = None
-
-
-def resolve(reference: str | None, aliases: dict[str, str] | None = None, fetch: Fetch = Fetch(),
+def resolve(reference: str | None, aliases: dict[str, str] | None = None, fetch: Fetch | None = None,
             seen: tuple[str, ...] = ()) -> ResolvedModel:
     """Turn what the user typed (or nothing) into a local GGUF file, or raise with a hint.
 
     `seen`: the aliases expanded on the way here (a cycle is an error).
     """
+    fetch = fetch or Fetch()
     if reference is None:
         models = packaged_models()
         if not models:
@@ -124,8 +114,7 @@ def _from_hub(reference: references.HubReference, fetch: Fetch) -> ResolvedModel
     else:
         from llmcli.store import hub  # huggingface_hub itself is imported only when a Hub model is asked for
 
-        fetched = hub.fetch(reference, offline_only=hub.offline(fetch.offline), refresh=fetch.refresh,
-                            on_progress=fetch.on_progress, force=fetch.force)
+        fetched = hub.fetch(reference, fetch)
     name = f"{reference.repo_id}:{fetched.quant}" if fetched.quant else f"{reference.repo_id}/{fetched.paths[0].name}"
     return ResolvedModel(fetched.paths[0], name, f"hf:{reference.repo_id}@{fetched.commit}", fetched.paths)
 
