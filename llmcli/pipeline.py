@@ -113,5 +113,6 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
     except BaseException:
         engine.close()
         raise
-    generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]), constraint)
+    generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]), constraint,
+                                   effective["repetition_guard"])
     return Pipeline(effective, model, engine, session, generation, cancel)

@@ -120,12 +120,26 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        check=lambda v: v > 0, rule="must be > 0", model_key=_SAMPLING_KEY + "mirostat_tau", chat=True),
     _s("mirostat_eta", float, 0.1, "Mirostat learning rate.",
        check=lambda v: v > 0, rule="must be > 0", model_key=_SAMPLING_KEY + "mirostat_eta", chat=True),
+    _s("dry_multiplier", float, 0.0, "DRY: penalise tokens that would extend a repeated sequence (0.8 is typical); 0 disables.",
+       check=lambda v: v >= 0, rule="must be >= 0", chat=True),
+    _s("dry_base", float, 1.75, "DRY: how fast the penalty grows with the length of the repeat.",
+       check=lambda v: v >= 1, rule="must be >= 1", chat=True),
+    _s("dry_allowed_length", int, 2, "DRY: repeats up to this many tokens go unpenalised.",
+       check=lambda v: v >= 1, rule="must be >= 1", chat=True),
+    _s("dry_penalty_last_n", int, -1, "DRY: how many recent tokens it looks at; -1 the whole context, 0 disables.",
+       check=lambda v: v >= -1, rule="must be >= -1", chat=True),
+    _s("xtc_probability", float, 0.0, "XTC: chance per token of excluding the top choices (keeps the least likely "
+       "one above the threshold); 0 disables.", check=lambda v: 0 <= v <= 1, rule="must be in [0, 1]", chat=True),
+    _s("xtc_threshold", float, 0.1, "XTC: tokens at least this likely are the top choices; above 0.5 disables.",
+       check=lambda v: 0 <= v <= 1, rule="must be in [0, 1]", chat=True),
     _s("seed", int, None, "Random seed; the same seed repeats a sampled answer.",
        check=lambda v: 0 <= v < 2**32 - 1, rule="must be in [0, 2^32 - 1)", default_text="random", chat=True),
     _s("max_tokens", int, None, "Stop after this many tokens.", "--max-tokens", "-n",
        default_text="until the model stops or the context is full", chat=True, **_at_least(1)),
     _s("stop", list, [], "Stop when the answer contains this text (never printed; \\n, \\t, \\uXXXX are interpreted). "
        "Repeatable.", chat=True, escapes=True),
+    _s("repetition_guard", bool, True, "Stop an answer caught in a loop (the same run of tokens over and over), "
+       "with finish reason `repetition`.", "--repetition-guard/--no-repetition-guard", chat=True),
     _s("on_overflow", str, "error", "When the prompt does not fit the context: error, or truncate "
        "(keep the system prompt and the end of the input).", choices=("error", "truncate"), chat=True),
     _s("hub_timeout", float, 10.0, "Seconds to wait for the Hub to connect or to send the next bytes before giving up.",

@@ -173,3 +173,35 @@ def test_a_hub_that_never_answers_is_given_up_on():
         ran = run_cli("run", "--hub-timeout", "1.5", "-m", "someone/x-GGUF", "hi", env={"HF_ENDPOINT": endpoint})
     assert pulled.code == 4 and "did not answer within 1 s" in pulled.stderr and "--hub-timeout" in pulled.stderr
     assert ran.code == 4 and "did not answer within 1.5 s" in ran.stderr
+
+
+# 9. runaway answers: a repetition guard, DRY and XTC
+
+def test_an_answer_caught_in_a_loop_stops_with_finish_reason_repetition():
+    poem = "Write a short poem with two stanzas about the sea."  # SmolLM2 at temp 0 repeats one line from ~100 tokens on
+    guarded = run_cli("run", "--json", "--temp", "0", "-n", "400", poem)
+    record = json.loads(guarded.stdout)
+    assert guarded.code == 0 and record["finish_reason"] == "repetition"
+    assert record["usage"]["completion_tokens"] < 300 and "repeating itself" in guarded.stderr
+    free = json.loads(run_cli("run", "--json", "--temp", "0", "-n", "400", "--no-repetition-guard", poem).stdout)
+    assert free["finish_reason"] == "length" and free["text"].startswith(record["text"])
+    looped_line = "A place where the sea's sway"
+    assert free["text"].count(looped_line) > 5
+    dry = json.loads(run_cli("run", "--json", "--temp", "0", "-n", "200", "--no-repetition-guard", "--dry-multiplier", "0.8",
+                             poem).stdout)  # DRY penalises extending what was said before: the loop never forms
+    assert dry["text"].count(looped_line) <= 1 and dry["finish_reason"] in ("stop", "length")
+    sampled = ("--temp", "1", "--seed", "4", "-n", "40", "--json", "--no-repetition-guard", poem)
+    plain, xtc = (json.loads(run_cli("run", *extra, *sampled).stdout)["text"] for extra in ((), ("--xtc-probability", "1")))
+    assert plain != xtc  # XTC excluded the likeliest tokens
+
+
+def test_the_loop_detector_needs_an_exact_repeat_over_a_long_enough_span():
+    from llmcli.inference.generation import LOOP_SPAN, looping
+
+    line = list(range(100, 120))  # a 20-token "line"
+    assert looping([1, 2, 3] + line * 4)  # 80 tokens of one line repeated
+    assert not looping([1, 2, 3] + line * 2)  # twice is not a loop (a refrain)
+    assert not looping(list(range(500)))  # no repeat
+    assert looping([7] * LOOP_SPAN) and not looping([7] * (LOOP_SPAN - 1))
+    almost = (line * 4)[:-1] + [999]  # the last token breaks the repeat
+    assert not looping(almost)

@@ -135,8 +135,8 @@ def test_answer_applies_one_finish_rule(max_tokens, n_prompt, n_ctx, tokens, fin
 
     answer = Answer(GenerationOptions(max_tokens=max_tokens, stops=("</s>",)), n_prompt, n_ctx)
     text = ""
-    for piece in tokens:
-        text += answer.add(piece is None, piece or b"")
+    for token, piece in enumerate(tokens):
+        text += answer.add(token, piece is None, piece or b"")
         if answer.finish is not None:
             break
     text += answer.close()

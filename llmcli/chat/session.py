@@ -128,3 +128,5 @@ class Session:
             else:
                 self.history += [Message("user", user_text), Message("assistant", "".join(answer))]
             yield event
+            if isinstance(event, Done) and event.finish_reason == "repetition":
+                yield Notice("stopped: the answer was repeating itself (--no-repetition-guard lets it go on)")

@@ -198,7 +198,7 @@ class Engine:
 
     def sampler(self, sampling: SamplingConfig, seed: int) -> Sampler:
         """A sampler chain for this model, sampling from this context's logits."""
-        return Sampler(sampling, self.vocab.handle, seed, self._ctx)
+        return Sampler(sampling, self.vocab.handle, seed, self._ctx, self.n_ctx)
 
     def check_budget(self, n_prompt: int, max_tokens: int | None) -> None:
         needed = n_prompt + (max_tokens or 1)
@@ -305,7 +305,7 @@ class Engine:
                     steps += 1
                 else:
                     first = last
-                text = answer.add(is_eog(vocab, token), piece(token))
+                text = answer.add(token, is_eog(vocab, token), piece(token))
                 if text:
                     ttft = ttft or time.perf_counter() - started
                     yield Token(text)

@@ -12,7 +12,7 @@ from typing import Any
 from llmcli.inference.stats import Stats
 
 # Why an answer ended: the model's end of generation, -n, a stop sequence, a full context, Ctrl-C/SIGTERM.
-FINISH_REASONS = ("stop", "length", "stop_sequence", "context_full", "interrupted")
+FINISH_REASONS = ("stop", "length", "stop_sequence", "context_full", "repetition", "interrupted")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from llmcli.inference.grammar import Constraint
 from llmcli.inference.sampling import SamplingConfig
 from llmcli.inference.streaming import AnswerText
+from llmcli.settings import default
 
 
 @dataclass(frozen=True)
@@ -20,13 +21,20 @@ class GenerationOptions:
     max_tokens: int | None = None
     stops: tuple[str, ...] = ()
     constraint: Constraint = field(default_factory=Constraint)  # what the finished answer must be
+    repetition_guard: bool = default("repetition_guard")  # stop an answer caught in a loop
+
+
+# The repetition guard: an answer is caught in a loop when its last LOOP_SPAN tokens (or LOOP_REPEATS
+# periods, if longer) repeat one run of at most LOOP_PERIOD tokens exactly. Looked for every LOOP_EVERY tokens.
+LOOP_SPAN, LOOP_REPEATS, LOOP_PERIOD, LOOP_EVERY = 64, 3, 128, 8
 
 
 class Answer:
     """Sampled tokens in, printable text out; `finish` is set once the answer is over:
 
-    `stop` (end of generation), `stop_sequence`, `length` (-n reached) or `context_full`
-    (the token just sampled has no cell left in the context to be decoded in).
+    `stop` (end of generation), `stop_sequence`, `length` (-n reached), `context_full`
+    (the token just sampled has no cell left in the context to be decoded in) or `repetition`
+    (the answer is caught in a loop, when the guard is on).
     """
 
     def __init__(self, options: GenerationOptions, n_prompt: int, n_ctx: int):
@@ -37,21 +45,27 @@ class Answer:
         self.finish: str | None = None
         self.constraint = options.constraint
         self.parts: list[str] = []  # the text returned so far
+        self.tokens: list[int] | None = [] if options.repetition_guard else None
 
-    def add(self, end_of_generation: bool, piece: bytes) -> str:
-        """One sampled token (its bytes); returns the text now safe to print."""
+    def add(self, token: int, end_of_generation: bool, piece: bytes) -> str:
+        """One sampled token (its id, and its bytes); returns the text now safe to print."""
         if end_of_generation:
             self.finish = "stop"
             return ""
         self.n_out += 1
         text = self.text.feed(piece)
         self.parts.append(text)
+        tokens = self.tokens
+        if tokens is not None:
+            tokens.append(token)
         if self.text.stop is not None:
             self.finish = "stop_sequence"
         elif self.n_out >= self.limit:
             self.finish = "length"
         elif self.n_out > self.room:
             self.finish = "context_full"
+        elif tokens is not None and self.n_out % LOOP_EVERY == 0 and looping(tokens):
+            self.finish = "repetition"
         return text
 
     def close(self) -> str:
@@ -69,3 +83,16 @@ class Answer:
     @property
     def stop_sequence(self) -> str | None:
         return self.text.stop
+
+
+def looping(tokens: list[int]) -> bool:
+    """Whether the end of `tokens` repeats one run of tokens over and over (see LOOP_SPAN)."""
+    last = tokens[-1]
+    for period in range(1, min(LOOP_PERIOD, len(tokens) // LOOP_REPEATS) + 1):
+        span = max(LOOP_SPAN, LOOP_REPEATS * period)
+        if span > len(tokens):
+            break
+        # periodic: each token of the span equals the one `period` later (the last token first: cheap)
+        if tokens[-1 - period] == last and tokens[-span:-period] == tokens[-span + period:]:
+            return True
+    return False

@@ -213,7 +213,7 @@ class BatchRun:
         slot.first_token = slot.first_token or time.perf_counter()
         slot.sampled += 1
         vocab = self.engine.vocab
-        slot.parts.append(slot.answer.add(vocab.is_end_of_generation(token), vocab.piece(token)))
+        slot.parts.append(slot.answer.add(token, vocab.is_end_of_generation(token), vocab.piece(token)))
         slot.pending = token if slot.answer.finish is None else None
 
     def _finish(self, slot: _Slot, finish: str | None = None) -> None:

@@ -2,9 +2,9 @@
 
 Chain order, llama.cpp's own (common/sampling.cpp) for the same controls:
 
-    logit-bias -> grammar -> penalties -> top-k -> typical-p -> top-p -> min-p -> temperature -> dist
-    mirostat 1/2:   logit-bias -> grammar -> penalties -> temperature -> mirostat
-    greedy (temp 0): logit-bias -> grammar -> penalties -> greedy
+    logit-bias -> grammar -> penalties -> DRY -> top-k -> typical-p -> top-p -> min-p -> XTC -> temperature -> dist
+    mirostat 1/2:   logit-bias -> grammar -> penalties -> DRY -> temperature -> mirostat
+    greedy (temp 0): logit-bias -> grammar -> penalties -> DRY -> greedy
 
 With a grammar, the token is sampled first without it and then checked against the grammar alone
 (one candidate, not the whole vocabulary); only a rejected token is sampled again with the grammar
@@ -26,6 +26,9 @@ from llmcli.errors import UsageError
 from llmcli.inference.backend import llama_backend, stderr_captured
 from llmcli.inference.sampling import SamplingConfig
 
+# Where a DRY repeat may not continue across (llama.cpp's defaults): a new line, a colon, a quote, an asterisk.
+DRY_BREAKERS = ("\n", ":", '"', "*")
+
 
 class Sampler:
     """A llama.cpp sampler chain for one answer, reading the logits of context `ctx`; close() frees it.
@@ -33,27 +36,27 @@ class Sampler:
     `chain` alone samples when there is no grammar (`checks_grammar` False): the decode loops call it
     directly. With a grammar, `sample` tries `chain` and checks the token (see the module's note)."""
 
-    def __init__(self, config: SamplingConfig, vocab: Any, seed: int, ctx: Any):
+    def __init__(self, config: SamplingConfig, vocab: Any, seed: int, ctx: Any, n_ctx: int):
         self.seed = seed
         self.ctx = ctx
         self.chain: Any = None
         self.constrained: Any = None  # the chain with the grammar first: for a token the grammar rejected
         self.grammar: Any = None  # the grammar alone, to check one token
         if config.grammar is None:
-            self.chain = _build_chain(config, vocab, seed)
+            self.chain = _build_chain(config, vocab, seed, n_ctx)
             return
         lazy = config.repeat_penalty == 1.0 and not config.presence_penalty and not config.frequency_penalty \
-            and (config.greedy or config.mirostat == 0)
+            and not config.dry_multiplier and (config.greedy or config.mirostat == 0)
         with stderr_captured() as captured:  # the grammar parser writes its reason to fd 2, not the log
             try:
                 if lazy:
                     self.grammar = _grammar_sampler(config, vocab)
-                    self.constrained = _build_chain(config, vocab, seed)
-                    self.chain = _build_chain(config, vocab, seed, with_grammar=False)
+                    self.constrained = _build_chain(config, vocab, seed, n_ctx)
+                    self.chain = _build_chain(config, vocab, seed, n_ctx, with_grammar=False)
                     self._candidate = llama_cpp.llama_token_data(0, 1.0, 0.0)
                     self._one = llama_cpp.llama_token_data_array(ctypes.pointer(self._candidate), 1, -1, False)
                 else:
-                    self.chain = _build_chain(config, vocab, seed)
+                    self.chain = _build_chain(config, vocab, seed, n_ctx)
             except UsageError as exc:
                 self.close()
                 reason = " ".join(captured().split()) or llama_backend().take_error() or "no reason given"
@@ -101,7 +104,7 @@ def _grammar_sampler(config: SamplingConfig, vocab: Any) -> Any:
     return grammar
 
 
-def _build_chain(config: SamplingConfig, vocab: Any, seed: int, with_grammar: bool = True) -> Any:
+def _build_chain(config: SamplingConfig, vocab: Any, seed: int, n_ctx: int, with_grammar: bool = True) -> Any:
     params = llama_cpp.llama_sampler_chain_default_params()
     params.no_perf = True
     chain = llama_cpp.llama_sampler_chain_init(params)
@@ -124,6 +127,11 @@ def _build_chain(config: SamplingConfig, vocab: Any, seed: int, with_grammar: bo
         add(llama_cpp.llama_sampler_init_penalties(
             n_vocab, config.repeat_last_n, config.repeat_penalty, config.frequency_penalty, config.presence_penalty
         ))
+    if config.dry_multiplier > 0:
+        breakers = (ctypes.c_char_p * len(DRY_BREAKERS))(*(b.encode() for b in DRY_BREAKERS))
+        last_n = n_ctx if config.dry_penalty_last_n == -1 else config.dry_penalty_last_n  # this C API takes no -1
+        add(llama_cpp.llama_sampler_init_dry(vocab, config.dry_multiplier, config.dry_base, config.dry_allowed_length,
+                                             last_n, breakers, len(DRY_BREAKERS)), "DRY settings")
     if config.greedy:
         add(llama_cpp.llama_sampler_init_greedy())
     elif config.mirostat == 1:
@@ -141,6 +149,8 @@ def _build_chain(config: SamplingConfig, vocab: Any, seed: int, with_grammar: bo
             add(llama_cpp.llama_sampler_init_top_p(config.top_p, 1))
         if config.min_p > 0:
             add(llama_cpp.llama_sampler_init_min_p(config.min_p, 1))
+        if config.xtc_probability > 0:
+            add(llama_cpp.llama_sampler_init_xtc(config.xtc_probability, config.xtc_threshold, 1, seed))
         add(llama_cpp.llama_sampler_init_temp(config.temp))
         add(llama_cpp.llama_sampler_init_dist(seed))
     return chain

@@ -30,6 +30,12 @@ class SamplingConfig:
     mirostat: int = default("mirostat")
     mirostat_tau: float = default("mirostat_tau")
     mirostat_eta: float = default("mirostat_eta")
+    dry_multiplier: float = default("dry_multiplier")
+    dry_base: float = default("dry_base")
+    dry_allowed_length: int = default("dry_allowed_length")
+    dry_penalty_last_n: int = default("dry_penalty_last_n")
+    xtc_probability: float = default("xtc_probability")
+    xtc_threshold: float = default("xtc_threshold")
     seed: int | None = default("seed")  # None: a fresh random seed for every answer (reported in the stats)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); -inf bans the token
     grammar: str | None = field(default=None, repr=False)  # GBNF, root rule "root"

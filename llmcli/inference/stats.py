@@ -64,5 +64,6 @@ def describe_finish(finish_reason: str, stop_sequence: str | None = None) -> str
         "length": "max tokens",
         "context_full": "context full",
         "interrupted": "interrupted",
+        "repetition": "repetition (the answer was going round in a loop)",
         "stop_sequence": f"stop sequence {stop_sequence!r}",
     }.get(finish_reason, finish_reason)
