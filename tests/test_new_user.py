@@ -205,3 +205,34 @@ def test_the_loop_detector_needs_an_exact_repeat_over_a_long_enough_span():
     assert looping([7] * LOOP_SPAN) and not looping([7] * (LOOP_SPAN - 1))
     almost = (line * 4)[:-1] + [999]  # the last token breaks the repeat
     assert not looping(almost)
+
+
+# 8. help that is easy to scan
+
+def test_help_groups_options_in_panels_and_ends_with_examples():
+    shown = run_cli("run", "--help").stdout
+    panels = [line for line in shown.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert panels[:6] == ["Arguments:", "Model and prompt:", "Sampling and stopping:", "Constrained output:", "Engine:",
+                          "Output:"]
+    assert "Examples:" in shown and 'llmcli run "Why is the sky blue?"' in shown
+    assert "(error|truncate)" in " ".join(shown.split())
+    top = run_cli("--help").stdout
+    assert "..." not in top.split("Commands:")[1]  # no description cut short
+    for command in ("chat", "list", "show", "bench", "config show"):
+        assert "Examples:" in run_cli(*command.split(), "--help").stdout, command
+    assert "JSON array" in run_cli("list", "--help").stdout and "finish reason" not in run_cli("show", "--help").stdout
+    stray = run_cli("run", "-P", "2", "hi")
+    assert stray.code == 2 and "--parallel applies to --batch" in stray.stderr
+
+
+# 11. saved conversations can be listed, to pick one for --resume
+
+def test_saved_conversations_are_listed_newest_first():
+    for message in ("first conversation", "second conversation"):
+        assert run_cli("chat", "-q", "-n", "2", input=f"{message}\n").code == 0
+    listed = json.loads(run_cli("chat", "--list", "--json").stdout)
+    assert [c["first_message"] for c in listed] == ["first conversation", "second conversation"]
+    table = run_cli("chat", "--list").stdout.splitlines()
+    assert table[0].split()[:2] == ["ID", "LAST"] and table[1].startswith(listed[-1]["id"])
+    resumed = run_cli("chat", "--resume", listed[0]["id"], "--no-save", "-q", input="/history\n")
+    assert "[user] first conversation" in resumed.stderr

@@ -15,6 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -253,3 +254,35 @@ def read_records(path: Path) -> list[dict[str, Any]]:
             except ValueError:
                 raise UsageError(f"{path}:{number} is not valid JSON; the conversation file is damaged") from None
     return records
+
+
+@dataclass(frozen=True)
+class SavedConversation:
+    id: str
+    path: Path
+    modified: float  # seconds since the epoch
+    model: str
+    exchanges: int
+    first_message: str
+
+
+def saved_conversations() -> list[SavedConversation]:
+    """The saved conversations, the most recent last (as --resume last picks it); damaged lines are skipped."""
+    folder = paths.conversations_dir()
+    found = []
+    for path in sorted(folder.glob("*.jsonl"), key=lambda p: p.stat().st_mtime) if folder.exists() else []:
+        model, exchanges, first = "", 0, ""
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(record, dict):
+                continue
+            if record.get("type") == "session":
+                model = str(record.get("model", ""))
+            elif record.get("type") == "exchange":
+                exchanges += 1
+                first = first or str(record.get("user", ""))
+        found.append(SavedConversation(path.stem, path, path.stat().st_mtime, model, exchanges, first))
+    return found

@@ -45,13 +45,14 @@ def _root(version: VersionOpt = False, cache_dir: CacheDirOpt = None) -> None:
 def _register() -> None:
     from llmcli.cli import bench, config_cmd, models_cmd
     from llmcli.cli.chat import chat
+    from llmcli.cli.help import EXAMPLES, SHORT_HELP, PanelledCommand
     from llmcli.cli.run import run
 
-    app.command("run")(run)
-    app.command("chat")(chat)
+    for name, command in (("run", run), ("chat", chat)):
+        app.command(name, cls=PanelledCommand, short_help=SHORT_HELP[name], epilog=EXAMPLES[name])(command)
     models_cmd.register(app)
-    app.add_typer(bench.app, name="bench")
-    app.add_typer(config_cmd.app, name="config")
+    app.add_typer(bench.app, name="bench", short_help=SHORT_HELP["bench"], epilog=EXAMPLES["bench"])
+    app.add_typer(config_cmd.app, name="config", short_help=SHORT_HELP["config"])
 
 
 _register()

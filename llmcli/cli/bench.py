@@ -31,8 +31,9 @@ def bench(
     ctx: typer.Context,
     model: Annotated[Optional[list[str]], typer.Option(
         "--model", "-m", help="Model to measure (repeatable). Default: the default model.", show_default=False)] = None,
-    n_prompt: Annotated[int, typer.Option("--n-prompt", "-p", min=1,
-                                          help="Prompt tokens for the prefill test (ppP).")] = BenchPlan.prompt_tokens,
+    n_prompt: Annotated[int, typer.Option(
+        "--n-prompt", "-p", min=1, help="Prompt tokens for the prefill test (ppP; -p as in llama-bench).",
+    )] = BenchPlan.prompt_tokens,
     n_gen: Annotated[int, typer.Option("--n-gen", "-n", min=2, help="Tokens for the decode test (tgN).")] = BenchPlan.gen_tokens,
     repetitions: Annotated[int, typer.Option("--repetitions", "-r", min=1,
                                              help="Repetitions of each test, after a warm-up.")] = BenchPlan.repetitions,

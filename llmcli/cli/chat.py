@@ -14,6 +14,7 @@ from llmcli.cli import options as o
 ResumeOpt = Annotated[Optional[str], typer.Option("--resume", help="Continue a saved conversation: its id, or `last`.",
                                                   show_default=False)]
 NoSaveOpt = Annotated[bool, typer.Option("--no-save", help="Do not save this conversation under the data dir.")]
+ListOpt = Annotated[bool, typer.Option("--list", help="List the saved conversations (ids for --resume), then exit.")]
 
 
 def help_text() -> str:
@@ -45,6 +46,7 @@ def chat(
     *,
     resume: ResumeOpt = None,
     no_save: NoSaveOpt = False,
+    list_saved: ListOpt = False,
     as_json: o.JsonOpt = False,
     quiet: o.QuietOpt = False,
     **given: Any,
@@ -54,6 +56,9 @@ def chat(
     from llmcli.cli import output
     from llmcli.pipeline import open_pipeline
 
+    if list_saved:
+        _list_saved(as_json)
+        return
     console = output.stderr_console()
     resume_path = find_conversation(resume) if resume else None
     with output.download_progress() as progress:
@@ -72,6 +77,22 @@ def chat(
         repl = Repl(conversation, pipeline.cancel, console, quiet, as_json)
         interactive = sys.stdin is not None and sys.stdin.isatty()
         repl.interactive() if interactive else repl.lines()
+
+
+def _list_saved(as_json: bool) -> None:
+    import time
+
+    from llmcli.chat.conversation import saved_conversations
+    from llmcli.cli import output
+
+    saved = saved_conversations()
+    if as_json:
+        output.print_json([{"id": c.id, "path": str(c.path), "modified": c.modified, "model": c.model,
+                            "exchanges": c.exchanges, "first_message": c.first_message} for c in saved])
+        return
+    rows = [(c.id, time.strftime("%Y-%m-%d %H:%M", time.localtime(c.modified)), c.model, c.exchanges,
+             c.first_message[:60] + ("…" if len(c.first_message) > 60 else "")) for c in reversed(saved)]
+    output.print_table(("ID", "LAST CHANGE", "MODEL", "EXCHANGES", "FIRST MESSAGE"), rows, right=("EXCHANGES",), boxed=False)
 
 
 class Repl:

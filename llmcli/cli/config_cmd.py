@@ -7,11 +7,12 @@ from typing import Any
 import typer
 
 from llmcli.cli import options as o
+from llmcli.cli.help import EXAMPLES, PanelledCommand
 
 app = typer.Typer(help="Show the effective settings and where each comes from.", no_args_is_help=True)
 
 
-@app.command("show")
+@app.command("show", cls=PanelledCommand, epilog=EXAMPLES["config show"])
 @o.with_settings(request=False)
 def show(*, as_json: o.JsonOpt = False, **given: Any) -> None:
     """Print each effective setting, its value and where it came from (flag > env > profile > config > model > default)."""

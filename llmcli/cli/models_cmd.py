@@ -42,7 +42,11 @@ AvailableOpt = Annotated[bool, typer.Option(
     "--available", help="List the names you can use without a path instead: aliases and the extras' packaged models.")]
 
 
-def list_models(as_json: o.JsonOpt = False, available: AvailableOpt = False) -> None:
+ListJsonOpt = Annotated[bool, typer.Option("--json", help="Print the list as one JSON array on stdout.")]
+ShowJsonOpt = Annotated[bool, typer.Option("--json", help="Print the metadata as one JSON object on stdout.")]
+
+
+def list_models(as_json: ListJsonOpt = False, available: AvailableOpt = False) -> None:
     """List installed and cached models: name, quant, size, parameters, architecture, context, source."""
     from llmcli.cli import output
     from llmcli.files import human_count, human_size
@@ -70,7 +74,7 @@ def list_models(as_json: o.JsonOpt = False, available: AvailableOpt = False) -> 
 
 def show(
     reference: ReferenceArg,
-    as_json: o.JsonOpt = False,
+    as_json: ShowJsonOpt = False,
     template: Annotated[bool, typer.Option("--template", help="Print only the chat template.")] = False,
 ) -> None:
     """Show a model's metadata without loading its weights: arch, params, quant, context, special tokens, template, license."""
@@ -185,10 +189,9 @@ def prune() -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("pull")(pull)
-    app.command("list")(list_models)
-    app.command("show")(show)
-    app.command("rm")(rm)
-    app.command("verify")(verify)
-    app.command("prune")(prune)
+    from llmcli.cli.help import EXAMPLES, SHORT_HELP, PanelledCommand
+
+    for name, command in (("pull", pull), ("list", list_models), ("show", show), ("rm", rm), ("verify", verify),
+                          ("prune", prune)):
+        app.command(name, cls=PanelledCommand, short_help=SHORT_HELP[name], epilog=EXAMPLES[name])(command)
 

@@ -76,10 +76,11 @@ GrammarFileOpt = Annotated[Optional[Path], typer.Option(
     "--grammar-file", help="Constrain the answer with the GBNF grammar in FILE.", show_default=False,
     rich_help_panel=_CONSTRAIN)]
 JsonSchemaOpt = Annotated[Optional[str], typer.Option(
-    "--json-schema", help="Constrain the answer to JSON matching this schema (JSON text or a file).", show_default=False,
-    rich_help_panel=_CONSTRAIN)]
+    "--json-schema", help="Constrain the answer to JSON matching this schema (JSON text or a file); checked when it "
+    "ends (exit 8 if not).", show_default=False, rich_help_panel=_CONSTRAIN)]
 FormatOpt = Annotated[Optional[str], typer.Option(
-    "--format", help="json: the answer is always valid JSON.", show_default=False, rich_help_panel=_CONSTRAIN)]
+    "--format", help="(json) The answer is one JSON value, checked when it ends (exit 8 if not).", show_default=False,
+    rich_help_panel=_CONSTRAIN)]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's own log on stderr.", rich_help_panel=ENGINE)]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Do not print the stats line on stderr.", rich_help_panel=OUTPUT)]
 JsonOpt = Annotated[bool, typer.Option(

@@ -20,8 +20,10 @@ WaitStdinOpt = Annotated[bool, typer.Option("--stdin", help="Wait for piped stdi
 BatchOpt = Annotated[Optional[str], typer.Option(
     "--batch", help='Answer many prompts: a file or `-`, one prompt per line or JSONL objects with a "prompt" field; '
     "JSONL out, in input order.", show_default=False, rich_help_panel="Batch")]
-ParallelOpt = Annotated[int, typer.Option("--parallel", "-P", min=1, max=64, rich_help_panel="Batch",
-                                          help="With --batch: sequences decoded together in one context.")]
+ParallelOpt = Annotated[Optional[int], typer.Option(
+    "--parallel", "-P", min=1, max=64, rich_help_panel="Batch", show_default=False,
+    help="With --batch: sequences decoded together in one context. [default: 4]")]
+DEFAULT_PARALLEL = 4
 
 
 @o.with_settings()
@@ -34,7 +36,7 @@ def run(
     stdin_first: StdinFirstOpt = False,
     wait_stdin: WaitStdinOpt = False,
     batch: BatchOpt = None,
-    parallel: ParallelOpt = 4,
+    parallel: ParallelOpt = None,
     **given: Any,
 ) -> None:
     """Answer one prompt, streamed to stdout; stats on stderr."""
@@ -49,7 +51,10 @@ def run(
 
         if prompt is not None:
             raise UsageError("--batch reads its prompts from the file; drop the prompt argument")
-        run_batch_command(batch, o.build_request(given, parallel), parallel, quiet)
+        n_parallel = parallel or DEFAULT_PARALLEL
+        run_batch_command(batch, o.build_request(given, n_parallel), n_parallel, quiet)
+    if parallel is not None:
+        raise UsageError("--parallel applies to --batch", hint="llmcli run --batch FILE --parallel N")
     console = output.stderr_console()
     prompt_arg, stdin_text, notice = read_message(prompt, wait_stdin)
     if notice and not quiet:

@@ -1,0 +1,82 @@
+"""Help that is easy to scan: options grouped in panels (in plain text too), and examples per command.
+
+Typer shows `rich_help_panel` groups only when it renders help with rich; llmcli keeps plain help (fast,
+and usage errors stay one `Error:` line), so the grouping is done here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from typer.core import TyperCommand
+
+from llmcli.settings import ENGINE, MODEL, SAMPLING
+
+# Panels in the order a reader looks for them; any other panel follows, in the order it appears.
+PANEL_ORDER = (MODEL, SAMPLING, "Constrained output", ENGINE, "Output", "Batch", "Options")
+
+
+class PanelledCommand(TyperCommand):
+    """Arguments, then the options panel by panel, in the order the command declares them."""
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        arguments: list[tuple[str, str]] = []
+        panels: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                arguments.append(record)
+            else:
+                panels.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
+        if arguments:
+            with formatter.section("Arguments"):
+                formatter.write_dl(arguments)
+        ordered = sorted(panels, key=lambda p: PANEL_ORDER.index(p) if p in PANEL_ORDER else len(PANEL_ORDER))
+        for panel in ordered:
+            records = panels[panel]
+            with formatter.section(panel):
+                formatter.write_dl(records)
+
+
+def examples(*lines: str) -> str:
+    """An epilog of example command lines, kept as written (`\\b` stops the reflow)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+EXAMPLES = {
+    "run": examples(
+        'llmcli run "Why is the sky blue?"',
+        'llmcli run --temp 0 -n 64 --stop "\\n\\n" "Name three planets."',
+        'cat notes.txt | llmcli run "Summarize:"',
+        'llmcli run --json-schema schema.json "Describe Paris."',
+        "llmcli run --batch questions.txt --parallel 8 > answers.jsonl",
+        'llmcli run -m gemma3-270m --raw -n 64 "Once upon a time"',
+    ),
+    "chat": examples("llmcli chat", 'llmcli chat -s "Answer in French." --temp 0.3', "llmcli chat --resume last",
+                     "llmcli chat --list"),
+    "pull": examples("llmcli pull bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M", "llmcli pull qwen2.5-0.5b"),
+    "list": examples("llmcli list", "llmcli list --json | jq '.[].name'", "llmcli list --available"),
+    "show": examples("llmcli show smollm2", "llmcli show --template smollm2", "llmcli show --json OWNER/REPO:Q4_K_M"),
+    "rm": examples("llmcli rm -y bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M", "llmcli rm gemma3-270m"),
+    "verify": examples("llmcli verify", "llmcli verify OWNER/REPO"),
+    "prune": examples("llmcli prune"),
+    "bench": examples("llmcli bench", "llmcli bench -m smollm2 -m gemma3-270m -t 1,2 --parallel 1,8",
+                      "llmcli bench --contention",
+                      "llmcli bench --format json > a.json && llmcli bench compare a.json b.json"),
+    "config show": examples("llmcli config show", "llmcli config show -p coder --temp 0.2 --json"),
+}
+
+SHORT_HELP = {
+    "run": "Answer one prompt (or a --batch of them), streamed to stdout.",
+    "chat": "Talk with a model; only each new turn is prefilled.",
+    "pull": "Download a model into the cache.",
+    "list": "Installed and cached models (--available: names to use).",
+    "show": "A model's metadata, without loading its weights.",
+    "rm": "Remove a cached model.",
+    "verify": "Re-hash cached models against their sha256.",
+    "prune": "Remove partial downloads of killed processes.",
+    "bench": "Prefill/decode speed, TTFT, overhead, contention.",
+    "config": "The effective settings and where each comes from.",
+}
