@@ -142,7 +142,7 @@ class Benchmark:
     def run(self) -> Iterator[Progress]:
         plan = self.plan
         per_repetition = len(plan.depths) * 2 + 5 + len(plan.parallel) + 2 * plan.contention
-        total = len(self.models) * len(self.threads) * plan.repetitions * per_repetition
+        total = len(self.models) * len(self.threads) * (plan.repetitions * per_repetition + 1)  # + the bandwidth probe
         done = 0
         for model, header in zip(self.models, self.headers, strict=True):
             for threads in self.threads:
@@ -185,6 +185,7 @@ class Benchmark:
         row(f"overhead tg{plan.gen_tokens}", "ratio", "x").samples.append(tg_run.mean / tg_same.mean)
         row(f"overhead pp{n_pp}", "ratio", "x").samples.append(pp_run.mean / pp_same.mean)
         # Decode reads every weight once per token: bandwidth / weight bytes is the ceiling.
+        yield "memory bandwidth"
         bandwidth = memory_bandwidth(threads)
         ceiling = bandwidth / sum(t.n_bytes for t in header.tensors)
         row("memory bandwidth", "roofline", "GB/s").samples.append(bandwidth / 1e9)

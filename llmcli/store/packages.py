@@ -27,6 +27,7 @@ class PackagedModel:
     distribution: str
     path: Path
     assemble_with: str | None = None  # module whose assemble() builds `path` on first use
+    sha256: str | None = None  # what the wheel's RECORD says the shipped file hashes to
 
     @property
     def name(self) -> str:
@@ -48,34 +49,41 @@ class PackagedModel:
 
 
 @lru_cache(maxsize=1)
-def _installed() -> tuple[tuple[str, Path | None], ...]:
-    """(distribution, shipped GGUF file or None for an assembled one), from the installed file lists.
-
-    Cached: the scan takes ~100 ms. It holds no path that depends on the environment."""
-    found: list[tuple[str, Path | None]] = []
+def _installed() -> tuple[tuple[str, Path | None, str | None], ...]:
+    """(distribution, shipped GGUF file or None for an assembled one, its RECORD sha256), from the
+    installed file lists. Cached: the scan takes ~100 ms. It holds no path that depends on the environment."""
+    found: list[tuple[str, Path | None, str | None]] = []
     for dist in importlib.metadata.distributions():
         name = dist.metadata["Name"]
         if name and name.lower() in ASSEMBLED_PACKAGES:
-            found.append((name, None))
+            found.append((name, None, None))
             continue
         for file in dist.files or ():
             if file.name.endswith(".gguf"):
                 path = Path(str(dist.locate_file(file))).resolve()
                 if path.is_file():
-                    found.append((name, path))
+                    recorded = file.hash.value if file.hash and file.hash.mode == "sha256" else None
+                    found.append((name, path, _hex(recorded) if recorded else None))
     return tuple(found)
+
+
+def _hex(record_hash: str) -> str:
+    """A RECORD hash (urlsafe base64, unpadded) as hex."""
+    import base64
+
+    return base64.urlsafe_b64decode(record_hash + "=" * (-len(record_hash) % 4)).hex()
 
 
 def packaged_models() -> tuple[PackagedModel, ...]:
     """GGUF files shipped inside installed Python distributions; assembled ones at their place in the cache dir."""
     found: dict[Path, PackagedModel] = {}
-    for name, shipped in _installed():
+    for name, shipped, sha256 in _installed():
         if shipped is None:
             module, short = ASSEMBLED_PACKAGES[name.lower()]
             target = paths.assembled_models_dir() / f"{short}.gguf"
             found.setdefault(target, PackagedModel(name, target, module))
         else:
-            found.setdefault(shipped, PackagedModel(name, shipped))
+            found.setdefault(shipped, PackagedModel(name, shipped, sha256=sha256))
     return tuple(sorted(found.values(), key=lambda m: (m.assemble_with is not None, m.distribution.lower(), m.path.name)))
 
 
