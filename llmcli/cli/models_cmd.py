@@ -112,7 +112,6 @@ def rm(
 ) -> None:
     """Remove a cached model (OWNER/REPO removes every quant of it)."""
     from llmcli.cli import output
-    from llmcli.errors import ExitCode, UsageError
     from llmcli.files import human_size
     from llmcli.store import cache, catalog
 
@@ -125,32 +124,34 @@ def rm(
     total = sum(m.size for m in doomed)
     for model in doomed:
         console.print(f"  {model.name} ({human_size(model.size)})")
-    if not yes:
-        import sys
-
-        if not sys.stdin or not sys.stdin.isatty():
-            raise UsageError("refusing to remove without confirmation: stdin is not a terminal", hint="Pass -y/--yes.")
-        if not typer.confirm(f"Remove {len(doomed)} model file set(s), {human_size(total)}?", default=False, err=True):
-            raise typer.Exit(ExitCode.ERROR)
+    _confirm(f"Remove {len(doomed)} model file set(s), {human_size(total)}?", yes)
     freed = cache.delete(doomed)
     console.print(f"removed {len(doomed)} model(s), freed {human_size(freed)}")
 
 
-def _remove_assembled(reference: str, path: Path, yes: bool, console: Any) -> None:
+def _confirm(question: str, yes: bool) -> None:
+    """Ask on a terminal (exit 1 on no); without one, refuse unless -y was given."""
     import sys
 
-    from llmcli.errors import ExitCode, ModelNotFoundError, UsageError
+    from llmcli.errors import ExitCode, UsageError
+
+    if yes:
+        return
+    if not sys.stdin or not sys.stdin.isatty():
+        raise UsageError("refusing to remove without confirmation: stdin is not a terminal", hint="Pass -y/--yes.")
+    if not typer.confirm(question, default=False, err=True):
+        raise typer.Exit(ExitCode.ERROR)
+
+
+def _remove_assembled(reference: str, path: Path, yes: bool, console: Any) -> None:
+    from llmcli.errors import ModelNotFoundError
     from llmcli.files import human_size
 
     if not path.is_file():
         raise ModelNotFoundError(f"{reference} has not been assembled: there is no copy to remove")
     size = path.stat().st_size
     console.print(f"  {reference}: the assembled copy {path} ({human_size(size)}); its packages stay installed")
-    if not yes:
-        if not sys.stdin or not sys.stdin.isatty():
-            raise UsageError("refusing to remove without confirmation: stdin is not a terminal", hint="Pass -y/--yes.")
-        if not typer.confirm(f"Remove it, {human_size(size)}?", default=False, err=True):
-            raise typer.Exit(ExitCode.ERROR)
+    _confirm(f"Remove it, {human_size(size)}?", yes)
     path.unlink()
     console.print(f"removed the assembled copy of {reference}, freed {human_size(size)} (it is built again on next use)")
 
