@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -30,11 +31,9 @@ def remembered_sha256(path: Path) -> str:
         known = {}
     if key not in known:
         known[key] = sha256_of(path)
-        try:
+        with contextlib.suppress(OSError):  # a memo, not a record: an unwritable data dir costs a re-hash next time
             store.parent.mkdir(parents=True, exist_ok=True)
             store.write_text(json.dumps(known))
-        except OSError:
-            pass  # a memo, not a record: an unwritable data dir only costs a re-hash next time
     return str(known[key])
 
 

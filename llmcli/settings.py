@@ -136,7 +136,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        check=lambda v: 0 <= v < 2**32 - 1, rule="must be in [0, 2^32 - 1)", default_text="random", chat=True),
     _s("max_tokens", int, None, "Stop after this many tokens.", "--max-tokens", "-n",
        default_text="until the model stops or the context is full", chat=True, **_at_least(1)),
-    _s("stop", list, [], "Stop when the answer contains this text (never printed; \\n, \\t, \\uXXXX are interpreted). "
+    _s("stop", list, [], "Stop when the answer contains this text (never printed; \\n, \\t, \\uHHHH are interpreted). "
        "Repeatable.", chat=True, escapes=True),
     _s("repetition_guard", bool, True, "Stop an answer caught in a loop (the same run of tokens over and over), "
        "with finish reason `repetition`.", "--repetition-guard/--no-repetition-guard", chat=True),
@@ -161,7 +161,7 @@ _SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", '"': 
 
 
 def unescape(text: str) -> str:
-    r"""`\n`, `\t`, `\r`, `\0`, `\\`, `\"`, `\'`, `\xHH`, `\uXXXX` as the characters they name, as llama.cpp's
+    r"""`\n`, `\t`, `\r`, `\0`, `\\`, `\"`, `\'`, `\xHH`, `\uHHHH` as the characters they name, as llama.cpp's
     tools read them; any other backslash stays as it is."""
 
     def replace(match: re.Match[str]) -> str:
