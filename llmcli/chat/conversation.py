@@ -77,7 +77,8 @@ class Conversation:
     def settings_record(self) -> dict[str, Any]:
         """The settings that shape the next answer, as the record and /show list them."""
         return {**self.generation.sampling.record(), "max_tokens": self.generation.max_tokens,
-                "stop": list(self.generation.stops), "on_overflow": self.session.options.on_overflow}
+                "stop": list(self.generation.stops), "repetition_guard": self.generation.repetition_guard,
+                "on_overflow": self.session.options.on_overflow}
 
     # -- turns -----------------------------------------------------------------------------
 

@@ -242,6 +242,8 @@ def _shown(name: str, value: Any) -> str:
     """A setting's value as a person reads it (no Python reprs)."""
     if value is None:
         return "random" if name == "seed" else "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(json.dumps(v, ensure_ascii=False) for v in value) + "]" if value else "none"
     return f"{value:g}" if isinstance(value, float) else str(value)
