@@ -251,7 +251,7 @@ def small_disk(tmp_path: Path):
 def test_disk_space_is_checked_before_a_pull(hub_for_disk, small_disk):
     result = run_cli("--cache-dir", str(small_disk), "pull", REPO)
     assert result.code == 6
-    assert "not enough disk space" in result.stderr and "MiB free" in result.stderr
+    assert "not enough disk space" in result.stderr and " free in " in result.stderr
     assert hub_for_disk.requests("GET", "/cdn/") == []
 
 
@@ -287,7 +287,7 @@ def test_memory_is_checked_before_loading_and_force_overrides(smollm2):
     too_long = str(min(2 * available // kv_cache_bytes(read_header(smollm2), 1) + 1, 2**31 - 1))  # KV cache > 2x RAM
     result = run_cli("run", "-c", too_long, "hi")
     assert result.code == 6
-    assert "KV cache" in result.stderr and "MiB is available" in result.stderr
+    assert "KV cache" in result.stderr and " is available" in result.stderr
     forced = run_cli("run", "--force", "-c", too_long, "hi")
     assert forced.code == 6 and "could not create a context" in forced.stderr  # llama.cpp tried, and said why
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from llmcli import paths
 from llmcli.errors import ExitCode, IntegrityError, LlmcliError, ModelNotFoundError, ResourceError, UsageError
-from llmcli.files import sha256_of
+from llmcli.files import human_size, sha256_of
 from llmcli.settings import default
 from llmcli.store import memory
 from llmcli.store.cache import CachedModel, Fetch, Fetched, ProgressCallback, choose, from_cache, partial_downloads, remove_file
@@ -138,7 +138,7 @@ def _check_disk_space(reference: HubReference, files: list[RemoteFile]) -> None:
     free = shutil.disk_usage(probe).free
     if needed + DISK_MARGIN > free:
         raise ResourceError(
-            f"not enough disk space for {reference}: needs {needed / 2**20:.0f} MiB, {free / 2**20:.0f} MiB free in {where}",
+            f"not enough disk space for {reference}: needs {human_size(needed)}, {human_size(free)} free in {where}",
             hint="Free some space (llmcli rm …) or point LLMCLI_CACHE_DIR at a larger disk.",
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from llmcli.errors import ResourceError
+from llmcli.files import human_size
 from llmcli.store.gguf_header import GGUFHeader
 
 RUNTIME_OVERHEAD = 120 * 2**20  # Python, llama.cpp's compute buffers for small batches
@@ -40,11 +41,9 @@ def check_memory(what: str, weights: int, kv_cache: int = 0, force: bool = False
     needed = weights + kv_cache + RUNTIME_OVERHEAD
     if force or available is None or needed <= available:
         return
-    def mib(n: int) -> str:
-        return f"{n / 2**20:,.0f} MiB"
-
-    parts = f"model {mib(weights)}" + (f" + KV cache {mib(kv_cache)}" if kv_cache else "") + f" + {mib(RUNTIME_OVERHEAD)} runtime"
+    parts = f"model {human_size(weights)}" + (f" + KV cache {human_size(kv_cache)}" if kv_cache else "")
+    parts += f" + {human_size(RUNTIME_OVERHEAD)} runtime"
     raise ResourceError(
-        f"{what} needs about {mib(needed)} of memory ({parts}); {mib(available)} is available",
+        f"{what} needs about {human_size(needed)} of memory ({parts}); {human_size(available)} is available",
         hint="Use a smaller model or quant, a smaller --ctx-size, or --force to try anyway.",
     )
