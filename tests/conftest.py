@@ -75,10 +75,10 @@ class Result:
 
 def run_cli(*args: str, input: str | bytes | None = None, env: dict[str, str] | None = None, timeout: float = 180) -> Result:
     """Run `llmcli ARGS` as a user would: a separate process with real pipes, stdin from /dev/null
-    unless given. While this process is single-threaded, the child is forked from it (llmcli is
-    already imported: no interpreter start-up per call); with other threads running (a fake Hub's
-    server) forking could inherit a held lock, so the child is `python -m llmcli`, as it is
-    always with LLMCLI_TEST_SUBPROCESS=1."""
+    unless given. While this process is single-threaded (the fake Hub serves from a child process),
+    the child is forked from it (llmcli is already imported: no interpreter start-up per call); should
+    another thread ever run here, forking could inherit a held lock, so the child is then
+    `python -m llmcli`, as it is always with LLMCLI_TEST_SUBPROCESS=1."""
     data = input.encode() if isinstance(input, str) else input
     environment = {**os.environ, **(env or {})}
     if os.environ.get("LLMCLI_TEST_SUBPROCESS") or threading.active_count() > 1:

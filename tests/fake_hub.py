@@ -6,18 +6,22 @@
 - `GET /cdn/SHA256`: the bytes, with Range support (206) and injectable faults: drop the
   connection after N bytes, or serve corrupted bytes of the same size.
 Every request is logged as (method, path, range header) for tests to assert on.
+
+The server runs in a child process (its threads live there), so the test process stays single-threaded
+and may fork the CLI runs; the request log and the faults are shared through a multiprocessing manager.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import re
-import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 _HASHES: dict[Path, str] = {}
 
@@ -48,11 +52,33 @@ class Repo:
     gated: bool = False
 
 
+class SharedLog:
+    """The request log, shared with the server process: reads like a list of (method, path, range)."""
+
+    def __init__(self, proxy: Any):
+        self.proxy = proxy
+
+    def append(self, entry: tuple[str, str, str | None]) -> None:
+        self.proxy.append(entry)
+
+    def clear(self) -> None:
+        del self.proxy[:]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(list(self.proxy))
+
+    def __eq__(self, other: object) -> bool:
+        return list(self.proxy) == other
+
+    def __repr__(self) -> str:
+        return repr(list(self.proxy))
+
+
 @dataclass
 class FakeHub:
     repos: dict[str, Repo] = field(default_factory=dict)
-    faults: dict[str, Fault] = field(default_factory=dict)  # by file name
-    log: list[tuple[str, str, str | None]] = field(default_factory=list)
+    faults: Any = field(default_factory=dict)  # by file name; a shared dict once started
+    log: Any = field(default_factory=list)
     url: str = ""
 
     def add(self, repo_id: str, files: dict[str, Path], gated: bool = False) -> None:
@@ -63,6 +89,17 @@ class FakeHub:
         return [r for r in self.log if (method is None or r[0] == method) and contains in r[1]]
 
     def start(self) -> FakeHub:
+        self._manager = multiprocessing.Manager()
+        faults = self._manager.dict(self.faults)
+        self.faults, self.log = faults, SharedLog(self._manager.list())
+        ready = multiprocessing.Queue()
+        self._process = multiprocessing.Process(target=_serve, args=(self.repos, faults, self.log.proxy, ready), daemon=True)
+        self._process.start()
+        self.url = ready.get(timeout=30)
+        return self
+
+    def serve(self, ready: Any) -> None:
+        """Run the server in this process until it is terminated; put its URL on `ready` first."""
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -180,6 +217,7 @@ class FakeHub:
                 limit = None
                 if fault and fault.drop_after is not None and fault.times > 0:
                     fault.times -= 1
+                    hub.faults[name] = fault  # the shared copy counts down too
                     limit = fault.drop_after
                 middle = size // 2
                 sent = 0
@@ -209,9 +247,16 @@ class FakeHub:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
+        ready.put(self.url)
+        self.server.serve_forever()
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self._process.terminate()
+        self._process.join(timeout=10)
+        self._manager.shutdown()
+
+
+def _serve(repos: dict[str, Repo], faults: Any, log: Any, ready: Any) -> None:
+    """The server process: answer until terminated."""
+    hub = FakeHub(repos, faults, SharedLog(log))
+    hub.serve(ready)
