@@ -62,13 +62,7 @@ class Setting:
         return self.flags[0].split("/")[0]
 
     def shown_default(self) -> str:
-        if self.default_text is not None:
-            return self.default_text
-        if self.kind is bool:
-            return "on" if self.default else "off"
-        if self.default in (None, []):
-            return "none"
-        return f"{self.default:g}" if isinstance(self.default, float) else str(self.default)
+        return self.default_text if self.default_text is not None else show_value(self.default)
 
     def problem(self, value: Any) -> str | None:
         """Why `value` is not allowed, or None."""
@@ -79,6 +73,17 @@ class Setting:
         if self.check is not None and not self.check(value):
             return self.rule
         return None
+
+
+def show_value(value: Any) -> str:
+    """A setting's value as a person reads it: `on`/`off`, `none`, `0.8`, `["a", "b"]`, never a Python repr."""
+    if value is None or value == []:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(json.dumps(v, ensure_ascii=False) for v in value) + "]"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _s(name: str, kind: type, default: Any, help: str, *flags: str, panel: str = SAMPLING, **extra: Any) -> Setting:

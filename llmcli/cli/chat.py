@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -239,14 +238,10 @@ def _show(repl: Repl, argument: str) -> None:
 
 
 def _shown(name: str, value: Any) -> str:
-    """A setting's value as a person reads it (no Python reprs)."""
-    if value is None:
-        return "random" if name == "seed" else "none"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(json.dumps(v, ensure_ascii=False) for v in value) + "]" if value else "none"
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    """A setting's value as a person reads it (no Python reprs); an unset seed is a random one."""
+    from llmcli.settings import show_value
+
+    return "random" if name == "seed" and value is None else show_value(value)
 
 
 def _clear(repl: Repl, argument: str) -> None:

@@ -38,13 +38,13 @@ class Answer:
     """
 
     def __init__(self, options: GenerationOptions, n_prompt: int, n_ctx: int):
-        self.text = AnswerText(options.stops)
+        self.stream = AnswerText(options.stops)  # token bytes -> printable text
         self.limit = options.max_tokens if options.max_tokens is not None else sys.maxsize
         self.room = n_ctx - n_prompt  # tokens of answer that fit after the prompt
         self.n_out = 0  # tokens of the answer (an end-of-generation token is not counted)
         self.finish: str | None = None
         self.constraint = options.constraint
-        self.parts: list[str] = []  # the text returned so far
+        self.parts: list[str] = []  # the text returned so far (`content`)
         self.tokens: list[int] | None = [] if options.repetition_guard else None
 
     def add(self, token: int, end_of_generation: bool, piece: bytes) -> str:
@@ -53,12 +53,12 @@ class Answer:
             self.finish = "stop"
             return ""
         self.n_out += 1
-        text = self.text.feed(piece)
+        text = self.stream.feed(piece)
         self.parts.append(text)
         tokens = self.tokens
         if tokens is not None:
             tokens.append(token)
-        if self.text.stop is not None:
+        if self.stream.stop is not None:
             self.finish = "stop_sequence"
         elif self.n_out >= self.limit:
             self.finish = "length"
@@ -70,19 +70,24 @@ class Answer:
 
     def close(self) -> str:
         """No more tokens: release what was held back (a stop sequence completing now ends it there)."""
-        text = self.text.finish()
+        text = self.stream.finish()
         self.parts.append(text)
-        if self.text.stop is not None:
+        if self.stream.stop is not None:
             self.finish = "stop_sequence"
         return text
 
+    @property
+    def content(self) -> str:
+        """The text of the answer returned so far."""
+        return "".join(self.parts)
+
     def format_error(self, finish_reason: str) -> str | None:
         """Why the whole answer is not what --format json or --json-schema asked for, or None."""
-        return self.constraint.problem("".join(self.parts), finish_reason)
+        return self.constraint.problem(self.content, finish_reason)
 
     @property
     def stop_sequence(self) -> str | None:
-        return self.text.stop
+        return self.stream.stop
 
 
 def looping(tokens: list[int]) -> bool:

@@ -79,7 +79,6 @@ class _Slot:
     pending: int | None = None  # the sampled token still to be decoded
     sampled: int = 0  # tokens sampled, an end-of-generation token included
     first_token: float | None = None
-    parts: list[str] = field(default_factory=list)
 
     @property
     def pos(self) -> int:
@@ -87,7 +86,7 @@ class _Slot:
         return self.prefilled + self.answer.n_out - 1
 
     def record(self, finish: str | None = None, threads: int | None = None) -> Record:
-        self.parts.append(self.answer.close())
+        self.answer.close()
         now = time.perf_counter()
         first = self.first_token or now
         stats = Stats(
@@ -98,7 +97,7 @@ class _Slot:
         )
         reason = finish or self.answer.finish or "interrupted"
         done = Done(reason, stats, self.answer.stop_sequence, self.answer.format_error(reason))
-        return {**self.item.extra, "index": self.item.index, **answer_record("".join(self.parts), done)}
+        return {**self.item.extra, "index": self.item.index, **answer_record(self.answer.content, done)}
 
 
 @dataclass
@@ -213,7 +212,7 @@ class BatchRun:
         slot.first_token = slot.first_token or time.perf_counter()
         slot.sampled += 1
         vocab = self.engine.vocab
-        slot.parts.append(slot.answer.add(token, vocab.is_end_of_generation(token), vocab.piece(token)))
+        slot.answer.add(token, vocab.is_end_of_generation(token), vocab.piece(token))
         slot.pending = token if slot.answer.finish is None else None
 
     def _finish(self, slot: _Slot, finish: str | None = None) -> None:
