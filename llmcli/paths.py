@@ -28,6 +28,11 @@ def assembled_models_dir() -> Path:
     return cache_dir() / "packages"
 
 
+def prompt_cache_dir() -> Path:
+    """Saved KV states of long prompts (the prompt cache), inside the cache dir."""
+    return cache_dir() / "prompts"
+
+
 def config_file() -> Path:
     """The TOML config file: $LLMCLI_CONFIG or `<platform config dir>/config.toml`."""
     return Path(os.environ.get("LLMCLI_CONFIG") or Path(user_config_dir(APP)) / "config.toml")

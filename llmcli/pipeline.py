@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmcli import settings
+from llmcli import paths, settings
 from llmcli.chat.session import PromptOptions, Session
 from llmcli.errors import UsageError
 from llmcli.inference.engine import Engine, EngineConfig, default_context
 from llmcli.inference.generation import GenerationOptions
 from llmcli.inference.grammar import build_constraint
+from llmcli.inference.prompt_cache import GIB, PromptCache, PromptCacheConfig
 from llmcli.inference.sampling import SamplingConfig, parse_logit_bias
 from llmcli.interrupt import Cancellation
 from llmcli.store import memory, models
@@ -87,7 +88,8 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
     header = read_header(model.path)
     n_ctx = effective["ctx_size"] or default_context(header.context_length)
     weights = sum(p.stat().st_size for p in model.files)
-    memory.check_memory(model.name, weights, memory.kv_cache_bytes(header, n_ctx, request.parallel), request.force)
+    kv_bytes = memory.kv_cache_bytes(header, n_ctx, request.parallel, effective["kv_type"])
+    memory.check_memory(model.name, weights, kv_bytes, request.force)
     cancel = cancel if cancel is not None else Cancellation()
     config = EngineConfig(
         n_ctx=effective["ctx_size"],
@@ -97,6 +99,7 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
         mmap=effective["mmap"],
         mlock=effective["mlock"],
         n_seq_max=request.parallel,
+        kv_type=effective["kv_type"],
     )
     with cancel.on_signals():  # llama.cpp calls back into Python while loading: no exceptions there
         engine = Engine(model.path, config, cancel)
@@ -106,7 +109,11 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
         sampling = SamplingConfig.from_settings(effective.values, logit_bias=biases, grammar=constraint.grammar,
                                                 grammar_origin=constraint.origin)
         prompt = PromptOptions(effective["system"], request.raw, request.template_file, effective["on_overflow"])
-        session = Session(engine, prompt)
+        cache = None
+        if effective["prompt_cache"] and request.parallel == 1:
+            cache = PromptCache(engine, PromptCacheConfig(paths.prompt_cache_dir(), effective["prompt_cache_min"],
+                                                          int(effective["prompt_cache_size"] * GIB), model.name))
+        session = Session(engine, prompt, cache)
         if engine.n_ctx > engine.n_ctx_train > 0:
             session.notices.append(f"the context of {engine.n_ctx} tokens exceeds the {engine.n_ctx_train} this model was "
                                    "trained on: answers that reach past it may lose coherence")

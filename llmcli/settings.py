@@ -33,7 +33,7 @@ from llmcli import paths
 from llmcli.errors import UsageError
 
 # Help panels
-MODEL, SAMPLING, ENGINE = "Model and prompt", "Sampling and stopping", "Engine"
+MODEL, SAMPLING, ENGINE, CACHE = "Model and prompt", "Sampling and stopping", "Engine", "Prompt cache"
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _s("batch_size", int, 512, "Prompt tokens evaluated per step.", "--batch-size", "-b", panel=ENGINE, **_at_least(1)),
     _s("mlock", bool, False, "Keep the weights in RAM.", "--mlock/--no-mlock", panel=ENGINE),
     _s("mmap", bool, True, "Map the model file instead of reading it.", "--mmap/--no-mmap", panel=ENGINE),
+    _s("kv_type", str, "f16", "Type of the KV cache's keys and values: q8_0 halves its memory, q4_0 quarters it "
+       "(with flash attention).", choices=("f16", "q8_0", "q4_0"), panel=ENGINE),
+    _s("prompt_cache", bool, True, "Save the KV state of long prompts on disk and start later prompts that share "
+       "their beginning from it (prefill once across runs).", "--prompt-cache/--no-prompt-cache", panel=CACHE),
+    _s("prompt_cache_min", int, 256, "Save a prompt's KV state when at least this many of its tokens were evaluated.",
+       panel=CACHE, **_at_least(1)),
+    _s("prompt_cache_size", float, 4.0, "Disk budget of the prompt cache in GiB; the least recently used states go first.",
+       panel=CACHE, check=lambda v: v > 0, rule="must be > 0"),
 ]}
 
 RESERVED_TABLES = ("profiles", "aliases")

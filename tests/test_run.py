@@ -113,10 +113,10 @@ def test_terminal_output_is_coloured_and_no_color_turns_it_off():
 def test_stdin_and_prompt_combine_in_documented_order(cli):
     shown = cli("run", "--show-prompt", "Summarize:", input="NOTES FROM STDIN\n")
     assert shown.code == 0, shown.stderr
-    assert "Summarize:\n\nNOTES FROM STDIN" in shown.stdout
+    assert "NOTES FROM STDIN\n\nSummarize:" in shown.stdout  # stdin first: the document is the cacheable prefix
     assert "tokens" in shown.stderr
-    first = cli("run", "--show-prompt", "--stdin-first", "Summarize:", input="NOTES FROM STDIN\n")
-    assert "NOTES FROM STDIN\n\nSummarize:" in first.stdout
+    first = cli("run", "--show-prompt", "--prompt-first", "Summarize:", input="NOTES FROM STDIN\n")
+    assert "Summarize:\n\nNOTES FROM STDIN" in first.stdout
     alone = cli("run", "--show-prompt", "-", input="ONLY STDIN")
     assert "ONLY STDIN" in alone.stdout and "Summarize" not in alone.stdout
     implicit = cli("run", "--show-prompt", input="ONLY STDIN")

@@ -7,6 +7,7 @@ lets the engine prefill only what its KV cache does not hold yet.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from llmcli.errors import ResourceError, UsageError
 from llmcli.inference.engine import Engine
 from llmcli.inference.events import Done, Notice, Token
 from llmcli.inference.generation import GenerationOptions
+from llmcli.inference.prompt_cache import PromptCache
 from llmcli.settings import default
 
 
@@ -36,8 +38,9 @@ class RenderedPrompt:
 
 
 class Session:
-    def __init__(self, engine: Engine, options: PromptOptions | None = None):
+    def __init__(self, engine: Engine, options: PromptOptions | None = None, prompt_cache: PromptCache | None = None):
         self.engine = engine
+        self.prompt_cache = prompt_cache  # saved KV states of long prompts, across runs
         self.options = options = options or PromptOptions()
         self.history: list[Message] = []
         self.notices: list[str] = []  # warnings for the user, printed by the CLI
@@ -119,14 +122,49 @@ class Session:
                 f"dropped {full - len(prompt.tokens)} tokens from the start of the message"
             )
         prompt_s = time.perf_counter() - started
+        restored, restore_s = self._restore(prompt.tokens)
+        yield from self._cache_notices()
         load_s, self._load_s = self._load_s, 0.0
         answer: list[str] = []
         seed = options.sampling.effective_seed()
+        done: Done | None = None
         for event in self.engine.generate(prompt.tokens, options, seed, started=started, prompt_s=prompt_s, load_s=load_s):
             if isinstance(event, Token):
                 answer.append(event.text)
             else:
                 self.history += [Message("user", user_text), Message("assistant", "".join(answer))]
+                if restored:
+                    event = dataclasses.replace(event, stats=dataclasses.replace(
+                        event.stats, restored_tokens=min(restored, event.stats.cached_tokens), restore_s=restore_s))
+                done = event
             yield event
             if isinstance(event, Done) and event.finish_reason == "repetition":
                 yield Notice("stopped: the answer was repeating itself (--no-repetition-guard lets it go on)")
+        if self.prompt_cache is not None and done is not None and done.finish_reason != "interrupted":
+            self.prompt_cache.save(done.stats.prefill_tokens)  # after the answer: never on the TTFT path
+            yield from self._cache_notices()
+
+    def _restore(self, tokens: list[int]) -> tuple[int, float]:
+        """Start from the prompt cache's longest saved prefix of `tokens`: (tokens restored, seconds)."""
+        if self.prompt_cache is None:
+            return 0, 0.0
+        started = time.perf_counter()
+        restored = self.prompt_cache.restore(tokens)
+        return restored, time.perf_counter() - started
+
+    def _cache_notices(self) -> Iterator[Notice]:
+        if self.prompt_cache is not None:
+            for text in self.prompt_cache.take_notices():
+                yield Notice(text)
+
+    def resume(self) -> int:
+        """A resumed conversation: load the KV state of its history from the prompt cache now, before the
+        next message; the tokens restored (0: none saved, the next turn evaluates the history again)."""
+        if not self.history:
+            return 0
+        return self._restore(self.render("").tokens)[0]
+
+    def keep_state(self) -> None:
+        """The conversation ends: save its KV state (if not saved already) for `chat --resume`."""
+        if self.prompt_cache is not None:
+            self.prompt_cache.save(0, force=True)

@@ -10,10 +10,10 @@ from typing import Any
 
 from typer.core import TyperCommand
 
-from llmcli.settings import ENGINE, MODEL, SAMPLING
+from llmcli.settings import CACHE, ENGINE, MODEL, SAMPLING
 
 # Panels in the order a reader looks for them; any other panel follows, in the order it appears.
-PANEL_ORDER = (MODEL, SAMPLING, "Constrained output", ENGINE, "Output", "Batch", "Options")
+PANEL_ORDER = (MODEL, SAMPLING, "Constrained output", ENGINE, CACHE, "Output", "Batch", "Options")
 
 
 class PanelledCommand(TyperCommand):
@@ -49,7 +49,7 @@ EXAMPLES = {
     "run": examples(
         'llmcli run "Why is the sky blue?"',
         'llmcli run --temp 0 -n 64 --stop "\\n\\n" "Name three planets."',
-        'cat notes.txt | llmcli run "Summarize:"',
+        'cat report.md | llmcli run "What are the three main risks?"',
         'llmcli run --json-schema schema.json "Describe Paris."',
         "llmcli run --batch questions.txt --parallel 8 > answers.jsonl",
         'llmcli run -m gemma3-270m --raw -n 64 "Once upon a time"',
@@ -65,6 +65,9 @@ EXAMPLES = {
     "bench": examples("llmcli bench", "llmcli bench -m smollm2 -m gemma3-270m -t 1,2 --parallel 1,8",
                       "llmcli bench --contention",
                       "llmcli bench --format json > a.json && llmcli bench compare a.json b.json"),
+    "cache list": examples("llmcli cache list", "llmcli cache list --json | jq '.[].tokens'"),
+    "cache info": examples("llmcli cache info", "llmcli --cache-dir /big/disk cache info"),
+    "cache clear": examples("llmcli cache clear"),
     "config show": examples("llmcli config show", "llmcli config show -p coder --temp 0.2 --json"),
 }
 
@@ -79,4 +82,5 @@ SHORT_HELP = {
     "prune": "Remove partial downloads of killed processes.",
     "bench": "Prefill/decode speed, TTFT, overhead, contention.",
     "config": "The effective settings and where each comes from.",
+    "cache": "The prompt cache: saved KV states (list, info, clear).",
 }

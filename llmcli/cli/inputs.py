@@ -71,9 +71,12 @@ def _read_all() -> str:
     return data.decode("utf-8", "replace").rstrip("\r\n")  # `echo`'s newline is not part of the message
 
 
-def combine_input(prompt: str | None, stdin_text: str | None, stdin_first: bool = False) -> str:
-    """The prompt argument and piped stdin as one message: prompt, blank line, stdin (or the reverse)."""
-    parts = (stdin_text, prompt) if stdin_first else (prompt, stdin_text)
+def combine_input(prompt: str | None, stdin_text: str | None, prompt_first: bool = False) -> str:
+    """The prompt argument and piped stdin as one message: stdin, a blank line, the prompt (or the reverse).
+
+    Stdin first: the large, stable part (a document) is the prefix, the question the tail, so a
+    second question about the same document reuses the document's KV from the prompt cache."""
+    parts = (prompt, stdin_text) if prompt_first else (stdin_text, prompt)
     text = "\n\n".join(p for p in parts if p and p.strip())
     if not text.strip():
         raise UsageError("no prompt given", hint='Pass a prompt: llmcli run "..." or pipe text into llmcli run -')

@@ -11,11 +11,12 @@ from llmcli.cli import options as o
 from llmcli.errors import ExitCode, InvalidAnswer, UsageError
 
 PromptArg = Annotated[Optional[str], typer.Argument(
-    help="The prompt. With text piped in, the message is the prompt, a blank line, then stdin "
-    "(--stdin-first reverses it). `-` or no prompt: stdin alone.", show_default=False)]
+    help="The prompt. With text piped in, the message is stdin, a blank line, then the prompt "
+    "(--prompt-first reverses it). `-` or no prompt: stdin alone.", show_default=False)]
 ShowPromptOpt = Annotated[bool, typer.Option("--show-prompt", help="Print the rendered prompt and its token count, then exit.",
                                              rich_help_panel=o.OUTPUT)]
-StdinFirstOpt = Annotated[bool, typer.Option("--stdin-first", help="Put piped stdin before the prompt argument.")]
+PromptFirstOpt = Annotated[bool, typer.Option("--prompt-first", help="Put the prompt argument before piped stdin "
+                                              "(the order of earlier releases; a cached document is then not reused).")]
 WaitStdinOpt = Annotated[bool, typer.Option("--stdin", help="Wait for piped stdin however long it takes to start.")]
 BatchOpt = Annotated[Optional[str], typer.Option(
     "--batch", help='Answer many prompts: a file or `-`, one prompt per line or JSONL objects with a "prompt" field; '
@@ -33,7 +34,7 @@ def run(
     show_prompt: ShowPromptOpt = False,
     as_json: o.JsonOpt = False,
     quiet: o.QuietOpt = False,
-    stdin_first: StdinFirstOpt = False,
+    prompt_first: PromptFirstOpt = False,
     wait_stdin: WaitStdinOpt = False,
     batch: BatchOpt = None,
     parallel: ParallelOpt = None,
@@ -59,7 +60,7 @@ def run(
     prompt_arg, stdin_text, notice = read_message(prompt, wait_stdin)
     if notice and not quiet:
         output.print_notice(console, notice)
-    message = combine_input(prompt_arg, stdin_text, stdin_first)
+    message = combine_input(prompt_arg, stdin_text, prompt_first)
     with output.download_progress() as progress:  # shown only if the model must be downloaded first
         pipeline = open_pipeline(o.build_request(given), progress, on_waiting=output.waiting_for)
     with pipeline:

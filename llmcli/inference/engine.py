@@ -53,6 +53,11 @@ class EngineConfig:
     mmap: bool = default("mmap")  # map the file instead of reading it into memory
     mlock: bool = default("mlock")  # keep the weights in RAM (no swapping)
     n_seq_max: int = 1  # parallel sequences (slots), each with n_ctx tokens of its own
+    kv_type: str = default("kv_type")  # f16, q8_0 or q4_0: the type of the cached keys and values
+    kv_unified: bool = False  # one pool of n_ctx * n_seq_max cells shared by the sequences (no cells of their own)
+
+
+KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
 
 
 class Engine:
@@ -95,7 +100,10 @@ class Engine:
         per_sequence = config.n_ctx or default_context(self.n_ctx_train)
         ctx_params.n_ctx = per_sequence * config.n_seq_max
         ctx_params.n_seq_max = config.n_seq_max
-        ctx_params.kv_unified = False  # each sequence gets its own n_ctx cells
+        ctx_params.kv_unified = config.kv_unified  # False: each sequence gets its own n_ctx cells
+        ctx_params.type_k = ctx_params.type_v = KV_TYPES[config.kv_type]
+        if config.kv_type != "f16":  # llama.cpp keeps a quantized V cache only with flash attention
+            ctx_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         ctx_params.n_batch = ctx_params.n_ubatch = config.n_batch
         ctx_params.n_threads = ctx_params.n_threads_batch = threads
         ctx_params.no_perf = True
@@ -108,6 +116,7 @@ class Engine:
                 hint="Try a smaller --ctx-size.",
             )
         self.n_ctx: int = llama_cpp.llama_n_ctx_seq(self._ctx)  # what one sequence may use
+        self.n_swa: int = llama_cpp.llama_model_n_swa(self._model)  # sliding-window attention span (0: none)
         self.n_threads = threads
         self._share = CoreShare(threads) if config.n_threads is None else None  # --threads given: fixed
         if self._share is not None:  # about to compute: peers that start now see this one before they prefill
@@ -162,6 +171,62 @@ class Engine:
     def copy(self, source: int, target: int, start: int = 0, end: int = -1) -> None:
         """Share positions [start, end) of sequence `source` with `target` (no copy of the data)."""
         llama_cpp.llama_memory_seq_cp(self._memory, source, target, start, end)
+
+    def cut(self, start: int, end: int) -> bool:
+        """Drop positions [start, end) of sequence 0 and move the later ones back by end - start (a context
+        shift: their keys are rotated to the new positions, nothing is evaluated again); False when this
+        model's cache cannot shift (the KV cache is unchanged then)."""
+        if not (0 <= start < end <= len(self._cached)) or not llama_cpp.llama_memory_can_shift(self._memory):
+            return False
+        if not llama_cpp.llama_memory_seq_rm(self._memory, 0, start, end):
+            return False
+        llama_cpp.llama_memory_seq_add(self._memory, 0, end, -1, start - end)
+        del self._cached[start:end]
+        return True
+
+    def shared_prefix(self, prompt: Sequence[int]) -> int:
+        """How many leading tokens of `prompt` sequence 0 holds now."""
+        limit = min(len(self._cached), len(prompt))
+        keep = 0
+        while keep < limit and self._cached[keep] == prompt[keep]:
+            keep += 1
+        return keep
+
+    # -- saved states (the prompt cache) ----------------------------------
+
+    def kv_signature(self) -> dict[str, Any]:
+        """What a saved state of the KV cache depends on besides the model file: restored into a context
+        that differs in any of these it would be wrong."""
+        return {
+            "llama_cpp": llama_cpp.__version__,
+            "system": llama_cpp.llama_print_system_info().decode("utf-8", "replace"),
+            "n_ctx": self.n_ctx,
+            "kv_type": self.config.kv_type,
+            "n_swa": self.n_swa,
+        }
+
+    def save_state(self) -> tuple[list[int], Any]:
+        """Sequence 0: its tokens and llama.cpp's state of them (a buffer of bytes)."""
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, 0)
+        return list(self._cached), memoryview(buffer)[:written]
+
+    def restore_state(self, tokens: Sequence[int], payload: memoryview) -> bool:
+        """Replace sequence 0 with a saved state of `tokens`; False (and an empty sequence) if llama.cpp refuses it.
+
+        The caller checks the bytes first: llama.cpp detects a damaged header but not damaged values."""
+        self.remove(0)
+        self._cached.clear()
+        if len(tokens) > self.n_ctx:
+            return False
+        source = (ctypes.c_uint8 * payload.nbytes).from_buffer(payload)
+        read = llama_cpp.llama_state_seq_set_data(self._ctx, source, payload.nbytes, 0)
+        if read == 0 or llama_cpp.llama_memory_seq_pos_max(self._memory, 0) + 1 != len(tokens):
+            self.remove(0)
+            return False
+        self._cached = list(tokens)
+        return True
 
     # -- threads ----------------------------------------------------------
 
@@ -255,10 +320,10 @@ class Engine:
 
     def _reuse_prefix(self, prompt: Sequence[int]) -> int:
         """Keep the longest cached prefix of `prompt` (at most all but its last token); drop the rest."""
-        keep = 0
-        limit = min(len(self._cached), len(prompt) - 1)
-        while keep < limit and self._cached[keep] == prompt[keep]:
-            keep += 1
+        keep = self.shared_prefix(prompt[: len(prompt) - 1])
+        # A sliding-window cache may have dropped the positions the next token must see (llama-server's check).
+        if keep and llama_cpp.llama_memory_seq_pos_min(self._memory, 0) > max(0, keep - max(1, self.n_swa)):
+            keep = 0
         if keep < len(self._cached) and not self.remove(0, keep, -1):
             self.clear()
             keep = 0

@@ -20,6 +20,8 @@ class Stats:
     total_s: float  # request -> done
     seed: int | None = None
     threads: int | None = None  # llama.cpp threads at the end (shared with other llmcli processes unless --threads)
+    restored_tokens: int = 0  # of the cached ones, loaded from the prompt cache on disk for this answer
+    restore_s: float = 0.0  # finding, checking and loading that saved state (part of the TTFT)
 
     @property
     def prefill_tps(self) -> float:

@@ -21,8 +21,12 @@ def available_memory() -> int | None:
     return None
 
 
-def kv_cache_bytes(header: GGUFHeader, n_ctx: int, slots: int = 1) -> int:
-    """An upper bound on the f16 KV cache for `n_ctx` tokens (sliding-window layers counted in full)."""
+# Bytes per cached key or value element: llama.cpp's f16, q8_0 (34 bytes a block of 32), q4_0 (18 a block of 32).
+KV_ELEMENT_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+def kv_cache_bytes(header: GGUFHeader, n_ctx: int, slots: int = 1, kv_type: str = "f16") -> int:
+    """An upper bound on the KV cache for `n_ctx` tokens (sliding-window layers counted in full)."""
     meta, arch = header.metadata, header.architecture
     layers = meta.get(f"{arch}.block_count") or 0
     heads = meta.get(f"{arch}.attention.head_count") or 1
@@ -32,7 +36,7 @@ def kv_cache_bytes(header: GGUFHeader, n_ctx: int, slots: int = 1) -> int:
     embedding = meta.get(f"{arch}.embedding_length") or 0
     key_len = meta.get(f"{arch}.attention.key_length") or embedding // max(heads, 1)
     value_len = meta.get(f"{arch}.attention.value_length") or key_len
-    return int(layers) * int(kv_heads) * (int(key_len) + int(value_len)) * 2 * n_ctx * slots
+    return int(int(layers) * int(kv_heads) * (int(key_len) + int(value_len)) * KV_ELEMENT_BYTES[kv_type] * n_ctx * slots)
 
 
 def check_memory(what: str, weights: int, kv_cache: int = 0, force: bool = False) -> None:

@@ -1,0 +1,86 @@
+"""Prefill once across runs: before step 3, start from the saved KV state that shares the longest prefix
+with the prompt; after the answer, save the state when enough of the prompt was evaluated.
+
+The files (format, checks, the block index, the disk budget) are `llmcli.store.prompt_store`'s;
+this module puts them into and takes them out of an `Engine`. Nothing here runs between the
+request and the first token except the lookup and the restore; saving happens after the answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmcli.files import known_sha256, remembered_sha256
+from llmcli.inference.engine import Engine
+from llmcli.store.prompt_store import BLOCK, PromptStore, fingerprint
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class PromptCacheConfig:
+    root: Path  # paths.prompt_cache_dir()
+    min_tokens: int  # save when at least this many prompt tokens were evaluated
+    budget_bytes: int
+    model_name: str = ""
+
+
+class PromptCache:
+    def __init__(self, engine: Engine, config: PromptCacheConfig):
+        self.engine = engine
+        self.config = config
+        self.notices: list[str] = []
+        self._store: PromptStore | None = None
+
+    def _open(self, compute_sha: bool) -> PromptStore | None:
+        """The store of this model and engine's key. The model's sha256 is computed only when saving:
+        a model never hashed has nothing saved, so a first run's lookup costs nothing."""
+        if self._store is None:
+            sha = remembered_sha256(self.engine.path) if compute_sha else known_sha256(self.engine.path)
+            if sha is None:
+                return None
+            key = fingerprint({"model_sha256": sha, **self.engine.kv_signature()})
+            self._store = PromptStore(self.config.root, key, self.config.budget_bytes, self.config.model_name)
+        return self._store
+
+    def take_notices(self) -> list[str]:
+        store = self._store
+        found = self.notices + (store.notices if store is not None else [])
+        self.notices = []
+        if store is not None:
+            store.notices = []
+        return found
+
+    def restore(self, prompt: Sequence[int]) -> int:
+        """Before prefill: load the saved state sharing the most of `prompt` if it shares at least a block more
+        than the KV cache holds now. Returns the prompt tokens it covers (0: nothing restored)."""
+        engine = self.engine
+        usable = len(prompt) - 1  # the last prompt token is always evaluated: its logits give the first token
+        held = engine.shared_prefix(prompt[:usable])
+        if usable - held < BLOCK:
+            return 0
+        store = self._open(compute_sha=False)
+        found = store.find(prompt[:usable], at_least=held + BLOCK) if store is not None else None
+        if store is None or found is None:
+            return 0
+        if not engine.restore_state(found.tokens, found.payload):
+            self.notices.append(f"prompt cache: llama.cpp refused {found.path.name}; removed it, evaluating the prompt")
+            store.remove(found.path)
+            return 0
+        return min(found.shared, usable)
+
+    def save(self, evaluated: int, force: bool = False) -> None:
+        """After an answer: save the KV state if `evaluated` (prompt tokens evaluated now) reaches the threshold,
+        or with `force` (a chat that ends) if the cache holds enough tokens; never twice the same prefix."""
+        engine = self.engine
+        if engine.n_cached < self.config.min_tokens or (evaluated < self.config.min_tokens and not force):
+            return
+        store = self._open(compute_sha=True)
+        if store is None:  # pragma: no cover - _open computes the sha256 when asked to
+            return
+        tokens, payload = engine.save_state()
+        if store.holds(tokens, len(tokens) - self.config.min_tokens + 1):
+            return  # a saved state already covers all but a few of these tokens
+        store.save(tokens, payload)
