@@ -90,7 +90,10 @@ class Conversation:
         """Answer `text`: fit the context first (dropping the oldest exchanges), then stream."""
         dropped = self._fit(text)
         if dropped:
-            yield Notice(f"context nearly full: dropped the {dropped} oldest exchange(s) (the system prompt is kept)")
+            shifted = self.session.shift_for(text)
+            how = ("" if shifted is None else "; the rest of the KV cache was shifted, not evaluated again" if shifted
+                   else "; this model's KV cache cannot shift: the conversation is evaluated again")
+            yield Notice(f"context nearly full: dropped the {dropped} oldest exchange(s) (the system prompt is kept){how}")
         for event in self.session.ask(text, self.generation):
             if isinstance(event, Done):
                 self.turn_stats.append(event)

@@ -68,18 +68,19 @@ class Session:
     def raw(self) -> bool:
         return self.template is None
 
-    def messages_with(self, user_text: str) -> list[Message]:
+    def messages_with(self, user_text: str, history: list[Message] | None = None) -> list[Message]:
         system = [Message("system", self.options.system)] if self.options.system else []
-        return [*system, *self.history, Message("user", user_text)]
+        return [*system, *(self.history if history is None else history), Message("user", user_text)]
 
-    def render(self, user_text: str) -> RenderedPrompt:
-        """The exact text and tokens the model will see for this new message."""
+    def render(self, user_text: str, history: list[Message] | None = None) -> RenderedPrompt:
+        """The exact text and tokens the model will see for this new message (after `history`, else the session's)."""
+        messages = self.messages_with(user_text, history)
         if self.template is None:
-            text = "\n\n".join(m.content for m in self.messages_with(user_text))
+            text = "\n\n".join(m.content for m in messages)
             return RenderedPrompt(text, self.engine.vocab.tokenize(text, add_special=True))
         vocab = self.engine.vocab
         bos = vocab.bos_text
-        text = self.template.render(self.messages_with(user_text), bos_token=bos, eos_token=vocab.eos_text)
+        text = self.template.render(messages, bos_token=bos, eos_token=vocab.eos_text)
         # A template that writes the BOS token itself must not get a second one from the tokenizer.
         return RenderedPrompt(text, vocab.tokenize(text, add_special=not (bos and text.startswith(bos))))
 
@@ -110,8 +111,13 @@ class Session:
             )
         return best
 
-    def ask(self, user_text: str, options: GenerationOptions) -> Iterator[Token | Done | Notice]:
-        """Answer `user_text`; the exchange joins the history when the answer is done."""
+    def ask(self, user_text: str, options: GenerationOptions, stable_text: str | None = None) -> Iterator[Token | Done | Notice]:
+        """Answer `user_text`; the exchange joins the history when the answer is done.
+
+        `stable_text`: the start of `user_text` that later messages are likely to share (a piped document),
+        given by a one-shot run. The prompt is evaluated in two parts, split where that text ends, with or
+        without the prompt cache: a state saved there and a later prompt evaluated from it give the same
+        numbers (and greedy answers) as evaluating everything."""
         started = time.perf_counter()
         prompt = self.render(user_text)
         if self.options.on_overflow == "truncate" and not self._fits(prompt, options.max_tokens):
@@ -121,14 +127,17 @@ class Session:
                 f"input truncated to fit the context of {self.engine.n_ctx} tokens: "
                 f"dropped {full - len(prompt.tokens)} tokens from the start of the message"
             )
+        stable = None if stable_text is None else (
+            len(prompt.tokens) - 1 if stable_text == user_text else self._stable_tokens(prompt.tokens, stable_text))
         prompt_s = time.perf_counter() - started
-        restored, restore_s = self._restore(prompt.tokens)
+        restored, restore_s = self._restore(prompt.tokens, stable)
         yield from self._cache_notices()
         load_s, self._load_s = self._load_s, 0.0
         answer: list[str] = []
         seed = options.sampling.effective_seed()
         done: Done | None = None
-        for event in self.engine.generate(prompt.tokens, options, seed, started=started, prompt_s=prompt_s, load_s=load_s):
+        for event in self.engine.generate(prompt.tokens, options, seed, started=started, prompt_s=prompt_s, load_s=load_s,
+                                          split_at=stable):
             if isinstance(event, Token):
                 answer.append(event.text)
             else:
@@ -141,21 +150,46 @@ class Session:
             if isinstance(event, Done) and event.finish_reason == "repetition":
                 yield Notice("stopped: the answer was repeating itself (--no-repetition-guard lets it go on)")
         if self.prompt_cache is not None and done is not None and done.finish_reason != "interrupted":
-            self.prompt_cache.save(done.stats.prefill_tokens)  # after the answer: never on the TTFT path
+            self.prompt_cache.save(done.stats.prefill_tokens, stable=stable)  # after the answer, off the TTFT path
             yield from self._cache_notices()
 
-    def _restore(self, tokens: list[int]) -> tuple[int, float]:
-        """Start from the prompt cache's longest saved prefix of `tokens`: (tokens restored, seconds)."""
+    def _stable_tokens(self, prompt: list[int], stable_text: str) -> int:
+        """How many tokens of `prompt` a message that starts with `stable_text` shares, at most all but the
+        last one (a state that ends there also serves the same prompt again)."""
+        alone = self.render(stable_text).tokens
+        shared = 0
+        while shared < min(len(alone), len(prompt)) and alone[shared] == prompt[shared]:
+            shared += 1
+        return min(shared, len(prompt) - 1)
+
+    def _restore(self, tokens: list[int], limit: int | None = None) -> tuple[int, float]:
+        """Start from the prompt cache's longest saved prefix of `tokens` (of its first `limit`):
+        (tokens restored, seconds)."""
         if self.prompt_cache is None:
             return 0, 0.0
         started = time.perf_counter()
-        restored = self.prompt_cache.restore(tokens)
+        restored = self.prompt_cache.restore(tokens, limit)
         return restored, time.perf_counter() - started
 
     def _cache_notices(self) -> Iterator[Notice]:
-        if self.prompt_cache is not None:
-            for text in self.prompt_cache.take_notices():
-                yield Notice(text)
+        for text in self.take_notices():
+            yield Notice(text)
+
+    def take_notices(self) -> list[str]:
+        """What the prompt cache has to tell the user (damaged files removed, saves skipped), once."""
+        return self.prompt_cache.take_notices() if self.prompt_cache is not None else []
+
+    def shift_for(self, user_text: str) -> bool | None:
+        """After the oldest exchanges were dropped: cut their tokens out of the KV cache and move the rest
+        back (a context shift), so the next turn evaluates only what is new. True: shifted; False: this
+        model's cache cannot shift (the next turn evaluates the conversation again); None: nothing to cut."""
+        engine = self.engine
+        prompt = self.render(user_text).tokens
+        start = engine.shared_prefix(prompt)
+        span = _dropped_span(engine.cached_tokens, prompt, start)
+        if span is None:
+            return None
+        return engine.cut(start, start + span)
 
     def resume(self) -> int:
         """A resumed conversation: load the KV state of its history from the prompt cache now, before the
@@ -168,3 +202,19 @@ class Session:
         """The conversation ends: save its KV state (if not saved already) for `chat --resume`."""
         if self.prompt_cache is not None:
             self.prompt_cache.save(0, force=True)
+
+
+_PROBE = 16  # tokens after the kept prefix that must be found again further on to locate the dropped span
+
+
+def _dropped_span(cached: list[int], prompt: list[int], start: int) -> int | None:
+    """How many tokens of `cached` after `start` the new `prompt` no longer has: the smallest d with
+    cached[start + d:] continuing as prompt[start:] does (for at least _PROBE tokens), else None."""
+    probe = prompt[start : start + _PROBE]
+    if len(probe) < _PROBE:
+        return None
+    first = probe[0]
+    for position in range(start + 1, len(cached) - _PROBE + 1):
+        if cached[position] == first and cached[position : position + _PROBE] == probe:
+            return position - start
+    return None

@@ -70,12 +70,34 @@ def chat(
         )
         if resume_path is not None:
             conversation.replay(read_records(resume_path))
-            console.print(f"resumed {conversation.id}: {len(conversation.history) // 2} exchange(s)")
+            _restore_state(pipeline.session, conversation, console)
         for notice in pipeline.session.notices:
             output.print_notice(console, notice)
         repl = Repl(conversation, pipeline.cancel, console, quiet, as_json)
         interactive = sys.stdin is not None and sys.stdin.isatty()
         repl.interactive() if interactive else repl.lines()
+        if not no_save:
+            pipeline.session.keep_state()  # for --resume: its KV state, not only its text
+            for notice in pipeline.session.take_notices():
+                output.print_notice(console, notice)
+
+
+def _restore_state(session: Any, conversation: Any, console: Any) -> None:
+    """A resumed conversation: its KV state from the prompt cache, or a notice that it is evaluated again."""
+    from llmcli.cli import output
+
+    exchanges = len(conversation.history) // 2
+    restored = session.resume()
+    for notice in session.take_notices():
+        output.print_notice(console, notice)
+    if restored or not exchanges:
+        console.print(f"resumed {conversation.id}: {exchanges} exchange(s)" +
+                      (f", KV state of {restored} tokens restored" if restored else ""))
+        return
+    console.print(f"resumed {conversation.id}: {exchanges} exchange(s)")
+    reason = "the prompt cache is off" if session.prompt_cache is None else "none is saved or it was not valid"
+    output.print_notice(console, f"no saved KV state for this conversation ({reason}): "
+                        "the first turn evaluates the conversation again")
 
 
 def _list_saved(as_json: bool) -> None:

@@ -75,7 +75,9 @@ def run(
         sink = AnswerSink(as_json=as_json, extra={"model": pipeline.model.name})
         format_error = None
         with pipeline.cancel.on_signals():
-            for event in pipeline.session.ask(message, pipeline.generation):
+            # What a later run likely shares: the piped document (before the question), else the whole message.
+            stable = stdin_text if stdin_text and prompt_arg and not prompt_first else message
+            for event in pipeline.session.ask(message, pipeline.generation, stable_text=stable):
                 if isinstance(event, Notice):
                     sink.notices.append(event.text)
                     output.print_notice(console, event.text)

@@ -125,6 +125,8 @@ class Engine:
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._abort = llama_cpp.ggml_abort_callback(lambda _: bool(self.cancel))  # referenced while installed
         self._cached: list[int] = []  # sequence 0: the tokens whose keys and values are in the KV cache, in order
+        # A sliding-window model's state where the last prefill was split (tokens, state bytes): see _take_checkpoint.
+        self.checkpoint: tuple[list[int], memoryview] | None = None
         self.load_s = time.perf_counter() - started
 
     def close(self) -> None:
@@ -155,6 +157,11 @@ class Engine:
     def n_cached(self) -> int:
         """Tokens of sequence 0 whose keys and values are in the KV cache now."""
         return len(self._cached)
+
+    @property
+    def cached_tokens(self) -> list[int]:
+        """The tokens of sequence 0 in the KV cache, in order (a copy)."""
+        return list(self._cached)
 
     def clear(self) -> None:
         """Empty the KV cache, every sequence."""
@@ -211,6 +218,22 @@ class Engine:
         buffer = (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, 0)
         return list(self._cached), memoryview(buffer)[:written]
+
+    def _take_checkpoint(self) -> bool:
+        """At the split point of a prefill: keep the state of sequence 0 for the prompt cache to save later.
+
+        A sliding-window model's state holds only the last window, and restoring it lays the cells out
+        differently from a context that evaluated everything, which changes the rounding of later steps.
+        So such a model continues from the restored checkpoint, cold or warm: the same numbers, and the same
+        greedy answer, with or without the prompt cache (a copy of the window: milliseconds)."""
+        if self.n_swa <= 0:
+            return True
+        tokens, payload = self.save_state()
+        data = bytearray(payload)
+        if not self.restore_state(tokens, memoryview(data)):
+            return False
+        self.checkpoint = (tokens, memoryview(data))
+        return True
 
     def restore_state(self, tokens: Sequence[int], payload: memoryview) -> bool:
         """Replace sequence 0 with a saved state of `tokens`; False (and an empty sequence) if llama.cpp refuses it.
@@ -339,17 +362,26 @@ class Engine:
         started: float | None = None,
         prompt_s: float = 0.0,
         load_s: float = 0.0,
+        split_at: int | None = None,
     ) -> Iterator[Token | Done]:
         """Prefill `prompt` (reusing the cached prefix), then sample until the answer ends; yield it.
 
         `started` is the perf_counter() of the request, so TTFT counts template and tokenization.
+        `split_at`: a batch of the prefill ends there (where a saved state ends or will end).
         """
         started = time.perf_counter() if started is None else started
         self.check_budget(len(prompt), options.max_tokens)
         with self.sampler(options.sampling, seed) as sampler, self.sharing_cores():
             cached = self._reuse_prefix(prompt)
             prefill_started = time.perf_counter()
-            self.prefill(prompt, cached)
+            self.checkpoint = None
+            if split_at is not None and cached < split_at < len(prompt):
+                if self.prefill(prompt[:split_at], cached):
+                    if not self._take_checkpoint():  # llama.cpp refused its own state: evaluate it again
+                        self.prefill(prompt[:split_at], 0)
+                    self.prefill(prompt, split_at)
+            else:
+                self.prefill(prompt, cached)
             prefill_s = time.perf_counter() - prefill_started
             prefilled = max(0, len(self._cached) - cached)
 

@@ -53,34 +53,52 @@ class PromptCache:
             store.notices = []
         return found
 
-    def restore(self, prompt: Sequence[int]) -> int:
-        """Before prefill: load the saved state sharing the most of `prompt` if it shares at least a block more
-        than the KV cache holds now. Returns the prompt tokens it covers (0: nothing restored)."""
+    def restore(self, prompt: Sequence[int], limit: int | None = None) -> int:
+        """Before prefill: load the saved state sharing the most of `prompt` (of its first `limit` tokens) if it
+        shares at least a block more than the KV cache holds now. Returns the prompt tokens it covers (0: none)."""
         engine = self.engine
         usable = len(prompt) - 1  # the last prompt token is always evaluated: its logits give the first token
+        if limit is not None:
+            usable = min(usable, limit)
         held = engine.shared_prefix(prompt[:usable])
         if usable - held < BLOCK:
             return 0
         store = self._open(compute_sha=False)
-        found = store.find(prompt[:usable], at_least=held + BLOCK) if store is not None else None
+        # A sliding-window model's state holds the window before its end only: usable where it ends, not before.
+        whole = engine.n_swa > 0
+        found = store.find(prompt[:usable], at_least=held + BLOCK, whole=whole) if store is not None else None
         if store is None or found is None:
             return 0
         if not engine.restore_state(found.tokens, found.payload):
             self.notices.append(f"prompt cache: llama.cpp refused {found.path.name}; removed it, evaluating the prompt")
             store.remove(found.path)
             return 0
+        if len(found.tokens) > usable:
+            engine.remove(0, usable, -1)
         return min(found.shared, usable)
 
-    def save(self, evaluated: int, force: bool = False) -> None:
+    def save(self, evaluated: int, force: bool = False, stable: int | None = None) -> None:
         """After an answer: save the KV state if `evaluated` (prompt tokens evaluated now) reaches the threshold,
-        or with `force` (a chat that ends) if the cache holds enough tokens; never twice the same prefix."""
+        or with `force` (a chat that ends) if the cache holds enough tokens; never twice the same prefix.
+
+        `stable`: the prompt's tokens that a later prompt is likely to share (a piped document before the
+        question). A sliding-window model's state can only be resumed from where it ends: what is saved
+        for it is the checkpoint the engine took there (and nothing mid-chat without one)."""
         engine = self.engine
-        if engine.n_cached < self.config.min_tokens or (evaluated < self.config.min_tokens and not force):
+        whole = engine.n_swa > 0
+        if evaluated < self.config.min_tokens and not force:
+            return
+        if whole and not force:
+            if engine.checkpoint is None or len(engine.checkpoint[0]) != stable:
+                return
+            tokens, payload = engine.checkpoint
+        else:
+            tokens, payload = engine.save_state()
+        if len(tokens) < self.config.min_tokens:
             return
         store = self._open(compute_sha=True)
         if store is None:  # pragma: no cover - _open computes the sha256 when asked to
             return
-        tokens, payload = engine.save_state()
-        if store.holds(tokens, len(tokens) - self.config.min_tokens + 1):
+        if store.holds(tokens, len(tokens) - self.config.min_tokens + 1, whole):
             return  # a saved state already covers all but a few of these tokens
         store.save(tokens, payload)

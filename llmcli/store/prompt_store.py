@@ -3,7 +3,7 @@
 Layout under the prompt cache dir (paths.prompt_cache_dir()):
 
     <key>/entries/<id>.kv     one saved state: header, its tokens, llama.cpp's state bytes
-    <key>/blocks/<hash>       a pointer: the id of an entry whose tokens begin with this chain of blocks
+    <key>/blocks/<hash>       the ids of the entries whose tokens begin with this chain of blocks, one a line
 
 `key` fingerprints everything that changes the KV (model sha256, llama.cpp build, context and KV
 settings): states saved under another key are never looked at. Tokens are cut into BLOCK-token
@@ -90,6 +90,11 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def _fits(saved: Sequence[int], tokens: Sequence[int], at_least: int, whole: bool) -> bool:
+    shared = shared_prefix(saved, tokens)
+    return shared >= at_least and (not whole or shared == len(saved))
+
+
 def _token_bytes(tokens: Sequence[int]) -> bytes:
     packed = array("i", tokens)
     if sys.byteorder != "little":  # pragma: no cover - the format is little-endian everywhere
@@ -110,50 +115,61 @@ class PromptStore:
 
     # -- lookup ----------------------------------------------------------------------------
 
-    def find(self, tokens: Sequence[int], at_least: int = 1) -> Found | None:
-        """The entry sharing the longest prefix with `tokens` (at least `at_least` tokens), checked."""
-        tried: set[str] = set()
+    def find(self, tokens: Sequence[int], at_least: int = 1, whole: bool = False) -> Found | None:
+        """The entry sharing the longest prefix with `tokens` (at least `at_least` tokens), checked;
+        with `whole`, only an entry that is all of it a prefix of `tokens`."""
+        tried: set[Path] = set()
         hashes = block_hashes(self.key, tokens)
         for k in range(len(hashes) - 1, -1, -1):
             if (k + 1) * BLOCK < at_least:
                 break
-            pointer = self.folder / "blocks" / hashes[k]
-            try:
-                entry_id = pointer.read_text(encoding="ascii").strip()
-            except (OSError, UnicodeDecodeError):
-                continue
-            if entry_id in tried:
-                continue
-            tried.add(entry_id)
-            path = self.folder / "entries" / f"{entry_id}.kv"
-            if not path.is_file() or not _is_id(entry_id):
-                _unlink(pointer)  # its entry was evicted
-                continue
-            try:
-                saved, payload = self.read(path)
-            except BadEntry as exc:
-                self.notices.append(f"prompt cache: {path.name} {exc}; removed it, evaluating the prompt instead")
-                self.remove(path)
-                continue
-            shared = shared_prefix(saved, tokens)
-            if shared < at_least:
-                continue
-            with contextlib.suppress(OSError):
-                os.utime(path)  # most recently used
-            return Found(path, saved, payload, shared)
+            for path in self._entries_of(hashes[k]):
+                if path in tried:
+                    continue
+                tried.add(path)
+                found = self._check(path, tokens, at_least, whole, (k + 1) * BLOCK)
+                if found is not None:
+                    return found
         return None
 
-    def holds(self, tokens: Sequence[int], n_tokens: int) -> bool:
-        """Whether an entry holds (to a block) at least the first `n_tokens` of `tokens`: no file is read."""
+    def _check(self, path: Path, tokens: Sequence[int], at_least: int, whole: bool, indexed: int) -> Found | None:
+        """The entry at `path`, indexed as holding the first `indexed` tokens of `tokens`, if it shares enough
+        with them and passes every check; a damaged one is removed (with a notice)."""
+        try:
+            _, listed = _header_tokens(path)  # unchecked: to skip an entry that does not fit without reading it all
+            if shared_prefix(listed, tokens) >= indexed and not _fits(listed, tokens, at_least, whole):
+                return None  # (sharing less than its index says, it is damaged: the checks below tell how)
+            saved, payload = self.read(path)
+        except (BadEntry, OSError, ValueError, KeyError, TypeError) as exc:
+            reason = str(exc) if isinstance(exc, BadEntry) else "has a damaged header"
+            self.notices.append(f"prompt cache: {path.name} {reason}; removed it, evaluating the prompt instead")
+            self.remove(path)
+            return None
+        if not _fits(saved, tokens, at_least, whole):
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # most recently used
+        return Found(path, saved, payload, shared_prefix(saved, tokens))
+
+    def holds(self, tokens: Sequence[int], n_tokens: int, whole: bool = False) -> bool:
+        """Whether an entry holds (to a block) at least the first `n_tokens` of `tokens` (with `whole`: and is
+        all of it a prefix of them); only headers are read."""
         hashes = block_hashes(self.key, tokens)
-        for k in range(max(0, -(-n_tokens // BLOCK) - 1), len(hashes)):
-            try:
-                entry_id = (self.folder / "blocks" / hashes[k]).read_text(encoding="ascii").strip()
-            except (OSError, UnicodeDecodeError):
-                continue
-            if _is_id(entry_id) and (self.folder / "entries" / f"{entry_id}.kv").is_file():
-                return True
+        first = max(0, -(-n_tokens // BLOCK) - 1)
+        for block_hash in hashes[first:]:
+            for path in self._entries_of(block_hash):
+                if not whole:
+                    return True
+                with contextlib.suppress(OSError, BadEntry, ValueError, KeyError, TypeError):
+                    if _fits(_header_tokens(path)[1], tokens, n_tokens, whole=True):
+                        return True
         return False
+
+    def _entries_of(self, block_hash: str) -> list[Path]:
+        """The entry files a block names that exist, the most recently saved first."""
+        entries = self.folder / "entries"
+        return [path for entry_id in reversed(_ids(self.folder / "blocks" / block_hash))
+                if (path := entries / f"{entry_id}.kv").is_file()]
 
     def read(self, path: Path) -> tuple[array[int], memoryview]:
         """The tokens and payload of an entry file, after checking all of it; BadEntry if anything is wrong."""
@@ -219,7 +235,10 @@ class PromptStore:
             blocks = self.folder / "blocks"
             blocks.mkdir(exist_ok=True)
             for block_hash in block_hashes(self.key, tokens):
-                _write_atomic(blocks / block_hash, entry_id)
+                pointer = blocks / block_hash
+                if entry_id not in _ids(pointer):
+                    with pointer.open("a", encoding="ascii") as handle:  # one short append: atomic
+                        handle.write(entry_id + "\n")
         except OSError as exc:
             _unlink(temp)
             self.notices.append(f"prompt cache: not saved ({exc.strerror or exc})")
@@ -260,8 +279,11 @@ def remove_entry(path: Path) -> None:
         key, tokens = _header_tokens(path)
         for block_hash in block_hashes(key, tokens):
             pointer = blocks / block_hash
-            with contextlib.suppress(OSError, UnicodeDecodeError):
-                if pointer.read_text(encoding="ascii").strip() == entry_id:
+            others = [other for other in _ids(pointer) if other != entry_id and (path.parent / f"{other}.kv").is_file()]
+            with contextlib.suppress(OSError):
+                if others:
+                    _write_atomic(pointer, "".join(f"{other}\n" for other in others))
+                else:
                     pointer.unlink()
     _unlink(path)
 
@@ -345,5 +367,10 @@ def _unlink(path: Path) -> None:
         path.unlink()
 
 
-def _is_id(text: str) -> bool:
-    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
+def _ids(pointer: Path) -> list[str]:
+    """The entry ids a block pointer lists (well-formed ones only)."""
+    try:
+        lines = pointer.read_text(encoding="ascii").split()
+    except (OSError, UnicodeDecodeError):
+        return []
+    return [line for line in lines if len(line) == 32 and all(c in "0123456789abcdef" for c in line)]
