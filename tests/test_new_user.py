@@ -214,8 +214,8 @@ def test_the_loop_detector_needs_an_exact_repeat_over_a_long_enough_span():
 def test_help_groups_options_in_panels_and_ends_with_examples():
     shown = run_cli("run", "--help").stdout
     panels = [line for line in shown.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
-    assert panels[:6] == ["Arguments:", "Model and prompt:", "Sampling and stopping:", "Constrained output:", "Engine:",
-                          "Output:"]
+    assert panels[:7] == ["Arguments:", "Model and prompt:", "Sampling and stopping:", "Constrained output:", "Engine:",
+                          "Prompt cache:", "Output:"]
     assert "Examples:" in shown and 'llmcli run "Why is the sky blue?"' in shown
     assert "(error|truncate)" in " ".join(shown.split())
     top = run_cli("--help").stdout

@@ -125,7 +125,7 @@ class _Subject:
         return self._ask(TTFT_PROMPT, GenerationOptions(self.sampling, 1)).stats.ttft_s
 
     def _ask(self, text: str, generation: GenerationOptions) -> Done:
-        self.engine.clear()
+        self.engine.kv.clear()
         self.session.history.clear()
         done = [e for e in self.session.ask(text, generation) if isinstance(e, Done)]
         return done[0]

@@ -185,11 +185,11 @@ class Session:
         model's cache cannot shift (the next turn evaluates the conversation again); None: nothing to cut."""
         engine = self.engine
         prompt = self.render(user_text).tokens
-        start = engine.shared_prefix(prompt)
-        span = _dropped_span(engine.cached_tokens, prompt, start)
+        start = engine.kv.shared_prefix(prompt)
+        span = _dropped_span(engine.kv.tokens, prompt, start)
         if span is None:
             return None
-        return engine.cut(start, start + span)
+        return engine.kv.cut(start, start + span)
 
     def resume(self) -> int:
         """A resumed conversation: load the KV state of its history from the prompt cache now, before the

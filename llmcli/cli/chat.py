@@ -251,7 +251,8 @@ def _show(repl: Repl, argument: str) -> None:
     conversation = repl.conversation
     engine = conversation.session.engine
     repl.console.print(f"model    {conversation.model_name} ({conversation.model_path})")
-    repl.console.print(f"context  {engine.n_cached} / {engine.n_ctx} tokens used, {len(conversation.history) // 2} exchange(s)")
+    exchanges = len(conversation.history) // 2
+    repl.console.print(f"context  {engine.kv.n_cached} / {engine.n_ctx} tokens used, {exchanges} exchange(s)")
     repl.console.print(f"system   {conversation.system or '(none)'}")
     settings = ", ".join(f"{k}={_shown(k, v)}" for k, v in conversation.settings_record().items())
     repl.console.print(f"settings {settings}")

@@ -5,8 +5,8 @@ class: that one copies the logits into numpy for every token and costs ~14% of d
 on a small model. `Engine.generate` never prints: it yields `Token` events and one final `Done`.
 
 The public API, for the decode loops in this package and the features built on them:
-vocabulary (`engine.vocab`), sequences in the KV cache (`remove`, `copy`, `clear`),
-`prefill`, `decode` of a `Batch`, a `sampler` for a SamplingConfig, and `generate`.
+vocabulary (`engine.vocab`), the KV cache (`engine.kv`: keep, share, cut and shift, save and
+restore sequences), `prefill`, `decode` of a `Batch`, a `sampler` for a SamplingConfig, and `generate`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from llmcli.inference.backend import llama_backend
 from llmcli.inference.batch import Batch
 from llmcli.inference.events import Done, Token
 from llmcli.inference.generation import Answer, GenerationOptions
+from llmcli.inference.kv_cache import KVCache
 from llmcli.inference.sampler import Sampler
 from llmcli.inference.sampling import SamplingConfig
 from llmcli.inference.sharing import CoreShare
@@ -122,11 +123,8 @@ class Engine:
         if self._share is not None:  # about to compute: peers that start now see this one before they prefill
             self._share.register(self._share.threads())
         self.vocab = Vocabulary(llama_cpp.llama_model_get_vocab(self._model))
-        self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._abort = llama_cpp.ggml_abort_callback(lambda _: bool(self.cancel))  # referenced while installed
-        self._cached: list[int] = []  # sequence 0: the tokens whose keys and values are in the KV cache, in order
-        # A sliding-window model's state where the last prefill was split (tokens, state bytes): see _take_checkpoint.
-        self.checkpoint: tuple[list[int], memoryview] | None = None
+        self.kv = KVCache(self._ctx, self.n_ctx, self.n_swa)  # what the KV cache holds, and its operations
         self.load_s = time.perf_counter() - started
 
     def close(self) -> None:
@@ -151,56 +149,6 @@ class Engine:
         """The llama_context pointer, for the loops in llmcli.inference that call llama.cpp directly."""
         return self._ctx
 
-    # -- the KV cache -----------------------------------------------------
-
-    @property
-    def n_cached(self) -> int:
-        """Tokens of sequence 0 whose keys and values are in the KV cache now."""
-        return len(self._cached)
-
-    @property
-    def cached_tokens(self) -> list[int]:
-        """The tokens of sequence 0 in the KV cache, in order (a copy)."""
-        return list(self._cached)
-
-    def clear(self) -> None:
-        """Empty the KV cache, every sequence."""
-        llama_cpp.llama_memory_clear(self._memory, True)
-        self._cached.clear()
-
-    def remove(self, seq: int, start: int = 0, end: int = -1) -> bool:
-        """Drop positions [start, end) of sequence `seq` (end -1: to its end); False if llama.cpp cannot."""
-        removed = bool(llama_cpp.llama_memory_seq_rm(self._memory, seq, start, end))
-        if removed and seq == 0:
-            del self._cached[start : None if end < 0 else end]
-        return removed
-
-    def copy(self, source: int, target: int, start: int = 0, end: int = -1) -> None:
-        """Share positions [start, end) of sequence `source` with `target` (no copy of the data)."""
-        llama_cpp.llama_memory_seq_cp(self._memory, source, target, start, end)
-
-    def cut(self, start: int, end: int) -> bool:
-        """Drop positions [start, end) of sequence 0 and move the later ones back by end - start (a context
-        shift: their keys are rotated to the new positions, nothing is evaluated again); False when this
-        model's cache cannot shift (the KV cache is unchanged then)."""
-        if not (0 <= start < end <= len(self._cached)) or not llama_cpp.llama_memory_can_shift(self._memory):
-            return False
-        if not llama_cpp.llama_memory_seq_rm(self._memory, 0, start, end):
-            return False
-        llama_cpp.llama_memory_seq_add(self._memory, 0, end, -1, start - end)
-        del self._cached[start:end]
-        return True
-
-    def shared_prefix(self, prompt: Sequence[int]) -> int:
-        """How many leading tokens of `prompt` sequence 0 holds now."""
-        limit = min(len(self._cached), len(prompt))
-        keep = 0
-        while keep < limit and self._cached[keep] == prompt[keep]:
-            keep += 1
-        return keep
-
-    # -- saved states (the prompt cache) ----------------------------------
-
     def kv_signature(self) -> dict[str, Any]:
         """What a saved state of the KV cache depends on besides the model file: restored into a context
         that differs in any of these it would be wrong."""
@@ -211,45 +159,6 @@ class Engine:
             "kv_type": self.config.kv_type,
             "n_swa": self.n_swa,
         }
-
-    def save_state(self) -> tuple[list[int], Any]:
-        """Sequence 0: its tokens and llama.cpp's state of them (a buffer of bytes)."""
-        size = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
-        buffer = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, 0)
-        return list(self._cached), memoryview(buffer)[:written]
-
-    def _take_checkpoint(self) -> bool:
-        """At the split point of a prefill: keep the state of sequence 0 for the prompt cache to save later.
-
-        A sliding-window model's state holds only the last window, and restoring it lays the cells out
-        differently from a context that evaluated everything, which changes the rounding of later steps.
-        So such a model continues from the restored checkpoint, cold or warm: the same numbers, and the same
-        greedy answer, with or without the prompt cache (a copy of the window: milliseconds)."""
-        if self.n_swa <= 0:
-            return True
-        tokens, payload = self.save_state()
-        data = bytearray(payload)
-        if not self.restore_state(tokens, memoryview(data)):
-            return False
-        self.checkpoint = (tokens, memoryview(data))
-        return True
-
-    def restore_state(self, tokens: Sequence[int], payload: memoryview) -> bool:
-        """Replace sequence 0 with a saved state of `tokens`; False (and an empty sequence) if llama.cpp refuses it.
-
-        The caller checks the bytes first: llama.cpp detects a damaged header but not damaged values."""
-        self.remove(0)
-        self._cached.clear()
-        if len(tokens) > self.n_ctx:
-            return False
-        source = (ctypes.c_uint8 * payload.nbytes).from_buffer(payload)
-        read = llama_cpp.llama_state_seq_set_data(self._ctx, source, payload.nbytes, 0)
-        if read == 0 or llama_cpp.llama_memory_seq_pos_max(self._memory, 0) + 1 != len(tokens):
-            self.remove(0)
-            return False
-        self._cached = list(tokens)
-        return True
 
     # -- threads ----------------------------------------------------------
 
@@ -326,12 +235,11 @@ class Engine:
 
     def _decode_seq0(self, tokens: Sequence[int], batch: Any, what: str) -> bool:
         """Evaluate `batch` (holding `tokens`, appended to sequence 0); False when Ctrl-C aborted it."""
-        self._cached.extend(tokens)
+        self.kv.appended(tokens)
         rc = llama_cpp.llama_decode(self._ctx, batch)
         if rc == 0:
             return True
-        # After an abort or error the micro-batches already processed stay in the KV cache.
-        del self._cached[max(0, llama_cpp.llama_memory_seq_pos_max(self._memory, 0) + 1) :]
+        self.kv.resync()  # after an abort or error the micro-batches already processed stay in the KV cache
         if rc == 2 and self.cancel:
             return False
         raise self._decode_error(rc, what)
@@ -340,17 +248,6 @@ class Engine:
         if rc == 1:
             return ResourceError(f"the KV cache is full while {what} ({self.n_ctx} tokens)", hint="Use a larger --ctx-size.")
         return LlmcliError(f"llama.cpp failed while {what} (code {rc}): {llama_backend().take_error() or 'no reason given'}")
-
-    def _reuse_prefix(self, prompt: Sequence[int]) -> int:
-        """Keep the longest cached prefix of `prompt` (at most all but its last token); drop the rest."""
-        keep = self.shared_prefix(prompt[: len(prompt) - 1])
-        # A sliding-window cache may have dropped the positions the next token must see (llama-server's check).
-        if keep and llama_cpp.llama_memory_seq_pos_min(self._memory, 0) > max(0, keep - max(1, self.n_swa)):
-            keep = 0
-        if keep < len(self._cached) and not self.remove(0, keep, -1):
-            self.clear()
-            keep = 0
-        return keep
 
     # -- generation -------------------------------------------------------
 
@@ -372,18 +269,18 @@ class Engine:
         started = time.perf_counter() if started is None else started
         self.check_budget(len(prompt), options.max_tokens)
         with self.sampler(options.sampling, seed) as sampler, self.sharing_cores():
-            cached = self._reuse_prefix(prompt)
+            cached = self.kv.keep_prefix(prompt)
             prefill_started = time.perf_counter()
-            self.checkpoint = None
+            self.kv.checkpoint = None
             if split_at is not None and cached < split_at < len(prompt):
                 if self.prefill(prompt[:split_at], cached):
-                    if not self._take_checkpoint():  # llama.cpp refused its own state: evaluate it again
+                    if not self.kv.checkpoint_here():  # llama.cpp refused its own state: evaluate it again
                         self.prefill(prompt[:split_at], 0)
                     self.prefill(prompt, split_at)
             else:
                 self.prefill(prompt, cached)
             prefill_s = time.perf_counter() - prefill_started
-            prefilled = max(0, len(self._cached) - cached)
+            prefilled = max(0, self.kv.n_cached - cached)
 
             answer = Answer(options, len(prompt), self.n_ctx)
             sample, chain, ctx = llama_cpp.llama_sampler_sample, sampler.chain, self._ctx

@@ -219,7 +219,7 @@ class BatchRun:
         self.summary.completion_tokens += slot.answer.n_out
         self.on_result(slot.item.index, slot.record(finish, self.engine.n_threads))
         slot.sampler.close()
-        self.engine.remove(slot.seq)
+        self.engine.kv.remove(slot.seq)
         self.done += 1
 
     def _error(self, item: BatchItem, message: str) -> None:

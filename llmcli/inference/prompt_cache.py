@@ -60,7 +60,7 @@ class PromptCache:
         usable = len(prompt) - 1  # the last prompt token is always evaluated: its logits give the first token
         if limit is not None:
             usable = min(usable, limit)
-        held = engine.shared_prefix(prompt[:usable])
+        held = engine.kv.shared_prefix(prompt[:usable])
         if usable - held < BLOCK:
             return 0
         store = self._open(compute_sha=False)
@@ -69,12 +69,12 @@ class PromptCache:
         found = store.find(prompt[:usable], at_least=held + BLOCK, whole=whole) if store is not None else None
         if store is None or found is None:
             return 0
-        if not engine.restore_state(found.tokens, found.payload):
+        if not engine.kv.restore_state(found.tokens, found.payload):
             self.notices.append(f"prompt cache: llama.cpp refused {found.path.name}; removed it, evaluating the prompt")
             store.remove(found.path)
             return 0
         if len(found.tokens) > usable:
-            engine.remove(0, usable, -1)
+            engine.kv.remove(0, usable, -1)
         return min(found.shared, usable)
 
     def save(self, evaluated: int, force: bool = False, stable: int | None = None) -> None:
@@ -88,12 +88,13 @@ class PromptCache:
         whole = engine.n_swa > 0
         if evaluated < self.config.min_tokens and not force:
             return
+        checkpoint = engine.kv.checkpoint
         if whole and not force:
-            if engine.checkpoint is None or len(engine.checkpoint[0]) != stable:
+            if checkpoint is None or len(checkpoint[0]) != stable:
                 return
-            tokens, payload = engine.checkpoint
+            tokens, payload = checkpoint
         else:
-            tokens, payload = engine.save_state()
+            tokens, payload = engine.kv.save_state()
         if len(tokens) < self.config.min_tokens:
             return
         store = self._open(compute_sha=True)

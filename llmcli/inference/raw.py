@@ -24,7 +24,7 @@ class RawLoop:
     def prefill(self, tokens: Sequence[int], depth: int = 0) -> float:
         """Seconds to evaluate tokens[depth:] in batches of n_batch, after tokens[:depth] (untimed)."""
         engine = self.engine
-        engine.clear()
+        engine.kv.clear()
         if depth:
             engine.prefill(tokens[:depth])
         array = (llama_cpp.llama_token * len(tokens))(*tokens)
@@ -36,13 +36,13 @@ class RawLoop:
             if decode(ctx, get_batch(ctypes.cast(base + begin * item, token_p), min(step, len(tokens) - begin))):
                 raise LlmcliError("llama.cpp failed in the raw prefill loop")
         elapsed = time.perf_counter() - started
-        engine.clear()
+        engine.kv.clear()
         return elapsed
 
     def decode(self, prompt: Sequence[int], sampling: SamplingConfig, n_tokens: int, seed: int = 0) -> float:
         """Seconds for the n_tokens - 1 {decode, sample} steps after the first sample, as `generate` counts them."""
         engine = self.engine
-        engine.clear()
+        engine.kv.clear()
         engine.prefill(prompt)  # untimed: the decode steps start from the same cache as generate's
         sample, decode, get_one = llama_cpp.llama_sampler_sample, llama_cpp.llama_decode, llama_cpp.llama_batch_get_one
         ctx = engine.llama_context
@@ -59,5 +59,5 @@ class RawLoop:
                     token = sample(chain, ctx, -1)
                 elapsed = time.perf_counter() - started
         finally:
-            engine.clear()
+            engine.kv.clear()
         return elapsed

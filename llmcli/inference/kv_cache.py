@@ -1,0 +1,139 @@
+"""The KV cache of one llama.cpp context: which tokens sequence 0 holds, and what can be done to them
+without evaluating anything — keep a prefix, share it, cut a span out and shift the rest, save the
+state to bytes and load it back.
+
+The engine evaluates (and appends what it evaluated here); the prompt cache, chat and the batch
+loop use these operations. Positions are tracked for sequence 0 only: other sequences (run --batch)
+track their own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import llama_cpp
+
+
+class KVCache:
+    def __init__(self, ctx: Any, n_ctx: int, n_swa: int):
+        self._ctx = ctx
+        self._memory = llama_cpp.llama_get_memory(ctx)
+        self.n_ctx = n_ctx  # cells one sequence may use
+        self.n_swa = n_swa  # the model's sliding-window span (0: none): its state holds only the last window
+        self._tokens: list[int] = []  # sequence 0: the tokens whose keys and values are cached, in order
+        # Where a prefill of a sliding-window model was split: (tokens, state bytes); see `checkpoint_here`.
+        self.checkpoint: tuple[list[int], memoryview] | None = None
+
+    @property
+    def n_cached(self) -> int:
+        """Tokens of sequence 0 in the cache now."""
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens of sequence 0 in the cache, in order (a copy)."""
+        return list(self._tokens)
+
+    def shared_prefix(self, prompt: Sequence[int]) -> int:
+        """How many leading tokens of `prompt` sequence 0 holds now."""
+        limit = min(len(self._tokens), len(prompt))
+        keep = 0
+        while keep < limit and self._tokens[keep] == prompt[keep]:
+            keep += 1
+        return keep
+
+    # -- bookkeeping of what the engine evaluates ----------------------------------------------
+
+    def appended(self, tokens: Sequence[int]) -> None:
+        """`tokens` are being evaluated into sequence 0, after the ones it holds."""
+        self._tokens.extend(tokens)
+
+    def resync(self) -> None:
+        """After a failed or aborted evaluation: keep what llama.cpp did store (its micro-batches so far)."""
+        del self._tokens[max(0, llama_cpp.llama_memory_seq_pos_max(self._memory, 0) + 1) :]
+
+    # -- editing ---------------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Empty the cache, every sequence."""
+        llama_cpp.llama_memory_clear(self._memory, True)
+        self._tokens.clear()
+
+    def remove(self, seq: int, start: int = 0, end: int = -1) -> bool:
+        """Drop positions [start, end) of sequence `seq` (end -1: to its end); False if llama.cpp cannot."""
+        removed = bool(llama_cpp.llama_memory_seq_rm(self._memory, seq, start, end))
+        if removed and seq == 0:
+            del self._tokens[start : None if end < 0 else end]
+        return removed
+
+    def copy(self, source: int, target: int, start: int = 0, end: int = -1) -> None:
+        """Share positions [start, end) of sequence `source` with `target` (no copy of the data)."""
+        llama_cpp.llama_memory_seq_cp(self._memory, source, target, start, end)
+
+    def cut(self, start: int, end: int) -> bool:
+        """Drop positions [start, end) of sequence 0 and move the later ones back by end - start (a context
+        shift: their keys are rotated to the new positions, nothing is evaluated again); False when this
+        model's cache cannot shift (the cache is unchanged then)."""
+        if not (0 <= start < end <= len(self._tokens)) or not llama_cpp.llama_memory_can_shift(self._memory):
+            return False
+        if not llama_cpp.llama_memory_seq_rm(self._memory, 0, start, end):
+            return False
+        llama_cpp.llama_memory_seq_add(self._memory, 0, end, -1, start - end)
+        del self._tokens[start:end]
+        return True
+
+    def keep_prefix(self, prompt: Sequence[int]) -> int:
+        """Keep the longest cached prefix of `prompt` (at most all but its last token: its logits are needed)
+        and drop the rest; returns how many tokens are kept."""
+        keep = self.shared_prefix(prompt[: len(prompt) - 1])
+        # A sliding-window cache may lack the positions the next token must see (llama-server's check).
+        if keep and llama_cpp.llama_memory_seq_pos_min(self._memory, 0) > max(0, keep - max(1, self.n_swa)):
+            keep = 0
+        if keep < len(self._tokens) and not self.remove(0, keep, -1):
+            self.clear()
+            keep = 0
+        return keep
+
+    # -- saved states ----------------------------------------------------------------------------
+
+    def save_state(self) -> tuple[list[int], memoryview]:
+        """Sequence 0: its tokens and llama.cpp's state of them (bytes)."""
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, 0)
+        return list(self._tokens), memoryview(buffer).cast("B")[:written]
+
+    def restore_state(self, tokens: Sequence[int], payload: memoryview) -> bool:
+        """Replace sequence 0 with a saved state of `tokens`; False (and an empty sequence) if llama.cpp refuses it.
+
+        The caller checks the bytes first: llama.cpp detects a damaged header but not damaged values."""
+        self.remove(0)
+        self._tokens.clear()
+        if len(tokens) > self.n_ctx:
+            return False
+        source = (ctypes.c_uint8 * payload.nbytes).from_buffer(payload)
+        read = llama_cpp.llama_state_seq_set_data(self._ctx, source, payload.nbytes, 0)
+        if read == 0 or llama_cpp.llama_memory_seq_pos_max(self._memory, 0) + 1 != len(tokens):
+            self.remove(0)
+            return False
+        self._tokens = list(tokens)
+        return True
+
+    def checkpoint_here(self) -> bool:
+        """At the split point of a prefill: keep the state of sequence 0 for the prompt cache to save later.
+
+        A sliding-window model's state holds only the last window, and restoring it lays the cells out
+        differently from a context that evaluated everything, which changes the rounding of later steps.
+        So such a model continues from the restored checkpoint, cold or warm: the same numbers, and the same
+        greedy answer, with or without the prompt cache (a copy of the window: milliseconds). False if
+        llama.cpp refused its own state (sequence 0 is empty then)."""
+        if self.n_swa <= 0:
+            return True
+        tokens, payload = self.save_state()
+        data = memoryview(bytearray(payload))
+        if not self.restore_state(tokens, data):
+            return False
+        self.checkpoint = (tokens, data)
+        return True
