@@ -40,7 +40,7 @@ class Request:
     verbose: bool = False
     offline: bool = False  # never ask the Hub; use only the cache
     force: bool = False  # skip the memory check
-    parallel: int = 1  # sequences decoded together (run --batch)
+    parallel: int = 1  # sequences decoded together (run --batch: the KV cache is sized later, by resize_kv)
 
 
 @dataclass
@@ -51,6 +51,15 @@ class Pipeline:
     session: Session
     generation: GenerationOptions
     cancel: Cancellation = field(default_factory=Cancellation)
+    force: bool = False  # skip the memory check
+
+    def resize_kv(self, cells: int, n_seq_max: int) -> None:
+        """A KV cache of `cells` cells shared by `n_seq_max` sequences (run --batch), checked against memory first."""
+        header = self.engine.header
+        weights = sum(p.stat().st_size for p in self.model.files)
+        kv_bytes = memory.kv_cache_bytes(header, cells, 1, self.settings["kv_type"])
+        memory.check_memory(self.model.name, weights, kv_bytes, self.force)
+        self.engine.resize(cells, n_seq_max)
 
     def close(self) -> None:
         self.engine.close()
@@ -88,7 +97,7 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
     header = read_header(model.path)
     n_ctx = effective["ctx_size"] or default_context(header.context_length)
     weights = sum(p.stat().st_size for p in model.files)
-    kv_bytes = memory.kv_cache_bytes(header, n_ctx, request.parallel, effective["kv_type"])
+    kv_bytes = memory.kv_cache_bytes(header, n_ctx, 1, effective["kv_type"])
     memory.check_memory(model.name, weights, kv_bytes, request.force)
     cancel = cancel if cancel is not None else Cancellation()
     config = EngineConfig(
@@ -98,7 +107,6 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
         verbose=request.verbose,
         mmap=effective["mmap"],
         mlock=effective["mlock"],
-        n_seq_max=request.parallel,
         kv_type=effective["kv_type"],
     )
     with cancel.on_signals():  # llama.cpp calls back into Python while loading: no exceptions there
@@ -122,4 +130,4 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
         raise
     generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]), constraint,
                                    effective["repetition_guard"])
-    return Pipeline(effective, model, engine, session, generation, cancel)
+    return Pipeline(effective, model, engine, session, generation, cancel, request.force)

@@ -97,7 +97,63 @@ def test_ctrl_c_leaves_valid_jsonl_with_interrupted_records(tmp_path):
     assert b"interrupted" in err
 
 
-def test_kv_cache_for_all_slots_is_checked_before_loading():
-    result = run_cli("run", "--batch", "-", "-P", "64", "-c", "200000", input="hi\n")
+def test_kv_cache_sized_to_the_batch_is_checked_before_it_is_allocated():
+    result = run_cli("run", "--batch", "-", "-P", "64", "-c", "200000", "-n", "190000", input="hi\n" * 64)
     assert result.code == 6
     assert "KV cache" in result.stderr and "available" in result.stderr
+
+
+def _peak_rss_kib(*args: str, input: str) -> tuple[int, str, str]:
+    """Run `python -m llmcli ARGS` as its own process: (its peak RSS in KiB, stdout, stderr)."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        stdin.write(input.encode())
+        stdin.seek(0)
+        proc = subprocess.Popen([sys.executable, "-m", "llmcli", *args], stdin=stdin, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        assert proc.returncode == 0, err.read().decode()
+        return usage.ru_maxrss, out.read().decode(), err.read().decode()
+
+
+def test_parallel_slots_are_sized_to_the_work_and_share_the_prompt_prefix():
+    prompts = "\n".join(QUESTIONS * 3) + "\n"  # 24 short prompts
+    rss_1, out_1, _ = _peak_rss_kib("run", "--batch", "-", "-P", "1", "--temp", "0", "-n", "16", "-t", "1", input=prompts)
+    rss_8, out_8, err_8 = _peak_rss_kib("run", "--batch", "-", "-P", "8", "--temp", "0", "-n", "16", "-t", "1",
+                                        input=prompts)
+    assert rss_8 <= rss_1 + 150 * 1024, (rss_1, rss_8)  # before: 8 full contexts (~930 MB against ~270 MB)
+    records = [json.loads(line) for line in out_8.splitlines()]
+    assert [r["text"] for r in records] == [json.loads(line)["text"] for line in out_1.splitlines()]
+    shared = records[0]["usage"]["cached_tokens"]  # the template's head, shared by every prompt
+    assert shared > 10 and all(r["usage"]["cached_tokens"] == shared for r in records)
+    evaluated = shared + sum(r["usage"]["prompt_tokens"] - shared for r in records)  # the prefix once
+    summary = err_8.strip().splitlines()[-1]
+    assert f"({evaluated} evaluated, a shared prefix of {shared} once)" in summary
+
+
+def test_a_long_answer_grows_the_kv_cache_without_changing_any_answer():
+    code = (
+        "import json\n"
+        "from llmcli.pipeline import open_pipeline, Request\n"
+        "from llmcli.inference import parallel\n"
+        "from llmcli.interrupt import Cancellation\n"
+        "p = open_pipeline(Request(settings={'temp': 0.0, 'max_tokens': None, 'prompt_cache': False}, parallel=4))\n"
+        f"items = parallel.parse_items({QUESTIONS[:4]!r})\n"
+        "texts = {}\n"
+        "for room in (4096, 4):\n"
+        "    bp = parallel.plan(items, p.prompt_tokens, p.engine, p.generation, 4, answer_room=room)\n"
+        "    p.resize_kv(bp.cells, bp.n_sequences)\n"
+        "    out = {}\n"
+        "    run = parallel.BatchRun(p.engine, bp, p.generation, Cancellation(), lambda i, r: out.__setitem__(i, r['text']))\n"
+        "    texts[room] = (out, run.run().grown)\n"
+        "print(json.dumps({'same': texts[4096][0] == texts[4][0], 'grown': texts[4][1], 'big': texts[4096][1]}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**__import__("os").environ, "LLMCLI_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outcome == {"same": True, "grown": outcome["grown"], "big": 0} and outcome["grown"] >= 2

@@ -26,6 +26,7 @@ from llmcli.inference.engine import Engine, EngineConfig
 from llmcli.inference.events import Done
 from llmcli.inference.generation import GenerationOptions
 from llmcli.inference.parallel import BatchItem, BatchRun
+from llmcli.inference.parallel import plan as batch_planned
 from llmcli.inference.raw import RawLoop
 from llmcli.inference.sampling import greedy_without_end
 from llmcli.interrupt import Cancellation
@@ -205,16 +206,18 @@ class Benchmark:
     def _parallel_rows(self, model: ResolvedModel, threads: int, row: Callable[..., Row]) -> Iterator[str]:
         """Aggregate decode rate with N sequences in one context (`llmcli run --batch --parallel N`)."""
         plan = self.plan
-        config = EngineConfig(n_ctx=plan.gen_tokens + 128, n_threads=threads, n_batch=plan.n_batch, n_seq_max=max(plan.parallel))
+        config = EngineConfig(n_ctx=plan.gen_tokens + 128, n_threads=threads, n_batch=plan.n_batch)
         with Engine(model.path, config) as engine:
             session = Session(engine)
             sampling = greedy_without_end(engine.vocab.end_of_generation_tokens())
 
             def batch(n: int, gen_tokens: int) -> float:
                 items = [BatchItem(i, f"{TTFT_PROMPT} ({i})") for i in range(n)]
-                run = BatchRun(engine, lambda text: session.render(text).tokens, GenerationOptions(sampling, gen_tokens),
-                               n, Cancellation(), lambda index, record: None)
-                return run.run(items).decode_tps
+                generation = GenerationOptions(sampling, gen_tokens)
+                batch_plan = batch_planned(items, lambda text: session.render(text).tokens, engine, generation, n)
+                engine.resize(batch_plan.cells, batch_plan.n_sequences)
+                run = BatchRun(engine, batch_plan, generation, Cancellation(), lambda index, record: None)
+                return run.run().decode_tps
 
             batch(1, 8)  # warm-up
             rows = {n: row(f"tg{plan.gen_tokens} x{n}", "parallel", "t/s") for n in plan.parallel}

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 def run_batch_command(source: str, request: Request, parallel: int, quiet: bool) -> None:
     from llmcli.cli import output
     from llmcli.cli.stream import write_json_line
-    from llmcli.inference.parallel import BatchRun, in_order, parse_items
+    from llmcli.inference.parallel import BatchRun, in_order, parse_items, plan
     from llmcli.pipeline import open_pipeline
 
     if source == "-":
@@ -34,10 +34,11 @@ def run_batch_command(source: str, request: Request, parallel: int, quiet: bool)
     with pipeline:
         for notice in pipeline.session.notices:
             output.print_notice(console, notice)
-        run = BatchRun(pipeline.engine, pipeline.prompt_tokens, pipeline.generation, parallel, pipeline.cancel,
-                       in_order(write_json_line))
+        batch_plan = plan(items, pipeline.prompt_tokens, pipeline.engine, pipeline.generation, parallel)
+        pipeline.resize_kv(batch_plan.cells, batch_plan.n_sequences)  # sized to the work, checked against memory
+        run = BatchRun(pipeline.engine, batch_plan, pipeline.generation, pipeline.cancel, in_order(write_json_line))
         with output.progress_bar("batch") as advance, pipeline.cancel.on_signals():
-            summary = run.run(items, lambda done, total, rate: advance(done, total, f"batch · {rate:.0f} tok/s"))
+            summary = run.run(lambda done, total, rate: advance(done, total, f"batch · {rate:.0f} tok/s"))
         signum = pipeline.cancel.signum
     if not quiet:
         rate = summary.completion_tokens / summary.wall_s if summary.wall_s else 0
@@ -45,9 +46,11 @@ def run_batch_command(source: str, request: Request, parallel: int, quiet: bool)
             f", {summary.not_started} not started" if summary.not_started else "")
         console.print(
             f"batch: {summary.prompts} prompt{'' if summary.prompts == 1 else 's'} ({counts}) · "
-            f"prompt {summary.prompt_tokens} tok · "
+            f"prompt {summary.prompt_tokens} tok ({summary.prefill_tokens} evaluated"
+            + (f", a shared prefix of {summary.shared_prefix_tokens} once" if summary.shared_prefix_tokens else "") + ") · "
             f"{summary.completion_tokens} tok generated · {summary.wall_s:.2f} s · {rate:.1f} tok/s overall · "
             f"{summary.decode_tps:.1f} tok/s aggregate decode · {parallel} parallel"
+            + (f" · KV cache grown {summary.grown}x" if summary.grown else "")
             + (" · interrupted" if summary.interrupted else ""),
             style="dim",
         )

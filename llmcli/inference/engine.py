@@ -55,7 +55,6 @@ class EngineConfig:
     mlock: bool = default("mlock")  # keep the weights in RAM (no swapping)
     n_seq_max: int = 1  # parallel sequences (slots), each with n_ctx tokens of its own
     kv_type: str = default("kv_type")  # f16, q8_0 or q4_0: the type of the cached keys and values
-    kv_unified: bool = False  # one pool of n_ctx * n_seq_max cells shared by the sequences (no cells of their own)
 
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
@@ -96,37 +95,52 @@ class Engine:
                 hint="Check that the file is a complete GGUF model supported by this llama.cpp build.",
             )
         self.n_ctx_train: int = llama_cpp.llama_model_n_ctx_train(self._model)
-        threads = config.n_threads or physical_cores()
-        ctx_params = llama_cpp.llama_context_default_params()
-        per_sequence = config.n_ctx or default_context(self.n_ctx_train)
-        ctx_params.n_ctx = per_sequence * config.n_seq_max
-        ctx_params.n_seq_max = config.n_seq_max
-        ctx_params.kv_unified = config.kv_unified  # False: each sequence gets its own n_ctx cells
-        ctx_params.type_k = ctx_params.type_v = KV_TYPES[config.kv_type]
-        if config.kv_type != "f16":  # llama.cpp keeps a quantized V cache only with flash attention
-            ctx_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        ctx_params.n_batch = ctx_params.n_ubatch = config.n_batch
-        ctx_params.n_threads = ctx_params.n_threads_batch = threads
-        ctx_params.no_perf = True
-        self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
-        if not self._ctx:
-            llama_cpp.llama_model_free(self._model)
-            raise ResourceError(
-                f"llama.cpp could not create a context of {ctx_params.n_ctx} tokens: "
-                f"{log.take_error() or 'out of memory?'}",
-                hint="Try a smaller --ctx-size.",
-            )
-        self.n_ctx: int = llama_cpp.llama_n_ctx_seq(self._ctx)  # what one sequence may use
+        self.n_threads = threads = config.n_threads or physical_cores()
         self.n_swa: int = llama_cpp.llama_model_n_swa(self._model)  # sliding-window attention span (0: none)
-        self.n_threads = threads
+        per_sequence = config.n_ctx or default_context(self.n_ctx_train)
+        self._ctx: Any = None
+        self.kv: KVCache  # what the KV cache holds, and its operations (made with the context)
+        try:
+            self._create_context(per_sequence * config.n_seq_max, config.n_seq_max, unified=False)
+        except ResourceError:
+            llama_cpp.llama_model_free(self._model)
+            raise
+        self.n_ctx: int = llama_cpp.llama_n_ctx_seq(self._ctx)  # what one sequence may use
         self._share = CoreShare(threads) if config.n_threads is None else None  # --threads given: fixed
         if self._share is not None:  # about to compute: peers that start now see this one before they prefill
             self._share.register(self._share.threads())
         self.vocab = Vocabulary(llama_cpp.llama_model_get_vocab(self._model))
         self._abort = llama_cpp.ggml_abort_callback(lambda _: bool(self.cancel))  # referenced while installed
-        self.kv = KVCache(self._ctx, self.n_ctx, self.n_swa)  # what the KV cache holds, and its operations
         self.load_s = time.perf_counter() - started
 
+    def _create_context(self, n_cells: int, n_seq_max: int, unified: bool) -> None:
+        """A llama.cpp context of `n_cells` KV cells for `n_seq_max` sequences (each its own n_cells / n_seq_max
+        cells, or, `unified`, all of them in one pool); replaces the current one."""
+        config = self.config
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_cells
+        params.n_seq_max = n_seq_max
+        params.kv_unified = unified
+        params.type_k = params.type_v = KV_TYPES[config.kv_type]
+        if config.kv_type != "f16":  # llama.cpp keeps a quantized V cache only with flash attention
+            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.n_batch = params.n_ubatch = config.n_batch
+        params.n_threads = params.n_threads_batch = self.n_threads
+        params.no_perf = True
+        if self._ctx:
+            llama_cpp.llama_free(self._ctx)  # first: the two never hold memory at once
+        self._ctx = llama_cpp.llama_init_from_model(self._model, params)
+        if not self._ctx:
+            raise ResourceError(
+                f"llama.cpp could not create a context of {n_cells} tokens: {llama_backend().take_error() or 'out of memory?'}",
+                hint="Try a smaller --ctx-size (or --parallel).",
+            )
+        self.kv = KVCache(self._ctx, llama_cpp.llama_n_ctx_seq(self._ctx), self.n_swa)
+
+    def resize(self, n_cells: int, n_seq_max: int) -> None:
+        """A new, empty KV cache of `n_cells` cells for `n_seq_max` sequences, n_cells / n_seq_max cells each
+        (run --batch sizes it to its work); an answer still ends at `n_ctx` tokens. The weights stay loaded."""
+        self._create_context(n_cells, n_seq_max, unified=False)
     def close(self) -> None:
         share: CoreShare | None = getattr(self, "_share", None)
         if share is not None:
@@ -227,11 +241,15 @@ class Engine:
             llama_cpp.llama_set_abort_callback(self._ctx, llama_cpp.ggml_abort_callback(), None)
         return True
 
-    def decode(self, batch: Batch, what: str = "decoding a batch") -> None:
-        """Evaluate a batch of any sequences (their positions are the caller's to track)."""
+    def decode(self, batch: Batch, what: str = "decoding a batch") -> bool:
+        """Evaluate a batch of any sequences (their positions are the caller's to track); False when the KV cache
+        has no room for it (nothing was evaluated then)."""
         rc = llama_cpp.llama_decode(self._ctx, batch.raw)
+        if rc == 1:
+            return False
         if rc != 0:
             raise self._decode_error(rc, what)
+        return True
 
     def _decode_seq0(self, tokens: Sequence[int], batch: Any, what: str) -> bool:
         """Evaluate `batch` (holding `tokens`, appended to sequence 0); False when Ctrl-C aborted it."""

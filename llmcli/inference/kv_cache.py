@@ -98,12 +98,21 @@ class KVCache:
 
     # -- saved states ----------------------------------------------------------------------------
 
+    def state_of(self, seq: int) -> memoryview:
+        """llama.cpp's state of sequence `seq` (its cells' keys and values, and positions), as bytes."""
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, seq)
+        return memoryview(buffer).cast("B")[:written]
+
+    def load_state(self, seq: int, payload: memoryview) -> bool:
+        """Put a state from `state_of` into sequence `seq` (empty before); False if llama.cpp refuses it."""
+        source = (ctypes.c_uint8 * payload.nbytes).from_buffer(payload)
+        return bool(llama_cpp.llama_state_seq_set_data(self._ctx, source, payload.nbytes, seq))
+
     def save_state(self) -> tuple[list[int], memoryview]:
         """Sequence 0: its tokens and llama.cpp's state of them (bytes)."""
-        size = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
-        buffer = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, 0)
-        return list(self._tokens), memoryview(buffer).cast("B")[:written]
+        return list(self._tokens), self.state_of(0)
 
     def restore_state(self, tokens: Sequence[int], payload: memoryview) -> bool:
         """Replace sequence 0 with a saved state of `tokens`; False (and an empty sequence) if llama.cpp refuses it.
@@ -113,9 +122,7 @@ class KVCache:
         self._tokens.clear()
         if len(tokens) > self.n_ctx:
             return False
-        source = (ctypes.c_uint8 * payload.nbytes).from_buffer(payload)
-        read = llama_cpp.llama_state_seq_set_data(self._ctx, source, payload.nbytes, 0)
-        if read == 0 or llama_cpp.llama_memory_seq_pos_max(self._memory, 0) + 1 != len(tokens):
+        if not self.load_state(0, payload) or llama_cpp.llama_memory_seq_pos_max(self._memory, 0) + 1 != len(tokens):
             self.remove(0)
             return False
         self._tokens = list(tokens)

@@ -7,6 +7,13 @@ left (so prefill rides along with the others' decode steps). A finished slot is 
 the next prompt takes it. Each prompt has its own sampler chain and seed, so with a seed its
 answer does not depend on its slot or its neighbours (up to llama.cpp's batch numerics).
 
+The KV cache is sized to the work (`plan`): every sequence has cells of its own (so an answer's
+numbers do not depend on its neighbours) for the longest prompt plus -n, or plus a default room
+for the answer; when an answer outgrows that, every sequence's state is saved, the cache is made
+twice as large (up to the context size) and the states restored — answers are never cut short by
+the sizing. The prefix every prompt shares (template head, system prompt) is evaluated once, in a
+sequence of its own, and copied to each slot when it starts (`llama_memory_seq_cp`).
+
 Built on the engine's public API; it never prints.
 """
 
@@ -67,6 +74,58 @@ def parse_items(lines: Iterable[str]) -> list[BatchItem]:
     return items
 
 
+DEFAULT_ANSWER_ROOM = 256  # cells for an answer without -n at first (the cache grows for longer ones)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What the batch needs before its context is made: every prompt's tokens, the prefix they all share,
+    and the KV cells of each sequence."""
+
+    tokens: dict[int, list[int]]  # item index -> prompt tokens (items whose prompt failed are error items)
+    items: list[BatchItem]
+    shared: int  # leading tokens every prompt has (evaluated once); at most the shortest prompt - 1
+    cells_per_sequence: int
+    n_slots: int
+
+    @property
+    def n_sequences(self) -> int:
+        """The slots, and the shared prefix's own sequence if there is one."""
+        return self.n_slots + (1 if self.shared else 0)
+
+    @property
+    def cells(self) -> int:
+        return self.cells_per_sequence * self.n_sequences
+
+
+def plan(items: list[BatchItem], render: Callable[[str], list[int]], engine: Engine, generation: GenerationOptions,
+         n_parallel: int, answer_room: int = DEFAULT_ANSWER_ROOM) -> BatchPlan:
+    """Render every prompt, find their shared prefix and size the KV cache: each sequence holds the longest
+    prompt plus -n (else `answer_room`: it grows when an answer needs more), at most the context."""
+    tokens: dict[int, list[int]] = {}
+    planned = []
+    for item in items:
+        if item.error is None:
+            try:
+                prompt = render(item.prompt or "")
+                engine.check_budget(len(prompt), generation.max_tokens)
+            except LlmcliError as exc:
+                item = BatchItem(item.index, item.prompt, item.extra, exc.message)
+            else:
+                tokens[item.index] = prompt
+        planned.append(item)
+    prompts = list(tokens.values())
+    shared = 0
+    if len(prompts) > 1:
+        first, shortest = prompts[0], min(len(p) for p in prompts)
+        while shared < shortest - 1 and all(p[shared] == first[shared] for p in prompts):
+            shared += 1
+    n_slots = max(1, min(n_parallel, len(prompts)))
+    longest_rest = max((len(p) - shared for p in prompts), default=1)
+    room = generation.max_tokens or answer_room
+    return BatchPlan(tokens, planned, shared, min(shared + longest_rest + room, engine.n_ctx), n_slots)
+
+
 @dataclass
 class _Slot:
     seq: int
@@ -75,6 +134,7 @@ class _Slot:
     sampler: Sampler
     answer: Answer
     scheduled: float
+    shared: int = 0  # leading prompt tokens shared from the prefix sequence (not evaluated for this prompt)
     prefilled: int = 0
     pending: int | None = None  # the sampled token still to be decoded
     sampled: int = 0  # tokens sampled, an end-of-generation token included
@@ -90,7 +150,8 @@ class _Slot:
         now = time.perf_counter()
         first = self.first_token or now
         stats = Stats(
-            load_s=0.0, prompt_s=0.0, prompt_tokens=len(self.tokens), cached_tokens=0, prefill_tokens=self.prefilled,
+            load_s=0.0, prompt_s=0.0, prompt_tokens=len(self.tokens), cached_tokens=self.shared,
+            prefill_tokens=self.prefilled - self.shared,
             prefill_s=first - self.scheduled, ttft_s=first - self.scheduled, completion_tokens=self.answer.n_out,
             decode_steps=max(0, self.sampled - 1), decode_s=now - first, total_s=now - self.scheduled,
             seed=self.sampler.seed, threads=threads,
@@ -111,6 +172,9 @@ class Summary:
     decode_steps_s: float = 0.0  # time in steps that only decoded (no prompt chunk)
     decode_step_tokens: int = 0  # tokens sampled in those steps
     interrupted: bool = False
+    shared_prefix_tokens: int = 0  # the prefix every prompt shares, evaluated once
+    prefill_tokens: int = 0  # prompt tokens evaluated (the shared prefix once, then each prompt's rest)
+    grown: int = 0  # times the KV cache was made larger for a long answer
 
     @property
     def decode_tps(self) -> float:
@@ -121,17 +185,21 @@ class Summary:
 class BatchRun:
     """Answers a list of items in `n_parallel` slots; `on_result(index, record)` as each finishes (any order)."""
 
-    def __init__(self, engine: Engine, render: Callable[[str], list[int]], generation: GenerationOptions,
-                 n_parallel: int, cancel: Cancellation, on_result: Callable[[int, Record], None]):
-        self.engine, self.render, self.generation = engine, render, generation
+    def __init__(self, engine: Engine, batch_plan: BatchPlan, generation: GenerationOptions,
+                 cancel: Cancellation, on_result: Callable[[int, Record], None]):
+        """`engine` has been resized for the plan: `batch_plan.cells` cells, `batch_plan.n_sequences` sequences."""
+        self.engine, self.plan, self.generation = engine, batch_plan, generation
         self.cancel, self.on_result = cancel, on_result
-        self.slots: list[_Slot | None] = [None] * n_parallel
+        self.slots: list[_Slot | None] = [None] * batch_plan.n_slots
+        self.prefix_seq = batch_plan.n_slots  # the sequence holding the shared prefix
         self.queue: deque[BatchItem] = deque()
-        self.summary = Summary()
+        self.summary = Summary(shared_prefix_tokens=batch_plan.shared)
+        self.cells_per_sequence = batch_plan.cells_per_sequence
         self.done = 0
 
-    def run(self, items: list[BatchItem], on_progress: Callable[[int, int, float], None] | None = None) -> Summary:
+    def run(self, on_progress: Callable[[int, int, float], None] | None = None) -> Summary:
         started = time.perf_counter()
+        items = self.plan.items
         self.summary.prompts = len(items)
         for item in items:
             if item.error is None:
@@ -140,6 +208,7 @@ class BatchRun:
                 self._error(item, item.error)
         with Batch(max(self.engine.config.n_batch, len(self.slots))) as batch, self.engine.sharing_cores():
             try:
+                self._prefill_shared(batch)
                 while (self.queue or any(self.slots)) and not self.cancel:
                     self._fill_slots()
                     if not self._step(batch):
@@ -154,26 +223,38 @@ class BatchRun:
         self.summary.wall_s = time.perf_counter() - started
         return self.summary
 
+    def _prefill_shared(self, batch: Batch) -> None:
+        """Evaluate the prefix all prompts share, once, into the prefix sequence."""
+        shared = self.plan.shared
+        if not shared:
+            return
+        prompt = next(iter(self.plan.tokens.values()))
+        for start in range(0, shared, batch.capacity):
+            batch.clear()
+            for pos in range(start, min(shared, start + batch.capacity)):
+                batch.add(prompt[pos], pos, self.prefix_seq, False)
+            if not self.engine.decode(batch, "evaluating the shared prefix"):
+                raise LlmcliError("the KV cache is too small for the prompts' shared prefix", hint="Use a larger --ctx-size.")
+        self.summary.prefill_tokens += shared
+
     def _fill_slots(self) -> None:
         for seq in range(len(self.slots)):
-            while self.slots[seq] is None and self.queue:
+            if self.slots[seq] is None and self.queue:
                 self.slots[seq] = self._schedule(self.queue.popleft(), seq)
 
-    def _schedule(self, item: BatchItem, seq: int) -> _Slot | None:
-        """Render and check one prompt; a slot for it, or None after writing its error record."""
-        try:
-            tokens = self.render(item.prompt or "")
-            self.engine.check_budget(len(tokens), self.generation.max_tokens)
-        except LlmcliError as exc:
-            self._error(item, exc.message)
-            return None
+    def _schedule(self, item: BatchItem, seq: int) -> _Slot:
+        """A slot for one prompt, starting after the shared prefix (shared with it, not evaluated again)."""
+        tokens = self.plan.tokens[item.index]
+        shared = self.plan.shared
+        if shared:  # the prefix sequence's cells, copied whole (llama.cpp copies between sequences no other way)
+            self.engine.kv.copy(self.prefix_seq, seq)
         self.summary.prompt_tokens += len(tokens)
         seed = item.extra.get("seed")  # a JSONL line may carry its own seed
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32 - 1:
             seed = self.generation.sampling.effective_seed()
         sampler = self.engine.sampler(self.generation.sampling, seed)
         answer = Answer(self.generation, len(tokens), self.engine.n_ctx)
-        return _Slot(seq, item, tokens, sampler, answer, time.perf_counter())
+        return _Slot(seq, item, tokens, sampler, answer, time.perf_counter(), shared=shared, prefilled=shared)
 
     def _step(self, batch: Batch) -> bool:
         """One decode: every decoding slot's pending token, then prompt chunks; False when there was nothing."""
@@ -181,6 +262,7 @@ class BatchRun:
         sample_at = [(slot, batch.add(slot.pending, slot.pos, slot.seq, True))
                      for slot in filter(None, self.slots) if slot.pending is not None]
         prefilling = False
+        before = {slot.seq: slot.prefilled for slot in filter(None, self.slots)}
         for slot in filter(None, self.slots):
             while slot.prefilled < len(slot.tokens) and not batch.full:
                 last = slot.prefilled == len(slot.tokens) - 1
@@ -192,11 +274,13 @@ class BatchRun:
         if batch.n == 0:
             return False
         step_started = time.perf_counter()
-        try:
-            self.engine.decode(batch)
-            self.engine.adapt_threads(time.perf_counter())
-        except LlmcliError as exc:
-            raise LlmcliError(exc.message, hint="Try a smaller --parallel.", exit_code=exc.exit_code) from None
+        if not self.engine.decode(batch):
+            for slot in filter(None, self.slots):  # nothing was evaluated: this step's prompt chunks come again
+                slot.prefilled = before[slot.seq]
+            self._grow()
+            return True
+        self.summary.prefill_tokens += sum(slot.prefilled - before[slot.seq] for slot in filter(None, self.slots))
+        self.engine.adapt_threads(time.perf_counter())
         for slot, index in sample_at:
             self._advance(slot, slot.sampler.sample(index))
         if not prefilling:
@@ -207,6 +291,21 @@ class BatchRun:
                 self._finish(running)
                 self.slots[seq] = None
         return True
+
+    def _grow(self) -> None:
+        """A sequence outgrew its cells: save every sequence's state, make each one's cells twice as many (at most
+        the context), restore them. The states are copied as they are: the answers do not change."""
+        engine = self.engine
+        if self.cells_per_sequence >= engine.n_ctx:
+            raise LlmcliError(f"the KV cache is full ({engine.n_ctx} tokens a sequence)", hint="Use a larger --ctx-size.")
+        sequences = [slot.seq for slot in self.slots if slot is not None] + ([self.prefix_seq] if self.plan.shared else [])
+        states = {seq: engine.kv.state_of(seq) for seq in sequences}
+        self.cells_per_sequence = min(2 * self.cells_per_sequence, engine.n_ctx)
+        engine.resize(self.cells_per_sequence * self.plan.n_sequences, self.plan.n_sequences)
+        for seq, state in states.items():
+            if not engine.kv.load_state(seq, state):
+                raise LlmcliError("llama.cpp refused a sequence's own state while growing the KV cache")
+        self.summary.grown += 1
 
     def _advance(self, slot: _Slot, token: int) -> None:
         slot.first_token = slot.first_token or time.perf_counter()
