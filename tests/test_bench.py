@@ -50,6 +50,23 @@ def test_markdown_table_rows_and_thread_sweep():
     assert all(row[3] == "Q4_1" for row in rows)
 
 
+def test_prompt_cache_and_kv_type_rows():
+    result = run_cli("bench", "-p", "32", "-n", "8", "-r", "1", "--prompt-cache", "160", "--kv-type", "f16,q8_0",
+                     "--format", "json")
+    assert result.code == 0, result.stderr
+    rows = {(r["test"], r["path"]): r for r in json.loads(result.stdout)["results"]}
+    cold, warm = rows[("ttft cold p160", "prompt cache")], rows[("ttft warm p160", "prompt cache")]
+    assert cold["unit"] == warm["unit"] == "s" and cold["mean"] > 0 and warm["mean"] > 0
+    assert rows[("state save p160", "prompt cache")]["mean"] > 0 and rows[("state restore p160", "prompt cache")]["mean"] > 0
+    per_token = rows[("state size p160", "prompt cache")]["mean"]
+    assert 15 < per_token < 40  # SmolLM2: 30 layers x 3 KV heads x 64 x 2 (K and V) x 2 bytes = 22.5 KiB a token
+    f16 = next(r for (test, _), r in rows.items() if test.startswith("kv cache") and test.endswith("kv f16"))
+    q8 = next(r for (test, _), r in rows.items() if test.startswith("kv cache") and test.endswith("kv q8_0"))
+    assert q8["mean"] == pytest.approx(f16["mean"] * 34 / 64) and f16["unit"] == "MiB"
+    assert ("tg8 @ d32 kv q8_0", "raw") in rows and ("pp32 kv q8_0", "raw") in rows
+    assert run_cli("bench", "--kv-type", "f32").code == 2
+
+
 def test_csv_header_and_environment_columns():
     result = run_cli("bench", "-p", "16", "-n", "8", "-r", "1", "--format", "csv")
     assert result.code == 0, result.stderr

@@ -12,14 +12,15 @@ The core never prints: `Benchmark.run` yields progress and collects `rows`; the 
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 from llmcli.bench.contention import pair_decode_rate
 from llmcli.bench.environment import memory_bandwidth
 from llmcli.bench.plan import BenchPlan
+from llmcli.bench.prompt_cache import kv_type_rows, prompt_cache_rows
+from llmcli.bench.rows import Row
 from llmcli.chat.session import Session
 from llmcli.inference import system
 from llmcli.inference.engine import Engine, EngineConfig
@@ -38,30 +39,6 @@ FILLER = (
     "The history of computing is a story of ideas meeting machines. Engineers measured, "
     "guessed, and measured again, until the numbers told them what the machine could do. "
 )
-
-
-@dataclass
-class Row:
-    model: str
-    size_bytes: int
-    params: int
-    quant: str
-    threads: int
-    test: str  # pp512, tg128, pp512 @ d512, ttft, overhead tg128, roofline tg128, ...
-    path: str  # raw | llmcli | ratio | roofline
-    unit: str  # t/s, s, x, %
-    samples: list[float] = field(default_factory=list)
-
-    @property
-    def mean(self) -> float:
-        return statistics.fmean(self.samples) if self.samples else 0.0
-
-    @property
-    def sd(self) -> float:
-        return statistics.stdev(self.samples) if len(self.samples) > 1 else 0.0
-
-    def to_dict(self) -> dict[str, object]:
-        return {**asdict(self), "mean": self.mean, "sd": self.sd, "n": len(self.samples)}
 
 
 @dataclass(frozen=True)
@@ -142,7 +119,8 @@ class Benchmark:
 
     def run(self) -> Iterator[Progress]:
         plan = self.plan
-        per_repetition = len(plan.depths) * 2 + 5 + len(plan.parallel) + 2 * plan.contention
+        per_repetition = (len(plan.depths) * 2 + 5 + len(plan.parallel) + 2 * plan.contention + 2 * len(plan.cache_lengths)
+                          + len(plan.kv_types))
         total = len(self.models) * len(self.threads) * (plan.repetitions * per_repetition + 1)  # + the bandwidth probe
         done = 0
         for model, header in zip(self.models, self.headers, strict=True):
@@ -183,6 +161,11 @@ class Benchmark:
             yield from self._parallel_rows(model, threads, row)
         if plan.contention:
             yield from self._contention_rows(model, threads, row)
+        if plan.cache_lengths:
+            yield from prompt_cache_rows(model.path, threads, plan.n_batch, plan.cache_lengths, plan.repetitions, row)
+        if plan.kv_types:
+            yield from kv_type_rows(model.path, header, threads, plan.n_batch, plan.kv_types, plan.prompt_tokens,
+                                    plan.gen_tokens, plan.repetitions, row)
         row(f"overhead tg{plan.gen_tokens}", "ratio", "x").samples.append(tg_run.mean / tg_same.mean)
         row(f"overhead pp{n_pp}", "ratio", "x").samples.append(pp_run.mean / pp_same.mean)
         # Decode reads every weight once per token: bandwidth / weight bytes is the ceiling.

@@ -17,3 +17,5 @@ class BenchPlan:
     n_batch: int = default("batch_size")
     parallel: tuple[int, ...] = ()  # sequences decoded together (aggregate decode rate), e.g. (1, 8)
     contention: bool = False  # two llmcli processes decoding at once: shared cores vs every core each
+    cache_lengths: tuple[int, ...] = ()  # prompt lengths for TTFT cold vs warm (prompt cache), e.g. (512, 2048)
+    kv_types: tuple[str, ...] = ()  # KV cache types to compare (speed and memory), e.g. ("f16", "q8_0")

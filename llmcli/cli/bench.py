@@ -46,6 +46,11 @@ def bench(
         "--parallel", "-P", help="Also measure aggregate decode with N sequences at once, e.g. 1,8.", show_default=False)] = None,
     contention: Annotated[bool, typer.Option(
         "--contention", help="Also measure two llmcli processes decoding at once (shared cores vs every core each).")] = False,
+    prompt_cache: Annotated[Optional[str], typer.Option(
+        "--prompt-cache", help="Also measure TTFT cold vs warm (prompt cache) at these prompt lengths, e.g. 512,2048, "
+        "and the time to save and restore a state.", show_default=False)] = None,
+    kv_type: Annotated[Optional[str], typer.Option(
+        "--kv-type", help="Also compare KV cache types (speed and memory), e.g. f16,q8_0,q4_0.", show_default=False)] = None,
     output_format: Annotated[str, typer.Option("--format", "-o", help="md, json or csv.")] = "md",
 ) -> None:
     """Run the benchmark (the default when no subcommand is given)."""
@@ -67,6 +72,8 @@ def bench(
         n_batch=batch_size,
         parallel=_int_list(parallel, "--parallel", 1) if parallel else (),
         contention=contention,
+        cache_lengths=_int_list(prompt_cache, "--prompt-cache", 16) if prompt_cache else (),
+        kv_types=_kv_types(kv_type) if kv_type else (),
     )
     config = settings.load_config_file()
     default_model = settings.resolve({}, config=config)["model"]
@@ -78,6 +85,16 @@ def bench(
     print(_format(benchmark.rows, environment(resolved, benchmark.threads), plan, output_format), end="")
 
 
+def _kv_types(text: str) -> tuple[str, ...]:
+    from llmcli.settings import SETTINGS
+
+    types = tuple(part.strip() for part in text.split(",") if part.strip())
+    choices = SETTINGS["kv_type"].choices
+    if not types or any(t not in choices for t in types):
+        raise UsageError(f"--kv-type takes {', '.join(choices)}, comma-separated (got {text!r})")
+    return types
+
+
 def _result(row: Any) -> str:
     if row.unit == "x":
         return f"{row.mean:.3f}×"
@@ -85,8 +102,8 @@ def _result(row: Any) -> str:
         return f"{row.mean * 1000:.1f} ± {row.sd * 1000:.1f} ms"
     if row.unit.startswith("%"):
         return f"{row.mean:.1f} {row.unit}"
-    if row.unit == "GB/s":
-        return f"{row.mean:.1f} GB/s"
+    if row.unit in ("GB/s", "MiB", "KiB/token"):
+        return f"{row.mean:.1f} {row.unit}"
     return f"{row.mean:.2f} ± {row.sd:.2f}"
 
 
