@@ -142,10 +142,10 @@ def test_a_long_answer_grows_the_kv_cache_without_changing_any_answer():
         "from llmcli.inference import parallel\n"
         "from llmcli.interrupt import Cancellation\n"
         "p = open_pipeline(Request(settings={'temp': 0.0, 'max_tokens': None, 'prompt_cache': False}, parallel=4))\n"
-        f"items = parallel.parse_items({QUESTIONS[:4]!r})\n"
+        f"items = parallel.parse_items({[QUESTIONS[0], QUESTIONS[4], QUESTIONS[5]]!r})\n"
         "texts = {}\n"
         "for room in (4096, 4):\n"
-        "    bp = parallel.plan(items, p.prompt_tokens, p.engine, p.generation, 4, answer_room=room)\n"
+        "    bp = parallel.plan(items, p.prompt_tokens, p.engine, p.generation, 3, answer_room=room)\n"
         "    p.resize_kv(bp.cells, bp.n_sequences)\n"
         "    out = {}\n"
         "    run = parallel.BatchRun(p.engine, bp, p.generation, Cancellation(), lambda i, r: out.__setitem__(i, r['text']))\n"
@@ -156,4 +156,4 @@ def test_a_long_answer_grows_the_kv_cache_without_changing_any_answer():
                             env={**__import__("os").environ, "LLMCLI_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
-    assert outcome == {"same": True, "grown": outcome["grown"], "big": 0} and outcome["grown"] >= 2
+    assert outcome == {"same": True, "grown": outcome["grown"], "big": 0} and outcome["grown"] >= 1

@@ -46,6 +46,7 @@ class Session:
         self.notices: list[str] = []  # warnings for the user, printed by the CLI
         self.template = None if options.raw else self._find_template()
         self._load_s = engine.load_s  # reported once, with the first answer
+        self._last_prompt_tokens = 0  # the length of the last prompt asked
 
     def _find_template(self) -> ChatTemplate | None:
         path = self.options.template_file
@@ -127,6 +128,7 @@ class Session:
                 f"input truncated to fit the context of {self.engine.n_ctx} tokens: "
                 f"dropped {full - len(prompt.tokens)} tokens from the start of the message"
             )
+        self._last_prompt_tokens = len(prompt.tokens)
         stable = None if stable_text is None else (
             len(prompt.tokens) - 1 if stable_text == user_text else self._stable_tokens(prompt.tokens, stable_text))
         prompt_s = time.perf_counter() - started
@@ -201,7 +203,7 @@ class Session:
     def keep_state(self) -> None:
         """The conversation ends: save its KV state (if not saved already) for `chat --resume`."""
         if self.prompt_cache is not None:
-            self.prompt_cache.save(0, force=True)
+            self.prompt_cache.keep(self._last_prompt_tokens)
 
 
 _PROBE = 16  # tokens after the kept prefix that must be found again further on to locate the dropped span

@@ -305,6 +305,9 @@ class BatchRun:
         for seq, state in states.items():
             if not engine.kv.load_state(seq, state):
                 raise LlmcliError("llama.cpp refused a sequence's own state while growing the KV cache")
+        for slot in self.slots:
+            if slot is not None:
+                slot.sampler.ctx = engine.llama_context  # the old context, whose logits it read, is freed
         self.summary.grown += 1
 
     def _advance(self, slot: _Slot, token: int) -> None:

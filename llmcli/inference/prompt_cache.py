@@ -77,29 +77,38 @@ class PromptCache:
             engine.kv.remove(0, usable, -1)
         return min(found.shared, usable)
 
-    def save(self, evaluated: int, force: bool = False, stable: int | None = None) -> None:
-        """After an answer: save the KV state if `evaluated` (prompt tokens evaluated now) reaches the threshold,
-        or with `force` (a chat that ends) if the cache holds enough tokens; never twice the same prefix.
+    def save(self, evaluated: int, stable: int | None = None) -> None:
+        """After an answer: save the KV state if `evaluated` (prompt tokens evaluated now) reaches the threshold.
 
         `stable`: the prompt's tokens that a later prompt is likely to share (a piped document before the
         question). A sliding-window model's state can only be resumed from where it ends: what is saved
         for it is the checkpoint the engine took there (and nothing mid-chat without one)."""
-        engine = self.engine
-        whole = engine.n_swa > 0
-        if evaluated < self.config.min_tokens and not force:
+        if evaluated < self.config.min_tokens:
             return
-        checkpoint = engine.kv.checkpoint
-        if whole and not force:
+        engine = self.engine
+        if engine.n_swa > 0:
+            checkpoint = engine.kv.checkpoint
             if checkpoint is None or len(checkpoint[0]) != stable:
                 return
-            tokens, payload = checkpoint
+            self._write(*checkpoint)
         else:
-            tokens, payload = engine.kv.save_state()
+            self._write(*engine.kv.save_state())
+
+    def keep(self, resume_at: int) -> None:
+        """A conversation ends: save its state for `chat --resume` (if not saved already). A sliding-window
+        model's is cut first at `resume_at`, where the next prompt surely goes on as this one did (the end of
+        the last prompt: the reply after it may be tokenized differently when the conversation is rendered)."""
+        engine = self.engine
+        if engine.n_swa > 0 and 0 < resume_at < engine.kv.n_cached:
+            engine.kv.remove(0, resume_at, -1)
+        self._write(*engine.kv.save_state())
+
+    def _write(self, tokens: list[int], payload: memoryview) -> None:
         if len(tokens) < self.config.min_tokens:
             return
         store = self._open(compute_sha=True)
         if store is None:  # pragma: no cover - _open computes the sha256 when asked to
             return
-        if store.holds(tokens, len(tokens) - self.config.min_tokens + 1, whole):
+        if store.holds(tokens, len(tokens) - self.config.min_tokens + 1, whole=self.engine.n_swa > 0):
             return  # a saved state already covers all but a few of these tokens
         store.save(tokens, payload)
