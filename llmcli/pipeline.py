@@ -40,7 +40,8 @@ class Request:
     verbose: bool = False
     offline: bool = False  # never ask the Hub; use only the cache
     force: bool = False  # skip the memory check
-    parallel: int = 1  # sequences decoded together (run --batch: the KV cache is sized later, by resize_kv)
+    parallel: int = 1  # sequences decoded together (run --batch)
+    batch: bool = False  # run --batch: the KV cache is made by Pipeline.resize_kv once the prompts are known
 
 
 @dataclass
@@ -97,7 +98,7 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
     header = read_header(model.path)
     n_ctx = effective["ctx_size"] or default_context(header.context_length)
     weights = sum(p.stat().st_size for p in model.files)
-    kv_bytes = memory.kv_cache_bytes(header, n_ctx, 1, effective["kv_type"])
+    kv_bytes = 0 if request.batch else memory.kv_cache_bytes(header, n_ctx, 1, effective["kv_type"])
     memory.check_memory(model.name, weights, kv_bytes, request.force)
     cancel = cancel if cancel is not None else Cancellation()
     config = EngineConfig(
@@ -108,6 +109,7 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
         mmap=effective["mmap"],
         mlock=effective["mlock"],
         kv_type=effective["kv_type"],
+        kv_later=request.batch,
     )
     with cancel.on_signals():  # llama.cpp calls back into Python while loading: no exceptions there
         engine = Engine(model.path, config, cancel)
@@ -118,7 +120,7 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
                                                 grammar_origin=constraint.origin)
         prompt = PromptOptions(effective["system"], request.raw, request.template_file, effective["on_overflow"])
         cache = None
-        if effective["prompt_cache"] and request.parallel == 1:
+        if effective["prompt_cache"] and not request.batch:
             cache = PromptCache(engine, PromptCacheConfig(paths.prompt_cache_dir(), effective["prompt_cache_min"],
                                                           int(effective["prompt_cache_size"] * GIB), model.name))
         session = Session(engine, prompt, cache)

@@ -121,9 +121,9 @@ def _peak_rss_kib(*args: str, input: str) -> tuple[int, str, str]:
 
 
 def test_parallel_slots_are_sized_to_the_work_and_share_the_prompt_prefix():
-    prompts = "\n".join(QUESTIONS * 3) + "\n"  # 24 short prompts
-    rss_1, out_1, _ = _peak_rss_kib("run", "--batch", "-", "-P", "1", "--temp", "0", "-n", "16", "-t", "1", input=prompts)
-    rss_8, out_8, err_8 = _peak_rss_kib("run", "--batch", "-", "-P", "8", "--temp", "0", "-n", "16", "-t", "1",
+    prompts = "\n".join(QUESTIONS * 2) + "\n"  # 16 short prompts
+    rss_1, out_1, _ = _peak_rss_kib("run", "--batch", "-", "-P", "1", "--temp", "0", "-n", "8", "-t", "1", input=prompts)
+    rss_8, out_8, err_8 = _peak_rss_kib("run", "--batch", "-", "-P", "8", "--temp", "0", "-n", "8", "-t", "1",
                                         input=prompts)
     assert rss_8 <= rss_1 + 150 * 1024, (rss_1, rss_8)  # before: 8 full contexts (~930 MB against ~270 MB)
     records = [json.loads(line) for line in out_8.splitlines()]

@@ -88,7 +88,7 @@ def _payload_offset(path: Path) -> int:
 
 
 def test_damaged_or_foreign_state_files_never_reach_llama_cpp(smollm2, no_template_model, isolated_env):
-    doc = document(12)
+    doc = document(8)
     args = ("--prompt-cache-min", "64")
     baseline = ask("Which city studies lynxes?", doc, *args, "--no-prompt-cache")
     ask("Which city studies lynxes?", doc, *args)
@@ -196,16 +196,15 @@ def _chat(*args: str, input: str) -> tuple[list[dict], str]:
 
 
 def test_chat_resume_restores_the_conversation_kv(smollm2, isolated_env):
-    turns = "".join(f"Give me one word that rhymes with {word}.\n" for word in
-                    ("cat", "dog", "tree", "sun", "bell", "cake", "moon", "rain", "star", "hat", "bee", "car"))
-    records, _ = _chat(input=turns)
-    assert len(records) == 12
-    resumed, stderr = _chat("--resume", "last", input="And one that rhymes with light?\n")
+    turns = "".join(f"Give me one word that rhymes with {word}.\n" for word in ("cat", "dog", "tree", "sun", "bell", "cake"))
+    records, _ = _chat("--prompt-cache-min", "64", input=turns)
+    assert len(records) == 6
+    resumed, stderr = _chat("--resume", "last", "--prompt-cache-min", "64", input="And one that rhymes with light?\n")
     assert "KV state of" in stderr and "tokens restored" in stderr
     usage = resumed[0]["usage"]
     assert usage["cached_tokens"] >= records[-1]["usage"]["prompt_tokens"]  # the history was not evaluated again
     run_cli("cache", "clear")
-    again, stderr = _chat("--resume", "last", input="And one that rhymes with night?\n")
+    again, stderr = _chat("--resume", "last", "--prompt-cache-min", "64", input="And one that rhymes with night?\n")
     assert "no saved KV state for this conversation" in stderr
     assert again[0]["usage"]["cached_tokens"] == 0
 

@@ -127,8 +127,8 @@ def given_settings(given: Mapping[str, Any]) -> dict[str, Any]:
     return {name: given[name] for name in SETTINGS if given.get(name) not in (None, [])}
 
 
-def build_request(given: Mapping[str, Any], parallel: int = 1) -> Request:
-    """The Request that a command's options (settings and REQUEST_OPTIONS) describe."""
+def build_request(given: Mapping[str, Any], parallel: int | None = None) -> Request:
+    """The Request that a command's options (settings and REQUEST_OPTIONS) describe; `parallel`: run --batch."""
     from llmcli.pipeline import Request  # the pipeline loads llama.cpp: not for --help
 
     return Request(
@@ -144,5 +144,6 @@ def build_request(given: Mapping[str, Any], parallel: int = 1) -> Request:
         verbose=given["verbose"],
         offline=given["offline"],
         force=given["force"],
-        parallel=parallel,
+        parallel=parallel or 1,
+        batch=parallel is not None,
     )

@@ -55,7 +55,10 @@ class EngineConfig:
     mlock: bool = default("mlock")  # keep the weights in RAM (no swapping)
     n_seq_max: int = 1  # parallel sequences (slots), each with n_ctx tokens of its own
     kv_type: str = default("kv_type")  # f16, q8_0 or q4_0: the type of the cached keys and values
+    kv_later: bool = False  # a minimal KV cache now: the caller sizes it with `resize` (run --batch)
 
+
+CELL_PADDING = 256  # llama.cpp rounds a context's cells up to a multiple of this
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
 
@@ -100,12 +103,15 @@ class Engine:
         per_sequence = config.n_ctx or default_context(self.n_ctx_train)
         self._ctx: Any = None
         self.kv: KVCache  # what the KV cache holds, and its operations (made with the context)
+        cells = CELL_PADDING if config.kv_later else per_sequence * config.n_seq_max
         try:
-            self._create_context(per_sequence * config.n_seq_max, config.n_seq_max, unified=False)
+            self._create_context(cells, config.n_seq_max, unified=False)
         except ResourceError:
             llama_cpp.llama_model_free(self._model)
             raise
-        self.n_ctx: int = llama_cpp.llama_n_ctx_seq(self._ctx)  # what one sequence may use
+        # What one sequence may use: llama.cpp's (it pads), or, sized later, what it would have been.
+        self.n_ctx: int = -(-per_sequence // CELL_PADDING) * CELL_PADDING if config.kv_later else (
+            llama_cpp.llama_n_ctx_seq(self._ctx))
         self._share = CoreShare(threads) if config.n_threads is None else None  # --threads given: fixed
         if self._share is not None:  # about to compute: peers that start now see this one before they prefill
             self._share.register(self._share.threads())
