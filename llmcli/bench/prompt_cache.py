@@ -35,7 +35,7 @@ def document_of_about(session: Session, n_tokens: int) -> str:
     while True:
         lines.append(DOCUMENT_LINE.format(n=len(lines) + 1, m=(len(lines) * 7) % 13 + 1))
         text = "".join(lines)
-        if len(session.render(f"{text}\n\n{QUESTIONS[0]}").tokens) >= n_tokens:
+        if len(session.render(f"{text}\n\n{QUESTIONS[0]}", history=[]).tokens) >= n_tokens:
             return text
 
 
