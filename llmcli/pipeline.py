@@ -123,7 +123,7 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
         if effective["prompt_cache"] and not request.batch:
             cache = PromptCache(engine, PromptCacheConfig(paths.prompt_cache_dir(), effective["prompt_cache_min"],
                                                           int(effective["prompt_cache_size"] * GIB), model.name))
-        session = Session(engine, prompt, cache)
+        session = Session(engine, prompt, cache, split_min=effective["prompt_cache_min"])
         if engine.n_ctx > engine.n_ctx_train > 0:
             session.notices.append(f"the context of {engine.n_ctx} tokens exceeds the {engine.n_ctx_train} this model was "
                                    "trained on: answers that reach past it may lose coherence")

@@ -38,9 +38,13 @@ class RenderedPrompt:
 
 
 class Session:
-    def __init__(self, engine: Engine, options: PromptOptions | None = None, prompt_cache: PromptCache | None = None):
+    def __init__(self, engine: Engine, options: PromptOptions | None = None, prompt_cache: PromptCache | None = None,
+                 split_min: int = default("prompt_cache_min")):
         self.engine = engine
         self.prompt_cache = prompt_cache  # saved KV states of long prompts, across runs
+        # Prompts at least this long are split where their stable part ends (prompt cache on or off: the
+        # same numbers either way); shorter ones are never saved, and evaluated in one go.
+        self.split_min = split_min
         self.options = options = options or PromptOptions()
         self.history: list[Message] = []
         self.notices: list[str] = []  # warnings for the user, printed by the CLI
@@ -129,7 +133,7 @@ class Session:
                 f"dropped {full - len(prompt.tokens)} tokens from the start of the message"
             )
         self._last_prompt_tokens = len(prompt.tokens)
-        stable = None if stable_text is None else (
+        stable = None if stable_text is None or len(prompt.tokens) < self.split_min else (
             len(prompt.tokens) - 1 if stable_text == user_text else self._stable_tokens(prompt.tokens, stable_text))
         prompt_s = time.perf_counter() - started
         restored, restore_s = self._restore(prompt.tokens, stable)
