@@ -7,6 +7,7 @@ loads it and returns everything a command needs to ask questions.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from llmcli.inference.generation import GenerationOptions
 from llmcli.inference.grammar import build_constraint
 from llmcli.inference.prompt_cache import GIB, PromptCache, PromptCacheConfig
 from llmcli.inference.sampling import SamplingConfig, parse_logit_bias
+from llmcli.inference.speculative import DraftModel, Speculation
 from llmcli.interrupt import Cancellation
 from llmcli.store import memory, models
 from llmcli.store.cache import Fetch, ProgressCallback, WaitingNotice
@@ -63,6 +65,9 @@ class Pipeline:
         self.engine.resize(cells, n_seq_max)
 
     def close(self) -> None:
+        draft = self.generation.speculation.draft_model
+        if draft is not None:
+            draft.close()
         self.engine.close()
 
     def __enter__(self) -> Pipeline:
@@ -130,6 +135,34 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
     except BaseException:
         engine.close()
         raise
+    try:
+        speculation = _speculation(effective, engine, config, fetch_for(request, effective), cancel)
+    except BaseException:
+        engine.close()
+        raise
     generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]), constraint,
-                                   effective["repetition_guard"])
+                                   effective["repetition_guard"], speculation)
     return Pipeline(effective, model, engine, session, generation, cancel, request.force)
+
+
+def fetch_for(request: Request, effective: settings.Settings) -> Fetch:
+    return Fetch(offline=request.offline, force=request.force, timeout=effective["hub_timeout"])
+
+
+def _speculation(effective: settings.Settings, engine: Engine, config: EngineConfig, fetch: Fetch,
+                 cancel: Cancellation) -> Speculation:
+    """How to decode; with --draft-model, that model loaded beside the target and checked against its vocabulary."""
+    mode, reference = effective["speculate"], effective["draft_model"]
+    if mode == "draft" and not reference:
+        raise UsageError("--speculate draft needs a --draft-model", hint="Or --speculate lookup: drafts from the prompt.")
+    if not reference or mode in ("off", "lookup"):
+        return Speculation(mode, effective["draft_max"])
+    draft_file = models.resolve(reference, settings.load_config_file().aliases, fetch)
+    with cancel.on_signals():
+        draft = DraftModel(Engine(draft_file.path, dataclasses.replace(config, n_seq_max=1, kv_later=False), cancel))
+    problem = draft.check_vocabulary(engine)
+    if problem is not None:
+        draft.close()
+        raise UsageError(f"--draft-model {reference} cannot draft for this model: {problem}",
+                         hint="A draft model must share the model's vocabulary (usually: a smaller model of the same family).")
+    return Speculation(mode, effective["draft_max"], draft)

@@ -30,6 +30,7 @@ from llmcli.inference.kv_cache import KVCache
 from llmcli.inference.sampler import Sampler
 from llmcli.inference.sampling import SamplingConfig
 from llmcli.inference.sharing import CoreShare
+from llmcli.inference.speculative import Decoder
 from llmcli.inference.stats import Stats
 from llmcli.inference.system import physical_cores
 from llmcli.inference.vocab import Vocabulary
@@ -117,6 +118,8 @@ class Engine:
             self._share.register(self._share.threads())
         self.vocab = Vocabulary(llama_cpp.llama_model_get_vocab(self._model))
         self._abort = llama_cpp.ggml_abort_callback(lambda _: bool(self.cancel))  # referenced while installed
+        self._one = (llama_cpp.llama_token * 1)()  # the token of a 1-token pass
+        self._batch: Batch | None = None  # a pass of several tokens (a draft to verify)
         self.load_s = time.perf_counter() - started
 
     def _create_context(self, n_cells: int, n_seq_max: int, unified: bool) -> None:
@@ -151,6 +154,10 @@ class Engine:
         share: CoreShare | None = getattr(self, "_share", None)
         if share is not None:
             share.unregister()
+        batch: Batch | None = getattr(self, "_batch", None)
+        if batch is not None:
+            batch.close()
+            self._batch = None
         if getattr(self, "_ctx", None):
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
@@ -257,6 +264,22 @@ class Engine:
             raise self._decode_error(rc, what)
         return True
 
+    def evaluate(self, tokens: Sequence[int], all_logits: bool = False) -> None:
+        """Append `tokens` to sequence 0 in one pass: logits for the last one, or for each (a draft to verify)."""
+        if len(tokens) == 1 and not all_logits:
+            self._one[0] = tokens[0]
+            self._decode_seq0(tokens, llama_cpp.llama_batch_get_one(self._one, 1), "decoding")
+            return
+        if self._batch is None or self._batch.capacity < len(tokens):
+            if self._batch is not None:
+                self._batch.close()
+            self._batch = Batch(max(len(tokens), 16))
+        batch, start = self._batch, self.kv.n_cached
+        batch.clear()
+        for i, token in enumerate(tokens):
+            batch.add(token, start + i, 0, all_logits or i == len(tokens) - 1)
+        self._decode_seq0(tokens, batch.raw, "decoding")
+
     def _decode_seq0(self, tokens: Sequence[int], batch: Any, what: str) -> bool:
         """Evaluate `batch` (holding `tokens`, appended to sequence 0); False when Ctrl-C aborted it."""
         self.kv.appended(tokens)
@@ -307,30 +330,30 @@ class Engine:
             prefilled = max(0, self.kv.n_cached - cached)
 
             answer = Answer(options, len(prompt), self.n_ctx)
-            sample, chain, ctx = llama_cpp.llama_sampler_sample, sampler.chain, self._ctx
+            limit = min(self.n_ctx, len(prompt) + (options.max_tokens or self.n_ctx))
+            decoder = Decoder(self, sampler, prompt, options.speculation, limit)
             is_eog, vocab, piece = llama_cpp.llama_vocab_is_eog, self.vocab.handle, self.vocab.piece
-            one = (llama_cpp.llama_token * 1)()
             steps = 0
             first = last = ttft = 0.0
             share = self._share
-            checked = sampler.checks_grammar
-            while not self.cancel:
-                token = sampler.sample(-1) if checked else sample(chain, ctx, -1)
-                last = time.perf_counter()
-                if share is not None and last >= share.due:
-                    self.adapt_threads(last)
-                if first:
-                    steps += 1
-                else:
-                    first = last
-                text = answer.add(token, is_eog(vocab, token), piece(token))
-                if text:
-                    ttft = ttft or time.perf_counter() - started
-                    yield Token(text)
-                if answer.finish is not None:
-                    break
-                one[0] = token
-                self._decode_seq0((token,), llama_cpp.llama_batch_get_one(one, 1), "decoding")
+            tokens = decoder.tokens()
+            try:
+                for token in tokens if not self.cancel else ():  # Ctrl-C during the prefill: no logits to sample
+                    last = time.perf_counter()
+                    if share is not None and last >= share.due:
+                        self.adapt_threads(last)
+                    if first:
+                        steps += 1
+                    else:
+                        first = last
+                    text = answer.add(token, is_eog(vocab, token), piece(token))
+                    if text:
+                        ttft = ttft or time.perf_counter() - started
+                        yield Token(text)
+                    if answer.finish is not None or self.cancel:
+                        break
+            finally:
+                tokens.close()  # an answer that ended inside a draft: the rest of the draft leaves the cache
 
             text = answer.close()
             if text:
@@ -351,6 +374,8 @@ class Engine:
                 total_s=done - started,
                 seed=None if options.sampling.greedy else seed,
                 threads=self.n_threads,
+                draft_tokens=decoder.drafted,
+                accepted_tokens=decoder.accepted,
             )
             finish = answer.finish or "interrupted"
             yield Done(finish, stats, answer.stop_sequence, answer.format_error(finish))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from llmcli.inference.grammar import Constraint
 from llmcli.inference.sampling import SamplingConfig
+from llmcli.inference.speculative import Speculation
 from llmcli.inference.streaming import AnswerText
 from llmcli.settings import default
 
@@ -22,6 +23,7 @@ class GenerationOptions:
     stops: tuple[str, ...] = ()
     constraint: Constraint = field(default_factory=Constraint)  # what the finished answer must be
     repetition_guard: bool = default("repetition_guard")  # stop an answer caught in a loop
+    speculation: Speculation = field(default_factory=Speculation)  # several tokens a pass when a draft is right
 
 
 # The repetition guard: an answer is caught in a loop when its last LOOP_SPAN tokens (or LOOP_REPEATS

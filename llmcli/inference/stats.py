@@ -22,6 +22,12 @@ class Stats:
     threads: int | None = None  # llama.cpp threads at the end (shared with other llmcli processes unless --threads)
     restored_tokens: int = 0  # of the cached ones, loaded from the prompt cache on disk for this answer
     restore_s: float = 0.0  # finding, checking and loading that saved state (part of the TTFT)
+    draft_tokens: int = 0  # speculative decoding: tokens drafted and verified
+    accepted_tokens: int = 0  # of those, the ones the model agreed with (each saved a pass)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
     def prefill_tps(self) -> float:
@@ -35,6 +41,7 @@ class Stats:
         record: dict[str, float | int | None] = asdict(self)
         record["prefill_tokens_per_s"] = round(self.prefill_tps, 2)
         record["decode_tokens_per_s"] = round(self.decode_tps, 2)
+        record["acceptance"] = round(self.acceptance, 4)
         return record
 
 
@@ -55,6 +62,8 @@ def summary_line(stats: Stats, finish_reason: str, stop_sequence: str | None = N
     answer = f"{stats.completion_tokens} tok"
     if stats.decode_steps:
         answer += f" @ {stats.decode_tps:.1f} tok/s"
+    if stats.draft_tokens:
+        answer += f" ({stats.accepted_tokens}/{stats.draft_tokens} drafted accepted, {100 * stats.acceptance:.0f}%)"
     parts.append(answer)
     parts.append(f"stop: {describe_finish(finish_reason, stop_sequence)}")
     return " · ".join(parts)
