@@ -21,6 +21,7 @@ from llmcli.bench.environment import memory_bandwidth
 from llmcli.bench.plan import BenchPlan
 from llmcli.bench.prompt_cache import kv_type_rows, prompt_cache_rows
 from llmcli.bench.rows import Row
+from llmcli.bench.speculation import pass_cost_rows, speculation_rows
 from llmcli.chat.session import Session
 from llmcli.inference import system
 from llmcli.inference.engine import Engine, EngineConfig
@@ -120,7 +121,7 @@ class Benchmark:
     def run(self) -> Iterator[Progress]:
         plan = self.plan
         per_repetition = (len(plan.depths) * 2 + 5 + len(plan.parallel) + 2 * plan.contention + 2 * len(plan.cache_lengths)
-                          + len(plan.kv_types))
+                          + len(plan.kv_types) + 6 * plan.speculation)
         total = len(self.models) * len(self.threads) * (plan.repetitions * per_repetition + 1)  # + the bandwidth probe
         done = 0
         for model, header in zip(self.models, self.headers, strict=True):
@@ -163,6 +164,9 @@ class Benchmark:
             yield from self._contention_rows(model, threads, row)
         if plan.cache_lengths:
             yield from prompt_cache_rows(model.path, threads, plan.n_batch, plan.cache_lengths, plan.repetitions, row)
+        if plan.speculation:
+            yield from pass_cost_rows(model.path, threads, plan.n_batch, max(plan.prompt_tokens, 256), plan.repetitions, row)
+            yield from speculation_rows(model.path, threads, plan.n_batch, plan.gen_tokens, plan.repetitions, row)
         if plan.kv_types:
             yield from kv_type_rows(model.path, header, threads, plan.n_batch, plan.kv_types, plan.prompt_tokens,
                                     plan.gen_tokens, plan.repetitions, row)

@@ -19,3 +19,4 @@ class BenchPlan:
     contention: bool = False  # two llmcli processes decoding at once: shared cores vs every core each
     cache_lengths: tuple[int, ...] = ()  # prompt lengths for TTFT cold vs warm (prompt cache), e.g. (512, 2048)
     kv_types: tuple[str, ...] = ()  # KV cache types to compare (speed and memory), e.g. ("f16", "q8_0")
+    speculation: bool = False  # pass costs, and decoding with and without drafts (grounded and ungrounded)

@@ -51,6 +51,9 @@ def bench(
         "and the time to save and restore a state.", show_default=False)] = None,
     kv_type: Annotated[Optional[str], typer.Option(
         "--kv-type", help="Also compare KV cache types (speed and memory), e.g. f16,q8_0,q4_0.", show_default=False)] = None,
+    speculate: Annotated[bool, typer.Option(
+        "--speculate", help="Also measure speculative decoding: the cost of an n-token pass, and decode rates with and "
+        "without drafts on a grounded task (copy a text) and an ungrounded one (a story).")] = False,
     output_format: Annotated[str, typer.Option("--format", "-o", help="md, json or csv.")] = "md",
 ) -> None:
     """Run the benchmark (the default when no subcommand is given)."""
@@ -74,6 +77,7 @@ def bench(
         contention=contention,
         cache_lengths=_int_list(prompt_cache, "--prompt-cache", 16) if prompt_cache else (),
         kv_types=_kv_types(kv_type) if kv_type else (),
+        speculation=speculate,
     )
     config = settings.load_config_file()
     default_model = settings.resolve({}, config=config)["model"]
@@ -100,6 +104,8 @@ def _result(row: Any) -> str:
         return f"{row.mean:.3f}×"
     if row.unit == "s":
         return f"{row.mean * 1000:.1f} ± {row.sd * 1000:.1f} ms"
+    if row.unit == "%":
+        return f"{row.mean:.0f} %"
     if row.unit.startswith("%"):
         return f"{row.mean:.1f} {row.unit}"
     if row.unit in ("GB/s", "MiB", "KiB/token"):

@@ -64,6 +64,7 @@ EXAMPLES = {
     "prune": examples("llmcli prune"),
     "bench": examples("llmcli bench", "llmcli bench -m smollm2 -m gemma3-270m -t 1,2 --parallel 1,8",
                       "llmcli bench --contention", "llmcli bench --prompt-cache 512,2048 --kv-type f16,q8_0",
+                      "llmcli bench --speculate -n 256",
                       "llmcli bench --format json > a.json && llmcli bench compare a.json b.json"),
     "cache list": examples("llmcli cache list", "llmcli cache list --json | jq '.[].tokens'"),
     "cache info": examples("llmcli cache info", "llmcli --cache-dir /big/disk cache info"),

@@ -82,7 +82,7 @@ class LookupDrafter:
 # What a draft from each source is worth before anything is measured: the chance that a drafted token is
 # right (given the ones before it were). A long n-gram match is seldom in the wrong place; a draft model's
 # guess is as good as its model.
-PRIOR_ACCEPTANCE = {12: 0.9, 8: 0.85, 5: 0.75, 3: 0.55, 2: 0.4, 0: 0.7}  # n-gram size (0: a draft model)
+PRIOR_ACCEPTANCE = {12: 0.9, 8: 0.85, 5: 0.65, 3: 0.45, 2: 0.35, 0: 0.7}  # n-gram size (0: a draft model)
 PRIOR_WEIGHT = 4.0
 
 
