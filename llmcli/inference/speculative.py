@@ -84,6 +84,7 @@ class LookupDrafter:
 # guess is as good as its model.
 PRIOR_ACCEPTANCE = {12: 0.9, 8: 0.85, 5: 0.65, 3: 0.45, 2: 0.35, 0: 0.7}  # n-gram size (0: a draft model)
 PRIOR_WEIGHT = 4.0
+CALIBRATION_SIZES = (2, 8)  # with the 1-token passes measured anyway; the rest interpolated
 
 
 @dataclass
@@ -118,8 +119,35 @@ class CostModel:
         return expected / (self.pass_cost(k + 1) + self.draft_cost * k)
 
     def pass_cost(self, n_tokens: int) -> float:
-        """A pass of n_tokens, in 1-token passes: measured for this size, else the per-token estimate."""
-        return self.pass_ratio.get(n_tokens) or 1 + self.per_token * (n_tokens - 1)
+        """A pass of n_tokens, in 1-token passes: measured for this size, else interpolated between measured sizes
+        (a pass's cost is far from linear: the first extra token costs most), else the per-token estimate."""
+        if n_tokens in self.pass_ratio:
+            return self.pass_ratio[n_tokens]
+        points = sorted({1: 1.0, **self.pass_ratio}.items())
+        if len(points) == 1:
+            return 1 + self.per_token * (n_tokens - 1)
+        below = [p for p in points if p[0] < n_tokens][-1]
+        above = next((p for p in points if p[0] > n_tokens), None)
+        if above is None:  # beyond the largest measured pass: the slope of the last two
+            below, above = points[-2], points[-1]
+        slope = (above[1] - below[1]) / (above[0] - below[0])
+        return below[1] + slope * (n_tokens - below[0])
+
+    @property
+    def calibrated(self) -> bool:
+        return len(self.pass_ratio) >= 2
+
+    def calibrate(self, engine: Engine, token: int, largest: int) -> None:
+        """Time passes of 2 and 8 tokens (up to `largest` + 1) here, then take them out of the cache again:
+        once per session, when a draft is first worth considering (a fraction of a second)."""
+        for n in CALIBRATION_SIZES:
+            if n > largest + 1:
+                break
+            start = engine.kv.n_cached
+            started = time.perf_counter()
+            engine.evaluate([token] * n, all_logits=n > 1)
+            self.observe_pass(n, time.perf_counter() - started)
+            engine.kv.remove(0, start, -1)
 
     def best_k(self, available: int, source: int) -> tuple[int, float]:
         best, gain = 0, 1.0
@@ -284,9 +312,13 @@ class Decoder:
                 self.lookup.tokens.pop()
             if not candidate:
                 return [], 0
+            if not cost.calibrated:
+                cost.calibrate(self.engine, token, available)
             k = self._choose(len(candidate), source, forced)
             return candidate[:k], source
         model = speculation.draft_model
+        if not cost.calibrated:
+            cost.calibrate(self.engine, token, available)
         k = self._choose(available, 0, forced)
         if model is None or k == 0:
             return [], 0

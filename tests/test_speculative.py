@@ -1,0 +1,129 @@
+"""Speculative decoding (issue 14) through the real CLI, and its parts on their own.
+
+One llama.cpp thread (`-t 1`) where outputs are compared: with more threads llama.cpp's flash attention
+splits a single token's attention over the threads, a different order of additions than a pass of several
+tokens, so a near-tie can resolve differently (see the README)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from conftest import run_cli
+
+from llmcli.inference.speculative import CostModel, LookupDrafter, expected_gain
+
+TEXT = ("The keeper climbed the stairs at dusk, lit the lamp, and wrote the weather in the log: wind from the west, "
+        "light rain, three ships passing close to the rocks.")
+
+
+def _chat(mode: str, lines: list[str], *args: str) -> list[dict]:
+    result = run_cli("chat", "--json", "--no-save", "-t", "1", "--speculate", mode, *args, input="\n".join(lines) + "\n")
+    assert result.code == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def _turns() -> list[str]:
+    """22 varied prompts; between them /clear (each answers alone) and settings that end answers in drafts."""
+    prompts = [f"Repeat this sentence exactly: {TEXT}", "Name three planets.", "Repeat exactly: one two three four five six",
+               f"Copy this text: {TEXT}", "What is 12 times 12?", "Write a haiku about a lighthouse.",
+               "Say 'the cat sat on the mat' three times.", f"Summarize in one line: {TEXT}",
+               "Count from one to twelve in words.", "What is the capital of France?",
+               "Spell the word lighthouse letter by letter.", f"Repeat twice: {TEXT[:60]}",
+               "List the days of the week.", "Describe the sea in one sentence.", "What colour is the sky at night?",
+               "Give me a word that rhymes with rain.", "Translate 'good morning' into French.",
+               "Write the alphabet in capitals.", "Why do ships need lighthouses?", "What is a keeper's log?"]
+    lines = []
+    for i, prompt in enumerate(prompts):
+        lines += ["/clear", prompt]
+        if i == 3:
+            lines += ["/clear", "/set stop rain", f"Repeat this sentence exactly: {TEXT}", "/set stop none"]
+        if i == 7:
+            lines += ["/clear", "/set max_tokens 13", f"Repeat this sentence exactly: {TEXT}", "/set max_tokens 48"]
+    return lines
+
+
+def test_greedy_answers_are_identical_with_and_without_drafts():
+    lines = _turns()
+    plain = _chat("off", lines, "--temp", "0", "-n", "48")
+    drafted = _chat("lookup", lines, "--temp", "0", "-n", "48")
+    assert len(plain) == len(drafted) == 22
+    assert [r["text"] for r in drafted] == [r["text"] for r in plain]
+    assert [r["finish_reason"] for r in drafted] == [r["finish_reason"] for r in plain]
+    timings = [r["timings"] for r in drafted]
+    assert sum(t["accepted_tokens"] for t in timings) > 50  # drafts were made and right, many tokens a pass
+    stopped = next(r for r in drafted if r["finish_reason"] == "stop_sequence")
+    assert stopped["timings"]["accepted_tokens"] > 0 and "rain" not in stopped["text"]  # a stop inside a draft
+    cut = next(r for r in drafted if r["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 13)
+    assert cut["timings"]["accepted_tokens"] > 0  # -n reached inside a draft
+    assert all(r["timings"]["draft_tokens"] == 0 for r in plain)
+
+
+def test_sampled_answers_follow_the_seed_with_drafts_as_without():
+    lines = []
+    for seed in range(30):
+        lines += ["/clear", f"/set seed {seed}", f"Repeat this sentence exactly: {TEXT}"]
+    args = ("--temp", "0.9", "-n", "12")
+    plain = _chat("off", lines, *args)
+    drafted = _chat("lookup", lines, *args)
+    again = _chat("lookup", lines[:9], *args)
+    assert [r["text"] for r in again] == [r["text"] for r in drafted[:3]]  # reproducible with a seed
+    assert sum(r["timings"]["accepted_tokens"] for r in drafted) > 20
+    # The sampler chain sees every token in order and draws one random number per token, drafted or not:
+    # each seed gives the answer plain sampling gives, so the distributions are the same (chi-squared 0).
+    assert [r["text"] for r in drafted] == [r["text"] for r in plain]
+    answers = Counter(r["text"] for r in drafted)
+    assert len(answers) > 5  # really sampled: the seeds give different answers
+
+
+def test_draft_model_must_share_the_vocabulary_and_agrees_with_itself(smollm2, gemma3):
+    refused = run_cli("run", "-m", str(smollm2), "--draft-model", str(gemma3), "hi")
+    assert refused.code == 2 and "cannot draft for this model" in refused.stderr and "262144" in refused.stderr
+    needs = run_cli("run", "--speculate", "draft", "hi")
+    assert needs.code == 2 and "--draft-model" in needs.stderr
+    same = run_cli("run", "-t", "1", "--json", "--temp", "0", "-n", "24", "--speculate", "draft",
+                   "--draft-model", str(smollm2), "Name three planets.")
+    assert same.code == 0, same.stderr
+    timings = json.loads(same.stdout)["timings"]
+    assert timings["draft_tokens"] > 0 and timings["accepted_tokens"] == timings["draft_tokens"]  # 100 %
+    plain = run_cli("run", "-t", "1", "--json", "--temp", "0", "-n", "24", "--speculate", "off", "Name three planets.")
+    assert json.loads(plain.stdout)["text"] == json.loads(same.stdout)["text"]
+    assert "drafted accepted, 100%" in same.stderr
+
+
+def test_gemma_copies_with_drafts_identically(gemma3):
+    text = (TEXT + " ") * 3 + "\n\nThe same text, copied again word for word:\n\n"
+    runs = {mode: run_cli("run", "-m", str(gemma3), "-t", "1", "--json", "--temp", "0", "-n", "40", "--speculate", mode,
+                          "-", input=text) for mode in ("off", "lookup")}
+    records = {mode: json.loads(r.stdout) for mode, r in runs.items()}
+    assert records["lookup"]["text"] == records["off"]["text"]
+    assert records["lookup"]["timings"]["accepted_tokens"] > 20
+
+
+# -- the parts on their own ------------------------------------------------------------------------
+
+def test_lookup_drafts_what_followed_the_latest_longest_match():
+    drafter = LookupDrafter([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3])
+    draft, n = drafter.draft(4)
+    assert draft == [4, 5, 6, 7] and n == 3  # the last 3 tokens occurred before: what followed them
+    drafter.append(4)
+    assert drafter.draft(2) == ([5, 6], 3)  # the longest size that matches (3: [2, 3, 4])
+    assert LookupDrafter([1, 2, 3, 4]).draft(4) == ([], 0)  # nothing repeats: no draft
+
+
+def test_the_cost_model_drafts_only_when_it_pays():
+    cost = CostModel(per_token=0.5)
+    assert cost.best_k(16, 2)[0] == 0  # a 2-gram match is a weak guess: no draft at 35 % acceptance
+    k, gain = cost.best_k(16, 12)
+    assert k >= 2 and gain > 1.05  # a 12-gram match is a good one
+    for _ in range(20):
+        cost.observe_acceptance(12, 8, 8)
+    assert cost.best_k(16, 12)[0] > k  # always right: longer drafts
+    for _ in range(40):
+        cost.observe_acceptance(12, 4, 0)
+    assert cost.best_k(16, 12)[0] == 0  # always wrong: stop drafting
+    cost.observe_pass(1, 0.010)
+    cost.observe_pass(9, 0.080)  # a 9-token pass as dear as 8 single ones: drafting cannot pay
+    assert cost.pass_cost(9) == pytest.approx(8.0)
+    assert expected_gain(0.9, 4.0, 8) == pytest.approx((1 - 0.9**9) / 0.1 / 4.0)
