@@ -153,6 +153,8 @@ def _speculation(effective: settings.Settings, engine: Engine, config: EngineCon
                  cancel: Cancellation) -> Speculation:
     """How to decode; with --draft-model, that model loaded beside the target and checked against its vocabulary."""
     mode, reference = effective["speculate"], effective["draft_model"]
+    if reference and effective.sources["speculate"] == "default":
+        mode = "auto"  # a draft model given is a draft model to use
     if mode == "draft" and not reference:
         raise UsageError("--speculate draft needs a --draft-model", hint="Or --speculate lookup: drafts from the prompt.")
     if not reference or mode in ("off", "lookup"):

@@ -156,10 +156,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _s("batch_size", int, 512, "Prompt tokens evaluated per step.", "--batch-size", "-b", panel=ENGINE, **_at_least(1)),
     _s("mlock", bool, False, "Keep the weights in RAM.", "--mlock/--no-mlock", panel=ENGINE),
     _s("mmap", bool, True, "Map the model file instead of reading it.", "--mmap/--no-mmap", panel=ENGINE),
-    _s("speculate", str, "auto", "Speculative decoding: several tokens a pass when a draft is right. auto drafts (from the "
-       "prompt, or --draft-model) only when it measures a gain; lookup and draft always do; off never.",
+    _s("speculate", str, "off", "Speculative decoding: several tokens a pass when a draft is right. auto drafts (from the "
+       "prompt, or --draft-model) when its cost model expects a gain; lookup and draft always do; off never.",
        choices=("auto", "lookup", "draft", "off"), panel=ENGINE),
-    _s("draft_model", str, None, "A small model with the same vocabulary that drafts tokens for --speculate auto or draft.",
+    _s("draft_model", str, None, "A small model with the same vocabulary that drafts tokens (--speculate auto, unless "
+       "given).",
        panel=ENGINE, default_text="none: drafts come from the prompt and the answer"),
     _s("draft_max", int, 16, "The most tokens drafted for one pass.", panel=ENGINE,
        check=lambda v: 1 <= v <= 32, rule="must be in [1, 32]"),

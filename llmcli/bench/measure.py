@@ -31,6 +31,7 @@ from llmcli.inference.parallel import BatchItem, BatchRun
 from llmcli.inference.parallel import plan as batch_planned
 from llmcli.inference.raw import RawLoop
 from llmcli.inference.sampling import greedy_without_end
+from llmcli.inference.speculative import Speculation
 from llmcli.interrupt import Cancellation
 from llmcli.store.gguf_header import GGUFHeader
 from llmcli.store.models import ResolvedModel
@@ -57,7 +58,8 @@ class _Subject:
         self.raw, self.session = RawLoop(engine), Session(engine)
         # Greedy with end-of-generation banned: every run yields exactly gen_tokens, in both paths.
         self.sampling = greedy_without_end(engine.vocab.end_of_generation_tokens())
-        self.generation = GenerationOptions(self.sampling, plan.gen_tokens)
+        # Plain decoding: the overhead rows compare the Python layer with the raw loop, token for token.
+        self.generation = GenerationOptions(self.sampling, plan.gen_tokens, speculation=Speculation("off"))
         n_corpus = max(plan.depths) + plan.prompt_tokens
         self.corpus = engine.vocab.tokenize(FILLER * (engine.n_ctx // 20 + 8), add_special=True)[:n_corpus]
         self.pp_text, self.pp_tokens = self._text_of_about(plan.prompt_tokens)
@@ -101,7 +103,7 @@ class _Subject:
         return self._ask(TTFT_PROMPT, self.generation).stats.decode_tps
 
     def ttft(self) -> float:
-        return self._ask(TTFT_PROMPT, GenerationOptions(self.sampling, 1)).stats.ttft_s
+        return self._ask(TTFT_PROMPT, GenerationOptions(self.sampling, 1, speculation=Speculation("off"))).stats.ttft_s
 
     def _ask(self, text: str, generation: GenerationOptions) -> Done:
         self.engine.kv.clear()
@@ -200,7 +202,7 @@ class Benchmark:
 
             def batch(n: int, gen_tokens: int) -> float:
                 items = [BatchItem(i, f"{TTFT_PROMPT} ({i})") for i in range(n)]
-                generation = GenerationOptions(sampling, gen_tokens)
+                generation = GenerationOptions(sampling, gen_tokens, speculation=Speculation("off"))
                 batch_plan = batch_planned(items, lambda text: session.render(text).tokens, engine, generation, n)
                 engine.resize(batch_plan.cells, batch_plan.n_sequences)
                 run = BatchRun(engine, batch_plan, generation, Cancellation(), lambda index, record: None)

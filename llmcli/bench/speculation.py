@@ -20,19 +20,24 @@ from llmcli.inference.sampling import SamplingConfig
 from llmcli.inference.speculative import Speculation
 
 PASS_SIZES = (1, 2, 4, 8, 12, 16)
-GROUNDED = (
+GROUNDED = (  # about 450 tokens: a 256-token answer that copies it stays inside it
     "The history of the lighthouse at the northern cape begins in the winter of the great storm, when three fishing "
     "boats were lost on the rocks below the cliff. The villagers gathered in the church hall and agreed that a light "
     "must be built before the next winter. The mayor wrote to the harbour board, the harbour board wrote to the "
     "ministry, and the ministry sent an engineer named Clara Holm, who arrived in the spring with a trunk of drawings "
-    "and a very old dog. Clara walked the cliff for a week before she chose the place. She wanted the tower to stand "
+    "and a very old dog.\nClara walked the cliff for a week before she chose the place. She wanted the tower to stand "
     "on the hard grey stone, not on the softer red rock that the sea had been eating for centuries. The builders "
     "complained that the grey stone was further from the road, but she showed them the cracks in the red rock and "
     "they stopped complaining. The foundations were laid in June, the walls rose through the summer, and by the "
-    "first autumn gales the lamp room was glazed and the great lens had been carried up the stairs piece by piece. "
+    "first autumn gales the lamp room was glazed and the great lens had been carried up the stairs piece by piece.\n"
     "The first keeper was a retired sailor called Tomas, who kept a careful log of every ship he saw. His log records "
     "the weather each morning and evening, the oil burned each night, and the names of the ships that passed close "
-    "enough to read."
+    "enough to read. In the first year he counted four hundred and twelve ships, and not one of them was lost on the "
+    "rocks below the cliff. The villagers said that the light had paid for itself in the first month, and the "
+    "harbour board agreed.\nWhen electricity reached the cape, the oil lamp was replaced by a bulb and the keeper's "
+    "cottage was turned into a small museum. Visitors can still climb the stairs to the lamp room, read the pages of "
+    "the log, and look out over the water where the three boats were lost. On clear nights the light can be seen "
+    "from the far side of the bay, turning slowly, as it has every night for more than a century."
 )
 GROUNDED_PROMPT = GROUNDED + "\n\nThe same text, copied again word for word:\n\n"
 UNGROUNDED_PROMPT = "Once upon a time, in a small village by the sea, there lived a girl who"

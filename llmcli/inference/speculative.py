@@ -181,8 +181,8 @@ class Speculation:
     """How to decode: `mode` (auto, lookup, draft, off), at most `max_draft` tokens a pass, the draft model
     if any; one cost model shared by the answers of a session (a chat learns across turns)."""
 
-    mode: str = "auto"
-    max_draft: int = 8
+    mode: str = "off"
+    max_draft: int = 16
     draft_model: DraftModel | None = None
     cost: CostModel = field(default_factory=CostModel)
 
