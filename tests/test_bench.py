@@ -67,6 +67,19 @@ def test_prompt_cache_and_kv_type_rows():
     assert run_cli("bench", "--kv-type", "f32").code == 2
 
 
+def test_speculation_rows():
+    result = run_cli("bench", "-p", "16", "-n", "16", "-r", "1", "--speculate", "--format", "json")
+    assert result.code == 0, result.stderr
+    rows = {(r["test"], r["path"]): r for r in json.loads(result.stdout)["results"]}
+    costs = [rows[(f"pass of {n} @ d256", "speculative")]["mean"] for n in (2, 4, 8, 12, 16)]
+    assert all(c > 1 for c in costs) and costs == sorted(costs)  # more tokens a pass cost more, less than in proportion
+    assert costs[-1] < 16
+    for mode in ("lookup", "auto"):
+        assert rows[("tg16 grounded", f"speculate {mode}")]["mean"] > 0
+        assert rows[("speed-up grounded", f"speculate {mode} / off")]["unit"] == "x"
+    assert ("acceptance ungrounded", "speculate auto") in rows and ("tg16 ungrounded", "speculate off") in rows
+
+
 def test_csv_header_and_environment_columns():
     result = run_cli("bench", "-p", "16", "-n", "8", "-r", "1", "--format", "csv")
     assert result.code == 0, result.stderr
