@@ -85,6 +85,7 @@ class LookupDrafter:
 PRIOR_ACCEPTANCE = {12: 0.9, 8: 0.85, 5: 0.65, 3: 0.45, 2: 0.35, 0: 0.7}  # n-gram size (0: a draft model)
 PRIOR_WEIGHT = 4.0
 CALIBRATION_SIZES = (2, 8)  # with the 1-token passes measured anyway; the rest interpolated
+CALIBRATE_FROM = 8  # auto times passes (once a session) when an n-gram match at least this long appears
 
 
 @dataclass
@@ -313,6 +314,8 @@ class Decoder:
             if not candidate:
                 return [], 0
             if not cost.calibrated:
+                if not forced and source < CALIBRATE_FROM:
+                    return [], 0  # a short match in an answer that copies nothing: not worth timing passes for
                 cost.calibrate(self.engine, token, available)
             k = self._choose(len(candidate), source, forced)
             return candidate[:k], source
