@@ -86,9 +86,7 @@ def resolve_settings(request: Request, on_progress: ProgressCallback | None = No
     """The effective settings and model (downloaded if it must be), without loading any weights."""
     config = settings.load_config_file()
     first = settings.resolve(request.settings, request.profile, config=config)
-    fetch = Fetch(offline=request.offline, force=request.force, timeout=first["hub_timeout"],
-                  on_progress=on_progress, on_waiting=on_waiting)
-    model = models.resolve(first["model"], config.aliases, fetch)
+    model = models.resolve(first["model"], config.aliases, fetch_for(request, first, on_progress, on_waiting))
     defaults = settings.model_defaults(read_header(model.path).metadata)
     return settings.resolve(request.settings, request.profile, defaults, config), model
 
@@ -145,8 +143,11 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
     return Pipeline(effective, model, engine, session, generation, cancel, request.force)
 
 
-def fetch_for(request: Request, effective: settings.Settings) -> Fetch:
-    return Fetch(offline=request.offline, force=request.force, timeout=effective["hub_timeout"])
+def fetch_for(request: Request, effective: settings.Settings, on_progress: ProgressCallback | None = None,
+              on_waiting: WaitingNotice | None = None) -> Fetch:
+    """How this request may reach the Hub (--offline, --force, --hub-timeout)."""
+    return Fetch(offline=request.offline, force=request.force, timeout=effective["hub_timeout"],
+                 on_progress=on_progress, on_waiting=on_waiting)
 
 
 def _speculation(effective: settings.Settings, engine: Engine, config: EngineConfig, fetch: Fetch,

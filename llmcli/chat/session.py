@@ -21,6 +21,7 @@ from llmcli.inference.events import Done, Notice, Token
 from llmcli.inference.generation import GenerationOptions
 from llmcli.inference.prompt_cache import PromptCache
 from llmcli.settings import default
+from llmcli.store.prompt_store import shared_prefix
 
 
 @dataclass(frozen=True)
@@ -162,11 +163,7 @@ class Session:
     def _stable_tokens(self, prompt: list[int], stable_text: str) -> int:
         """How many tokens of `prompt` a message that starts with `stable_text` shares, at most all but the
         last one (a state that ends there also serves the same prompt again)."""
-        alone = self.render(stable_text).tokens
-        shared = 0
-        while shared < min(len(alone), len(prompt)) and alone[shared] == prompt[shared]:
-            shared += 1
-        return min(shared, len(prompt) - 1)
+        return min(shared_prefix(self.render(stable_text).tokens, prompt), len(prompt) - 1)
 
     def _restore(self, tokens: list[int], limit: int | None = None) -> tuple[int, float]:
         """Start from the prompt cache's longest saved prefix of `tokens` (of its first `limit`):

@@ -15,6 +15,8 @@ from typing import Any
 
 import llama_cpp
 
+from llmcli.store.prompt_store import shared_prefix
+
 
 class KVCache:
     def __init__(self, ctx: Any, n_ctx: int, n_swa: int):
@@ -38,11 +40,7 @@ class KVCache:
 
     def shared_prefix(self, prompt: Sequence[int]) -> int:
         """How many leading tokens of `prompt` sequence 0 holds now."""
-        limit = min(len(self._tokens), len(prompt))
-        keep = 0
-        while keep < limit and self._tokens[keep] == prompt[keep]:
-            keep += 1
-        return keep
+        return shared_prefix(self._tokens, prompt)
 
     # -- bookkeeping of what the engine evaluates ----------------------------------------------
 

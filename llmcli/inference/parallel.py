@@ -34,6 +34,7 @@ from llmcli.inference.generation import Answer, GenerationOptions
 from llmcli.inference.sampler import Sampler
 from llmcli.inference.stats import Stats
 from llmcli.interrupt import Cancellation
+from llmcli.store.prompt_store import shared_prefix
 
 Record = dict[str, Any]
 
@@ -116,10 +117,8 @@ def plan(items: list[BatchItem], render: Callable[[str], list[int]], engine: Eng
         planned.append(item)
     prompts = list(tokens.values())
     shared = 0
-    if len(prompts) > 1:
-        first, shortest = prompts[0], min(len(p) for p in prompts)
-        while shared < shortest - 1 and all(p[shared] == first[shared] for p in prompts):
-            shared += 1
+    if len(prompts) > 1:  # each prompt keeps at least one token of its own: its logits give the first answer token
+        shared = min(min(shared_prefix(prompts[0], p) for p in prompts), min(len(p) for p in prompts) - 1)
     n_slots = max(1, min(n_parallel, len(prompts)))
     longest_rest = max((len(p) - shared for p in prompts), default=1)
     room = generation.max_tokens or answer_room

@@ -248,7 +248,8 @@ class Decoder:
         if self.mode == "auto" and speculation.draft_model is not None:
             self.mode = "auto-draft"
         self.lookup = LookupDrafter(prompt) if self.mode in ("auto", "lookup") else None
-        self.history = list(prompt)  # prompt and answer so far, for the draft model
+        # Prompt and answer so far, for the draft model (a lookup keeps its own copy).
+        self.history = list(prompt) if speculation.draft_model is not None else None
         self.drafted = self.accepted = self.passes = 0
         self._since_draft = 0
 
@@ -256,8 +257,14 @@ class Decoder:
         engine, sampler, cost = self.engine, self.sampler, self.speculation.cost
         token = sampler.sample(-1)
         yield token
+        if self.mode == "off":  # plain decoding: the per-token loop does nothing else
+            while True:
+                engine.evaluate([token])
+                self.passes += 1
+                token = sampler.sample(-1)
+                yield token
         while True:
-            draft, source = self._draft(token) if self.mode != "off" else ([], 0)
+            draft, source = self._draft(token)
             started = time.perf_counter()
             if not draft:
                 engine.evaluate([token])
@@ -295,7 +302,8 @@ class Decoder:
     def _appended(self, token: int) -> None:
         if self.lookup is not None:
             self.lookup.append(token)
-        self.history.append(token)
+        if self.history is not None:
+            self.history.append(token)
 
     def _draft(self, token: int) -> tuple[list[int], int]:
         """The draft to verify with `token` (pending) and its source, or ([], 0) for a plain pass."""
@@ -323,7 +331,7 @@ class Decoder:
         if not cost.calibrated:
             cost.calibrate(self.engine, token, available)
         k = self._choose(available, 0, forced)
-        if model is None or k == 0:
+        if model is None or self.history is None or k == 0:
             return [], 0
         started = time.perf_counter()
         draft = model.draft([*self.history, token], k)

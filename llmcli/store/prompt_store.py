@@ -268,24 +268,20 @@ class PromptStore:
         return removed
 
     def remove(self, path: Path) -> None:
-        """Remove an entry and the block pointers that name it."""
-        remove_entry(path)
-
-
-def remove_entry(path: Path) -> None:
-    entry_id = path.name.removesuffix(".kv")
-    blocks = path.parent.parent / "blocks"
-    with contextlib.suppress(OSError, BadEntry):
-        key, tokens = _header_tokens(path)
-        for block_hash in block_hashes(key, tokens):
-            pointer = blocks / block_hash
-            others = [other for other in _ids(pointer) if other != entry_id and (path.parent / f"{other}.kv").is_file()]
-            with contextlib.suppress(OSError):
-                if others:
-                    _write_atomic(pointer, "".join(f"{other}\n" for other in others))
-                else:
-                    pointer.unlink()
-    _unlink(path)
+        """Remove an entry and the block pointers that name it (an entry of any key: eviction spans them all)."""
+        entry_id = path.name.removesuffix(".kv")
+        blocks = path.parent.parent / "blocks"
+        with contextlib.suppress(OSError, BadEntry):
+            key, tokens = _header_tokens(path)
+            for block_hash in block_hashes(key, tokens):
+                pointer = blocks / block_hash
+                others = [other for other in _ids(pointer) if other != entry_id and (path.parent / f"{other}.kv").is_file()]
+                with contextlib.suppress(OSError):
+                    if others:
+                        _write_atomic(pointer, "".join(f"{other}\n" for other in others))
+                    else:
+                        pointer.unlink()
+        _unlink(path)
 
 
 def _header(handle: Any) -> tuple[dict[str, Any], int]:
