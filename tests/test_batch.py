@@ -88,7 +88,10 @@ def test_ctrl_c_leaves_valid_jsonl_with_interrupted_records(tmp_path):
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first = proc.stdout.readline()  # the first answer is written as soon as it is done
     proc.send_signal(signal.SIGINT)
-    rest, err = proc.communicate(timeout=60)
+    # Read the rest through the same buffered reader: readline may already hold the next line (two answers
+    # that end in the same step), which communicate() would skip by reading the pipe underneath.
+    rest, err = proc.stdout.read(), proc.stderr.read()
+    proc.wait(timeout=60)
     assert proc.returncode == 130, err
     records = [json.loads(line) for line in (first + rest).decode().splitlines()]
     assert [r["index"] for r in records] == list(range(12))  # one line per input, in order
