@@ -14,14 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from llmcli import paths, settings
-from llmcli.chat.session import PromptOptions, Session
+from llmcli.chat.session import PromptOptions, RenderedPrompt, Session, find_template, render_prompt
+from llmcli.chat.templates import ChatTemplate, Message
 from llmcli.errors import UsageError
-from llmcli.inference.engine import Engine, EngineConfig, default_context
+from llmcli.inference.engine import CELL_PADDING, Engine, EngineConfig, default_context
 from llmcli.inference.generation import GenerationOptions
 from llmcli.inference.grammar import build_constraint
 from llmcli.inference.prompt_cache import GIB, PromptCache, PromptCacheConfig
+from llmcli.inference.reasoning import opens_thinking
 from llmcli.inference.sampling import SamplingConfig, parse_logit_bias
 from llmcli.inference.speculative import DraftModel, Speculation
+from llmcli.inference.vocab import VocabularyFile
 from llmcli.interrupt import Cancellation
 from llmcli.store import memory, models
 from llmcli.store.cache import Fetch, ProgressCallback, WaitingNotice
@@ -76,6 +79,13 @@ class Pipeline:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def generation_for_batch(self) -> GenerationOptions:
+        """The generation options of a --batch: its prompts share the template, so whether the template opens
+        a think block for the model is the same for all of them."""
+        if self.generation.reasoning and opens_thinking(self.session.render("").text):
+            return dataclasses.replace(self.generation, thinking_open=True)
+        return self.generation
+
     def prompt_tokens(self, text: str) -> list[int]:
         """The tokens of `text` as a new user message (template and system prompt applied)."""
         return self.session.render(text).tokens
@@ -121,7 +131,8 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
         biases = parse_logit_bias(list(request.logit_bias), lambda t: vocab.tokenize(t, add_special=False), vocab.n_tokens)
         sampling = SamplingConfig.from_settings(effective.values, logit_bias=biases, grammar=constraint.grammar,
                                                 grammar_origin=constraint.origin)
-        prompt = PromptOptions(effective["system"], request.raw, request.template_file, effective["on_overflow"])
+        prompt = PromptOptions(effective["system"], request.raw, request.template_file, effective["on_overflow"],
+                               effective["think"])
         cache = None
         if effective["prompt_cache"] and not request.batch:
             cache = PromptCache(engine, PromptCacheConfig(paths.prompt_cache_dir(), effective["prompt_cache_min"],
@@ -139,8 +150,52 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
         engine.close()
         raise
     generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]), constraint,
-                                   effective["repetition_guard"], speculation)
+                                   effective["repetition_guard"], speculation, reasoning=effective["reasoning"] != "stdout")
     return Pipeline(effective, model, engine, session, generation, cancel, request.force)
+
+
+@dataclass
+class Tokenizer:
+    """A model's vocabulary and chat template without its weights (`llmcli count`, `llmcli tokenize`): the
+    tokens a prompt will have, as `run` would evaluate them, in milliseconds."""
+
+    settings: settings.Settings
+    model: models.ResolvedModel
+    vocabulary: VocabularyFile
+    template: ChatTemplate | None
+    prompt: PromptOptions
+    n_ctx: int  # the context `run` would have, with these settings
+    notices: list[str]
+
+    def raw(self, text: str) -> list[int]:
+        """The tokens of `text` sent as-is (as `run --raw` sends it)."""
+        return self.vocabulary.vocab.tokenize(text, add_special=True)
+
+    def chat(self, text: str) -> RenderedPrompt:
+        """The rendered prompt of `text` as a new message: system prompt and template applied (as `run` does)."""
+        messages = ([Message("system", self.prompt.system)] if self.prompt.system else []) + [Message("user", text)]
+        return render_prompt(self.template, self.vocabulary.vocab, messages, self.prompt)
+
+    def close(self) -> None:
+        self.vocabulary.close()
+
+    def __enter__(self) -> Tokenizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_tokenizer(request: Request) -> Tokenizer:
+    """The vocabulary (llama.cpp's vocab_only load: no weights) and template of the request's model."""
+    effective, model = resolve_settings(request)
+    header = read_header(model.path)
+    prompt = PromptOptions(effective["system"], request.raw, request.template_file, effective["on_overflow"],
+                           effective["think"])
+    template, notices = find_template(header, prompt)
+    requested = effective["ctx_size"] or default_context(header.context_length)
+    n_ctx = -(-requested // CELL_PADDING) * CELL_PADDING  # as llama.cpp pads it
+    return Tokenizer(effective, model, VocabularyFile(model.path), template, prompt, n_ctx, notices)
 
 
 def fetch_for(request: Request, effective: settings.Settings, on_progress: ProgressCallback | None = None,

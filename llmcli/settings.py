@@ -33,7 +33,7 @@ from llmcli import paths
 from llmcli.errors import UsageError
 
 # Help panels
-MODEL, SAMPLING, ENGINE, CACHE = "Model and prompt", "Sampling and stopping", "Engine", "Prompt cache"
+MODEL, SAMPLING, ENGINE, CACHE, OUTPUT = "Model and prompt", "Sampling and stopping", "Engine", "Prompt cache", "Output"
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _s("model", str, None, "A .gguf path, OWNER/REPO[:QUANT] from Hugging Face, an alias or an installed model.",
        "--model", "-m", panel=MODEL, default_text="the config file's, else the first installed model"),
     _s("system", str, None, "System prompt.", "--system", "-s", panel=MODEL, chat=True),
+    _s("think", bool, None, "Reasoning models: let the model think first, or not (the chat template's "
+       "enable_thinking); no effect on models without the switch.", "--think/--no-think", panel=MODEL,
+       default_text="the template's default", chat=True),
+    _s("reasoning", str, "show", "Where a reasoning model's thinking goes: show (dimmed before the answer on a "
+       "terminal, left out when piped), hide, stderr, or stdout (kept in the answer with its <think> tags).",
+       choices=("show", "hide", "stderr", "stdout"), panel=OUTPUT),
     _s("temp", float, 0.8, "Temperature; 0 picks the most likely token (greedy).",
        check=lambda v: v >= 0, rule="must be >= 0", model_key=_SAMPLING_KEY + "temp", chat=True),
     _s("top_k", int, 40, "Keep the K most likely tokens; 0 disables.",

@@ -101,8 +101,9 @@ class Conversation:
                 if interrupted and self.history:
                     self.history[-1] = dataclasses.replace(self.history[-1], interrupted=True)
                 reply = self.history[-1].content if self.history else ""
-                self._write({"type": "exchange", "user": text, **answer_record(reply, event),
-                             "interrupted": interrupted, "sampling": self.settings_record()})
+                record = answer_record(reply, event, reasoning=self.session.last_reasoning)
+                self._write({"type": "exchange", "user": text, **record, "interrupted": interrupted,
+                             "sampling": self.settings_record()})
             yield event
         if self.save_failure is not None:
             yield Notice(self.take_save_failure() or "")
@@ -165,8 +166,8 @@ class Conversation:
         if key == "system":
             self.set_system(parsed)
             return "system prompt set" if parsed else "system prompt removed"
-        if key == "on_overflow":
-            self.session.options = dataclasses.replace(self.session.options, on_overflow=parsed)
+        if key in ("on_overflow", "think"):
+            self.session.options = dataclasses.replace(self.session.options, **{key: parsed})
         elif key in SETTING_FIELDS:
             sampling = dataclasses.replace(self.generation.sampling, **{key: parsed})
             self.generation = dataclasses.replace(self.generation, sampling=sampling)

@@ -20,7 +20,10 @@ from llmcli.inference.engine import Engine
 from llmcli.inference.events import Done, Notice, Token
 from llmcli.inference.generation import GenerationOptions
 from llmcli.inference.prompt_cache import PromptCache
+from llmcli.inference.reasoning import opens_thinking
+from llmcli.inference.vocab import Vocabulary
 from llmcli.settings import default
+from llmcli.store.gguf_header import GGUFHeader
 from llmcli.store.prompt_store import shared_prefix
 
 
@@ -30,12 +33,56 @@ class PromptOptions:
     raw: bool = False  # send the text as-is: no template (base models)
     template_file: Path | None = None  # overrides the template stored in the model
     on_overflow: str = default("on_overflow")  # or "truncate": drop the start of the message until it fits
+    think: bool | None = None  # --think / --no-think: passed to the template; None: its default
 
 
 @dataclass(frozen=True)
 class RenderedPrompt:
     text: str
     tokens: list[int]
+
+
+def find_template(header: GGUFHeader, options: PromptOptions) -> tuple[ChatTemplate | None, list[str]]:
+    """The chat template to use (--chat-template-file, else the model's; None: --raw or none stored), and
+    notices for the user (no template; a --think the template does not read)."""
+    if options.raw:
+        return None, []
+    path = options.template_file
+    if path is not None:
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"cannot read --chat-template-file {path}: {exc}") from None
+        template = ChatTemplate(source, str(path))
+    else:
+        stored = header.chat_template
+        if stored is None:
+            return None, ["this model has no chat template; sending the prompt as-is (--raw)"]
+        template = ChatTemplate(stored, "model")
+    templates.check(template)
+    if options.think is not None and not any(name in template.source for name in thinking_variables(True)):
+        flag = "--think" if options.think else "--no-think"
+        return template, [f"this model's chat template has no thinking switch: {flag} changes nothing"]
+    return template, []
+
+
+def render_prompt(template: ChatTemplate | None, vocab: Vocabulary, messages: list[Message],
+                  options: PromptOptions) -> RenderedPrompt:
+    """Messages -> the exact text and tokens the model sees: the chat template (with --think/--no-think), or
+    without one the contents joined by blank lines."""
+    if template is None:
+        text = "\n\n".join(m.content for m in messages)
+        return RenderedPrompt(text, vocab.tokenize(text, add_special=True))
+    bos = vocab.bos_text
+    text = template.render(messages, bos_token=bos, eos_token=vocab.eos_text, variables=thinking_variables(options.think))
+    # A template that writes the BOS token itself must not get a second one from the tokenizer.
+    return RenderedPrompt(text, vocab.tokenize(text, add_special=not (bos and text.startswith(bos))))
+
+
+def thinking_variables(think: bool | None) -> dict[str, bool]:
+    """--think / --no-think as the templates of reasoning models read it: Qwen3's `enable_thinking`, Granite's
+    `thinking`; nothing when not given (the template's own default)."""
+    return {} if think is None else {"enable_thinking": think, "thinking": think}
 
 
 class Session:
@@ -49,25 +96,14 @@ class Session:
         self.options = options = options or PromptOptions()
         self.history: list[Message] = []
         self.notices: list[str] = []  # warnings for the user, printed by the CLI
-        self.template = None if options.raw else self._find_template()
+        self.template = self._find_template()
         self._load_s = engine.load_s  # reported once, with the first answer
         self._last_prompt_tokens = 0  # the length of the last prompt asked
+        self.last_reasoning: str | None = None  # the reasoning (think block) of the last answer, not in the history
 
     def _find_template(self) -> ChatTemplate | None:
-        path = self.options.template_file
-        if path is not None:
-            try:
-                source = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                raise UsageError(f"cannot read --chat-template-file {path}: {exc}") from None
-            template = ChatTemplate(source, str(path))
-        else:
-            stored = self.engine.header.chat_template
-            if stored is None:
-                self.notices.append("this model has no chat template; sending the prompt as-is (--raw)")
-                return None
-            template = ChatTemplate(stored, "model")
-        templates.check(template)
+        template, notices = find_template(self.engine.header, self.options)
+        self.notices += notices
         return template
 
     @property
@@ -80,15 +116,7 @@ class Session:
 
     def render(self, user_text: str, history: list[Message] | None = None) -> RenderedPrompt:
         """The exact text and tokens the model will see for this new message (after `history`, else the session's)."""
-        messages = self.messages_with(user_text, history)
-        if self.template is None:
-            text = "\n\n".join(m.content for m in messages)
-            return RenderedPrompt(text, self.engine.vocab.tokenize(text, add_special=True))
-        vocab = self.engine.vocab
-        bos = vocab.bos_text
-        text = self.template.render(messages, bos_token=bos, eos_token=vocab.eos_text)
-        # A template that writes the BOS token itself must not get a second one from the tokenizer.
-        return RenderedPrompt(text, vocab.tokenize(text, add_special=not (bos and text.startswith(bos))))
+        return render_prompt(self.template, self.engine.vocab, self.messages_with(user_text, history), self.options)
 
     def answer_room(self, max_tokens: int | None) -> int:
         """Tokens kept free for the answer: -n, else a quarter of the context (at most 256)."""
@@ -134,6 +162,8 @@ class Session:
                 f"dropped {full - len(prompt.tokens)} tokens from the start of the message"
             )
         self._last_prompt_tokens = len(prompt.tokens)
+        if options.reasoning and opens_thinking(prompt.text):  # the template opened the think block itself
+            options = dataclasses.replace(options, thinking_open=True)
         stable = None if stable_text is None or len(prompt.tokens) < self.split_min else (
             len(prompt.tokens) - 1 if stable_text == user_text else self._stable_tokens(prompt.tokens, stable_text))
         prompt_s = time.perf_counter() - started
@@ -141,13 +171,15 @@ class Session:
         yield from self._cache_notices()
         load_s, self._load_s = self._load_s, 0.0
         answer: list[str] = []
+        reasoning: list[str] = []
         seed = options.sampling.effective_seed()
         done: Done | None = None
         for event in self.engine.generate(prompt.tokens, options, seed, started=started, prompt_s=prompt_s, load_s=load_s,
                                           split_at=stable):
             if isinstance(event, Token):
-                answer.append(event.text)
+                (reasoning if event.reasoning else answer).append(event.text)
             else:
+                self.last_reasoning = "".join(reasoning).strip() or None
                 self.history += [Message("user", user_text), Message("assistant", "".join(answer))]
                 if restored:
                     event = dataclasses.replace(event, stats=dataclasses.replace(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -47,9 +47,12 @@ class ChatTemplate:
         bos_token: str = "",
         eos_token: str = "",
         add_generation_prompt: bool = True,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
+        """`variables`: more the template may read (e.g. `enable_thinking`); they never replace the ones above."""
         template = _compile(self.source, self.origin)
         context = {
+            **(variables or {}),
             "messages": [{"role": m.role, "content": m.content} for m in messages],
             "bos_token": bos_token,
             "eos_token": eos_token,

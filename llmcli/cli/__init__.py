@@ -43,7 +43,7 @@ def _root(version: VersionOpt = False, cache_dir: CacheDirOpt = None) -> None:
 
 
 def _register() -> None:
-    from llmcli.cli import bench, cache_cmd, config_cmd, models_cmd
+    from llmcli.cli import bench, cache_cmd, config_cmd, models_cmd, tokens_cmd
     from llmcli.cli.chat import chat
     from llmcli.cli.help import EXAMPLES, SHORT_HELP, PanelledCommand
     from llmcli.cli.run import run
@@ -51,6 +51,8 @@ def _register() -> None:
     for name, command in (("run", run), ("chat", chat)):
         app.command(name, cls=PanelledCommand, short_help=SHORT_HELP[name], epilog=EXAMPLES[name])(command)
     models_cmd.register(app)
+    for name, command in (("count", tokens_cmd.count), ("tokenize", tokens_cmd.tokenize)):
+        app.command(name, short_help=SHORT_HELP[name], epilog=EXAMPLES[name])(command)
     app.add_typer(bench.app, name="bench", short_help=SHORT_HELP["bench"], epilog=EXAMPLES["bench"])
     app.add_typer(config_cmd.app, name="config", short_help=SHORT_HELP["config"])
     app.add_typer(cache_cmd.app, name="cache", short_help=SHORT_HELP["cache"])

@@ -34,9 +34,10 @@ def run_batch_command(source: str, request: Request, parallel: int, quiet: bool)
     with pipeline:
         for notice in pipeline.session.notices:
             output.print_notice(console, notice)
-        batch_plan = plan(items, pipeline.prompt_tokens, pipeline.engine, pipeline.generation, parallel)
+        generation = pipeline.generation_for_batch()
+        batch_plan = plan(items, pipeline.prompt_tokens, pipeline.engine, generation, parallel)
         pipeline.resize_kv(batch_plan.cells, batch_plan.n_sequences)  # sized to the work, checked against memory
-        run = BatchRun(pipeline.engine, batch_plan, pipeline.generation, pipeline.cancel, in_order(write_json_line))
+        run = BatchRun(pipeline.engine, batch_plan, generation, pipeline.cancel, in_order(write_json_line))
         with output.progress_bar("batch") as advance, pipeline.cancel.on_signals():
             summary = run.run(lambda done, total, rate: advance(done, total, f"batch · {rate:.0f} tok/s"))
         signum = pipeline.cancel.signum

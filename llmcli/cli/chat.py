@@ -73,7 +73,7 @@ def chat(
             _restore_state(pipeline.session, conversation, console)
         for notice in pipeline.session.notices:
             output.print_notice(console, notice)
-        repl = Repl(conversation, pipeline.cancel, console, quiet, as_json)
+        repl = Repl(conversation, pipeline.cancel, console, quiet, as_json, pipeline.settings["reasoning"])
         interactive = sys.stdin is not None and sys.stdin.isatty()
         repl.interactive() if interactive else repl.lines()
         if not no_save:
@@ -117,8 +117,9 @@ def _list_saved(as_json: bool) -> None:
 
 
 class Repl:
-    def __init__(self, conversation: Any, cancel: Any, console: Any, quiet: bool, as_json: bool):
+    def __init__(self, conversation: Any, cancel: Any, console: Any, quiet: bool, as_json: bool, reasoning: str = "show"):
         self.conversation = conversation
+        self.reasoning = reasoning  # where a reasoning model's thinking goes (--reasoning)
         self.cancel = cancel
         self.console = console
         self.quiet = quiet
@@ -205,7 +206,7 @@ class Repl:
         from llmcli.cli.stream import AnswerSink
         from llmcli.inference.events import Done, Notice
 
-        sink = AnswerSink(as_json=self.as_json, extra={"model": self.conversation.model_name})
+        sink = AnswerSink(as_json=self.as_json, extra={"model": self.conversation.model_name}, reasoning=self.reasoning)
         with self.cancel.on_signals():
             for event in events:
                 if isinstance(event, Notice):

@@ -66,6 +66,10 @@ EXAMPLES = {
                       "llmcli bench --contention", "llmcli bench --prompt-cache 512,2048 --kv-type f16,q8_0",
                       "llmcli bench --speculate -n 256",
                       "llmcli bench --format json > a.json && llmcli bench compare a.json b.json"),
+    "count": examples("llmcli count report.md notes.md", "cat report.md | llmcli count -m gemma3-270m",
+                      'llmcli count --chat -s "Be brief." "What is a token?"', "llmcli count --json *.md | jq .total"),
+    "tokenize": examples('llmcli tokenize "Hello world"', 'llmcli tokenize --json "Hello world"',
+                         'llmcli tokenize --chat "Hi"'),
     "cache list": examples("llmcli cache list", "llmcli cache list --json | jq '.[].tokens'"),
     "cache info": examples("llmcli cache info", "llmcli --cache-dir /big/disk cache info"),
     "cache clear": examples("llmcli cache clear"),
@@ -84,4 +88,6 @@ SHORT_HELP = {
     "bench": "Prefill/decode speed, TTFT, overhead, contention.",
     "config": "The effective settings and where each comes from.",
     "cache": "The prompt cache: saved KV states (list, info, clear).",
+    "count": "Count tokens of files or a prompt (vocabulary only: instant).",
+    "tokenize": "Show the tokens of a text: ids and pieces.",
 }

@@ -15,12 +15,11 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar
 
 import typer
 
-from llmcli.settings import ENGINE, MODEL, SETTINGS, Setting
+from llmcli.settings import ENGINE, MODEL, OUTPUT, SETTINGS, Setting
 
 if TYPE_CHECKING:
     from llmcli.pipeline import Request
 
-OUTPUT = "Output"
 F = TypeVar("F", bound=Callable[..., Any])
 
 

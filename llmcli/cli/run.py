@@ -72,7 +72,7 @@ def run(
             mode = "raw" if pipeline.session.raw else "chat template"
             console.print(f"{len(rendered.tokens)} tokens ({pipeline.model.name}, {mode}, context {pipeline.engine.n_ctx})")
             return
-        sink = AnswerSink(as_json=as_json, extra={"model": pipeline.model.name})
+        sink = AnswerSink(as_json=as_json, extra={"model": pipeline.model.name}, reasoning=pipeline.settings["reasoning"])
         format_error = None
         with pipeline.cancel.on_signals():
             # What a later run likely shares: the piped document (before the question), else the whole message.

@@ -16,6 +16,7 @@ from llmcli.errors import StdoutClosed
 from llmcli.inference.events import Done, Token, answer_record
 
 ANSWER_STYLE = Style(color="cyan")
+REASONING_STYLE = Style(dim=True, italic=True)
 
 # C0 and C1 control characters except tab and newline, shown in caret notation on a terminal.
 _NEUTRALISE = {c: f"^{chr(c + 64)}" for c in range(32) if chr(c) not in "\t\n"}
@@ -23,46 +24,95 @@ _NEUTRALISE.update({0x7F: "^?", **{c: f"\\x{c:02x}" for c in range(0x80, 0xA0)}}
 
 
 class AnswerSink:
-    """Streams answer text to stdout; collects it for --json."""
+    """Streams answer text to stdout; collects it for --json. A reasoning model's thinking goes where
+    `reasoning` says: `show` dimmed before the answer on a terminal (left out when stdout is piped: stdout
+    carries the answer only), `hide` nowhere, `stderr` to stderr; always into the --json record."""
 
-    def __init__(self, stream: IO[str] | None = None, as_json: bool = False, extra: dict[str, Any] | None = None):
+    def __init__(self, stream: IO[str] | None = None, as_json: bool = False, extra: dict[str, Any] | None = None,
+                 reasoning: str = "show"):
         self.stream = stream or sys.stdout
         self.as_json = as_json
         self.extra = extra or {}
         self.parts: list[str] = []
+        self.thought: list[str] = []
         self.notices: list[str] = []
         console = Console(file=self.stream)
         self.terminal = console.is_terminal and not as_json  # neutralise control characters there
-        self._open, self._close = "", ""
         color_system = COLOR_SYSTEMS.get(console.color_system or "") if self.terminal and not console.no_color else None
-        if color_system is not None:
-            rendered = ANSWER_STYLE.render("\0", color_system=color_system)
-            self._open, _, self._close = rendered.partition("\0")
+        self._open, self._close = _codes(ANSWER_STYLE, color_system)
+        self._dim = _codes(REASONING_STYLE, color_system)
         self._binary = getattr(self.stream, "buffer", None)
+        self._thought_to: IO[str] | None = None if as_json else {
+            "show": self.stream if self.terminal else None, "stderr": sys.stderr}.get(reasoning)
+        self._thought_open = False  # thinking was printed and the answer has not begun yet
 
     def handle(self, event: Token | Done) -> None:
         if isinstance(event, Token):
+            if event.reasoning:
+                self.thought.append(event.text)
+                if self._thought_to is not None:
+                    self._think(event.text)
+                return
+            if self._thought_open:
+                self._end_thought()
             self.parts.append(event.text)
             if not self.as_json:
                 self._write(event.text.translate(_NEUTRALISE) if self.terminal else event.text)
-        elif self.as_json:
+            return
+        if self._thought_open:
+            self._end_thought()
+        if self.as_json:
             self._write(json.dumps(self.record(event), ensure_ascii=False) + "\n")
         elif self.parts and not self.parts[-1].endswith("\n"):
             self._write("\n")  # end the answer's last line, so the shell prompt does not follow it
 
     def record(self, done: Done) -> dict[str, Any]:
-        return {**self.extra, **answer_record("".join(self.parts), done, self.notices)}
+        reasoning = "".join(self.thought).strip() or None
+        return {**self.extra, **answer_record("".join(self.parts), done, self.notices, reasoning)}
 
-    def _write(self, text: str) -> None:
+    def _think(self, text: str) -> None:
+        self._thought_open = True
+        if self._thought_to is self.stream:
+            self._write(text.translate(_NEUTRALISE), self._dim)
+        else:
+            _write_to(sys.stderr, text)
+
+    def _end_thought(self) -> None:
+        """The thinking is over: a blank line between it and the answer."""
+        self._thought_open = False
+        ending = "\n" if "".join(self.thought).endswith("\n") else "\n\n"
+        if self._thought_to is self.stream:
+            self._write(ending, self._dim)
+        else:
+            _write_to(sys.stderr, ending)
+
+    def _write(self, text: str, style: tuple[str, str] | None = None) -> None:
+        start, end = style or (self._open, self._close)
         try:
             if self._binary is not None:
-                self._binary.write(f"{self._open}{text}{self._close}".encode("utf-8", "replace"))
+                self._binary.write(f"{start}{text}{end}".encode("utf-8", "replace"))
                 self._binary.flush()
             else:
-                self.stream.write(f"{self._open}{text}{self._close}")
+                self.stream.write(f"{start}{text}{end}")
                 self.stream.flush()
         except BrokenPipeError:
             raise StdoutClosed() from None
+
+
+def _codes(style: Style, color_system: Any) -> tuple[str, str]:
+    """The escape codes that open and close `style` (none without a colour system)."""
+    if color_system is None:
+        return "", ""
+    start, _, end = style.render("\0", color_system=color_system).partition("\0")
+    return start, end
+
+
+def _write_to(stream: IO[str], text: str) -> None:
+    try:
+        stream.write(text)
+        stream.flush()
+    except (BrokenPipeError, ValueError):
+        pass  # stderr gone: the thinking is not the answer
 
 
 def write_json_line(record: Any) -> None:

@@ -347,6 +347,9 @@ class Engine:
                     else:
                         first = last
                     text = answer.add(token, is_eog(vocab, token), piece(token))
+                    if answer.thinking:
+                        ttft = ttft or time.perf_counter() - started
+                        yield Token(answer.thinking, reasoning=True)
                     if text:
                         ttft = ttft or time.perf_counter() - started
                         yield Token(text)
@@ -356,6 +359,8 @@ class Engine:
                 tokens.close()  # an answer that ended inside a draft: the rest of the draft leaves the cache
 
             text = answer.close()
+            if answer.thinking:
+                yield Token(answer.thinking, reasoning=True)
             if text:
                 ttft = ttft or time.perf_counter() - started
                 yield Token(text)

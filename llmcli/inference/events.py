@@ -17,9 +17,11 @@ FINISH_REASONS = ("stop", "length", "stop_sequence", "context_full", "repetition
 
 @dataclass(frozen=True)
 class Token:
-    """A piece of the answer, safe to print: complete characters, no part of a stop sequence."""
+    """A piece of the answer, safe to print: complete characters, no part of a stop sequence; or, `reasoning`,
+    a piece of the model's reasoning (its think block), not part of the answer."""
 
     text: str
+    reasoning: bool = False
 
 
 @dataclass(frozen=True)
@@ -37,11 +39,13 @@ class Notice:
     text: str
 
 
-def answer_record(text: str, done: Done, notices: Sequence[str] = ()) -> dict[str, Any]:
-    """The machine-readable record of one answer: text, why it ended, token counts and timings."""
+def answer_record(text: str, done: Done, notices: Sequence[str] = (), reasoning: str | None = None) -> dict[str, Any]:
+    """The machine-readable record of one answer: text (the answer only), reasoning (the think block, or None),
+    why it ended, token counts and timings."""
     stats = done.stats
     return {
         "text": text,
+        "reasoning": reasoning,
         "finish_reason": done.finish_reason,
         "stop_sequence": done.stop_sequence,
         "format_error": done.format_error,

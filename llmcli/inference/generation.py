@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass, field
 
 from llmcli.inference.grammar import Constraint
+from llmcli.inference.reasoning import ReasoningSplitter
 from llmcli.inference.sampling import SamplingConfig
 from llmcli.inference.speculative import Speculation
 from llmcli.inference.streaming import AnswerText
@@ -24,6 +25,8 @@ class GenerationOptions:
     constraint: Constraint = field(default_factory=Constraint)  # what the finished answer must be
     repetition_guard: bool = default("repetition_guard")  # stop an answer caught in a loop
     speculation: Speculation = field(default_factory=Speculation)  # several tokens a pass when a draft is right
+    reasoning: bool = True  # tell a leading <think> block apart from the answer (False: all of it is the answer)
+    thinking_open: bool = False  # the prompt opened a think block: the output starts inside it
 
 
 # The repetition guard: an answer is caught in a loop when its last LOOP_SPAN tokens (or LOOP_REPEATS
@@ -40,13 +43,16 @@ class Answer:
     """
 
     def __init__(self, options: GenerationOptions, n_prompt: int, n_ctx: int):
-        self.stream = AnswerText(options.stops)  # token bytes -> printable text
+        splitter = ReasoningSplitter(options.thinking_open) if options.reasoning else None
+        self.stream = AnswerText(options.stops, splitter)  # token bytes -> printable text
         self.limit = options.max_tokens if options.max_tokens is not None else sys.maxsize
         self.room = n_ctx - n_prompt  # tokens of answer that fit after the prompt
         self.n_out = 0  # tokens of the answer (an end-of-generation token is not counted)
         self.finish: str | None = None
         self.constraint = options.constraint
         self.parts: list[str] = []  # the text returned so far (`content`)
+        self.thought: list[str] = []  # the reasoning so far
+        self.thinking = ""  # the reasoning the last `add` or `close` completed (its text is not returned)
         self.tokens: list[int] | None = [] if options.repetition_guard else None
 
     def add(self, token: int, end_of_generation: bool, piece: bytes) -> str:
@@ -55,7 +61,11 @@ class Answer:
             self.finish = "stop"
             return ""
         self.n_out += 1
-        text = self.stream.feed(piece)
+        stream = self.stream
+        text = stream.feed(piece)
+        self.thinking = stream.reasoning
+        if self.thinking:
+            self.thought.append(self.thinking)
         self.parts.append(text)
         tokens = self.tokens
         if tokens is not None:
@@ -73,6 +83,8 @@ class Answer:
     def close(self) -> str:
         """No more tokens: release what was held back (a stop sequence completing now ends it there)."""
         text = self.stream.finish()
+        self.thinking = self.stream.reasoning
+        self.thought.append(self.thinking)
         self.parts.append(text)
         if self.stream.stop is not None:
             self.finish = "stop_sequence"
@@ -82,6 +94,11 @@ class Answer:
     def content(self) -> str:
         """The text of the answer returned so far."""
         return "".join(self.parts)
+
+    @property
+    def reasoning(self) -> str | None:
+        """The model's reasoning (its think block), or None when it wrote none."""
+        return "".join(self.thought).strip() or None
 
     def format_error(self, finish_reason: str) -> str | None:
         """Why the whole answer is not what --format json or --json-schema asked for, or None."""

@@ -157,7 +157,8 @@ class _Slot:
         )
         reason = finish or self.answer.finish or "interrupted"
         done = Done(reason, stats, self.answer.stop_sequence, self.answer.format_error(reason))
-        return {**self.item.extra, "index": self.item.index, **answer_record(self.answer.content, done)}
+        return {**self.item.extra, "index": self.item.index, **answer_record(self.answer.content, done,
+                                                                                reasoning=self.answer.reasoning)}
 
 
 @dataclass

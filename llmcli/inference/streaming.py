@@ -9,6 +9,8 @@ from __future__ import annotations
 import codecs
 from collections.abc import Iterable
 
+from llmcli.inference.reasoning import ReasoningSplitter
+
 
 class Utf8Assembler:
     """Bytes of token pieces in, complete characters out.
@@ -70,28 +72,44 @@ class StopMatcher:
 
 
 class AnswerText:
-    """Token bytes in, printable answer text out: UTF-8 assembly, then stop-sequence hold-back.
+    """Token bytes in, printable answer text out: UTF-8 assembly, the reasoning told apart (with a splitter),
+    then stop-sequence hold-back on the answer (a stop sequence is not looked for in the reasoning).
 
-    `stop` names the stop sequence once one has matched; nothing after it is returned.
+    `stop` names the stop sequence once one has matched; nothing after it is returned. `reasoning` holds
+    the reasoning text the last `feed` or `finish` completed.
     """
 
-    def __init__(self, stops: Iterable[str]):
+    def __init__(self, stops: Iterable[str], splitter: ReasoningSplitter | None = None):
         self._utf8 = Utf8Assembler()
         self._stops = StopMatcher(stops)
+        self._splitter = splitter
         self.stop: str | None = None
+        self.reasoning = ""
 
     def feed(self, piece: bytes) -> str:
         text = self._utf8.feed(piece)
         if not text or self.stop is not None:
+            self.reasoning = ""
             return ""
+        splitter = self._splitter
+        if splitter is not None:
+            self.reasoning, text = splitter.feed(text)
+            if splitter.answering:
+                self._splitter = None  # the answer has begun: the rest is answer, no need to look
         text, self.stop = self._stops.feed(text)
         return text
 
     def finish(self) -> str:
         """The answer is over: release what was held back (cut at a stop sequence that completes now)."""
+        self.reasoning = ""
         if self.stop is not None:
             return ""
-        text, self.stop = self._stops.feed(self._utf8.finish())
+        text = self._utf8.finish()
+        if self._splitter is not None:
+            reasoning, text = self._splitter.feed(text)
+            held_reasoning, held = self._splitter.finish()
+            self.reasoning, text = reasoning + held_reasoning, text + held
+        text, self.stop = self._stops.feed(text)
         if self.stop is None:
             tail, self.stop = self._stops.finish()
             text += tail

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import ctypes
+import time
+from pathlib import Path
 from typing import Any
 
 import llama_cpp
+
+from llmcli.errors import IntegrityError
+from llmcli.inference.backend import llama_backend
+from llmcli.store.gguf_header import read_header
 
 
 class Vocabulary:
@@ -51,3 +57,42 @@ class Vocabulary:
     @property
     def eos_text(self) -> str:
         return self.token_text(llama_cpp.llama_vocab_eos(self.handle))
+
+    def display_piece(self, token: int) -> bytes:
+        """The bytes of one token as `tokenize` shows them: control tokens (`<|im_start|>`) by their text."""
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_token_to_piece(self.handle, token, buf, len(buf), 0, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.handle, token, buf, -n, 0, True)
+        return ctypes.string_at(buf, n)
+
+
+class VocabularyFile:
+    """Only the vocabulary of a GGUF file (llama.cpp's `vocab_only`): no weights are read, so a large model's
+    tokenizer is ready in milliseconds. For counting and showing tokens."""
+
+    def __init__(self, path: Path):
+        read_header(path)  # pre-flight: llama.cpp never sees a malformed file
+        log = llama_backend()
+        log.errors.clear()
+        started = time.perf_counter()
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        if not self._model:
+            raise IntegrityError(f"llama.cpp could not read the vocabulary of {path}: {log.take_error() or 'unknown reason'}",
+                                 hint="Check that the file is a complete GGUF model supported by this llama.cpp build.")
+        self.vocab = Vocabulary(llama_cpp.llama_model_get_vocab(self._model))
+        self.load_s = time.perf_counter() - started
+
+    def close(self) -> None:
+        if getattr(self, "_model", None):
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> VocabularyFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

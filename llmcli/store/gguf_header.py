@@ -12,12 +12,15 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from llmcli.errors import IntegrityError
+
+_U64 = struct.Struct("<Q")
 
 MAGIC = b"GGUF"
 MAX_TENSORS = 1 << 20
@@ -170,6 +173,26 @@ class _Cursor:
     def skip_string(self, what: str) -> None:
         self._string_span(what)
 
+    def skip_strings(self, count: int, what: str) -> None:
+        """Skip `count` strings (a vocabulary: ~100k of them) in one tight loop, each bounds-checked."""
+        for _ in self.string_spans(count, what):
+            pass
+
+    def string_spans(self, count: int, what: str) -> Iterator[tuple[int, int]]:
+        """(start, length) of the next `count` strings, each checked against the end of the file."""
+        unpack, buf, size, pos = _U64.unpack_from, self.buf, self.size, self.pos
+        for _ in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                raise self.fail(f"{what} length runs past the end of the file")
+            start = pos + 8
+            pos = start + unpack(buf, pos)[0]
+            if pos > size:
+                self.pos = start
+                raise self.fail(f"{what} runs past the end of the file")
+            yield start, pos - start
+        self.pos = pos
+
     def _string_span(self, what: str) -> tuple[int, int]:
         length = self.u64(f"{what} length")
         self.need(length, what)
@@ -197,8 +220,11 @@ class _Cursor:
             else:
                 raise self.fail(f"{what} has unknown item type {item_type}")
             if length > KEPT_ARRAY_LEN:
-                for _ in range(length):
-                    self.skip_value(item_type, what, depth + 1)
+                if item_type == _STRING:
+                    self.skip_strings(length, what)
+                else:
+                    for _ in range(length):
+                        self.skip_value(item_type, what, depth + 1)
                 return ArraySummary(item_type, length, start)
             return [self.value(item_type, what, depth + 1) for _ in range(length)]
         raise self.fail(f"{what} has unknown value type {type_id}")
@@ -337,15 +363,14 @@ def _check_unique_tokens(cur: _Cursor, tokens: ArraySummary) -> None:
     """llama.cpp aborts the whole process (GGML_ASSERT) on a vocabulary with a repeated token."""
     seen: set[bytes] = set()
     saved, cur.pos = cur.pos, tokens.offset
-    for index in range(tokens.length):
-        length = cur.u64("token length")
-        cur.need(length, "token")
-        # llama.cpp reads token texts as C strings: a NUL byte ends them, so compare what it would see
-        text = cur.buf[cur.pos : cur.pos + length].split(b"\0", 1)[0]
+    buf = cur.buf
+    for index, (start, length) in enumerate(cur.string_spans(tokens.length, "token")):
+        text = buf[start : start + length]
+        if b"\0" in text:  # llama.cpp reads token texts as C strings: a NUL byte ends them; compare what it sees
+            text = text.split(b"\0", 1)[0]
         if text in seen:
             raise cur.fail(f"token {index} repeats an earlier token of the vocabulary")
         seen.add(text)
-        cur.pos += length
     cur.pos = saved
 
 

@@ -1,0 +1,165 @@
+"""`llmcli count` and `llmcli tokenize`: a model's tokens for some text, from its vocabulary alone (no weights)."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Optional
+
+import typer
+
+from llmcli.cli import options as o
+from llmcli.errors import UsageError
+from llmcli.settings import SETTINGS
+
+if TYPE_CHECKING:
+    from llmcli.pipeline import Tokenizer
+
+ModelOpt = o.setting_option(SETTINGS["model"])
+SystemOpt = o.setting_option(SETTINGS["system"])
+CtxOpt = o.setting_option(SETTINGS["ctx_size"])
+ThinkOpt = o.setting_option(SETTINGS["think"])
+ChatOpt = Annotated[bool, typer.Option(
+    "--chat", help="Count the rendered chat prompt of the text as one message (chat template and system prompt), as "
+    "`run` sends it; without it, the text as-is (as `run --raw`).")]
+CountJsonOpt = Annotated[bool, typer.Option(
+    "--json", help='Print {"total", "context", "fits", "files": [{"name", "tokens"}]} on stdout.', rich_help_panel=o.OUTPUT)]
+TokenizeJsonOpt = Annotated[bool, typer.Option(
+    "--json", help='Print {"ids": [...], "pieces": [...]} on stdout.', rich_help_panel=o.OUTPUT)]
+FilesArg = Annotated[Optional[list[str]], typer.Argument(
+    help="Text files to count (`-` or none: stdin). With --chat: the prompt, as `run` takes it.", show_default=False)]
+TextArg = Annotated[Optional[str], typer.Argument(help="The text (`-` or none: stdin).", show_default=False)]
+
+
+def count(
+    files: FilesArg = None,
+    model: ModelOpt = None,
+    chat: ChatOpt = False,
+    system: SystemOpt = None,
+    ctx_size: CtxOpt = None,
+    think: ThinkOpt = None,
+    raw: o.RawOpt = False,
+    chat_template_file: o.TemplateFileOpt = None,
+    profile: o.ProfileOpt = None,
+    offline: o.OfflineOpt = False,
+    as_json: CountJsonOpt = False,
+) -> None:
+    """Count tokens: per file and in total, against the context size; only the vocabulary is loaded."""
+    from llmcli.cli import output
+
+    inputs = _inputs(files, chat)
+    with _tokenizer(locals()) as tokenizer:
+        counted = [(name, len(tokenizer.chat(text).tokens if chat else tokenizer.raw(text))) for name, text in inputs]
+        _notices(tokenizer, chat)
+    total = sum(n for _, n in counted)
+    fits = total <= tokenizer.n_ctx
+    if as_json:
+        output.print_json({"total": total, "context": tokenizer.n_ctx, "fits": fits,
+                           "files": [{"name": name, "tokens": n} for name, n in counted]})
+        return
+    if len(counted) == 1:
+        print(total)
+    else:
+        width = len(str(total))
+        for name, n in counted:
+            print(f"{n:>{width}}  {name}")
+        print(f"{total:>{width}}  total")
+    verdict = f"fits ({tokenizer.n_ctx - total} left)" if fits else f"does not fit ({total - tokenizer.n_ctx} over)"
+    output.stderr_console().print(f"{total} tokens ({tokenizer.model.name}, "
+                                  f"{'chat prompt' if chat else 'as-is'}), context {tokenizer.n_ctx}: {verdict}",
+                                  style="dim")
+
+
+def tokenize(
+    text: TextArg = None,
+    model: ModelOpt = None,
+    chat: ChatOpt = False,
+    system: SystemOpt = None,
+    think: ThinkOpt = None,
+    raw: o.RawOpt = False,
+    chat_template_file: o.TemplateFileOpt = None,
+    profile: o.ProfileOpt = None,
+    offline: o.OfflineOpt = False,
+    as_json: TokenizeJsonOpt = False,
+) -> None:
+    """Show the tokens of a text: id and piece (bytes that are not UTF-8 as \\xNN); only the vocabulary is loaded."""
+    from llmcli.cli import output
+
+    ((_, message),) = _inputs([text] if text is not None else None, chat=True)
+    with _tokenizer(locals()) as tokenizer:
+        ids = tokenizer.chat(message).tokens if chat else tokenizer.raw(message)
+        vocab = tokenizer.vocabulary.vocab
+        pieces = [show_piece(vocab.display_piece(token)) for token in ids]
+        _notices(tokenizer, chat)
+    if as_json:
+        output.print_json({"ids": ids, "pieces": pieces})
+        return
+    width = len(str(max(ids, default=0)))
+    for token, piece in zip(ids, pieces, strict=True):
+        print(f"{token:>{width}}  {json.dumps(piece, ensure_ascii=False)}")
+
+
+def show_piece(piece: bytes) -> str:
+    """A token's bytes as text: UTF-8 where they are, `\\xNN` for bytes that are not (part of a character)."""
+    return piece.decode("utf-8", "backslashreplace")
+
+
+def _tokenizer(given: dict[str, Any]) -> Tokenizer:
+    from llmcli.pipeline import Request, open_tokenizer
+
+    settings = {name: given[name] for name in ("model", "system", "ctx_size", "think") if given.get(name) is not None}
+    return open_tokenizer(Request(settings=settings, profile=given["profile"], raw=given["raw"],
+                                  template_file=given["chat_template_file"], offline=given["offline"]))
+
+
+def _notices(tokenizer: Tokenizer, chat: bool) -> None:
+    """What the template lookup found worth saying (no template, a --think it ignores), when it was used."""
+    from llmcli.cli import output
+
+    if not chat:
+        return
+    console = output.stderr_console()
+    for notice in tokenizer.notices:
+        output.print_notice(console, notice)
+
+
+def _inputs(arguments: list[str] | None, chat: bool) -> list[tuple[str, str]]:
+    """(name, text) to count: files (or stdin); with `chat`, the prompt and piped stdin as `run` combines them."""
+    from llmcli.cli.inputs import combine_input, read_message
+
+    if chat:
+        if arguments and len(arguments) > 1:
+            raise UsageError("--chat counts one prompt: quote it as one argument")
+        prompt, stdin_text, _ = read_message(arguments[0] if arguments else None)
+        return [("prompt", combine_input(prompt, stdin_text))]
+    if not arguments or arguments == ["-"]:
+        _, stdin_text, _ = read_message(None)
+        return [("-", stdin_text or "")]
+    return [(name, "" if name == "-" else read_text_file(Path(name))) for name in arguments]
+
+
+def read_text_file(path: Path) -> str:
+    """A file's text as `run` would take it piped in (its final newline dropped); one-line errors otherwise."""
+    from llmcli.cli.inputs import max_stdin_bytes
+
+    try:
+        mode = path.stat().st_mode
+        if stat.S_ISDIR(mode):
+            raise UsageError(f"{path} is a directory, not a text file")
+        with path.open("rb") as handle:
+            data = handle.read(max_stdin_bytes() + 1)
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > max_stdin_bytes():
+        raise UsageError(f"{path} is larger than {max_stdin_bytes():,} bytes; no context window takes that much")
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise UsageError(f"{path} is not a text file (a NUL byte at offset {nul})")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path} is not UTF-8 text (an invalid byte at offset {exc.start})") from None
+    return text.rstrip("\r\n")
