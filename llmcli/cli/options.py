@@ -101,17 +101,18 @@ REQUEST_OPTIONS: dict[str, tuple[Any, Any]] = {
 }
 
 
-def with_settings(*, request: bool = True) -> Callable[[F], F]:
-    """Give a command `def cmd(explicit…, **given)` the options of every setting (and, with `request`,
-    REQUEST_OPTIONS): Typer reads a command's options from its signature, so they are added there,
-    generated from the tables instead of written out in each command."""
+def with_settings(*, request: bool = True, only: tuple[str, ...] | None = None) -> Callable[[F], F]:
+    """Give a command `def cmd(explicit…, **given)` the options of every setting (or of those named in `only`)
+    and, with `request`, REQUEST_OPTIONS: Typer reads a command's options from its signature, so they are
+    added there, generated from the tables instead of written out in each command."""
 
     def decorate(command: F) -> F:
         explicit = [p for p in inspect.signature(command, eval_str=True).parameters.values()
                     if p.kind is not inspect.Parameter.VAR_KEYWORD]
         added = [(name, annotation, default) for name, (annotation, default) in REQUEST_OPTIONS.items()] if request else [
             ("profile", ProfileOpt, None)]
-        added += [(name, setting_option(setting), None) for name, setting in SETTINGS.items()]
+        added += [(name, setting_option(setting), None) for name, setting in SETTINGS.items()
+                  if only is None or name in only]
         params = explicit + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
                              for name, annotation, default in added]
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]

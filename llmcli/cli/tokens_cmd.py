@@ -11,15 +11,11 @@ import typer
 
 from llmcli.cli import options as o
 from llmcli.errors import UsageError
-from llmcli.settings import SETTINGS
 
 if TYPE_CHECKING:
     from llmcli.pipeline import Tokenizer
 
-ModelOpt = o.setting_option(SETTINGS["model"])
-SystemOpt = o.setting_option(SETTINGS["system"])
-CtxOpt = o.setting_option(SETTINGS["ctx_size"])
-ThinkOpt = o.setting_option(SETTINGS["think"])
+SETTINGS_TAKEN = ("model", "system", "ctx_size", "think")  # what changes a prompt's tokens or the context
 ChatOpt = Annotated[bool, typer.Option(
     "--chat", help="Count the rendered chat prompt of the text as one message (chat template and system prompt), as "
     "`run` sends it; without it, the text as-is (as `run --raw`).")]
@@ -32,24 +28,22 @@ FilesArg = Annotated[Optional[list[str]], typer.Argument(
 TextArg = Annotated[Optional[str], typer.Argument(help="The text (`-` or none: stdin).", show_default=False)]
 
 
+@o.with_settings(request=False, only=SETTINGS_TAKEN)
 def count(
     files: FilesArg = None,
-    model: ModelOpt = None,
+    *,
     chat: ChatOpt = False,
-    system: SystemOpt = None,
-    ctx_size: CtxOpt = None,
-    think: ThinkOpt = None,
     raw: o.RawOpt = False,
     chat_template_file: o.TemplateFileOpt = None,
-    profile: o.ProfileOpt = None,
     offline: o.OfflineOpt = False,
     as_json: CountJsonOpt = False,
+    **given: Any,
 ) -> None:
     """Count tokens: per file and in total, against the context size; only the vocabulary is loaded."""
     from llmcli.cli import output
 
     inputs = _inputs(files, chat)
-    with _tokenizer(locals()) as tokenizer:
+    with _tokenizer(given, raw, chat_template_file, offline) as tokenizer:
         counted = [(name, len(tokenizer.chat(text).tokens if chat else tokenizer.raw(text))) for name, text in inputs]
         _notices(tokenizer, chat)
     total = sum(n for _, n in counted)
@@ -71,23 +65,22 @@ def count(
                                   style="dim")
 
 
+@o.with_settings(request=False, only=SETTINGS_TAKEN)
 def tokenize(
     text: TextArg = None,
-    model: ModelOpt = None,
+    *,
     chat: ChatOpt = False,
-    system: SystemOpt = None,
-    think: ThinkOpt = None,
     raw: o.RawOpt = False,
     chat_template_file: o.TemplateFileOpt = None,
-    profile: o.ProfileOpt = None,
     offline: o.OfflineOpt = False,
     as_json: TokenizeJsonOpt = False,
+    **given: Any,
 ) -> None:
     """Show the tokens of a text: id and piece (bytes that are not UTF-8 as \\xNN); only the vocabulary is loaded."""
     from llmcli.cli import output
 
     ((_, message),) = _inputs([text] if text is not None else None, chat=True)
-    with _tokenizer(locals()) as tokenizer:
+    with _tokenizer(given, raw, chat_template_file, offline) as tokenizer:
         ids = tokenizer.chat(message).tokens if chat else tokenizer.raw(message)
         vocab = tokenizer.vocabulary.vocab
         pieces = [show_piece(vocab.display_piece(token)) for token in ids]
@@ -105,12 +98,11 @@ def show_piece(piece: bytes) -> str:
     return piece.decode("utf-8", "backslashreplace")
 
 
-def _tokenizer(given: dict[str, Any]) -> Tokenizer:
+def _tokenizer(given: dict[str, Any], raw: bool, template_file: Path | None, offline: bool) -> Tokenizer:
     from llmcli.pipeline import Request, open_tokenizer
 
-    settings = {name: given[name] for name in ("model", "system", "ctx_size", "think") if given.get(name) is not None}
-    return open_tokenizer(Request(settings=settings, profile=given["profile"], raw=given["raw"],
-                                  template_file=given["chat_template_file"], offline=given["offline"]))
+    return open_tokenizer(Request(settings=o.given_settings(given), profile=given["profile"], raw=raw,
+                                  template_file=template_file, offline=offline))
 
 
 def _notices(tokenizer: Tokenizer, chat: bool) -> None:
