@@ -33,6 +33,27 @@ def prompt_cache_dir() -> Path:
     return cache_dir() / "prompts"
 
 
+# Other tools' model stores, read in place (never written): see llmcli/store/elsewhere.py.
+
+
+def ollama_models_dir() -> Path:
+    """Ollama's store: $OLLAMA_MODELS, else ~/.ollama/models."""
+    return Path(os.environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models")
+
+
+def lmstudio_home() -> Path:
+    """LM Studio's home (its settings.json names a moved models folder)."""
+    return Path.home() / ".lmstudio"
+
+
+def standard_hf_cache() -> Path:
+    """The Hugging Face cache other tools share: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return Path(home) / "hub"
+
+
 def config_file() -> Path:
     """The TOML config file: $LLMCLI_CONFIG or `<platform config dir>/config.toml`."""
     return Path(os.environ.get("LLMCLI_CONFIG") or Path(user_config_dir(APP)) / "config.toml")

@@ -97,7 +97,7 @@ def resolve_settings(request: Request, on_progress: ProgressCallback | None = No
     config = settings.load_config_file()
     first = settings.resolve(request.settings, request.profile, config=config)
     model = models.resolve(first["model"], config.aliases, fetch_for(request, first, on_progress, on_waiting))
-    defaults = settings.model_defaults(read_header(model.path).metadata)
+    defaults = {**settings.model_defaults(read_header(model.path).metadata), **model.defaults}
     return settings.resolve(request.settings, request.profile, defaults, config), model
 
 
@@ -138,6 +138,7 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
             cache = PromptCache(engine, PromptCacheConfig(paths.prompt_cache_dir(), effective["prompt_cache_min"],
                                                           int(effective["prompt_cache_size"] * GIB), model.name))
         session = Session(engine, prompt, cache, split_min=effective["prompt_cache_min"])
+        session.notices[:0] = model.notices
         if engine.n_ctx > engine.n_ctx_train > 0:
             session.notices.append(f"the context of {engine.n_ctx} tokens exceeds the {engine.n_ctx_train} this model was "
                                    "trained on: answers that reach past it may lose coherence")

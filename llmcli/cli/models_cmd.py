@@ -46,7 +46,12 @@ ListJsonOpt = Annotated[bool, typer.Option("--json", help="Print the list as one
 ShowJsonOpt = Annotated[bool, typer.Option("--json", help="Print the metadata as one JSON object on stdout.")]
 
 
-def list_models(as_json: ListJsonOpt = False, available: AvailableOpt = False) -> None:
+AllOpt = Annotated[bool, typer.Option(
+    "--all", "-a", help="Also the GGUFs other tools keep, usable in place with -m: Ollama's store (ollama:NAME:TAG), "
+    "LM Studio's models folder (lmstudio:PATH) and the standard Hugging Face cache.")]
+
+
+def list_models(as_json: ListJsonOpt = False, available: AvailableOpt = False, everywhere: AllOpt = False) -> None:
     """List installed and cached models: name, quant, size, parameters, architecture, context, source."""
     from llmcli.cli import output
     from llmcli.files import human_count, human_size
@@ -59,7 +64,7 @@ def list_models(as_json: ListJsonOpt = False, available: AvailableOpt = False) -
         else:
             output.print_table(("NAME", "RESOLVES TO", "KIND"), names, boxed=False)
         return
-    entries = catalog.entries()
+    entries = catalog.entries(everywhere)
     if as_json:
         output.print_json([e.to_dict() for e in entries])
         return

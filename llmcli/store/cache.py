@@ -63,13 +63,13 @@ class CachedModel:
         return f"{self.repo_id}:{self.quant}" if self.quant else f"{self.repo_id}/{self.files[0].name}"
 
 
-def repo_dir(repo_id: str) -> Path:
-    return paths.hub_cache() / f"{REPO_PREFIX}{repo_id.replace('/', '--')}"
+def repo_dir(repo_id: str, root: Path | None = None) -> Path:
+    return (root or paths.hub_cache()) / f"{REPO_PREFIX}{repo_id.replace('/', '--')}"
 
 
-def repo_dirs() -> list[tuple[str, Path]]:
-    """(OWNER/REPO, its folder) for every model repository in the cache."""
-    root = paths.hub_cache()
+def repo_dirs(root: Path | None = None) -> list[tuple[str, Path]]:
+    """(OWNER/REPO, its folder) for every model repository in the cache (or in another cache of this layout)."""
+    root = root or paths.hub_cache()
     found = sorted(root.glob(f"{REPO_PREFIX}*")) if root.exists() else []
     return [(folder.name[len(REPO_PREFIX):].replace("--", "/", 1), folder) for folder in found]
 
@@ -88,13 +88,13 @@ def choose(reference: HubReference, names: list[str]) -> Choice:
         raise ModelNotFoundError(str(exc), hint="Name a quant (OWNER/REPO:Q4_K_M) or a file (OWNER/REPO/FILE.gguf).") from None
 
 
-def _snapshot_dir(reference: HubReference) -> Path | None:
-    repo = repo_dir(reference.repo_id)
+def _snapshot_dir(reference: HubReference, root: Path) -> Path | None:
+    repo = repo_dir(reference.repo_id, root)
     revision = reference.revision or "main"
     ref_file = repo / "refs" / revision
     commit = ref_file.read_text().strip() if ref_file.is_file() else revision
     snapshot = repo / "snapshots" / commit
-    inside = snapshot.resolve().is_relative_to(paths.hub_cache().resolve()) if snapshot.exists() else False
+    inside = snapshot.resolve().is_relative_to(root.resolve()) if snapshot.exists() else False
     return snapshot if inside and snapshot.is_dir() else None
 
 
@@ -103,9 +103,10 @@ def gguf_names(snapshot: Path) -> list[str]:
     return sorted(str(p.relative_to(snapshot)) for p in snapshot.rglob("*.gguf") if p.is_file())
 
 
-def from_cache(reference: HubReference) -> Fetched | None:
-    """The cached files of `reference`, or None when they are not (all) there."""
-    snapshot = _snapshot_dir(reference)
+def from_cache(reference: HubReference, root: Path | None = None) -> Fetched | None:
+    """The cached files of `reference` (in llmcli's cache, or another cache of this layout at `root`), or None
+    when they are not (all) there."""
+    snapshot = _snapshot_dir(reference, root or paths.hub_cache())
     if snapshot is None:
         return None
     try:

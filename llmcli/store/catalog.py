@@ -52,8 +52,9 @@ def _entry(name: str, path: Path, source: str, size: int | None = None) -> Entry
         return Entry(name, path, source, size or 0, None, getattr(exc, "message", str(exc)))
 
 
-def entries() -> list[Entry]:
-    """Installed-package models, then models in the Hub cache."""
+def entries(everywhere: bool = False) -> list[Entry]:
+    """Installed-package models, then models in the Hub cache; `everywhere`: then the GGUFs other tools keep
+    (Ollama, LM Studio, the standard Hugging Face cache), usable in place."""
     found = []
     from llmcli.store import hub  # the cache scan is huggingface_hub's
 
@@ -71,6 +72,10 @@ def entries() -> list[Entry]:
                 total = None
             entry = Entry(entry.name, entry.path, entry.source, entry.size, entry.header, entry.problem, total)
         found.append(entry)
+    if everywhere:
+        from llmcli.store import elsewhere
+
+        found += [_entry(model.name, model.path, model.source) for model in elsewhere.all_models()]
     return found
 
 
@@ -129,6 +134,12 @@ def assembled_copy(reference: str) -> Path | None:
 
 def removable(reference: str, aliases: dict[str, str] | None = None) -> list[CachedModel]:
     """The cached models `reference` names: OWNER/REPO (all of it), OWNER/REPO:QUANT or …/FILE.gguf."""
+    from llmcli.store import elsewhere
+
+    if elsewhere.is_foreign(reference):
+        tool = reference.split(":", 1)[0]
+        raise UsageError(f"{reference} belongs to {'Ollama' if tool.lower() == 'ollama' else 'LM Studio'}: llmcli reads "
+                         "it in place and never removes another tool's files", hint=f"Remove it with {tool} itself.")
     expanded = {**models.ALIASES, **(aliases or {})}.get(reference.lower(), reference)
     shipped = next((m for m in packaged_models() if m.matches(reference) and m.assemble_with is None), None)
     if shipped is not None:
