@@ -108,6 +108,9 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
         raise UsageError(f"--format {request.output_format!r}: the only format is 'json'")
     constraint = build_constraint(request.grammar, request.grammar_file, request.json_schema, request.output_format == "json")
     effective, model = resolve_settings(request, on_progress, on_waiting)
+    if effective["kv_type"] != "f16" and effective["flash_attn"] == "off":
+        raise UsageError(f"--kv-type {effective['kv_type']} needs flash attention: it cannot be --flash-attn off",
+                         hint="Use --kv-type f16 without flash attention.")
     header = read_header(model.path)
     n_ctx = effective["ctx_size"] or default_context(header.context_length)
     weights = sum(p.stat().st_size for p in model.files)
@@ -122,6 +125,7 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
         mmap=effective["mmap"],
         mlock=effective["mlock"],
         kv_type=effective["kv_type"],
+        flash_attn=effective["flash_attn"],
         kv_later=request.batch,
     )
     with cancel.on_signals():  # llama.cpp calls back into Python while loading: no exceptions there

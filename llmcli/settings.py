@@ -170,6 +170,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        panel=ENGINE, default_text="none: drafts come from the prompt and the answer"),
     _s("draft_max", int, 16, "The most tokens drafted for one pass.", panel=ENGINE,
        check=lambda v: 1 <= v <= 32, rule="must be in [1, 32]"),
+    _s("flash_attn", str, "auto", "Flash attention: auto (llama.cpp decides), on or off. A quantized KV cache "
+       "(--kv-type q8_0, q4_0) needs it.", choices=("auto", "on", "off"), panel=ENGINE),
     _s("kv_type", str, "f16", "Type of the KV cache's keys and values: q8_0 halves its memory, q4_0 quarters it "
        "(with flash attention).", choices=("f16", "q8_0", "q4_0"), panel=ENGINE),
     _s("prompt_cache", bool, True, "Save the KV state of long prompts on disk and start later prompts that share "

@@ -54,6 +54,13 @@ def bench(
     speculate: Annotated[bool, typer.Option(
         "--speculate", help="Also measure speculative decoding: the cost of an n-token pass, and decode rates with and "
         "without drafts on a grounded task (copy a text) and an ungrounded one (a story).")] = False,
+    tune: Annotated[bool, typer.Option(
+        "--tune", help="Instead: find this machine's best threads, batch size, flash attention, KV type and mmap for "
+        "the model (each judged against the default beyond the noise).")] = False,
+    budget: Annotated[str, typer.Option("--budget", help="With --tune: the time to spend, e.g. 60s or 2m.")] = "60s",
+    save: Annotated[Optional[str], typer.Option(
+        "--save", help="With --tune: write the winners to [profiles.NAME] of the config file (then: run -p NAME).",
+        show_default=False)] = None,
     output_format: Annotated[str, typer.Option("--format", "-o", help="md, json or csv.")] = "md",
 ) -> None:
     """Run the benchmark (the default when no subcommand is given)."""
@@ -68,6 +75,11 @@ def bench(
 
     if output_format not in ("md", "json", "csv"):
         raise UsageError(f"--format must be md, json or csv (got {output_format!r})")
+    if not tune and save is not None:
+        raise UsageError("--save writes what --tune found", hint="llmcli bench --tune --save NAME")
+    if tune:
+        _tune(model, _seconds(budget), save, output_format)
+        return
     plan = BenchPlan(
         prompt_tokens=n_prompt, gen_tokens=n_gen, repetitions=repetitions,
         threads=_int_list(threads, "--threads", 1) if threads else (),
@@ -87,6 +99,79 @@ def bench(
         for step in benchmark.run():
             advance(step.done, step.total, step.what)
     print(_format(benchmark.rows, environment(resolved, benchmark.threads), plan, output_format), end="")
+
+
+def _seconds(text: str) -> float:
+    """`60s`, `2m`, `90` -> seconds."""
+    number, unit = (text[:-1], text[-1]) if text[-1:] in ("s", "m") else (text, "s")
+    try:
+        seconds = float(number) * (60 if unit == "m" else 1)
+    except ValueError:
+        seconds = 0
+    if not 0 < seconds <= 24 * 3600:
+        raise UsageError(f"--budget takes a duration such as 60s or 2m (got {text!r})")
+    return seconds
+
+
+def _tune(model: list[str] | None, budget_s: float, save: str | None, output_format: str) -> None:
+    from llmcli import settings
+    from llmcli.bench.tune import Tuner
+    from llmcli.cli import output
+    from llmcli.store import models
+
+    if model and len(model) > 1:
+        raise UsageError("--tune tunes one model: give one -m")
+    config = settings.load_config_file()
+    resolved = models.resolve(model[0] if model else settings.resolve({}, config=config)["model"], config.aliases)
+    tuner = Tuner(resolved.path, budget_s)
+    with output.progress_bar("tune") as advance:
+        for step in tuner.run():
+            advance(step.done, step.total, step.what)
+    if output_format == "json":
+        output.print_json({"model": resolved.name, "budget_s": budget_s, "elapsed_s": round(tuner.elapsed_s, 1),
+                           "dimensions": [_dimension_record(d) for d in tuner.dimensions], "profile": tuner.profile()})
+    else:
+        print(_tune_table(resolved.name, tuner), end="")
+    if save is not None:
+        from llmcli import paths
+        from llmcli.profiles import save_profile
+
+        chosen = tuner.profile()
+        save_profile(save, chosen, f"llmcli bench --tune on {resolved.name}: the settings that beat the default "
+                     "beyond the noise" + ("" if chosen else " (none did)"))
+        shown = ", ".join(f"{k} = {settings.show_value(v)}" for k, v in chosen.items()) or "no setting (the defaults won)"
+        output.stderr_console().print(f"saved [profiles.{save}] in {paths.config_file()}: {shown}; use it with -p {save}")
+
+
+def _dimension_record(dimension: Any) -> dict[str, Any]:
+    return {"setting": dimension.setting, "default": dimension.baseline, "chosen": dimension.winner,
+            "verdict": dimension.verdict,
+            "candidates": [{"value": c.value, "job_s": c.summary(), "prefill_tps": c.prefill_tps,
+                            "decode_tps": c.decode_tps, "load_s": c.load_s} for c in dimension.candidates]}
+
+
+def _tune_table(name: str, tuner: Any) -> str:
+    from statistics import fmean
+
+    from llmcli.bench.tune import ANSWER_TOKENS, PROMPT_TOKENS
+    from llmcli.settings import show_value
+
+    lines = [f"{name}: a {PROMPT_TOKENS}-token prompt and a {ANSWER_TOKENS}-token answer per sample "
+             f"({tuner.elapsed_s:.0f} s of a {tuner.budget_s:.0f} s budget)", "",
+             "| setting | value | job | prefill t/s | decode t/s | load | n | |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for dimension in tuner.dimensions:
+        for candidate in dimension.candidates:
+            job = candidate.summary()
+            if not job["n"]:
+                continue
+            marks = [m for m, on in (("default", candidate.value == dimension.baseline),
+                                     ("chosen", candidate.value == dimension.winner)) if on]
+            lines.append(f"| {dimension.setting} | {show_value(candidate.value)} | {job['mean'] * 1000:.0f} ± "
+                         f"{job['sd'] * 1000:.0f} ms | {fmean(candidate.prefill_tps):.1f} | {fmean(candidate.decode_tps):.1f} "
+                         f"| {fmean(candidate.load_s) * 1000:.0f} ms | {job['n']} | {', '.join(marks)} |")
+        lines.append(f"| {dimension.setting} | → {show_value(dimension.winner)} | | | | | | {dimension.verdict} |")
+    return "\n".join(lines) + "\n"
 
 
 def _kv_types(text: str) -> tuple[str, ...]:

@@ -64,7 +64,7 @@ EXAMPLES = {
     "prune": examples("llmcli prune"),
     "bench": examples("llmcli bench", "llmcli bench -m smollm2 -m gemma3-270m -t 1,2 --parallel 1,8",
                       "llmcli bench --contention", "llmcli bench --prompt-cache 512,2048 --kv-type f16,q8_0",
-                      "llmcli bench --speculate -n 256",
+                      "llmcli bench --speculate -n 256", "llmcli bench --tune --budget 2m --save fast",
                       "llmcli bench --format json > a.json && llmcli bench compare a.json b.json"),
     "count": examples("llmcli count report.md notes.md", "cat report.md | llmcli count -m gemma3-270m",
                       'llmcli count --chat -s "Be brief." "What is a token?"', "llmcli count --json *.md | jq .total"),

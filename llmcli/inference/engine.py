@@ -56,12 +56,15 @@ class EngineConfig:
     mlock: bool = default("mlock")  # keep the weights in RAM (no swapping)
     n_seq_max: int = 1  # parallel sequences (slots), each with n_ctx tokens of its own
     kv_type: str = default("kv_type")  # f16, q8_0 or q4_0: the type of the cached keys and values
+    flash_attn: str = default("flash_attn")  # auto, on or off (on whenever the KV cache is quantized)
     kv_later: bool = False  # a minimal KV cache now: the caller sizes it with `resize` (run --batch)
 
 
 CELL_PADDING = 256  # llama.cpp rounds a context's cells up to a multiple of this
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+FLASH_ATTN = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+              "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 
 
 class Engine:
@@ -131,8 +134,8 @@ class Engine:
         params.n_seq_max = n_seq_max
         params.kv_unified = unified
         params.type_k = params.type_v = KV_TYPES[config.kv_type]
-        if config.kv_type != "f16":  # llama.cpp keeps a quantized V cache only with flash attention
-            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        # llama.cpp keeps a quantized V cache only with flash attention
+        params.flash_attn_type = FLASH_ATTN["on" if config.kv_type != "f16" else config.flash_attn]
         params.n_batch = params.n_ubatch = config.n_batch
         params.n_threads = params.n_threads_batch = self.n_threads
         params.no_perf = True
@@ -184,6 +187,7 @@ class Engine:
             "system": llama_cpp.llama_print_system_info().decode("utf-8", "replace"),
             "n_ctx": self.n_ctx,
             "kv_type": self.config.kv_type,
+            "flash_attn": self.config.flash_attn,  # without it the V cache is stored transposed
             "n_swa": self.n_swa,
         }
 

@@ -24,6 +24,11 @@ def physical_cores() -> int:
     return max(1, min(count, math.ceil(quota)) if quota else count)
 
 
+def logical_cpus() -> int:
+    """Logical CPUs (hyper-threads included) this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _core_of(cpu: int) -> tuple[str, str] | None:
     """(package, core) of a logical CPU, from sysfs; None when it is not shown."""
     topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")

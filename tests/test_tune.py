@@ -1,0 +1,61 @@
+"""`llmcli bench --tune`: bounded by its budget, honest about the noise, and its profile usable with -p."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_cli
+
+from llmcli import paths, settings
+from llmcli.bench.tune import Candidate, Dimension, thread_candidates
+from llmcli.profiles import save_profile
+
+
+def test_tune_measures_within_its_budget_reports_the_rest_and_saves_a_usable_profile(isolated_env):
+    result = run_cli("bench", "--tune", "--budget", "2s", "--save", "quick", "--format", "json")
+    assert result.code == 0, result.stderr
+    record = json.loads(result.stdout)
+    dimensions = {d["setting"]: d for d in record["dimensions"]}
+    assert list(dimensions) == ["threads", "batch_size", "flash_attn", "kv_type", "mmap"]
+    threads = dimensions["threads"]
+    assert [c["job_s"]["n"] for c in threads["candidates"]] == [2, 2], threads  # two rounds, then the budget is spent
+    assert all(d["verdict"] == "not measured (time budget)" and d["chosen"] == d["default"]
+               for d in record["dimensions"][1:])
+    assert record["profile"] == {k: v for k, v in [("threads", threads["chosen"])] if v != threads["default"]}
+    assert "saved [profiles.quick]" in result.stderr
+    config = settings.load_config_file()
+    assert config.profiles["quick"] == record["profile"]
+    used = run_cli("run", "-p", "quick", "--temp", "0", "-n", "2", "hi")
+    assert used.code == 0, used.stderr
+
+
+def test_tune_table_and_usage_errors():
+    table = run_cli("bench", "--tune", "--budget", "1s")
+    assert table.code == 0, table.stderr
+    assert "| threads |" in table.stdout and "not measured (time budget)" in table.stdout
+    assert run_cli("bench", "--tune", "--budget", "soon").code == 2
+    assert run_cli("bench", "--save", "x").code == 2
+    assert run_cli("bench", "--tune", "-m", "smollm2", "-m", "gemma3-270m").code == 2
+
+
+def test_a_difference_inside_the_noise_is_not_a_win():
+    noisy = Dimension("threads", [Candidate(1, [1.00, 1.30, 0.90]), Candidate(2, [1.05, 1.10, 1.20])], 2)
+    noisy.judge()
+    assert noisy.winner == 2 and "within the noise" in noisy.verdict and not noisy.won
+    clear = Dimension("threads", [Candidate(1, [0.50, 0.51, 0.49]), Candidate(2, [1.00, 1.01, 0.99])], 2)
+    clear.judge()
+    assert clear.winner == 1 and clear.won and "2.00× faster" in clear.verdict
+    assert thread_candidates(16, 32) == [1, 2, 4, 8, 16, 32] and thread_candidates(2, 2) == [1, 2]
+
+
+def test_saving_a_profile_keeps_the_rest_of_the_config_file():
+    path = paths.config_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('# my settings\ntemp = 0.3  # cooler\n\n[profiles.fast]\nthreads = 1\n\n[aliases]\nmine = "smollm2"\n')
+    save_profile("fast", {"threads": 2, "kv_type": "q8_0"}, "tuned")
+    text = path.read_text()
+    assert "# my settings" in text and "temp = 0.3  # cooler" in text and 'mine = "smollm2"' in text
+    config = settings.load_config_file()
+    assert config.profiles["fast"] == {"threads": 2, "kv_type": "q8_0"} and config.settings["temp"] == 0.3
+    save_profile("other", {}, "none won")
+    assert settings.load_config_file().profiles["other"] == {}
