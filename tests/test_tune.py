@@ -12,7 +12,7 @@ from llmcli.profiles import save_profile
 
 
 def test_tune_measures_within_its_budget_reports_the_rest_and_saves_a_usable_profile(isolated_env):
-    result = run_cli("bench", "--tune", "--budget", "2s", "--save", "quick", "--format", "json")
+    result = run_cli("bench", "--tune", "-p", "64", "-n", "16", "--budget", "2s", "--save", "quick", "--format", "json")
     assert result.code == 0, result.stderr
     record = json.loads(result.stdout)
     dimensions = {d["setting"]: d for d in record["dimensions"]}
@@ -30,7 +30,7 @@ def test_tune_measures_within_its_budget_reports_the_rest_and_saves_a_usable_pro
 
 
 def test_tune_table_and_usage_errors():
-    table = run_cli("bench", "--tune", "--budget", "1s")
+    table = run_cli("bench", "--tune", "-p", "64", "-n", "16", "--budget", "1s")
     assert table.code == 0, table.stderr
     assert "| threads |" in table.stdout and "not measured (time budget)" in table.stdout
     assert run_cli("bench", "--tune", "--budget", "soon").code == 2

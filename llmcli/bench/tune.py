@@ -1,7 +1,7 @@
 """`llmcli bench --tune`: which engine settings serve a model best on this machine.
 
 One dimension at a time (threads, batch size, flash attention, KV type, mmap), each candidate is measured on
-the same small job — a 128-token prompt and a 64-token answer, through the raw llama.cpp loop — in rounds
+the same job — a prompt and an answer (bench's -p and -n: 512 and 128 tokens), through the raw llama.cpp loop — in rounds
 that alternate the candidates (so drift hits them alike), until the time budget is spent. The best candidate
 replaces the built-in default only when it is better beyond the noise (Welch's t-test at 95 %, as `bench
 compare` judges); the winner of one dimension is kept while the next is measured.
@@ -26,8 +26,8 @@ from llmcli.inference.raw import RawLoop
 from llmcli.inference.sampling import greedy_without_end
 from llmcli.settings import default
 
-PROMPT_TOKENS, ANSWER_TOKENS = 128, 64  # the job every candidate is timed on
 DECODE_SAMPLE = 16  # decode steps timed per sample (the answer's time is extrapolated from their rate)
+BATCH_SIZES = (64, 128, 256, 512, 1024)
 MIN_ROUNDS = 2  # samples per candidate below which a dimension is not judged
 
 
@@ -88,13 +88,16 @@ def thread_candidates(cores: int, logical: int) -> list[int]:
 
 
 class Tuner:
-    def __init__(self, path: Path, budget_s: float, rounds: int = 8):
+    def __init__(self, path: Path, budget_s: float, prompt_tokens: int = 512, answer_tokens: int = 128, rounds: int = 8):
         self.path, self.budget_s, self.rounds = path, budget_s, rounds
+        self.prompt_tokens, self.answer_tokens = prompt_tokens, answer_tokens
         cores = system.physical_cores()
-        self.config = EngineConfig(n_ctx=PROMPT_TOKENS + ANSWER_TOKENS + 64, n_threads=cores)
+        self.config = EngineConfig(n_ctx=prompt_tokens + DECODE_SAMPLE + 64, n_threads=cores)
+        # batch sizes beyond the prompt would all evaluate it in one step: the default stands for them
+        batch_sizes = sorted({b for b in BATCH_SIZES if b <= prompt_tokens} | {default("batch_size")})
         self.dimensions = [
             Dimension("threads", [Candidate(t) for t in thread_candidates(cores, system.logical_cpus())], cores),
-            Dimension("batch_size", [Candidate(b) for b in (64, 128, 256, 512)], default("batch_size")),
+            Dimension("batch_size", [Candidate(b) for b in batch_sizes], default("batch_size")),
             Dimension("flash_attn", [Candidate(v) for v in ("auto", "on", "off")], default("flash_attn")),
             Dimension("kv_type", [Candidate(v) for v in ("f16", "q8_0")], default("kv_type")),
             Dimension("mmap", [Candidate(v) for v in (True, False)], default("mmap")),
@@ -133,7 +136,7 @@ class Tuner:
         if config.kv_type != "f16" and config.flash_attn == "off":
             config = replace(config, flash_attn="on")
         with Engine(self.path, config) as engine:
-            corpus = engine.vocab.tokenize(FILLER * 24, add_special=True)[:PROMPT_TOKENS]
+            corpus = engine.vocab.tokenize(FILLER * (self.prompt_tokens // 20 + 8), add_special=True)[: self.prompt_tokens]
             loop = RawLoop(engine)
             sampling = greedy_without_end(engine.vocab.end_of_generation_tokens())
             loop.prefill(corpus[:32])  # warm: the graphs are built, the weights paged in
@@ -143,7 +146,7 @@ class Tuner:
         candidate.prefill_tps.append(len(corpus) / prefill_s)
         candidate.decode_tps.append(1 / decode_s)
         # mmap changes nothing once loaded: its job includes the load
-        candidate.job_s.append(prefill_s + ANSWER_TOKENS * decode_s + (engine.load_s if setting == "mmap" else 0.0))
+        candidate.job_s.append(prefill_s + self.answer_tokens * decode_s + (engine.load_s if setting == "mmap" else 0.0))
 
     def profile(self) -> dict[str, Any]:
         """The settings that won (better than the default beyond the noise), for a config profile."""

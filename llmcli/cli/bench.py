@@ -32,9 +32,9 @@ def bench(
     model: Annotated[Optional[list[str]], typer.Option(
         "--model", "-m", help="Model to measure (repeatable). Default: the default model.", show_default=False)] = None,
     n_prompt: Annotated[int, typer.Option(
-        "--n-prompt", "-p", min=1, help="Prompt tokens for the prefill test (ppP; -p as in llama-bench).",
+        "--n-prompt", "-p", min=1, help="Prompt tokens for the prefill test (ppP; -p as in llama-bench), and of --tune's job.",
     )] = BenchPlan.prompt_tokens,
-    n_gen: Annotated[int, typer.Option("--n-gen", "-n", min=2, help="Tokens for the decode test (tgN).")] = BenchPlan.gen_tokens,
+    n_gen: Annotated[int, typer.Option("--n-gen", "-n", min=2, help="Tokens for the decode test (tgN), and the answer of --tune's job.")] = BenchPlan.gen_tokens,
     repetitions: Annotated[int, typer.Option("--repetitions", "-r", min=1,
                                              help="Repetitions of each test, after a warm-up.")] = BenchPlan.repetitions,
     threads: Annotated[Optional[str], typer.Option(
@@ -78,7 +78,7 @@ def bench(
     if not tune and save is not None:
         raise UsageError("--save writes what --tune found", hint="llmcli bench --tune --save NAME")
     if tune:
-        _tune(model, _seconds(budget), save, output_format)
+        _tune(model, _seconds(budget), save, output_format, n_prompt, n_gen)
         return
     plan = BenchPlan(
         prompt_tokens=n_prompt, gen_tokens=n_gen, repetitions=repetitions,
@@ -113,7 +113,8 @@ def _seconds(text: str) -> float:
     return seconds
 
 
-def _tune(model: list[str] | None, budget_s: float, save: str | None, output_format: str) -> None:
+def _tune(model: list[str] | None, budget_s: float, save: str | None, output_format: str, n_prompt: int,
+          n_gen: int) -> None:
     from llmcli import settings
     from llmcli.bench.tune import Tuner
     from llmcli.cli import output
@@ -123,7 +124,7 @@ def _tune(model: list[str] | None, budget_s: float, save: str | None, output_for
         raise UsageError("--tune tunes one model: give one -m")
     config = settings.load_config_file()
     resolved = models.resolve(model[0] if model else settings.resolve({}, config=config)["model"], config.aliases)
-    tuner = Tuner(resolved.path, budget_s)
+    tuner = Tuner(resolved.path, budget_s, n_prompt, n_gen)
     with output.progress_bar("tune") as advance:
         for step in tuner.run():
             advance(step.done, step.total, step.what)
@@ -153,10 +154,9 @@ def _dimension_record(dimension: Any) -> dict[str, Any]:
 def _tune_table(name: str, tuner: Any) -> str:
     from statistics import fmean
 
-    from llmcli.bench.tune import ANSWER_TOKENS, PROMPT_TOKENS
     from llmcli.settings import show_value
 
-    lines = [f"{name}: a {PROMPT_TOKENS}-token prompt and a {ANSWER_TOKENS}-token answer per sample "
+    lines = [f"{name}: a {tuner.prompt_tokens}-token prompt and a {tuner.answer_tokens}-token answer per sample "
              f"({tuner.elapsed_s:.0f} s of a {tuner.budget_s:.0f} s budget)", "",
              "| setting | value | job | prefill t/s | decode t/s | load | n | |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
