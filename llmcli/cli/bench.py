@@ -34,7 +34,9 @@ def bench(
     n_prompt: Annotated[int, typer.Option(
         "--n-prompt", "-p", min=1, help="Prompt tokens for the prefill test (ppP; -p as in llama-bench), and of --tune's job.",
     )] = BenchPlan.prompt_tokens,
-    n_gen: Annotated[int, typer.Option("--n-gen", "-n", min=2, help="Tokens for the decode test (tgN), and the answer of --tune's job.")] = BenchPlan.gen_tokens,
+    n_gen: Annotated[int, typer.Option(
+        "--n-gen", "-n", min=2, help="Tokens for the decode test (tgN), and the answer of --tune's job.",
+    )] = BenchPlan.gen_tokens,
     repetitions: Annotated[int, typer.Option("--repetitions", "-r", min=1,
                                              help="Repetitions of each test, after a warm-up.")] = BenchPlan.repetitions,
     threads: Annotated[Optional[str], typer.Option(
