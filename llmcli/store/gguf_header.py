@@ -12,7 +12,6 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -174,13 +173,18 @@ class _Cursor:
         self._string_span(what)
 
     def skip_strings(self, count: int, what: str) -> None:
-        """Skip `count` strings (a vocabulary: ~100k of them) in one tight loop, each bounds-checked."""
-        for _ in self.string_spans(count, what):
-            pass
+        """Skip `count` strings (merges: ~100k of them) in one tight loop, each bounds-checked."""
+        self._walk_strings(count, what, None)
 
-    def string_spans(self, count: int, what: str) -> Iterator[tuple[int, int]]:
-        """(start, length) of the next `count` strings, each checked against the end of the file."""
+    def read_strings(self, count: int, what: str) -> list[bytes]:
+        """The bytes of the next `count` strings (a vocabulary), each bounds-checked, in one tight loop."""
+        found: list[bytes] = []
+        self._walk_strings(count, what, found)
+        return found
+
+    def _walk_strings(self, count: int, what: str, into: list[bytes] | None) -> None:
         unpack, buf, size, pos = _U64.unpack_from, self.buf, self.size, self.pos
+        append = into.append if into is not None else None
         for _ in range(count):
             if pos + 8 > size:
                 self.pos = pos
@@ -190,8 +194,22 @@ class _Cursor:
             if pos > size:
                 self.pos = start
                 raise self.fail(f"{what} runs past the end of the file")
-            yield start, pos - start
+            if append is not None:
+                append(buf[start:pos])
         self.pos = pos
+
+    def vocabulary(self, what: str) -> Any:
+        """`tokenizer.ggml.tokens`: read like any value, and a long one checked for repeated tokens on the way
+        (llama.cpp aborts the whole process, GGML_ASSERT, on a vocabulary with a repeated token)."""
+        saved = self.pos
+        item_type, length = self.u32(f"{what} item type"), self.u64(f"{what} length")
+        if item_type != _STRING or length <= KEPT_ARRAY_LEN:
+            self.pos = saved
+            return self.value(_ARRAY, what)
+        start = self.pos
+        self.need(length * 8, what)
+        _check_unique(self, self.read_strings(length, "token"), start)
+        return ArraySummary(_STRING, length, start)
 
     def _string_span(self, what: str) -> tuple[int, int]:
         length = self.u64(f"{what} length")
@@ -273,7 +291,10 @@ def _parse(cur: _Cursor) -> GGUFHeader:
     for index in range(n_kv):
         key = cur.string(f"metadata key #{index}")
         type_id = cur.u32(f"type of {key!r}")
-        metadata[key] = cur.value(type_id, f"value of {key!r}")
+        if key == "tokenizer.ggml.tokens" and type_id == _ARRAY:
+            metadata[key] = cur.vocabulary(f"value of {key!r}")
+        else:
+            metadata[key] = cur.value(type_id, f"value of {key!r}")
 
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
@@ -344,10 +365,8 @@ def _check_values(header: GGUFHeader, cur: _Cursor) -> None:
     n_vocab = tokens.length if isinstance(tokens, ArraySummary) else len(tokens) if isinstance(tokens, list) else None
     if n_vocab is None:
         return
-    if isinstance(tokens, ArraySummary):
-        if tokens.item_type != _STRING:
-            raise cur.fail("tokenizer.ggml.tokens is not an array of strings")
-        _check_unique_tokens(cur, tokens)
+    if isinstance(tokens, ArraySummary) and tokens.item_type != _STRING:
+        raise cur.fail("tokenizer.ggml.tokens is not an array of strings")
     for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
         other = meta.get(key)
         length = other.length if isinstance(other, ArraySummary) else len(other) if isinstance(other, list) else n_vocab
@@ -359,19 +378,18 @@ def _check_values(header: GGUFHeader, cur: _Cursor) -> None:
                 raise cur.fail(f"{key} = {value!r} is outside the vocabulary of {n_vocab}")
 
 
-def _check_unique_tokens(cur: _Cursor, tokens: ArraySummary) -> None:
-    """llama.cpp aborts the whole process (GGML_ASSERT) on a vocabulary with a repeated token."""
+def _check_unique(cur: _Cursor, texts: list[bytes], offset: int) -> None:
+    """No token repeats an earlier one, compared as llama.cpp reads them: as C strings (a NUL byte ends one)."""
+    if any(b"\0" in text for text in texts):
+        texts = [text.split(b"\0", 1)[0] for text in texts]
+    if len(set(texts)) == len(texts):
+        return
     seen: set[bytes] = set()
-    saved, cur.pos = cur.pos, tokens.offset
-    buf = cur.buf
-    for index, (start, length) in enumerate(cur.string_spans(tokens.length, "token")):
-        text = buf[start : start + length]
-        if b"\0" in text:  # llama.cpp reads token texts as C strings: a NUL byte ends them; compare what it sees
-            text = text.split(b"\0", 1)[0]
+    for index, text in enumerate(texts):
         if text in seen:
+            cur.pos = offset
             raise cur.fail(f"token {index} repeats an earlier token of the vocabulary")
         seen.add(text)
-    cur.pos = saved
 
 
 def string_items(header: GGUFHeader, key: str, indices: set[int]) -> dict[int, str]:
