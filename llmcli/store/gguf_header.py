@@ -169,22 +169,12 @@ class _Cursor:
         except UnicodeDecodeError:
             raise self.fail(f"{what} is not valid UTF-8") from None
 
-    def skip_string(self, what: str) -> None:
-        self._string_span(what)
-
-    def skip_strings(self, count: int, what: str) -> None:
-        """Skip `count` strings (merges: ~100k of them) in one tight loop, each bounds-checked."""
-        self._walk_strings(count, what, None)
-
-    def read_strings(self, count: int, what: str) -> list[bytes]:
-        """The bytes of the next `count` strings (a vocabulary), each bounds-checked, in one tight loop."""
-        found: list[bytes] = []
-        self._walk_strings(count, what, found)
-        return found
-
-    def _walk_strings(self, count: int, what: str, into: list[bytes] | None) -> None:
+    def strings(self, count: int, what: str, keep: bool) -> list[bytes]:
+        """Past the next `count` strings (a vocabulary, merges: ~100k of them) in one tight loop, each
+        bounds-checked; their bytes if `keep`."""
         unpack, buf, size, pos = _U64.unpack_from, self.buf, self.size, self.pos
-        append = into.append if into is not None else None
+        kept: list[bytes] = []
+        append = kept.append if keep else None
         for _ in range(count):
             if pos + 8 > size:
                 self.pos = pos
@@ -197,6 +187,7 @@ class _Cursor:
             if append is not None:
                 append(buf[start:pos])
         self.pos = pos
+        return kept
 
     def vocabulary(self, what: str) -> Any:
         """`tokenizer.ggml.tokens`: read like any value, and a long one checked for repeated tokens on the way
@@ -208,7 +199,7 @@ class _Cursor:
             return self.value(_ARRAY, what)
         start = self.pos
         self.need(length * 8, what)
-        _check_unique(self, self.read_strings(length, "token"), start)
+        _check_unique(self, self.strings(length, "token", keep=True), start)
         return ArraySummary(_STRING, length, start)
 
     def _string_span(self, what: str) -> tuple[int, int]:
@@ -239,7 +230,7 @@ class _Cursor:
                 raise self.fail(f"{what} has unknown item type {item_type}")
             if length > KEPT_ARRAY_LEN:
                 if item_type == _STRING:
-                    self.skip_strings(length, what)
+                    self.strings(length, what, keep=False)
                 else:
                     for _ in range(length):
                         self.skip_value(item_type, what, depth + 1)
@@ -249,7 +240,7 @@ class _Cursor:
 
     def skip_value(self, type_id: int, what: str, depth: int) -> None:
         if type_id == _STRING:
-            self.skip_string(what)
+            self._string_span(what)
         else:
             self.value(type_id, what, depth)
 
@@ -382,14 +373,11 @@ def _check_unique(cur: _Cursor, texts: list[bytes], offset: int) -> None:
     """No token repeats an earlier one, compared as llama.cpp reads them: as C strings (a NUL byte ends one)."""
     if any(b"\0" in text for text in texts):
         texts = [text.split(b"\0", 1)[0] for text in texts]
-    if len(set(texts)) == len(texts):
-        return
-    seen: set[bytes] = set()
-    for index, text in enumerate(texts):
-        if text in seen:
-            cur.pos = offset
-            raise cur.fail(f"token {index} repeats an earlier token of the vocabulary")
-        seen.add(text)
+    if len(set(texts)) < len(texts):
+        first: dict[bytes, int] = {}
+        index = next(i for i, text in enumerate(texts) if first.setdefault(text, i) != i)
+        cur.pos = offset
+        raise cur.fail(f"token {index} repeats an earlier token of the vocabulary")
 
 
 def string_items(header: GGUFHeader, key: str, indices: set[int]) -> dict[int, str]:
@@ -408,5 +396,5 @@ def string_items(header: GGUFHeader, key: str, indices: set[int]) -> dict[int, s
             if index in wanted:
                 found[index] = cur.string(f"{key}[{index}]")
             else:
-                cur.skip_string(f"{key}[{index}]")
+                cur.strings(1, f"{key}[{index}]", keep=False)
     return found
