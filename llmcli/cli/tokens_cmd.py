@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import stat
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
@@ -126,6 +127,9 @@ def _inputs(arguments: list[str] | None, chat: bool) -> list[tuple[str, str]]:
         prompt, stdin_text, _ = read_message(arguments[0] if arguments else None)
         return [("prompt", combine_input(prompt, stdin_text))]
     if not arguments or arguments == ["-"]:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise UsageError("nothing to count: name files, or pipe text in",
+                             hint="llmcli count FILE… or cat FILE | llmcli count")
         _, stdin_text, _ = read_message(None)
         return [("-", stdin_text or "")]
     return [(name, "" if name == "-" else read_text_file(Path(name))) for name in arguments]
