@@ -47,6 +47,7 @@ class Request:
     force: bool = False  # skip the memory check
     parallel: int = 1  # sequences decoded together (run --batch)
     batch: bool = False  # run --batch: the KV cache is made by Pipeline.resize_kv once the prompts are known
+    slots: int = 1  # serve: sequences with a full context each, for requests answered together
 
 
 @dataclass
@@ -114,7 +115,7 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
     header = read_header(model.path)
     n_ctx = effective["ctx_size"] or default_context(header.context_length)
     weights = sum(p.stat().st_size for p in model.files)
-    kv_bytes = 0 if request.batch else memory.kv_cache_bytes(header, n_ctx, 1, effective["kv_type"])
+    kv_bytes = 0 if request.batch else memory.kv_cache_bytes(header, n_ctx, request.slots, effective["kv_type"])
     memory.check_memory(model.name, weights, kv_bytes, request.force)
     cancel = cancel if cancel is not None else Cancellation()
     config = EngineConfig(
@@ -127,6 +128,7 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
         kv_type=effective["kv_type"],
         flash_attn=effective["flash_attn"],
         kv_later=request.batch,
+        n_seq_max=request.slots,
     )
     with cancel.on_signals():  # llama.cpp calls back into Python while loading: no exceptions there
         engine = Engine(model.path, config, cancel)
@@ -138,7 +140,7 @@ def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
         prompt = PromptOptions(effective["system"], request.raw, request.template_file, effective["on_overflow"],
                                effective["think"])
         cache = None
-        if effective["prompt_cache"] and not request.batch:
+        if effective["prompt_cache"] and not request.batch and request.slots == 1:
             cache = PromptCache(engine, PromptCacheConfig(paths.prompt_cache_dir(), effective["prompt_cache_min"],
                                                           int(effective["prompt_cache_size"] * GIB), model.name))
         session = Session(engine, prompt, cache, split_min=effective["prompt_cache_min"])

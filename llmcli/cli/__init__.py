@@ -43,12 +43,12 @@ def _root(version: VersionOpt = False, cache_dir: CacheDirOpt = None) -> None:
 
 
 def _register() -> None:
-    from llmcli.cli import bench, cache_cmd, config_cmd, models_cmd, tokens_cmd
+    from llmcli.cli import bench, cache_cmd, config_cmd, models_cmd, serve_cmd, tokens_cmd
     from llmcli.cli.chat import chat
     from llmcli.cli.help import EXAMPLES, SHORT_HELP, PanelledCommand
     from llmcli.cli.run import run
 
-    for name, command in (("run", run), ("chat", chat)):
+    for name, command in (("run", run), ("chat", chat), ("serve", serve_cmd.serve)):
         app.command(name, cls=PanelledCommand, short_help=SHORT_HELP[name], epilog=EXAMPLES[name])(command)
     models_cmd.register(app)
     for name, command in (("count", tokens_cmd.count), ("tokenize", tokens_cmd.tokenize)):

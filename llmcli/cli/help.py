@@ -66,6 +66,10 @@ EXAMPLES = {
                       "llmcli bench --contention", "llmcli bench --prompt-cache 512,2048 --kv-type f16,q8_0",
                       "llmcli bench --speculate -n 256", "llmcli bench --tune --budget 2m --save fast",
                       "llmcli bench --format json > a.json && llmcli bench compare a.json b.json"),
+    "serve": examples("llmcli serve", "llmcli serve -m smollm2 --parallel 8 --port 8080",
+                      "LLMCLI_API_KEY=secret llmcli serve --host 0.0.0.0",
+                      "curl -N localhost:8080/v1/chat/completions "
+                      '-d \'{"stream":true,"messages":[{"role":"user","content":"hi"}]}\''),
     "count": examples("llmcli count report.md notes.md", "cat report.md | llmcli count -m gemma3-270m",
                       'llmcli count --chat -s "Be brief." "What is a token?"', "llmcli count --json *.md | jq .total"),
     "tokenize": examples('llmcli tokenize "Hello world"', 'llmcli tokenize --json "Hello world"',
@@ -88,6 +92,7 @@ SHORT_HELP = {
     "bench": "Prefill/decode speed, TTFT, overhead, contention.",
     "config": "The effective settings and where each comes from.",
     "cache": "The prompt cache: saved KV states (list, info, clear).",
+    "serve": "An OpenAI-compatible server (continuous batching over --parallel slots).",
     "count": "Count tokens of files or a prompt (vocabulary only: instant).",
     "tokenize": "Show the tokens of a text: ids and pieces.",
 }

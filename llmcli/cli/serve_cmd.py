@@ -1,0 +1,105 @@
+"""`llmcli serve`: an OpenAI-compatible server over one model, continuous batching across requests."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from typing import Annotated, Any, Optional
+
+import typer
+
+from llmcli.cli import options as o
+from llmcli.errors import UsageError
+
+_SERVER = "Server"
+HostOpt = Annotated[str, typer.Option("--host", help="Address to listen on; anything but loopback needs --api-key "
+                                      "(or --insecure).", rich_help_panel=_SERVER)]
+PortOpt = Annotated[int, typer.Option("--port", min=0, max=65535, help="Port (0: any free one, printed).",
+                                      rich_help_panel=_SERVER)]
+SlotsOpt = Annotated[int, typer.Option("--parallel", "-P", min=1, max=64, rich_help_panel=_SERVER,
+                                       help="Requests answered together (slots), each with --ctx-size tokens.")]
+QueueOpt = Annotated[Optional[int], typer.Option(
+    "--queue", min=0, rich_help_panel=_SERVER, show_default=False,
+    help="Requests that may wait for a slot; beyond them: 429 with Retry-After. [default: 4 × --parallel]")]
+ApiKeyOpt = Annotated[Optional[str], typer.Option(
+    "--api-key", help="Require `Authorization: Bearer KEY` ($LLMCLI_API_KEY).", rich_help_panel=_SERVER,
+    show_default=False)]
+InsecureOpt = Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback --host without an API key.",
+                                           rich_help_panel=_SERVER)]
+MaxBodyOpt = Annotated[int, typer.Option("--max-body", min=1024, help="Largest request body, in bytes.",
+                                         rich_help_panel=_SERVER)]
+MaxAnswerOpt = Annotated[int, typer.Option("--max-answer", min=1, help="The most tokens a request may ask for.",
+                                           rich_help_panel=_SERVER)]
+
+
+@o.with_settings()
+def serve(
+    *,
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 8080,
+    parallel: SlotsOpt = 4,
+    queue: QueueOpt = None,
+    api_key: ApiKeyOpt = None,
+    insecure: InsecureOpt = False,
+    max_body: MaxBodyOpt = 1 << 20,
+    max_answer: MaxAnswerOpt = 4096,
+    **given: Any,
+) -> None:
+    """Serve the model over HTTP, as OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models, /health.
+
+    The settings (temperature, -n, stop sequences, …) are the defaults of requests that do not say otherwise.
+    """
+    api_key = api_key or os.environ.get("LLMCLI_API_KEY") or None
+    if not _loopback(host) and api_key is None and not insecure:
+        raise UsageError(f"--host {host} is reachable from other machines: give --api-key (or $LLMCLI_API_KEY)",
+                         hint="Or --insecure to serve without a key on purpose.")
+    try:
+        import uvicorn
+
+        from llmcli.serve.app import ServerState, create_app
+    except ImportError as exc:
+        raise UsageError(f"llmcli serve needs its extra ({exc.name} is missing)",
+                         hint='pip install "llmcli[serve]"') from None
+    from llmcli.cli import output
+    from llmcli.serve.setup import open_server
+
+    request = o.build_request(given)
+    with output.download_progress() as progress:
+        slots, prompter, pipeline = open_server(request, parallel, queue if queue is not None else 4 * parallel,
+                                                max_body, max_answer, progress)
+    with pipeline:
+        console = output.stderr_console()
+        for notice in pipeline.session.notices:
+            output.print_notice(console, notice)
+        app = create_app(ServerState(slots, prompter, api_key))
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30,
+                                lifespan="on")
+        server = uvicorn.Server(config)
+        config.load()
+        server.config.callback_notify = None
+        _announce(server, console, prompter.model_names[0], parallel, pipeline.engine.n_ctx, api_key is not None)
+        server.run()
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _announce(server: Any, console: Any, model: str, parallel: int, n_ctx: int, keyed: bool) -> None:
+    """Say where the server listens, once it does (port 0: the one the system chose)."""
+    started = server.startup
+
+    async def startup(sockets: Any = None) -> None:
+        await started(sockets=sockets)
+        for listener in server.servers:
+            for sock in listener.sockets:
+                address = sock.getsockname()
+                console.print(f"llmcli serve · {model} · http://{address[0]}:{address[1]}/v1 · {parallel} slots of "
+                              f"{n_ctx} tokens" + (" · API key required" if keyed else ""))
+
+    server.startup = startup

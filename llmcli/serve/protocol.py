@@ -1,0 +1,257 @@
+"""The OpenAI wire format, both ways: a request body -> what the slots need (validated as `run` validates its
+flags), and llmcli's events -> response objects and stream chunks. No HTTP here (llmcli/serve/app.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from llmcli.chat.session import RenderedPrompt
+from llmcli.chat.templates import Message
+from llmcli.errors import LlmcliError
+from llmcli.inference.events import Done
+from llmcli.inference.generation import GenerationOptions
+from llmcli.inference.grammar import build_constraint
+from llmcli.inference.reasoning import opens_thinking
+from llmcli.inference.sampling import SamplingConfig
+from llmcli.inference.speculative import Speculation
+from llmcli.settings import SETTINGS, check_value
+
+# OpenAI's names -> llmcli settings (llama-cpp-python and llama-server take the llmcli names as they are)
+FIELDS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "typical_p": "typical_p",
+          "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+          "repeat_penalty": "repeat_penalty", "seed": "seed", "mirostat": "mirostat"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_STOPS = 16
+# finish reasons as OpenAI clients know them (llmcli's own is in `timings.finish_reason`)
+FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "context_full": "length",
+          "repetition": "stop", "interrupted": "stop"}
+
+
+class ApiError(Exception):
+    """An error response: HTTP status and OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    n_ctx: int  # a slot's context: prompt + answer
+    max_tokens: int  # the most tokens an answer may ask for
+    max_body_bytes: int
+
+
+@dataclass(frozen=True)
+class Parsed:
+    tokens: list[int]
+    generation: GenerationOptions
+    seed: int
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True)
+class Prompter:
+    """How this server turns messages or a prompt into tokens (the model's template, its vocabulary)."""
+
+    render_chat: Callable[[list[Message]], RenderedPrompt]
+    tokenize: Callable[[str], list[int]]
+    model_names: tuple[str, ...]  # what `model` may say (the first is the name /v1/models lists)
+    defaults: Mapping[str, Any]  # the server's effective settings (its flags and config file)
+    limits: Limits
+
+
+def parse(body: Any, chat: bool, prompter: Prompter) -> Parsed:
+    """A request body -> tokens and generation options; ApiError (400, 404) on anything invalid."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model not in prompter.model_names:
+        raise ApiError(404, f"the model {model!r} does not exist here; this server has {prompter.model_names[0]!r}",
+                       param="model", code="model_not_found")
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "n must be 1: one answer per request", param="n")
+    rendered = _render(body, chat, prompter)
+    values = dict(prompter.defaults)
+    for name, setting_name in FIELDS.items():
+        if body.get(name) is not None:
+            values[setting_name] = _checked(setting_name, body[name], name)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    room = prompter.limits.n_ctx - len(rendered.tokens)
+    if max_tokens is not None:
+        max_tokens = _checked("max_tokens", max_tokens, "max_tokens")
+        if max_tokens > prompter.limits.max_tokens:
+            raise ApiError(400, f"max_tokens is at most {prompter.limits.max_tokens} here", param="max_tokens")
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        raise ApiError(400, f"the prompt ({len(rendered.tokens)} tokens) plus max_tokens ({max_tokens or 1}) do not fit "
+                       f"the context of {prompter.limits.n_ctx} tokens", param="messages" if chat else "prompt",
+                       code="context_length_exceeded")
+    max_tokens = max_tokens or min(room, values["max_tokens"] or prompter.limits.max_tokens, prompter.limits.max_tokens)
+    stops = body.get("stop")
+    stops = [stops] if isinstance(stops, str) else stops if stops is not None else values["stop"]
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOPS:
+        raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOPS} strings", param="stop")
+    try:
+        constraint = _constraint(body.get("response_format"), body.get("grammar"))
+        sampling = SamplingConfig.from_settings(values, logit_bias=_logit_bias(body.get("logit_bias")),
+                                                grammar=constraint.grammar, grammar_origin=constraint.origin)
+    except LlmcliError as exc:
+        raise ApiError(400, exc.message) from None
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options")
+    generation = GenerationOptions(sampling, max_tokens, tuple(stops), constraint, values["repetition_guard"],
+                                   Speculation("off"), thinking_open=opens_thinking(rendered.text))
+    return Parsed(rendered.tokens, generation, sampling.effective_seed(), bool(body.get("stream")),
+                  bool(stream_options.get("include_usage")))
+
+
+def _render(body: Mapping[str, Any], chat: bool, prompter: Prompter) -> RenderedPrompt:
+    if not chat:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise ApiError(400, "prompt must be a string", param="prompt")
+        return RenderedPrompt(prompt, prompter.tokenize(prompt))
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
+    parsed = []
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ROLES:
+            raise ApiError(400, f"messages[{index}].role must be one of {', '.join(ROLES)}", param="messages")
+        parsed.append(Message(ROLES[role], _content(message.get("content"), index)))
+    try:
+        return prompter.render_chat(parsed)
+    except LlmcliError as exc:  # the template refused the conversation
+        raise ApiError(400, exc.message, param="messages") from None
+
+
+def _content(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                         for p in content):
+        return "".join(p["text"] for p in content)
+    raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts", param="messages")
+
+
+def _checked(setting_name: str, value: Any, param: str) -> Any:
+    setting = SETTINGS[setting_name]
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (setting.kind is float or isinstance(value, int))
+    if not ok:
+        raise ApiError(400, f"{param} must be a number", param=param)
+    value = float(value) if setting.kind is float else value
+    try:
+        check_value(setting, value, "request")
+    except LlmcliError as exc:
+        raise ApiError(400, exc.message.replace(setting.flag, param, 1), param=param) from None
+    return value
+
+
+def _constraint(response_format: Any, grammar: Any) -> Any:
+    if grammar is not None and not isinstance(grammar, str):
+        raise ApiError(400, "grammar must be a GBNF string", param="grammar")
+    kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+    if kind in (None, "text"):
+        return build_constraint(grammar)
+    if grammar is not None:
+        raise ApiError(400, "grammar and response_format cannot be combined", param="grammar")
+    if kind == "json_object":
+        return build_constraint(json_format=True)
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format.json_schema.schema must be an object", param="response_format")
+        return build_constraint(json_schema=json.dumps(schema))
+    raise ApiError(400, "response_format.type must be text, json_object or json_schema", param="response_format")
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ApiError(400, "logit_bias must map token ids to numbers", param="logit_bias")
+    try:
+        biases = tuple((int(token), float(bias)) for token, bias in value.items())
+    except (TypeError, ValueError):
+        raise ApiError(400, "logit_bias must map token ids to numbers", param="logit_bias") from None
+    if any(not -100 <= bias <= 100 for _, bias in biases):
+        raise ApiError(400, "logit_bias values must be in [-100, 100]", param="logit_bias")
+    return biases
+
+
+# -- responses -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every object of one response shares."""
+
+    chat: bool
+    model: str
+    id: str = ""
+    created: int = 0
+
+    @staticmethod
+    def new(chat: bool, model: str) -> Reply:
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return Reply(chat, model, prefix + uuid.uuid4().hex[:24], int(time.time()))
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def chunk(self, text: str, reasoning: bool = False, first: bool = False) -> dict[str, Any]:
+        if not self.chat:
+            return {**self._head(True), "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        delta["reasoning_content" if reasoning else "content"] = text
+        return {**self._head(True), "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+    def last_chunk(self, done: Done) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH.get(done.finish_reason, "stop")}
+        if self.chat:
+            choice["delta"] = {}
+        else:
+            choice.update(text="", logprobs=None)
+        return {**self._head(True), "choices": [choice], "timings": timings(done)}
+
+    def usage_chunk(self, done: Done) -> dict[str, Any]:
+        return {**self._head(True), "choices": [], "usage": usage(done)}
+
+    def whole(self, text: str, reasoning: str | None, done: Done) -> dict[str, Any]:
+        finish = FINISH.get(done.finish_reason, "stop")
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self._head(False), "choices": [choice], "usage": usage(done), "timings": timings(done)}
+
+
+def usage(done: Done) -> dict[str, Any]:
+    stats = done.stats
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
+
+
+def timings(done: Done) -> dict[str, Any]:
+    """llmcli's own record: every phase, the rates, and why the answer ended in llmcli's words."""
+    return {**done.stats.to_dict(), "finish_reason": done.finish_reason, "stop_sequence": done.stop_sequence,
+            "format_error": done.format_error}

@@ -1,0 +1,30 @@
+"""Loading the model for `llmcli serve` and describing how requests become tokens (no HTTP here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmcli.chat.session import render_prompt
+from llmcli.chat.templates import Message
+from llmcli.inference.serving import SlotServer
+from llmcli.pipeline import Pipeline, Request, open_pipeline
+from llmcli.serve.protocol import Limits, Prompter
+
+
+def open_server(request: Request, parallel: int, queue: int, max_body: int, max_answer: int,
+                on_progress: Any = None) -> tuple[SlotServer, Prompter, Pipeline]:
+    """The model loaded with `parallel` slots of a full context each, its slot server, and its prompter."""
+    import dataclasses
+
+    pipeline = open_pipeline(dataclasses.replace(request, slots=parallel), on_progress)
+    session, engine = pipeline.session, pipeline.engine
+
+    def render_chat(messages: list[Message]) -> Any:
+        system = [Message("system", session.options.system)] if session.options.system and messages[0].role != "system" else []
+        return render_prompt(session.template, engine.vocab, [*system, *messages], session.options)
+
+    names = tuple(dict.fromkeys((pipeline.model.name, pipeline.model.path.stem, pipeline.model.path.name)))
+    limits = Limits(engine.n_ctx, min(max_answer, engine.n_ctx), max_body)
+    prompter = Prompter(render_chat, lambda text: engine.vocab.tokenize(text, add_special=True), names,
+                        dict(pipeline.settings.values), limits)
+    return SlotServer(engine, parallel, queue), prompter, pipeline
