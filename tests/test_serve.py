@@ -1,0 +1,223 @@
+"""`llmcli serve` on the real SmolLM2, driven by a foreign client (the official `openai` package) and by raw HTTP:
+the protocol, greedy answers equal to `run`'s, 32 concurrent streams, faults, and a clean SIGTERM.
+
+Every request goes to 127.0.0.1 only; every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import jsonschema
+import pytest
+from conftest import run_cli
+
+KEY = "test-key"
+PROMPTS = ["Say hi.", "Name a colour.", "What is two plus two?", "Write a word that rhymes with cat."]
+
+
+LOGS: dict[int, Path] = {}
+
+
+def start_server(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+    """`llmcli serve` on a free port; (process, base URL) once it listens."""
+    env = {**os.environ, "LLMCLI_THREADS": "1", "LLMCLI_DATA_DIR": str(tmp_path / "data"),
+           "LLMCLI_CACHE_DIR": str(tmp_path / "cache"), "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    path = tmp_path / f"serve-{time.monotonic_ns()}.log"
+    log = path.open("w+b")
+    proc = subprocess.Popen([sys.executable, "-m", "llmcli", "serve", "--port", "0", *args], stdout=subprocess.DEVNULL,
+                            stderr=log, env=env)
+    LOGS[proc.pid] = path
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        log.seek(0)
+        found = re.search(rb"http://127\.0\.0\.1:(\d+)/v1", log.read())
+        if found:
+            return proc, f"http://127.0.0.1:{found.group(1).decode()}"
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    proc.kill()
+    log.seek(0)
+    pytest.fail(f"llmcli serve did not start: {log.read().decode(errors='replace')}")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM: in-flight answers end, the server exits with 143 (128 + SIGTERM, as every llmcli command), cleanly."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    log = LOGS[proc.pid].read_text(errors="replace")
+    assert code == 143 and "Traceback" not in log and "Error" not in log, log
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    proc, url = start_server(tmp_path_factory.mktemp("serve"), "-P", "8", "-c", "512", "--queue", "40", "--api-key", KEY)
+    yield url, proc
+    stop_server(proc)
+
+
+def client(url: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def run_greedy(prompt: str, n: int) -> str:
+    result = run_cli("run", "--json", "--temp", "0", "-n", str(n), "--no-prompt-cache", "-c", "512", prompt)
+    assert result.code == 0, result.stderr
+    return json.loads(result.stdout)["text"]
+
+
+def rss_kib(proc: subprocess.Popen[bytes]) -> int:
+    status = Path(f"/proc/{proc.pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
+
+
+def test_the_openai_client_chat_and_completions_streamed_and_not(server):
+    url, _ = server
+    openai = client(url)
+    (model,) = [m.id for m in openai.models.list().data]
+    assert model == "smollm2"
+    whole = openai.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                           temperature=0, max_tokens=16)
+    assert whole.choices[0].message.content == run_greedy(PROMPTS[0], 16)  # as `llmcli run` answers it
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 16
+    chunks = list(openai.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                                 temperature=0, max_tokens=16, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    completion = openai.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=8)
+    streamed = openai.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=8,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == completion.choices[0].text
+    assert completion.choices[0].text == run_greedy_raw("The capital of France is", 8)
+
+
+def run_greedy_raw(prompt: str, n: int) -> str:
+    result = run_cli("run", "--raw", "--json", "--temp", "0", "-n", str(n), "--no-prompt-cache", "-c", "512", prompt)
+    return json.loads(result.stdout)["text"]
+
+
+def test_response_format_json_schema_is_enforced_and_stop_sequences_apply(server):
+    url, _ = server
+    openai = client(url)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    answer = openai.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Describe a person as JSON."}], temperature=0.7, seed=3,
+        max_tokens=80, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+    stopped = openai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                             temperature=0, max_tokens=16, stop=["here"])
+    full = run_greedy(PROMPTS[0], 16)
+    assert stopped.choices[0].message.content == full[: full.index("here")]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_32_concurrent_streams_all_complete_with_run_s_greedy_answers(server):
+    url, proc = server
+    expected = {prompt: run_greedy(prompt, 24) for prompt in PROMPTS}
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def one(index: int) -> None:
+        try:
+            stream = client(url).chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": PROMPTS[index % 4]}], temperature=0,
+                max_tokens=24, stream=True)
+            results[index] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors and len(results) == 32
+    divergent = [i for i, text in results.items() if text != expected[PROMPTS[i % 4]]]
+    assert divergent == []  # one sequence per slot: a neighbour never changes an answer
+    health = httpx2.get(f"{url}/health").json()
+    assert health["busy"] == 0 and health["waiting"] == 0
+
+
+def test_faults_get_the_right_status_and_the_server_keeps_serving(server):
+    url, proc = server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    chat = f"{url}/v1/chat/completions"
+    baseline = rss_kib(proc)
+    for _ in range(10):  # clients that go away mid-stream
+        with httpx2.stream("POST", chat, headers=auth, timeout=60, json={
+                "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 400, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+    deadline = time.monotonic() + 30
+    while httpx2.get(f"{url}/health").json()["busy"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert httpx2.get(f"{url}/health").json()["busy"] == 0  # their slots were freed
+
+    def status(body: bytes | dict, headers: dict[str, str] = auth) -> tuple[int, dict]:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = httpx2.post(chat, content=content, headers={**headers, "Content-Type": "application/json"}, timeout=60)
+        return response.status_code, response.json()
+
+    message = [{"role": "user", "content": "hi"}]
+    cases = [
+        (b"{not json", auth, 400, None),
+        (b'{"messages": "' + b"x" * (10 << 20) + b'"}', auth, 413, None),
+        ({"messages": [{"role": "user", "content": "word " * 600}]}, auth, 400, "context_length_exceeded"),
+        ({"messages": message, "temperature": -1}, auth, 400, None),
+        ({"messages": message, "top_p": 2}, auth, 400, None),
+        ({"messages": message, "max_tokens": 0}, auth, 400, None),
+        ({"messages": message, "n": 2}, auth, 400, None),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, auth, 400, None),
+        ({"messages": message, "model": "gpt-4"}, auth, 404, "model_not_found"),
+        ({"messages": message}, {"Authorization": "Bearer wrong"}, 401, "invalid_api_key"),
+        ({"messages": message}, {}, 401, "invalid_api_key"),
+    ]
+    for body, headers, expected, code in cases:
+        got, error = status(body, headers)
+        assert got == expected, (body if isinstance(body, dict) else body[:40], error)
+        assert set(error["error"]) >= {"message", "type"} and (code is None or error["error"]["code"] == code)
+    good, answer = status({"messages": message, "max_tokens": 4, "temperature": 0})
+    assert good == 200 and answer["choices"][0]["message"]["content"]
+    assert rss_kib(proc) - baseline < 100 * 1024  # back near its baseline (the KV cache was allocated at start)
+
+
+def test_a_full_queue_is_429_with_retry_after(tmp_path):
+    proc, url = start_server(tmp_path, "-P", "1", "--queue", "0", "-c", "256")
+    try:
+        body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 200, "stream": True,
+                "logit_bias": {"0": -100, "1": -100, "2": -100}}  # no end of text: the slot stays busy
+        with httpx2.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as busy:
+            lines = busy.iter_lines()  # kept: a dropped iterator closes the stream (the client goes away)
+            next(line for line in lines if line.startswith("data:"))  # the only slot is answering
+            refused = httpx2.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        stop_server(proc)
+
+
+def test_a_public_address_needs_an_api_key():
+    result = run_cli("serve", "--host", "0.0.0.0")
+    assert result.code == 2 and "--api-key" in result.stderr and "Traceback" not in result.stderr
