@@ -16,16 +16,18 @@ from typing import Any
 from llmcli import paths, settings
 from llmcli.chat.session import PromptOptions, RenderedPrompt, Session, find_template, render_prompt
 from llmcli.chat.templates import ChatTemplate, Message
-from llmcli.errors import UsageError
+from llmcli.errors import ModelNotFoundError, UsageError
 from llmcli.inference.engine import CELL_PADDING, Engine, EngineConfig, default_context
 from llmcli.inference.generation import GenerationOptions
-from llmcli.inference.grammar import build_constraint
+from llmcli.inference.grammar import Constraint, build_constraint
 from llmcli.inference.prompt_cache import GIB, PromptCache, PromptCacheConfig
 from llmcli.inference.reasoning import opens_thinking
 from llmcli.inference.sampling import SamplingConfig, parse_logit_bias
 from llmcli.inference.speculative import DraftModel, Speculation
 from llmcli.inference.vocab import VocabularyFile
 from llmcli.interrupt import Cancellation
+from llmcli.remote.client import Client, Endpoint
+from llmcli.remote.session import RemoteRequest, RemoteSession
 from llmcli.store import memory, models
 from llmcli.store.cache import Fetch, ProgressCallback, WaitingNotice
 from llmcli.store.gguf_header import read_header
@@ -48,6 +50,7 @@ class Request:
     parallel: int = 1  # sequences decoded together (run --batch)
     batch: bool = False  # run --batch: the KV cache is made by Pipeline.resize_kv once the prompts are known
     slots: int = 1  # serve: sequences with a full context each, for requests answered together
+    api_key: str | None = None  # --endpoint's server (else $LLMCLI_API_KEY)
 
 
 @dataclass
@@ -100,6 +103,18 @@ def resolve_settings(request: Request, on_progress: ProgressCallback | None = No
     model = models.resolve(first["model"], config.aliases, fetch_for(request, first, on_progress, on_waiting))
     defaults = {**settings.model_defaults(read_header(model.path).metadata), **model.defaults}
     return settings.resolve(request.settings, request.profile, defaults, config), model
+
+
+def open_answering(request: Request, on_progress: ProgressCallback | None = None,
+                   cancel: Cancellation | None = None, on_waiting: WaitingNotice | None = None) -> Pipeline | RemotePipeline:
+    """What answers `run`, `chat` and `--batch`: the server of --endpoint, else the local model (`open_pipeline`)."""
+    first = settings.resolve(request.settings, request.profile)
+    if not first["endpoint"]:
+        return open_pipeline(request, on_progress, cancel, on_waiting)
+    if request.output_format not in (None, "json"):
+        raise UsageError(f"--format {request.output_format!r}: the only format is 'json'")
+    constraint = build_constraint(request.grammar, request.grammar_file, request.json_schema, request.output_format == "json")
+    return open_remote(request, first, constraint, cancel or Cancellation())
 
 
 def open_pipeline(request: Request, on_progress: ProgressCallback | None = None,
@@ -203,6 +218,59 @@ def open_tokenizer(request: Request) -> Tokenizer:
     requested = effective["ctx_size"] or default_context(header.context_length)
     n_ctx = -(-requested // CELL_PADDING) * CELL_PADDING  # as llama.cpp pads it
     return Tokenizer(effective, model, VocabularyFile(model.path), template, prompt, n_ctx, notices)
+
+
+@dataclass(frozen=True)
+class RemoteModel:
+    name: str  # as the server lists it
+    path: None = None
+    source: str = "endpoint"
+
+
+@dataclass
+class RemotePipeline:
+    """What `run`, `chat` and `--batch` need, answered by an OpenAI-compatible server (--endpoint)."""
+
+    settings: settings.Settings
+    model: RemoteModel
+    session: RemoteSession
+    generation: GenerationOptions
+    client: Client
+    cancel: Cancellation = field(default_factory=Cancellation)
+    engine: None = None
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> RemotePipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_remote(request: Request, effective: settings.Settings, constraint: Constraint,
+                cancel: Cancellation) -> RemotePipeline:
+    import os
+
+    endpoint = Endpoint.parse(effective["endpoint"], request.api_key or os.environ.get("LLMCLI_API_KEY") or None,
+                              effective["endpoint_timeout"])
+    client = Client(endpoint, lambda: bool(cancel))
+    try:
+        model = effective["model"] or next(iter(client.models()), None)
+        if model is None:
+            raise ModelNotFoundError(f"{endpoint.url} lists no model", hint="Name one with -m.")
+        defaults = {name: setting.default for name, setting in settings.SETTINGS.items()}
+        remote = RemoteRequest(model, effective.values, defaults, constraint.grammar if not constraint.json else None,
+                               constraint.schema, constraint.json and constraint.schema is None)
+        sampling = SamplingConfig.from_settings(effective.values)  # checked as for a local model
+        prompt = PromptOptions(effective["system"], request.raw, None, effective["on_overflow"], effective["think"])
+        generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]),
+                                       Constraint(json=constraint.json, schema=constraint.schema))
+    except BaseException:
+        client.close()
+        raise
+    return RemotePipeline(effective, RemoteModel(model), RemoteSession(client, remote, prompt), generation, client, cancel)
 
 
 def fetch_for(request: Request, effective: settings.Settings, on_progress: ProgressCallback | None = None,

@@ -153,6 +153,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "with finish reason `repetition`.", "--repetition-guard/--no-repetition-guard", chat=True),
     _s("on_overflow", str, "error", "When the prompt does not fit the context: error, or truncate "
        "(keep the system prompt and the end of the input).", choices=("error", "truncate"), chat=True),
+    _s("endpoint", str, None, "Use an OpenAI-compatible server (vLLM, llama-server, Ollama, llmcli serve) at this URL "
+       "(…/v1) instead of a local model; -m names its model.", panel=MODEL, default_text="none: a local model"),
+    _s("endpoint_timeout", float, 60.0, "With --endpoint: seconds to wait for the server to connect or to send the "
+       "next bytes.", panel=MODEL, check=lambda v: v > 0, rule="must be > 0"),
     _s("hub_timeout", float, 10.0, "Seconds to wait for the Hub to connect or to send the next bytes before giving up.",
        panel=MODEL, check=lambda v: v > 0, rule="must be > 0"),
     _s("ctx_size", int, None, "Context window in tokens.", "--ctx-size", "-c", panel=ENGINE,

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmcli import paths
 from llmcli.chat.session import Session
@@ -29,12 +29,16 @@ from llmcli.inference.generation import GenerationOptions
 from llmcli.inference.sampling import SETTING_FIELDS
 from llmcli.settings import SETTINGS, check_value, parse_text
 
+if TYPE_CHECKING:  # the remote session (--endpoint) depends on this package, not the other way round
+    from llmcli.remote.session import RemoteSession
+
 # What chat's /set may change: every setting marked for chat in the table.
 CHAT_SETTINGS = tuple(name for name, setting in SETTINGS.items() if setting.chat)
 
 
 class Conversation:
-    def __init__(self, session: Session, generation: GenerationOptions, model_name: str, model_path: Path,
+    def __init__(self, session: Session | RemoteSession, generation: GenerationOptions, model_name: str,
+                 model_path: Path | None,
                  save: bool = True, conversation_id: str | None = None, pinned: frozenset[str] = frozenset()):
         self.session = session
         self.generation = generation
@@ -61,7 +65,7 @@ class Conversation:
                 template = self.session.template.source if self.session.template else ""
                 records.insert(0, {
                     "type": "session", "id": self.id, "model": self.model_name, "model_path": str(self.model_path),
-                    "model_sha256": remembered_sha256(self.model_path),
+                    "model_sha256": remembered_sha256(self.model_path) if self.model_path else None,
                     "template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
                     "system": self.system, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 })
@@ -116,6 +120,8 @@ class Conversation:
     def _fit(self, text: str) -> int:
         """Drop the oldest exchanges until the prompt plus room for the answer fits; returns how many."""
         engine = self.session.engine
+        if engine is None:  # --endpoint: the server says when the conversation no longer fits
+            return 0
         room = self.session.answer_room(self.generation.max_tokens)
         dropped = 0
         while len(self.session.render(text).tokens) + room > engine.n_ctx:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -14,11 +14,37 @@ if TYPE_CHECKING:
     from llmcli.pipeline import Request
 
 
+def _remote_batch(pipeline: Any, items: list[Any], parallel: int, quiet: bool) -> None:
+    """--batch --endpoint: up to `parallel` requests at once, the records in input order."""
+    import time
+
+    from llmcli.cli import output
+    from llmcli.cli.stream import write_json_line
+    from llmcli.inference.parallel import in_order
+    from llmcli.remote.session import batch
+
+    started = time.perf_counter()
+    with pipeline, output.progress_bar("batch") as advance:
+        done = [0]
+
+        def write(record: dict[str, Any]) -> None:
+            write_json_line(record)
+            done[0] += 1
+            advance(done[0], len(items), "batch")
+
+        answered, errors = batch(pipeline.session, items, pipeline.generation, parallel, in_order(write))
+    if not quiet:
+        output.stderr_console().print(f"batch: {answered} prompt{'' if answered == 1 else 's'} ({errors} error"
+                                      f"{'' if errors == 1 else 's'}) · {time.perf_counter() - started:.2f} s · "
+                                      f"{parallel} parallel · {pipeline.client.endpoint.url}", style="dim")
+    raise typer.Exit(ExitCode.OK)
+
+
 def run_batch_command(source: str, request: Request, parallel: int, quiet: bool) -> None:
     from llmcli.cli import output
     from llmcli.cli.stream import write_json_line
     from llmcli.inference.parallel import BatchRun, in_order, parse_items, plan
-    from llmcli.pipeline import open_pipeline
+    from llmcli.pipeline import RemotePipeline, open_answering
 
     if source == "-":
         lines = sys.stdin.read().splitlines()
@@ -30,7 +56,10 @@ def run_batch_command(source: str, request: Request, parallel: int, quiet: bool)
     items = parse_items(lines)
     console = output.stderr_console()
     with output.download_progress() as progress:
-        pipeline = open_pipeline(request, progress, on_waiting=output.waiting_for)
+        pipeline = open_answering(request, progress, on_waiting=output.waiting_for)
+    if isinstance(pipeline, RemotePipeline):
+        _remote_batch(pipeline, items, parallel, quiet)
+        return
     with pipeline:
         for notice in pipeline.session.notices:
             output.print_notice(console, notice)

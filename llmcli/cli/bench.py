@@ -63,6 +63,11 @@ def bench(
     save: Annotated[Optional[str], typer.Option(
         "--save", help="With --tune: write the winners to [profiles.NAME] of the config file (then: run -p NAME).",
         show_default=False)] = None,
+    endpoint: Annotated[Optional[str], typer.Option(
+        "--endpoint", help="Measure an OpenAI-compatible server instead (TTFT and decode rate seen from here; "
+        "--parallel N: the aggregate rate of N answers at once).", show_default=False)] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="The --endpoint's API key ($LLMCLI_API_KEY).",
+                                                   show_default=False)] = None,
     output_format: Annotated[str, typer.Option("--format", "-o", help="md, json or csv.")] = "md",
 ) -> None:
     """Run the benchmark (the default when no subcommand is given)."""
@@ -82,6 +87,12 @@ def bench(
     if tune:
         _tune(model, _seconds(budget), save, output_format, n_prompt, n_gen)
         return
+    config = settings.load_config_file()
+    endpoint = endpoint or settings.resolve({}, config=config)["endpoint"]
+    if endpoint:
+        _bench_endpoint(endpoint, api_key, model, n_gen, repetitions,
+                        _int_list(parallel, "--parallel", 1) if parallel else (), output_format)
+        return
     plan = BenchPlan(
         prompt_tokens=n_prompt, gen_tokens=n_gen, repetitions=repetitions,
         threads=_int_list(threads, "--threads", 1) if threads else (),
@@ -93,7 +104,6 @@ def bench(
         kv_types=_kv_types(kv_type) if kv_type else (),
         speculation=speculate,
     )
-    config = settings.load_config_file()
     default_model = settings.resolve({}, config=config)["model"]
     resolved = [models.resolve(m, config.aliases) for m in (model or [default_model])]
     benchmark = Benchmark(resolved, [read_header(m.path) for m in resolved], plan)
@@ -101,6 +111,38 @@ def bench(
         for step in benchmark.run():
             advance(step.done, step.total, step.what)
     print(_format(benchmark.rows, environment(resolved, benchmark.threads), plan, output_format), end="")
+
+
+def _bench_endpoint(url: str, api_key: str | None, model: list[str] | None, n_gen: int, repetitions: int,
+                    parallel: tuple[int, ...], output_format: str) -> None:
+    import time
+
+    from llmcli.bench.remote import endpoint_rows
+    from llmcli.bench.rows import Row
+    from llmcli.cli import output
+    from llmcli.pipeline import RemotePipeline, Request, open_answering
+
+    if model and len(model) > 1:
+        raise UsageError("--endpoint measures one model: give one -m")
+    flags: dict[str, Any] = {"endpoint": url, "temp": 0.0, **({"model": model[0]} if model else {})}
+    pipeline = open_answering(Request(settings=flags, api_key=api_key))
+    assert isinstance(pipeline, RemotePipeline)
+    rows: list[Row] = []
+
+    def row(test: str, path: str, unit: str) -> Row:
+        rows.append(Row(pipeline.model.name, 0, 0, "", 0, test, path, unit))
+        return rows[-1]
+
+    with pipeline, output.progress_bar("benchmark") as advance:
+        total = repetitions * (1 + sum(1 for n in parallel if n > 1))
+        for done, what in enumerate(endpoint_rows(pipeline.session, pipeline.generation, n_gen, repetitions, parallel,
+                                                  row), 1):
+            advance(done, total, what)
+    environment = {"endpoint": pipeline.client.endpoint.url, "cpu": f"remote: {pipeline.client.endpoint.url}",
+                   "physical_cores": "?", "llama_cpp_python": "n/a (remote)", "models": [],
+                   "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    print(_format(rows, environment, BenchPlan(gen_tokens=n_gen, repetitions=repetitions, parallel=parallel),
+                  output_format), end="")
 
 
 def _seconds(text: str) -> float:

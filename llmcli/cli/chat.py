@@ -53,7 +53,7 @@ def chat(
     """Talk with a model: the KV cache is reused, so only each new turn is prefilled."""
     from llmcli.chat.conversation import Conversation, find_conversation, read_records
     from llmcli.cli import output
-    from llmcli.pipeline import open_pipeline
+    from llmcli.pipeline import open_answering
 
     if list_saved:
         _list_saved(as_json)
@@ -61,7 +61,7 @@ def chat(
     console = output.stderr_console()
     resume_path = find_conversation(resume) if resume else None
     with output.download_progress() as progress:
-        pipeline = open_pipeline(o.build_request(given), progress, on_waiting=output.waiting_for)
+        pipeline = open_answering(o.build_request(given), progress, on_waiting=output.waiting_for)
     with pipeline:
         conversation = Conversation(
             pipeline.session, pipeline.generation, pipeline.model.name, pipeline.model.path,
@@ -87,6 +87,9 @@ def _restore_state(session: Any, conversation: Any, console: Any) -> None:
     from llmcli.cli import output
 
     exchanges = len(conversation.history) // 2
+    if session.engine is None:  # --endpoint: the server holds (or rebuilds) the KV cache
+        console.print(f"resumed {conversation.id}: {exchanges} exchange(s)")
+        return
     restored = session.resume()
     for notice in session.take_notices():
         output.print_notice(console, notice)

@@ -80,6 +80,9 @@ JsonSchemaOpt = Annotated[Optional[str], typer.Option(
 FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", help="(json) The answer is one JSON value, checked when it ends (exit 8 if not).", show_default=False,
     rich_help_panel=_CONSTRAIN)]
+ApiKeyOpt = Annotated[Optional[str], typer.Option(
+    "--api-key", help="The API key of --endpoint's server, or the one `serve` requires ($LLMCLI_API_KEY).",
+    show_default=False, rich_help_panel=MODEL)]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's own log on stderr.", rich_help_panel=ENGINE)]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Do not print the stats line on stderr.", rich_help_panel=OUTPUT)]
 JsonOpt = Annotated[bool, typer.Option(
@@ -98,6 +101,7 @@ REQUEST_OPTIONS: dict[str, tuple[Any, Any]] = {
     "json_schema": (JsonSchemaOpt, None),
     "output_format": (FormatOpt, None),
     "verbose": (VerboseOpt, False),
+    "api_key": (ApiKeyOpt, None),
 }
 
 
@@ -142,6 +146,7 @@ def build_request(given: Mapping[str, Any], parallel: int | None = None) -> Requ
         json_schema=given["json_schema"],
         output_format=given["output_format"],
         verbose=given["verbose"],
+        api_key=given["api_key"],
         offline=given["offline"],
         force=given["force"],
         parallel=parallel or 1,

@@ -45,7 +45,7 @@ def run(
     from llmcli.cli.inputs import combine_input, read_message
     from llmcli.cli.stream import AnswerSink
     from llmcli.inference.events import Done, Notice
-    from llmcli.pipeline import open_pipeline
+    from llmcli.pipeline import open_answering
 
     if batch is not None:
         from llmcli.cli.batch import run_batch_command
@@ -62,11 +62,13 @@ def run(
         output.print_notice(console, notice)
     message = combine_input(prompt_arg, stdin_text, prompt_first)
     with output.download_progress() as progress:  # shown only if the model must be downloaded first
-        pipeline = open_pipeline(o.build_request(given), progress, on_waiting=output.waiting_for)
+        pipeline = open_answering(o.build_request(given), progress, on_waiting=output.waiting_for)
     with pipeline:
         for text in pipeline.session.notices:
             output.print_notice(console, text)
         if show_prompt:
+            if pipeline.engine is None:
+                raise UsageError("the server renders the prompt with --endpoint: --show-prompt is not available")
             rendered = pipeline.session.render(message)
             sys.stdout.write(rendered.text + "\n")
             mode = "raw" if pipeline.session.raw else "chat template"

@@ -21,9 +21,6 @@ SlotsOpt = Annotated[int, typer.Option("--parallel", "-P", min=1, max=64, rich_h
 QueueOpt = Annotated[Optional[int], typer.Option(
     "--queue", min=0, rich_help_panel=_SERVER, show_default=False,
     help="Requests that may wait for a slot; beyond them: 429 with Retry-After. [default: 4 × --parallel]")]
-ApiKeyOpt = Annotated[Optional[str], typer.Option(
-    "--api-key", help="Require `Authorization: Bearer KEY` ($LLMCLI_API_KEY).", rich_help_panel=_SERVER,
-    show_default=False)]
 InsecureOpt = Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback --host without an API key.",
                                            rich_help_panel=_SERVER)]
 MaxBodyOpt = Annotated[int, typer.Option("--max-body", min=1024, help="Largest request body, in bytes.",
@@ -39,7 +36,6 @@ def serve(
     port: PortOpt = 8080,
     parallel: SlotsOpt = 4,
     queue: QueueOpt = None,
-    api_key: ApiKeyOpt = None,
     insecure: InsecureOpt = False,
     max_body: MaxBodyOpt = 1 << 20,
     max_answer: MaxAnswerOpt = 4096,
@@ -47,9 +43,10 @@ def serve(
 ) -> None:
     """Serve the model over HTTP, as OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
-    The settings (temperature, -n, stop sequences, …) are the defaults of requests that do not say otherwise.
+    The settings (temperature, -n, stop sequences, …) are the defaults of requests that do not say otherwise;
+    --api-key (or $LLMCLI_API_KEY) is the key every request must bring.
     """
-    api_key = api_key or os.environ.get("LLMCLI_API_KEY") or None
+    api_key = given["api_key"] or os.environ.get("LLMCLI_API_KEY") or None
     if not _loopback(host) and api_key is None and not insecure:
         raise UsageError(f"--host {host} is reachable from other machines: give --api-key (or $LLMCLI_API_KEY)",
                          hint="Or --insecure to serve without a key on purpose.")
@@ -64,6 +61,8 @@ def serve(
     from llmcli.serve.setup import open_server
 
     request = o.build_request(given)
+    if settings_endpoint(request):
+        raise UsageError("serve answers with a local model: drop --endpoint (or the config file's endpoint)")
     with output.download_progress() as progress:
         slots, prompter, pipeline = open_server(request, parallel, queue if queue is not None else 4 * parallel,
                                                 max_body, max_answer, progress)
@@ -79,6 +78,13 @@ def serve(
         server.config.callback_notify = None
         _announce(server, console, prompter.model_names[0], parallel, pipeline.engine.n_ctx, api_key is not None)
         server.run()
+
+
+def settings_endpoint(request: Any) -> str | None:
+    from llmcli import settings
+
+    endpoint: str | None = settings.resolve(request.settings, request.profile)["endpoint"]
+    return endpoint
 
 
 def _loopback(host: str) -> bool:

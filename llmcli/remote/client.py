@@ -1,0 +1,224 @@
+"""An OpenAI-compatible server as the engine (`--endpoint URL`): vLLM, llama-server, Ollama, llama-cpp-python's
+server, `llmcli serve`. Requests go out, answers stream back as the same events a local model yields, timed here.
+
+Failures map onto llmcli's exit codes: nothing listening or no answer in time -> 4 (network); 401/403 -> 1 with
+a hint; 404 -> 3 (no such model); 400/413/422 -> 2 (the server refused the request); 429 and 5xx are retried
+with backoff (only before any of the answer arrived), then 4.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx2
+
+from llmcli.errors import ExitCode, LlmcliError, ModelNotFoundError, UsageError
+from llmcli.inference.events import Done, Token
+from llmcli.inference.stats import Stats
+from llmcli.inference.streaming import StopMatcher
+
+RETRIES = 3  # after the first try, for 429 and 5xx
+BACKOFF_S = 0.5  # doubled each retry; a Retry-After the server sends is honoured (up to 10 s)
+FINISH = {"stop": "stop", "length": "length", "content_filter": "stop", "tool_calls": "stop"}
+
+
+class NetworkError(LlmcliError):
+    exit_code = ExitCode.NETWORK
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str  # the API base, …/v1
+    api_key: str | None = None
+    timeout: float = 60.0  # seconds to connect, or between bytes of an answer
+
+    @staticmethod
+    def parse(url: str, api_key: str | None, timeout: float) -> Endpoint:
+        text = url.strip().rstrip("/")
+        if not text.startswith(("http://", "https://")) or len(text) > 2048:
+            raise UsageError(f"--endpoint {url!r} is not an http(s) URL", hint="e.g. --endpoint http://127.0.0.1:8080/v1")
+        return Endpoint(text if text.endswith("/v1") else text + "/v1", api_key, timeout)
+
+
+class Client:
+    """One connection pool to the endpoint; `cancelled()` is asked between chunks of a streamed answer."""
+
+    def __init__(self, endpoint: Endpoint, cancelled: Callable[[], bool] = lambda: False):
+        self.endpoint, self.cancelled = endpoint, cancelled
+        headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
+        self.http = httpx2.Client(headers=headers, timeout=httpx2.Timeout(endpoint.timeout, connect=min(endpoint.timeout, 10)))
+
+    def close(self) -> None:
+        self.http.close()
+
+    def models(self) -> list[str]:
+        response = self._send(lambda: self.http.get(f"{self.endpoint.url}/models"))
+        try:
+            return [str(m["id"]) for m in response.json()["data"]]
+        except (ValueError, KeyError, TypeError):
+            raise NetworkError(f"{self.endpoint.url}/models did not answer as an OpenAI-compatible server") from None
+
+    def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The chunks of a streamed answer, as they arrive (retries only before the first)."""
+        url = f"{self.endpoint.url}/{path}"
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        for attempt in range(RETRIES + 1):
+            try:
+                with self.http.stream("POST", url, json=body) as response:
+                    if response.status_code != 200:
+                        response.read()
+                        wait = self._retry_wait(response, attempt)
+                        if wait is None:
+                            raise self._refused(response)
+                        time.sleep(wait)
+                        continue
+                    for line in response.iter_lines():
+                        if self.cancelled():
+                            return
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            return
+                        try:
+                            chunk = json.loads(data)
+                        except ValueError:
+                            raise NetworkError(f"{url} sent a chunk that is not JSON: {data[:80]!r}") from None
+                        if isinstance(chunk, dict) and "error" in chunk:
+                            raise UsageError(f"the server refused the request: {_message(chunk)}")
+                        yield chunk
+                    return
+            except httpx2.HTTPError as exc:
+                raise self._unreachable(exc) from None
+        raise NetworkError(f"{url} is still busy or failing after {RETRIES} retries")
+
+    def _send(self, call: Callable[[], httpx2.Response]) -> httpx2.Response:
+        for attempt in range(RETRIES + 1):
+            try:
+                response = call()
+            except httpx2.HTTPError as exc:
+                raise self._unreachable(exc) from None
+            if response.status_code == 200:
+                return response
+            wait = self._retry_wait(response, attempt)
+            if wait is None:
+                raise self._refused(response)
+            time.sleep(wait)
+        raise NetworkError(f"{self.endpoint.url} is still busy or failing after {RETRIES} retries")
+
+    @staticmethod
+    def _retry_wait(response: httpx2.Response, attempt: int) -> float | None:
+        """Seconds to wait before trying again (429, 5xx), or None: not worth a retry."""
+        if attempt >= RETRIES or not (response.status_code == 429 or response.status_code >= 500):
+            return None
+        after = response.headers.get("retry-after", "")
+        return min(float(after), 10.0) if after.replace(".", "", 1).isdigit() else BACKOFF_S * 2**attempt
+
+    def _refused(self, response: httpx2.Response) -> LlmcliError:
+        status, reason = response.status_code, _message(_json_or_text(response))
+        where = self.endpoint.url
+        if status in (401, 403):
+            return LlmcliError(f"{where} refused the API key ({status}): {reason}",
+                               hint="Pass --api-key KEY or set LLMCLI_API_KEY.")
+        if status == 404:
+            return ModelNotFoundError(f"{where}: not found ({reason})", hint="`-m` names the model as the server lists "
+                                      "it (GET /v1/models); the URL ends in /v1.")
+        if status in (400, 413, 422):
+            return UsageError(f"{where} refused the request ({status}): {reason}")
+        if status == 429 or status >= 500:
+            return NetworkError(f"{where} is still busy or failing ({status}) after {RETRIES} retries: {reason}")
+        return NetworkError(f"{where} failed ({status}): {reason}")
+
+    def _unreachable(self, exc: httpx2.HTTPError) -> LlmcliError:
+        where = self.endpoint.url
+        if isinstance(exc, httpx2.TimeoutException):
+            return NetworkError(f"{where} did not answer within {self.endpoint.timeout:g} s",
+                                hint="--endpoint-timeout waits longer.")
+        if isinstance(exc, httpx2.ConnectError):
+            return NetworkError(f"cannot connect to {where}: {exc}", hint="Is the server running? Check the URL and port.")
+        return NetworkError(f"{where}: {type(exc).__name__}: {exc}")
+
+
+def _json_or_text(response: httpx2.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return response.text[:200]
+
+
+def _message(body: Any) -> str:
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict):
+            return str(error.get("message") or error)
+        if error is not None:
+            return str(error)
+        return str(body.get("detail") or body)[:200]
+    return str(body)[:200] or "no reason given"
+
+
+class StreamedAnswer:
+    """Chunks in, the events of a local answer out: text (never a stop sequence), reasoning, then Done with
+    timings measured here (TTFT, decode rate) and the server's token counts when it sends them."""
+
+    def __init__(self, stops: tuple[str, ...], started: float):
+        self.stops = StopMatcher(stops)
+        self.started = started
+        self.first: float | None = None
+        self.last: float | None = None
+        self.pieces = 0  # chunks with text: the token count when the server gives none
+        self.finish: str | None = None
+        self.stop: str | None = None
+        self.usage: dict[str, Any] = {}
+        self.server_timings: dict[str, Any] = {}
+
+    def events(self, chunk: dict[str, Any], chat: bool) -> Iterator[Token]:
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        if isinstance(chunk.get("timings"), dict):
+            self.server_timings = chunk["timings"]
+        for choice in chunk.get("choices") or ():
+            if choice.get("finish_reason"):
+                self.finish = FINISH.get(choice["finish_reason"], "stop")
+            delta = (choice.get("delta") or {}) if chat else choice
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if isinstance(reasoning, str) and reasoning:
+                self._arrived()
+                yield Token(reasoning, reasoning=True)
+            text = delta.get("content") if chat else delta.get("text")
+            if isinstance(text, str) and text and self.stop is None:
+                self._arrived()
+                shown, self.stop = self.stops.feed(text)
+                if shown:
+                    yield Token(shown)
+
+    def _arrived(self) -> None:
+        now = time.perf_counter()
+        self.first = self.first or now
+        self.last = now
+        self.pieces += 1
+
+    def done(self, interrupted: bool) -> tuple[str, Done]:
+        """What the stop matcher still held, and the Done event."""
+        tail = ""
+        if self.stop is None:
+            tail, self.stop = self.stops.finish()
+        now = time.perf_counter()
+        first = self.first or now
+        prompt = int(self.usage.get("prompt_tokens") or 0)
+        details = self.usage.get("prompt_tokens_details") or {}
+        cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+        completion = int(self.usage.get("completion_tokens") or self.pieces)
+        stats = Stats(load_s=0.0, prompt_s=0.0, prompt_tokens=prompt, cached_tokens=cached,
+                      prefill_tokens=max(0, prompt - cached), prefill_s=first - self.started, ttft_s=first - self.started,
+                      completion_tokens=completion, decode_steps=max(0, completion - 1),
+                      decode_s=(self.last or first) - first, total_s=now - self.started)
+        own = self.server_timings.get("finish_reason")  # llmcli serve says why, in llmcli's words
+        finish = ("interrupted" if interrupted else "stop_sequence" if self.stop is not None
+                  else own if isinstance(own, str) and own else self.finish or "stop")
+        stop = self.stop if self.stop is not None else self.server_timings.get("stop_sequence")
+        return tail, Done(finish, stats, stop if isinstance(stop, str) else None)

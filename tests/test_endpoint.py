@@ -1,0 +1,234 @@
+"""`--endpoint URL`: run, --batch, chat and bench against OpenAI-compatible servers — a scripted fake one on
+loopback (faults on demand), `llmcli serve`, and llama-cpp-python's own server on the same GGUF.
+
+Every request goes to 127.0.0.1 only; the fake server's waits are bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+from test_serve import start_server, stop_server
+
+
+class FakeServer:
+    """Answers like an OpenAI-compatible server; `behaviour` scripts faults; `log` records each request."""
+
+    def __init__(self) -> None:
+        self.behaviour = "ok"
+        self.log: list[tuple[str, dict]] = []
+        self.failures_left = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                outer.log.append((self.path, {}))
+                self._json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.log.append((self.path, body))
+                if outer.behaviour == "hang":
+                    time.sleep(4)  # longer than the client's timeout in the test; bounded
+                    return self._json(500, {"error": {"message": "too late"}})
+                if outer.behaviour == "fail_once" and outer.failures_left > 0:
+                    outer.failures_left -= 1
+                    return self._json(500, {"error": {"message": "internal hiccup"}})
+                if outer.behaviour == "busy":
+                    return self._json(429, {"error": {"message": "busy"}}, {"Retry-After": "0"})
+                if outer.behaviour == "unauthorized":
+                    return self._json(401, {"error": {"message": "bad key"}})
+                if outer.behaviour == "bad_request":
+                    return self._json(400, {"error": {"message": "temperature is out of range"}})
+                prompt = body["messages"][-1]["content"] if "messages" in body else body["prompt"]
+                if outer.behaviour == "echo_slowly":  # later prompts answer sooner: the order must be restored
+                    time.sleep(max(0.0, 0.3 - 0.02 * int(prompt.split()[-1])))
+                words = ["You", " said:", f" {prompt}", " Hello", " world."]
+                self._stream(words)
+
+            def _json(self, status: int, body: dict, headers: dict | None = None) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                for key, value in {"Content-Type": "application/json", "Content-Length": str(len(data)),
+                                   **(headers or {})}.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _stream(self, words: list[str]) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for word in words:
+                    chunk = {"choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+                usage = {"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": len(words), "total_tokens": 16}}
+                self.wfile.write(f"data: {json.dumps(last)}\n\ndata: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def posts(self) -> list[dict]:
+        return [body for path, body in self.log if path.endswith("completions")]
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeServer]:
+    server = FakeServer()
+    yield server
+    server.server.shutdown()
+
+
+def test_run_streams_from_the_endpoint_with_stats_json_and_client_side_stops(fake):
+    result = run_cli("run", "--endpoint", fake.url, "--temp", "0.3", "-n", "20", "Hi there")
+    assert result.code == 0, result.stderr
+    assert result.stdout == "You said: Hi there Hello world.\n"
+    assert "prompt 11 tok" in result.stderr and "TTFT" in result.stderr and "stop: eos" in result.stderr
+    (sent,) = fake.posts()
+    assert sent["model"] == "fake-model" and sent["temperature"] == 0.3 and sent["max_tokens"] == 20
+    assert sent["stream"] is True and sent["messages"][-1] == {"role": "user", "content": "Hi there"}
+    record = json.loads(run_cli("run", "--endpoint", fake.url, "--json", "--stop", "Hello", "Hi").stdout)
+    assert record["text"] == "You said: Hi " and record["finish_reason"] == "stop_sequence"  # cut here, never printed
+    assert record["stop_sequence"] == "Hello"  # (the stream was closed there: the server's token counts never came)
+
+
+@pytest.mark.parametrize("behaviour, code, fragment", [
+    ("unauthorized", 1, "refused the API key"),
+    ("bad_request", 2, "temperature is out of range"),
+    ("busy", 4, "still busy or failing"),
+])
+def test_server_errors_map_to_exit_codes(fake, behaviour, code, fragment):
+    fake.behaviour = behaviour
+    result = run_cli("run", "--endpoint", fake.url, "-m", "fake-model", "hi")
+    assert result.code == code, result.stderr
+    assert fragment in result.stderr and "Traceback" not in result.stderr
+    if behaviour == "unauthorized":
+        assert "--api-key" in result.stderr
+    if behaviour == "busy":
+        assert len(fake.posts()) == 4  # the first try and three retries
+
+
+def test_a_failing_server_is_retried_and_a_hanging_one_times_out(fake):
+    fake.behaviour, fake.failures_left = "fail_once", 1
+    retried = run_cli("run", "--endpoint", fake.url, "-m", "fake-model", "hi")
+    assert retried.code == 0 and retried.stdout.startswith("You said: hi") and len(fake.posts()) == 2
+    fake.behaviour = "hang"
+    started = time.monotonic()
+    hung = run_cli("run", "--endpoint", fake.url, "-m", "fake-model", "--endpoint-timeout", "1", "hi")
+    assert hung.code == 4 and "did not answer within 1 s" in hung.stderr
+    assert time.monotonic() - started < 4
+
+
+def test_nothing_listening_is_a_network_error():
+    with socket.socket() as probe:  # a port that was free a moment ago
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = run_cli("run", "--endpoint", f"http://127.0.0.1:{port}", "-m", "x", "hi")
+    assert result.code == 4 and "cannot connect" in result.stderr and len(result.stderr.strip().splitlines()) == 2
+    assert run_cli("run", "--endpoint", "ftp://example", "hi").code == 2
+
+
+def test_batch_sends_in_parallel_and_writes_in_input_order(fake, tmp_path):
+    fake.behaviour = "echo_slowly"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"prompt {i}\n" for i in range(12)) + '{"prompt": "prompt 12", "id": "x"}\n\n')
+    started = time.monotonic()
+    result = run_cli("run", "--batch", str(prompts), "--endpoint", fake.url, "--parallel", "12")
+    elapsed = time.monotonic() - started
+    assert result.code == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["index"] for r in records] == list(range(14))
+    assert [r["text"] for r in records[:13]] == [f"You said: prompt {i} Hello world." for i in range(13)]
+    assert records[12]["id"] == "x" and records[13]["error"] == "empty line"
+    assert elapsed < 0.3 * 13  # the requests overlapped (each waits up to 0.3 s)
+
+
+def test_config_file_endpoint_and_api_key_from_the_environment(fake, tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text(f'endpoint = "{fake.url}"\n')
+    result = run_cli("run", "hi", env={"LLMCLI_CONFIG": str(config), "LLMCLI_API_KEY": "sekrit"})
+    assert result.code == 0, result.stderr
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    proc, url = start_server(tmp_path_factory.mktemp("serve"), "-P", "4", "-c", "512")
+    yield url
+    stop_server(proc)
+
+
+def local_greedy(*args: str) -> str:
+    result = run_cli("run", "--json", "--temp", "0", "-n", "16", "--no-prompt-cache", "-c", "512", *args)
+    return json.loads(result.stdout)["text"]
+
+
+def test_run_batch_and_chat_against_llmcli_serve(served, tmp_path):
+    remote = run_cli("run", "--endpoint", served, "--json", "--temp", "0", "-n", "16", "Say hi.")
+    assert json.loads(remote.stdout)["text"] == local_greedy("Say hi.")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Say hi.\nName a colour.\n")
+    batch = run_cli("run", "--batch", str(prompts), "--endpoint", served, "--temp", "0", "-n", "16", "-P", "2")
+    texts = [json.loads(line)["text"] for line in batch.stdout.splitlines()]
+    assert texts == [local_greedy("Say hi."), local_greedy("Name a colour.")]
+    chat = run_cli("chat", "--endpoint", served, "--temp", "0", "-n", "12", input="My name is Ada.\nWhat is my name?\n")
+    assert chat.code == 0, chat.stderr
+    assert "(" in chat.stderr and "cached)" in chat.stderr  # the second turn reused the server's KV cache
+    bench = run_cli("bench", "--endpoint", served, "-n", "8", "-r", "2", "--parallel", "1,2", "--format", "json")
+    assert bench.code == 0, bench.stderr
+    rows = {(r["test"], r["path"]): r for r in json.loads(bench.stdout)["results"]}
+    assert rows[("ttft", "endpoint")]["n"] == 2 and rows[("tg8", "endpoint")]["mean"] > 0
+    assert rows[("tg8 x2", "endpoint, aggregate")]["mean"] > 0
+
+
+def test_run_and_batch_against_llama_cpp_python_s_own_server(smollm2, tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = (tmp_path / "llama-server.log").open("w+b")
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2), "--host", "127.0.0.1",
+                             "--port", str(port), "--n_ctx", "512", "--n_threads", "1", "--model_alias", "smol"],
+                            stdout=log, stderr=log, env={**os.environ, "NO_COLOR": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                assert proc.poll() is None, Path(log.name).read_text(errors="replace")[-2000:]
+                time.sleep(0.2)
+        result = run_cli("run", "--endpoint", url, "--json", "--temp", "0", "-n", "16", "Say hi.")
+        assert result.code == 0, result.stderr
+        record = json.loads(result.stdout)
+        assert record["model"] == "smol" and record["text"].strip() and record["finish_reason"] in ("length", "stop")
+        assert record["usage"]["completion_tokens"] == 16 or record["finish_reason"] == "stop"
+        prompts = tmp_path / "p.txt"
+        prompts.write_text("Say hi.\nName a colour.\n")
+        # -P 1: this server answers one request at a time and, by default, abandons the answer in progress
+        # when another request arrives (its `interrupt_requests`): two at once would leave one answer empty.
+        batch = run_cli("run", "--batch", str(prompts), "--endpoint", url, "--temp", "0", "-n", "8", "-P", "1")
+        records = [json.loads(line) for line in batch.stdout.splitlines()]
+        assert [r["index"] for r in records] == [0, 1] and all(r["text"] for r in records)
+        assert re.search(r"batch: 2 prompts \(0 errors\)", batch.stderr)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
