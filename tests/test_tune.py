@@ -29,10 +29,20 @@ def test_tune_measures_within_its_budget_reports_the_rest_and_saves_a_usable_pro
     assert used.code == 0, used.stderr
 
 
-def test_tune_table_and_usage_errors():
-    table = run_cli("bench", "--tune", "-p", "64", "-n", "16", "--budget", "1s")
-    assert table.code == 0, table.stderr
-    assert "| threads |" in table.stdout and "not measured (time budget)" in table.stdout
+def test_tune_table_and_usage_errors(tmp_path):
+    from llmcli.bench.tune import Tuner
+    from llmcli.cli.bench import _tune_table
+
+    tuner = Tuner(tmp_path / "unused.gguf", 60, 64, 16)  # nothing is measured: the table of what was
+    tuner.dimensions[0].candidates[0].job_s[:] = [1.0, 1.1]
+    for candidate in tuner.dimensions[0].candidates:
+        candidate.job_s[:], candidate.prefill_tps[:] = [1.0, 1.1], [100.0, 101.0]
+        candidate.decode_tps[:], candidate.load_s[:] = [50.0, 51.0], [0.1, 0.1]
+    tuner.dimensions[0].judge()
+    table = _tune_table("smollm2", tuner)
+    assert "| threads | 1 | 1050 ± 71 ms | 100.5 | 50.5 | 100 ms | 2 |" in table
+    assert "the default is best" in table or "within the noise" in table
+    assert "not measured (time budget)" in table
     assert run_cli("bench", "--tune", "--budget", "soon").code == 2
     assert run_cli("bench", "--save", "x").code == 2
     assert run_cli("bench", "--tune", "-m", "smollm2", "-m", "gemma3-270m").code == 2
