@@ -38,7 +38,7 @@ class QueueFull(Exception):
 
 @dataclass
 class Job:
-    """One request: its prompt tokens, how to answer, and where its events go (called on the engine's thread)."""
+    """One request: its prompt tokens, how to answer, and where its events go (`emit`, called by `deliver`)."""
 
     tokens: list[int]
     generation: GenerationOptions
@@ -62,9 +62,22 @@ class _Active:
     last_token: float | None = None
 
 
+Delivery = Callable[[list[tuple["Job", Token | Done]]], None]
+
+
+def deliver_here(events: list[tuple[Job, Token | Done]]) -> None:
+    for job, event in events:
+        job.emit(event)
+
+
 class SlotServer:
-    def __init__(self, engine: Engine, n_slots: int, queue_size: int):
+    """`deliver` receives each step's events at once, on the engine's thread: a server hands them to its event
+    loop in one wake-up per step rather than one per token (the default calls each job's `emit` right away)."""
+
+    def __init__(self, engine: Engine, n_slots: int, queue_size: int, deliver: Delivery = deliver_here):
         self.engine, self.n_slots, self.queue_size = engine, n_slots, queue_size
+        self.deliver = deliver
+        self._events: list[tuple[Job, Token | Done]] = []
         self.active: list[_Active | None] = [None] * n_slots
         self.cached: list[list[int]] = [[] for _ in range(n_slots)]  # what each slot's sequence holds, in order
         self.waiting: deque[Job] = deque()
@@ -112,8 +125,7 @@ class SlotServer:
                             busy = False
                         self._wake.wait()
                     if self._stopping and not any(self.active):
-                        for job in self.waiting:
-                            job.emit(_cancelled(job))
+                        self.deliver([(job, _cancelled(job)) for job in self.waiting])
                         self.waiting.clear()
                         return
                     self._admit()
@@ -122,6 +134,9 @@ class SlotServer:
                     busy = True
                 self._drop_cancelled()
                 self._step(batch)
+                if self._events:
+                    events, self._events = self._events, []
+                    self.deliver(events)
 
     def _admit(self) -> None:
         """Waiting jobs into free slots: each into the free slot whose cache shares most of its prompt."""
@@ -131,7 +146,7 @@ class SlotServer:
                 return
             job = self.waiting.popleft()
             if job.cancelled.is_set():
-                job.emit(_cancelled(job))
+                self._events.append((job, _cancelled(job)))
                 continue
             reuse = self.engine.n_swa == 0  # a sliding-window cache holds only its last window: start over
             scores = {seq: min(shared_prefix(self.cached[seq], job.tokens), len(job.tokens) - 1) if reuse else 0
@@ -143,7 +158,7 @@ class SlotServer:
             try:
                 sampler = self.engine.sampler(job.generation.sampling, job.seed)
             except Exception as exc:  # a grammar llama.cpp refuses: the request fails, the server goes on
-                job.emit(_cancelled(job, str(exc)))
+                self._events.append((job, _cancelled(job, str(exc))))
                 continue
             answer = Answer(job.generation, len(job.tokens), self.engine.n_ctx)
             self.active[seq] = _Active(job, sampler, answer, keep, time.perf_counter(), prefilled=keep)
@@ -190,9 +205,9 @@ class SlotServer:
             answer = slot.answer
             text = answer.add(token, vocab.is_end_of_generation(token), vocab.piece(token))
             if answer.thinking:
-                slot.job.emit(Token(answer.thinking, reasoning=True))
+                self._events.append((slot.job, Token(answer.thinking, reasoning=True)))
             if text:
-                slot.job.emit(Token(text))
+                self._events.append((slot.job, Token(text)))
             slot.pending = token if answer.finish is None else None
             if answer.finish is not None:
                 self._finish(seq, slot, answer.finish)
@@ -201,9 +216,9 @@ class SlotServer:
         answer = slot.answer
         text = answer.close()
         if answer.thinking:
-            slot.job.emit(Token(answer.thinking, reasoning=True))
+            self._events.append((slot.job, Token(answer.thinking, reasoning=True)))
         if text:
-            slot.job.emit(Token(text))
+            self._events.append((slot.job, Token(text)))
         now = time.perf_counter()
         first = slot.first_token or now
         stats = Stats(
@@ -214,7 +229,7 @@ class SlotServer:
             seed=None if slot.job.generation.sampling.greedy else slot.job.seed, threads=self.engine.n_threads,
         )
         reason = answer.finish or finish
-        slot.job.emit(Done(reason, stats, answer.stop_sequence, answer.format_error(reason)))
+        self._events.append((slot.job, Done(reason, stats, answer.stop_sequence, answer.format_error(reason))))
         slot.sampler.close()
         self.active[seq] = None
         self.served += 1

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llmcli.inference.events import Done, Token
-from llmcli.inference.serving import Job, QueueFull, SlotServer
+from llmcli.inference.serving import Job, QueueFull, SlotServer, deliver_here
 from llmcli.serve.protocol import ApiError, Parsed, Prompter, Reply, parse
 
 RETRY_AFTER_S = 1
@@ -48,6 +48,12 @@ class ServerState:
 def create_app(state: ServerState) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+
+        def deliver(events: list[tuple[Job, Token | Done]]) -> None:  # on the engine's thread: one wake-up a step
+            loop.call_soon_threadsafe(deliver_here, events)
+
+        state.slots.deliver = deliver
         state.thread = threading.Thread(target=state.slots.run, name="llmcli-engine", daemon=True)
         state.thread.start()
         try:
@@ -125,12 +131,8 @@ async def _complete(request: Request, state: ServerState, chat: bool) -> Respons
         parsed = await asyncio.to_thread(parse, body, chat, state.prompter)  # templates and tokenizing: off the loop
     except ApiError as error:
         return _error(error)
-    loop = asyncio.get_running_loop()
     events: asyncio.Queue[Token | Done] = asyncio.Queue()
-    def emit(event: Token | Done) -> None:  # on the engine's thread
-        loop.call_soon_threadsafe(events.put_nowait, event)
-
-    job = Job(parsed.tokens, parsed.generation, parsed.seed, emit)
+    job = Job(parsed.tokens, parsed.generation, parsed.seed, events.put_nowait)  # called on this loop (deliver)
     try:
         state.slots.submit(job)
     except QueueFull as exc:
