@@ -68,6 +68,16 @@ def test_splitting_does_not_depend_on_how_the_text_is_cut(text, cuts, open_at_st
     assert (reasoning + r + tail_r, answer + a + tail_a) == split_whole(text, open_at_start)
 
 
+def test_reasoning_is_reported_once_when_one_piece_holds_its_end_and_the_answer():
+    from llmcli.inference.generation import Answer, GenerationOptions
+
+    answer = Answer(GenerationOptions(), 0, 1000)
+    pieces = [b"<think>", b"plan</think>The", b" answer", b"."]
+    texts = [answer.add(i, False, piece) for i, piece in enumerate(pieces)]
+    assert "".join(texts) + answer.close() == "The answer."
+    assert answer.reasoning == "plan" and answer.thought == ["plan"]
+
+
 def test_a_prompt_that_ends_in_an_open_think_block_is_recognised():
     assert opens_thinking("<|im_start|>assistant\n<think>\n")
     assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")

@@ -5,6 +5,7 @@ the terminal. Piped, it is byte-clean UTF-8 with no escape codes. With --json, o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from typing import IO, Any
@@ -108,11 +109,9 @@ def _codes(style: Style, color_system: Any) -> tuple[str, str]:
 
 
 def _write_to(stream: IO[str], text: str) -> None:
-    try:
+    with contextlib.suppress(BrokenPipeError, ValueError):  # stderr gone: the thinking is not the answer
         stream.write(text)
         stream.flush()
-    except (BrokenPipeError, ValueError):
-        pass  # stderr gone: the thinking is not the answer
 
 
 def write_json_line(record: Any) -> None:

@@ -84,7 +84,7 @@ def tokenize(
     with _tokenizer(given, raw, chat_template_file, offline) as tokenizer:
         ids = tokenizer.chat(message).tokens if chat else tokenizer.raw(message)
         vocab = tokenizer.vocabulary.vocab
-        pieces = [show_piece(vocab.display_piece(token)) for token in ids]
+        pieces = [show_piece(vocab.piece(token, special=True)) for token in ids]
         _notices(tokenizer, chat)
     if as_json:
         output.print_json({"ids": ids, "pieces": pieces})

@@ -66,6 +66,7 @@ class Answer:
         self.thinking = stream.reasoning
         if self.thinking:
             self.thought.append(self.thinking)
+            stream.reasoning = ""  # taken: a later piece of pure answer must not bring it again
         self.parts.append(text)
         tokens = self.tokens
         if tokens is not None:
@@ -84,7 +85,8 @@ class Answer:
         """No more tokens: release what was held back (a stop sequence completing now ends it there)."""
         text = self.stream.finish()
         self.thinking = self.stream.reasoning
-        self.thought.append(self.thinking)
+        if self.thinking:
+            self.thought.append(self.thinking)
         self.parts.append(text)
         if self.stream.stop is not None:
             self.finish = "stop_sequence"

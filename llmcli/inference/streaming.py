@@ -89,7 +89,6 @@ class AnswerText:
     def feed(self, piece: bytes) -> str:
         text = self._utf8.feed(piece)
         if not text or self.stop is not None:
-            self.reasoning = ""
             return ""
         splitter = self._splitter
         if splitter is not None:

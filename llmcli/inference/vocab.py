@@ -31,12 +31,13 @@ class Vocabulary:
                 return list(buf[:n])
             capacity = -n
 
-    def piece(self, token: int) -> bytes:
-        """The bytes of one token (possibly part of a UTF-8 character); control tokens give b''."""
-        n = llama_cpp.llama_token_to_piece(self.handle, token, self._piece_buf, len(self._piece_buf), 0, False)
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes of one token (possibly part of a UTF-8 character); control tokens give b'' (with `special`,
+        their text: `<|im_start|>`, as `tokenize` shows them)."""
+        n = llama_cpp.llama_token_to_piece(self.handle, token, self._piece_buf, len(self._piece_buf), 0, special)
         if n < 0:
             self._piece_buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self.handle, token, self._piece_buf, -n, 0, False)
+            n = llama_cpp.llama_token_to_piece(self.handle, token, self._piece_buf, -n, 0, special)
         return ctypes.string_at(self._piece_buf, n)
 
     def is_end_of_generation(self, token: int) -> bool:
@@ -57,15 +58,6 @@ class Vocabulary:
     @property
     def eos_text(self) -> str:
         return self.token_text(llama_cpp.llama_vocab_eos(self.handle))
-
-    def display_piece(self, token: int) -> bytes:
-        """The bytes of one token as `tokenize` shows them: control tokens (`<|im_start|>`) by their text."""
-        buf = ctypes.create_string_buffer(256)
-        n = llama_cpp.llama_token_to_piece(self.handle, token, buf, len(buf), 0, True)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self.handle, token, buf, -n, 0, True)
-        return ctypes.string_at(buf, n)
 
 
 class VocabularyFile:
