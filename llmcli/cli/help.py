@@ -93,6 +93,6 @@ SHORT_HELP = {
     "config": "The effective settings and where each comes from.",
     "cache": "The prompt cache: saved KV states (list, info, clear).",
     "serve": "An OpenAI-compatible server (continuous batching over --parallel slots).",
-    "count": "Count tokens of files or a prompt (vocabulary only: instant).",
+    "count": "Count tokens of files or a prompt (only the vocabulary is loaded).",
     "tokenize": "Show the tokens of a text: ids and pieces.",
 }
