@@ -17,6 +17,7 @@ from llmcli import paths, settings
 from llmcli.chat.session import PromptOptions, RenderedPrompt, Session, find_template, render_prompt
 from llmcli.chat.templates import ChatTemplate, Message
 from llmcli.errors import ModelNotFoundError, UsageError
+from llmcli.inference.embedding import Embedder, pooling_of
 from llmcli.inference.engine import CELL_PADDING, Engine, EngineConfig, default_context
 from llmcli.inference.generation import GenerationOptions
 from llmcli.inference.grammar import Constraint, build_constraint
@@ -299,3 +300,21 @@ def _speculation(effective: settings.Settings, engine: Engine, config: EngineCon
         raise UsageError(f"--draft-model {reference} cannot draft for this model: {problem}",
                          hint="A draft model must share the model's vocabulary (usually: a smaller model of the same family).")
     return Speculation(mode, effective["draft_max"], draft)
+
+
+def open_embedder(request: Request, pooling: str, normalize: bool, truncate: bool, texts_per_batch: int,
+                  on_progress: ProgressCallback | None = None) -> tuple[settings.Settings, models.ResolvedModel, Embedder]:
+    """The model loaded in embedding mode: `pooling` (or the model's own), up to `texts_per_batch` texts sharing a
+    context of --ctx-size tokens (default 2048) per llama_decode."""
+    effective, model = resolve_settings(request, on_progress)
+    header = read_header(model.path)
+    n_ctx = effective["ctx_size"] or min(2048, default_context(header.context_length))
+    memory.check_memory(model.name, sum(p.stat().st_size for p in model.files),
+                        memory.kv_cache_bytes(header, n_ctx, 1, effective["kv_type"]), request.force)
+    config = EngineConfig(n_ctx=n_ctx, n_threads=effective["threads"], n_batch=n_ctx, verbose=request.verbose,
+                          mmap=effective["mmap"], mlock=effective["mlock"], n_seq_max=texts_per_batch,
+                          pooling=pooling_of(header, pooling))
+    cancel = Cancellation()
+    with cancel.on_signals():
+        engine = Engine(model.path, config, cancel)
+    return effective, model, Embedder(engine, normalize, truncate)

@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -43,15 +43,18 @@ def _root(version: VersionOpt = False, cache_dir: CacheDirOpt = None) -> None:
 
 
 def _register() -> None:
-    from llmcli.cli import bench, cache_cmd, config_cmd, models_cmd, serve_cmd, tokens_cmd
+    from llmcli.cli import bench, cache_cmd, config_cmd, embed_cmd, models_cmd, serve_cmd, tokens_cmd
     from llmcli.cli.chat import chat
     from llmcli.cli.help import EXAMPLES, SHORT_HELP, PanelledCommand
     from llmcli.cli.run import run
 
-    for name, command in (("run", run), ("chat", chat), ("serve", serve_cmd.serve)):
+    commands: tuple[tuple[str, Any], ...] = (("run", run), ("chat", chat), ("serve", serve_cmd.serve))
+    for name, command in commands:
         app.command(name, cls=PanelledCommand, short_help=SHORT_HELP[name], epilog=EXAMPLES[name])(command)
     models_cmd.register(app)
-    for name, command in (("count", tokens_cmd.count), ("tokenize", tokens_cmd.tokenize)):
+    tools: tuple[tuple[str, Any], ...] = (("count", tokens_cmd.count), ("tokenize", tokens_cmd.tokenize),
+                                          ("embed", embed_cmd.embed), ("similar", embed_cmd.similar))
+    for name, command in tools:
         app.command(name, short_help=SHORT_HELP[name], epilog=EXAMPLES[name])(command)
     app.add_typer(bench.app, name="bench", short_help=SHORT_HELP["bench"], epilog=EXAMPLES["bench"])
     app.add_typer(config_cmd.app, name="config", short_help=SHORT_HELP["config"])

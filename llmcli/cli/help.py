@@ -72,6 +72,9 @@ EXAMPLES = {
                       '-d \'{"stream":true,"messages":[{"role":"user","content":"hi"}]}\''),
     "count": examples("llmcli count report.md notes.md", "cat report.md | llmcli count -m gemma3-270m",
                       'llmcli count --chat -s "Be brief." "What is a token?"', "llmcli count --json *.md | jq .total"),
+    "embed": examples('llmcli embed "some text"', "llmcli embed --input notes.jsonl --field text > vectors.jsonl",
+                      "cat lines.txt | llmcli embed --format npy > v.npy"),
+    "similar": examples('llmcli similar --collection vectors.jsonl "query" -n 5'),
     "tokenize": examples('llmcli tokenize "Hello world"', 'llmcli tokenize --json "Hello world"',
                          'llmcli tokenize --chat "Hi"'),
     "cache list": examples("llmcli cache list", "llmcli cache list --json | jq '.[].tokens'"),
@@ -94,5 +97,7 @@ SHORT_HELP = {
     "cache": "The prompt cache: saved KV states (list, info, clear).",
     "serve": "An OpenAI-compatible server (continuous batching over --parallel slots).",
     "count": "Count tokens of files or a prompt (only the vocabulary is loaded).",
+    "embed": "Embed texts: vectors as JSON, JSONL or .npy (many texts a pass).",
+    "similar": "The stored texts nearest to a query (cosine).",
     "tokenize": "Show the tokens of a text: ids and pieces.",
 }

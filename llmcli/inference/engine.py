@@ -58,11 +58,14 @@ class EngineConfig:
     kv_type: str = default("kv_type")  # f16, q8_0 or q4_0: the type of the cached keys and values
     flash_attn: str = default("flash_attn")  # auto, on or off (on whenever the KV cache is quantized)
     kv_later: bool = False  # a minimal KV cache now: the caller sizes it with `resize` (run --batch)
+    pooling: str | None = None  # embeddings (mean, cls, last) instead of logits; the sequences share n_ctx cells
 
 
 CELL_PADDING = 256  # llama.cpp rounds a context's cells up to a multiple of this
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+POOLING = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
+           "last": llama_cpp.LLAMA_POOLING_TYPE_LAST}
 FLASH_ATTN = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
               "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 
@@ -107,9 +110,9 @@ class Engine:
         per_sequence = config.n_ctx or default_context(self.n_ctx_train)
         self._ctx: Any = None
         self.kv: KVCache  # what the KV cache holds, and its operations (made with the context)
-        cells = CELL_PADDING if config.kv_later else per_sequence * config.n_seq_max
+        cells = CELL_PADDING if config.kv_later else per_sequence * (1 if config.pooling else config.n_seq_max)
         try:
-            self._create_context(cells, config.n_seq_max, unified=False)
+            self._create_context(cells, config.n_seq_max, unified=config.pooling is not None)
         except ResourceError:
             llama_cpp.llama_model_free(self._model)
             raise
@@ -139,6 +142,8 @@ class Engine:
         params.n_batch = params.n_ubatch = config.n_batch
         params.n_threads = params.n_threads_batch = self.n_threads
         params.no_perf = True
+        if config.pooling is not None:
+            params.embeddings, params.pooling_type = True, POOLING[config.pooling]
         if self._ctx:
             llama_cpp.llama_free(self._ctx)  # first: the two never hold memory at once
         self._ctx = llama_cpp.llama_init_from_model(self._model, params)
@@ -234,7 +239,7 @@ class Engine:
             what = f"{n_prompt} prompt tokens" + (f" + {max_tokens} max tokens" if max_tokens else "")
             raise ResourceError(
                 f"{what} do not fit the context window of {self.n_ctx} tokens",
-                hint=f"Use --ctx-size {_round_up(needed)} (the model was trained on {self.n_ctx_train}), "
+                hint=f"Use --ctx-size {1 << max(8, (needed - 1).bit_length())} (the model was trained on {self.n_ctx_train}), "
                 "a shorter input, a smaller -n, or --on-overflow truncate.",
             )
 
@@ -389,9 +394,3 @@ class Engine:
             finish = answer.finish or "interrupted"
             yield Done(finish, stats, answer.stop_sequence, answer.format_error(finish))
 
-
-def _round_up(n_tokens: int) -> int:
-    size = 256
-    while size < n_tokens:
-        size *= 2
-    return size

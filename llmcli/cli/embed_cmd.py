@@ -1,0 +1,187 @@
+"""`llmcli embed` and `llmcli similar`: vectors for texts, and the stored texts nearest to a query."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from llmcli.cli import options as o
+from llmcli.errors import ExitCode, UsageError
+
+SETTINGS_TAKEN = ("model", "ctx_size", "threads", "mmap", "mlock")
+TextArg = Annotated[Optional[str], typer.Argument(
+    help="The text to embed (prints one JSON vector). Without it: --input, else one text per line of stdin.",
+    show_default=False)]
+InputOpt = Annotated[Optional[Path], typer.Option(
+    "--input", "-i", help="JSONL in (`-`: stdin): each object gets an `embedding` (or an `error`), in input order.",
+    show_default=False)]
+FieldOpt = Annotated[str, typer.Option("--field", help="The field of each JSONL object that holds its text.")]
+FormatOpt = Annotated[str, typer.Option("--format", help="jsonl (one object per text) or npy (one float32 array).")]
+PoolingOpt = Annotated[str, typer.Option(
+    "--pooling", help="model (its own pooling, else mean), mean, cls or last.")]
+NormalizeOpt = Annotated[bool, typer.Option("--normalize/--no-normalize", help="Scale each vector to length 1.")]
+TruncateOpt = Annotated[bool, typer.Option(
+    "--truncate", help="Embed the first tokens of a text longer than the context (else: an error record).")]
+PerBatchOpt = Annotated[int, typer.Option("--batch-size", "-b", min=1, max=256,
+                                          help="Texts evaluated together in one pass.")]
+
+
+@o.with_settings(request=False, only=SETTINGS_TAKEN)
+def embed(
+    text: TextArg = None,
+    *,
+    input_file: InputOpt = None,
+    field: FieldOpt = "text",
+    output_format: FormatOpt = "jsonl",
+    pooling: PoolingOpt = "model",
+    normalize: NormalizeOpt = False,
+    truncate: TruncateOpt = False,
+    texts_per_batch: PerBatchOpt = 32,
+    force: o.ForceOpt = False,
+    **given: Any,
+) -> None:
+    """Embed texts with any GGUF (a dedicated embedding model, or a chat model with mean pooling)."""
+    from llmcli.cli import output
+    from llmcli.cli.stream import write_json_line
+
+    if output_format not in ("jsonl", "npy"):
+        raise UsageError(f"--format must be jsonl or npy (got {output_format!r})")
+    records = _records(text, input_file, field)
+    embedder = _open(given, pooling, normalize, truncate, texts_per_batch, force)
+    texts = [record.get(field, "") if "error" not in record else "" for record in records]
+    with embedder.engine, output.progress_bar("embed") as advance:
+        results = list(embedder.embed([t if isinstance(t, str) else "" for t in texts],
+                                      lambda done: advance(done, len(texts), "embed")))
+    if text is not None:
+        (result,) = results
+        if result.vector is None:
+            raise UsageError(result.error or "no vector")
+        output.print_json(result.vector)
+        return
+    if output_format == "npy":
+        _write_npy(records, results)
+        return
+    failed = 0
+    for index, (record, result) in enumerate(zip(records, results, strict=True)):
+        if "error" in record or result.vector is None:
+            failed += 1
+            write_json_line({**record, "index": index, "error": record.get("error") or result.error})
+        else:
+            write_json_line({**record, "index": index, "embedding": result.vector, "tokens": result.tokens})
+    if failed:
+        output.print_notice(output.stderr_console(), f"{failed} of {len(records)} texts have an error record")
+
+
+@o.with_settings(request=False, only=SETTINGS_TAKEN)
+def similar(
+    query: Annotated[str, typer.Argument(help="The text to compare with the collection.", show_default=False)],
+    *,
+    collection: Annotated[Path, typer.Option(
+        "--collection", help="JSONL with an `embedding` per line (what `llmcli embed` writes).", show_default=False)],
+    top: Annotated[int, typer.Option("--top", "-n", min=1, help="How many to show.")] = 5,
+    as_json: o.JsonOpt = False,
+    pooling: PoolingOpt = "model",
+    normalize: NormalizeOpt = False,
+    force: o.ForceOpt = False,
+    **given: Any,
+) -> None:
+    """The texts of a collection nearest to a query: cosine similarity, embedded with the same model and pooling."""
+    from llmcli.cli import output
+    from llmcli.inference.embedding import cosine
+
+    stored = _collection(collection)
+    embedder = _open(given, pooling, normalize, False, 1, force)
+    with embedder.engine:
+        (result,) = list(embedder.embed([query]))
+    if result.vector is None:
+        raise UsageError(result.error or "the query has no vector")
+    dims = {len(r["embedding"]) for r in stored}
+    if dims != {len(result.vector)}:
+        raise UsageError(f"{collection} holds vectors of {', '.join(map(str, sorted(dims)))} dimensions; this model "
+                         f"makes {len(result.vector)}", hint="Embed the query with the model that made the collection (-m).")
+    ranked = sorted(((cosine(result.vector, r["embedding"]), r) for r in stored), key=lambda pair: -pair[0])[:top]
+    if as_json:
+        output.print_json([{"score": round(score, 6), **{k: v for k, v in r.items() if k != "embedding"}}
+                           for score, r in ranked])
+        return
+    for score, record in ranked:
+        label = record.get("text") if isinstance(record.get("text"), str) else json.dumps(
+            {k: v for k, v in record.items() if k != "embedding"}, ensure_ascii=False)
+        print(f"{score:.4f}  {label}")
+
+
+def _open(given: dict[str, Any], pooling: str, normalize: bool, truncate: bool, per_batch: int, force: bool) -> Any:
+    from llmcli.cli import output
+    from llmcli.inference.embedding import POOLINGS
+    from llmcli.pipeline import Request, open_embedder
+
+    if pooling not in POOLINGS:
+        raise UsageError(f"--pooling must be one of {', '.join(POOLINGS)} (got {pooling!r})")
+    request = Request(settings=o.given_settings(given), profile=given["profile"], force=force)
+    with output.download_progress() as progress:
+        _, _, embedder = open_embedder(request, pooling, normalize, truncate, per_batch, progress)
+    return embedder
+
+
+def _records(text: str | None, input_file: Path | None, field: str) -> list[dict[str, Any]]:
+    """What to embed, as records: the argument, the JSONL objects (bad lines become error records), or stdin lines."""
+    if text is not None:
+        if input_file is not None:
+            raise UsageError("give a text or --input, not both")
+        return [{field: text}]
+    if input_file is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise UsageError("nothing to embed: give a text, --input FILE, or pipe lines in")
+        return [{field: line} for line in sys.stdin.read().splitlines()]
+    try:
+        lines = (sys.stdin.read() if str(input_file) == "-" else input_file.read_text(encoding="utf-8")).splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read --input {input_file}: {exc}") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            records.append({"error": f"line {number}: not JSON ({exc})"})
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+            records.append({"error": f"line {number}: no {field!r} string"})
+            continue
+        records.append(record)
+    return records
+
+
+def _collection(path: Path) -> list[dict[str, Any]]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read --collection {path}: {exc}") from None
+    stored = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("embedding"), list) and record["embedding"]:
+            stored.append(record)
+    if not stored:
+        raise UsageError(f"{path} holds no record with an `embedding`", hint="llmcli embed --input FILE > collection.jsonl")
+    return stored
+
+
+def _write_npy(records: list[dict[str, Any]], results: list[Any]) -> None:
+    import numpy as np
+
+    bad = [i for i, (record, result) in enumerate(zip(records, results, strict=True))
+           if "error" in record or result.vector is None]
+    if bad:
+        raise UsageError(f"texts {bad[:5]} have no vector: --format npy needs one for every text",
+                         hint="--format jsonl keeps going past them with error records.")
+    buffer = sys.stdout.buffer
+    np.save(buffer, np.asarray([r.vector for r in results], dtype=np.float32))
+    buffer.flush()
+    raise typer.Exit(ExitCode.OK)
