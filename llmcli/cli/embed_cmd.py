@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmcli.cli import options as o
-from llmcli.errors import ExitCode, UsageError
+from llmcli.errors import ExitCode, StdoutClosed, UsageError
 
 SETTINGS_TAKEN = ("model", "ctx_size", "threads", "mmap", "mlock")
 TextArg = Annotated[Optional[str], typer.Argument(
@@ -181,7 +182,11 @@ def _write_npy(records: list[dict[str, Any]], results: list[Any]) -> None:
     if bad:
         raise UsageError(f"texts {bad[:5]} have no vector: --format npy needs one for every text",
                          hint="--format jsonl keeps going past them with error records.")
-    buffer = sys.stdout.buffer
-    np.save(buffer, np.asarray([r.vector for r in results], dtype=np.float32))
-    buffer.flush()
+    data = io.BytesIO()  # numpy asks a file where it is: a pipe cannot say
+    np.save(data, np.asarray([r.vector for r in results], dtype=np.float32))
+    try:
+        sys.stdout.buffer.write(data.getvalue())
+        sys.stdout.buffer.flush()
+    except BrokenPipeError:
+        raise StdoutClosed() from None
     raise typer.Exit(ExitCode.OK)
