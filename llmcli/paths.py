@@ -64,6 +64,11 @@ def data_dir() -> Path:
     return Path(os.environ.get("LLMCLI_DATA_DIR") or user_data_dir(APP))
 
 
+def answer_log_file() -> Path:
+    """Every answer, recorded (SQLite): `llmcli logs`."""
+    return data_dir() / "logs.db"
+
+
 def conversations_dir() -> Path:
     return data_dir() / "conversations"
 

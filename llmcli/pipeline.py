@@ -17,6 +17,7 @@ from llmcli import paths, settings
 from llmcli.chat.session import PromptOptions, RenderedPrompt, Session, find_template, render_prompt
 from llmcli.chat.templates import ChatTemplate, Message
 from llmcli.errors import ModelNotFoundError, UsageError
+from llmcli.files import known_sha256
 from llmcli.inference.embedding import Embedder, pooling_of
 from llmcli.inference.engine import CELL_PADDING, Engine, EngineConfig, default_context
 from llmcli.inference.generation import GenerationOptions
@@ -29,7 +30,7 @@ from llmcli.inference.vocab import VocabularyFile
 from llmcli.interrupt import Cancellation
 from llmcli.remote.client import Client, Endpoint
 from llmcli.remote.session import RemoteRequest, RemoteSession
-from llmcli.store import memory, models
+from llmcli.store import answer_log, memory, models
 from llmcli.store.cache import Fetch, ProgressCallback, WaitingNotice
 from llmcli.store.gguf_header import read_header
 
@@ -272,6 +273,37 @@ def open_remote(request: Request, effective: settings.Settings, constraint: Cons
         client.close()
         raise
     return RemotePipeline(effective, RemoteModel(model), RemoteSession(client, remote, prompt), generation, client, cancel)
+
+
+def log_entry(pipeline: Pipeline | RemotePipeline, kind: str, prompt: str, record: Mapping[str, Any],
+              conversation_id: str | None = None) -> answer_log.Entry:
+    """One answer (its `--json` record) as the log keeps it: model (and its sha256 when already known: nothing is
+    hashed for the log), system prompt, prompt, answer, reasoning, the settings that shaped it, why it ended, its
+    timings."""
+    generation = pipeline.generation
+    path = pipeline.model.path
+    used = {**generation.sampling.record(), "max_tokens": generation.max_tokens, "stop": list(generation.stops)}
+    return answer_log.Entry(kind, pipeline.model.name, known_sha256(path) if path else None,
+                            pipeline.session.options.system, prompt, record.get("text") or "", record.get("reasoning"),
+                            used, record.get("finish_reason") or "", record.get("timings") or {}, conversation_id)
+
+
+def new_conversation_id() -> str:
+    return answer_log.new_conversation_id()
+
+
+def continued(conversation_id: str | None) -> tuple[str, list[Message]]:
+    """`run --continue` (the latest conversation in the log) or `--cid ID`: its id and its exchanges, in order."""
+    with answer_log.AnswerLog(paths.answer_log_file()) as log:
+        chosen = conversation_id or log.latest_conversation()
+        records = log.find(limit=10_000, conversation_id=chosen) if chosen else []
+    if not chosen or not records:
+        raise UsageError(f"no conversation {conversation_id!r} in the log" if conversation_id else
+                         "nothing to continue: the log holds no conversation yet", hint="llmcli logs lists what it holds.")
+    history: list[Message] = []
+    for record in reversed(records):
+        history += [Message("user", record["prompt"]), Message("assistant", record["answer"])]
+    return chosen, history
 
 
 def fetch_for(request: Request, effective: settings.Settings, on_progress: ProgressCallback | None = None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from llmcli import paths, settings
@@ -32,11 +33,15 @@ def save_profile(name: str, values: Mapping[str, Any], comment: str) -> None:
     for key, value in values.items():
         table.add(key, value)
     profiles[name] = table
+    _write(path, tomlkit.dumps(document))
+
+
+def _write(path: Path, text: str) -> None:
+    """The whole file, or nothing (a temporary file renamed over it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as out:
-            text = tomlkit.dumps(document)
             out.write(text if text.endswith("\n") else text + "\n")
         os.replace(temporary, path)
     except OSError as exc:
@@ -44,3 +49,15 @@ def save_profile(name: str, values: Mapping[str, Any], comment: str) -> None:
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
+
+
+def save_setting(key: str, value: Any) -> None:
+    """Set one top-level setting in the config file (`llmcli logs off` writes `log = false`), keeping the rest."""
+    import tomlkit
+
+    settings.check_value(settings.SETTINGS[key], value, "llmcli")
+    path = paths.config_file()
+    settings.load_config_file()  # a broken file is reported as such, never overwritten
+    document = tomlkit.parse(path.read_text(encoding="utf-8")) if path.exists() else tomlkit.document()
+    document[key] = value
+    _write(path, tomlkit.dumps(document))

@@ -178,6 +178,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "(--kv-type q8_0, q4_0) needs it.", choices=("auto", "on", "off"), panel=ENGINE),
     _s("kv_type", str, "f16", "Type of the KV cache's keys and values: q8_0 halves its memory, q4_0 quarters it "
        "(with flash attention).", choices=("f16", "q8_0", "q4_0"), panel=ENGINE),
+    _s("log", bool, True, "Record every answer in the log (llmcli logs: search, list, remove).", "--log/--no-log",
+       panel=OUTPUT),
     _s("prompt_cache", bool, True, "Save the KV state of long prompts on disk and start later prompts that share "
        "their beginning from it (prefill once across runs).", "--prompt-cache/--no-prompt-cache", panel=CACHE),
     _s("prompt_cache_min", int, 256, "Save a prompt's KV state when at least this many of its tokens were evaluated.",

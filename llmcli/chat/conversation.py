@@ -14,7 +14,7 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,7 +39,8 @@ CHAT_SETTINGS = tuple(name for name, setting in SETTINGS.items() if setting.chat
 class Conversation:
     def __init__(self, session: Session | RemoteSession, generation: GenerationOptions, model_name: str,
                  model_path: Path | None,
-                 save: bool = True, conversation_id: str | None = None, pinned: frozenset[str] = frozenset()):
+                 save: bool = True, conversation_id: str | None = None, pinned: frozenset[str] = frozenset(),
+                 log: Callable[[str, dict[str, Any]], str | None] | None = None):
         self.session = session
         self.generation = generation
         self.model_name = model_name
@@ -50,6 +51,7 @@ class Conversation:
         self.turn_stats: list[Done] = []
         self.pinned = pinned  # settings given now: a resumed conversation's saved values do not replace them
         self.save_failure: str | None = None  # why the record could not be written, until it is reported
+        self.log = log  # each exchange to the answer log: (user text, its --json record) -> a warning or None
         self._started = False
 
     # -- the record ------------------------------------------------------------------------
@@ -106,6 +108,9 @@ class Conversation:
                     self.history[-1] = dataclasses.replace(self.history[-1], interrupted=True)
                 reply = self.history[-1].content if self.history else ""
                 record = answer_record(reply, event, reasoning=self.session.last_reasoning)
+                warning = self.log(text, record) if self.log is not None and not interrupted else None
+                if warning:
+                    yield Notice(warning)
                 self._write({"type": "exchange", "user": text, **record, "interrupted": interrupted,
                              "sampling": self.settings_record()})
             yield event

@@ -43,7 +43,7 @@ def _root(version: VersionOpt = False, cache_dir: CacheDirOpt = None) -> None:
 
 
 def _register() -> None:
-    from llmcli.cli import bench, cache_cmd, config_cmd, embed_cmd, models_cmd, serve_cmd, tokens_cmd
+    from llmcli.cli import bench, cache_cmd, config_cmd, embed_cmd, logs_cmd, models_cmd, serve_cmd, tokens_cmd
     from llmcli.cli.chat import chat
     from llmcli.cli.help import EXAMPLES, SHORT_HELP, PanelledCommand
     from llmcli.cli.run import run
@@ -59,6 +59,7 @@ def _register() -> None:
     app.add_typer(bench.app, name="bench", short_help=SHORT_HELP["bench"], epilog=EXAMPLES["bench"])
     app.add_typer(config_cmd.app, name="config", short_help=SHORT_HELP["config"])
     app.add_typer(cache_cmd.app, name="cache", short_help=SHORT_HELP["cache"])
+    app.add_typer(logs_cmd.app, name="logs", short_help=SHORT_HELP["logs"], epilog=EXAMPLES["logs"])
 
 
 _register()

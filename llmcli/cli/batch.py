@@ -14,6 +14,28 @@ if TYPE_CHECKING:
     from llmcli.pipeline import Request
 
 
+class BatchLog:
+    """The batch's answers for the log (with --log, the default), written in one transaction at the end."""
+
+    def __init__(self, pipeline: Any, items: list[Any]):
+        self.pipeline, self.items = pipeline, items
+        self.entries: list[Any] = []
+
+    def add(self, record: dict[str, Any]) -> None:
+        from llmcli.pipeline import log_entry
+
+        if self.pipeline.settings["log"] and "error" not in record:
+            self.entries.append(log_entry(self.pipeline, "batch", self.items[record["index"]].prompt or "", record))
+
+    def record(self, quiet: bool) -> None:
+        from llmcli.cli import output
+        from llmcli.store.answer_log import record
+
+        warning = record(self.entries) if self.entries else None
+        if warning:
+            output.print_notice(output.stderr_console(), warning)
+
+
 def _remote_batch(pipeline: Any, items: list[Any], parallel: int, quiet: bool) -> None:
     """--batch --endpoint: up to `parallel` requests at once, the records in input order."""
     import time
@@ -29,10 +51,13 @@ def _remote_batch(pipeline: Any, items: list[Any], parallel: int, quiet: bool) -
 
         def write(record: dict[str, Any]) -> None:
             write_json_line(record)
+            logged.add(record)
             done[0] += 1
             advance(done[0], len(items), "batch")
 
+        logged = BatchLog(pipeline, items)
         answered, errors = batch(pipeline.session, items, pipeline.generation, parallel, in_order(write))
+    logged.record(quiet)
     if not quiet:
         output.stderr_console().print(f"batch: {answered} prompt{'' if answered == 1 else 's'} ({errors} error"
                                       f"{'' if errors == 1 else 's'}) · {time.perf_counter() - started:.2f} s · "
@@ -66,10 +91,17 @@ def run_batch_command(source: str, request: Request, parallel: int, quiet: bool)
         generation = pipeline.generation_for_batch()
         batch_plan = plan(items, pipeline.prompt_tokens, pipeline.engine, generation, parallel)
         pipeline.resize_kv(batch_plan.cells, batch_plan.n_sequences)  # sized to the work, checked against memory
-        run = BatchRun(pipeline.engine, batch_plan, generation, pipeline.cancel, in_order(write_json_line))
+        logged = BatchLog(pipeline, items)
+
+        def write(record: dict[str, Any]) -> None:
+            write_json_line(record)
+            logged.add(record)
+
+        run = BatchRun(pipeline.engine, batch_plan, generation, pipeline.cancel, in_order(write))
         with output.progress_bar("batch") as advance, pipeline.cancel.on_signals():
             summary = run.run(lambda done, total, rate: advance(done, total, f"batch · {rate:.0f} tok/s"))
         signum = pipeline.cancel.signum
+    logged.record(quiet)
     if not quiet:
         rate = summary.completion_tokens / summary.wall_s if summary.wall_s else 0
         counts = f"{summary.errors} error{'' if summary.errors == 1 else 's'}" + (

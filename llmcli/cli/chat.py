@@ -53,7 +53,8 @@ def chat(
     """Talk with a model: the KV cache is reused, so only each new turn is prefilled."""
     from llmcli.chat.conversation import Conversation, find_conversation, read_records
     from llmcli.cli import output
-    from llmcli.pipeline import open_answering
+    from llmcli.pipeline import log_entry, open_answering
+    from llmcli.store.answer_log import record
 
     if list_saved:
         _list_saved(as_json)
@@ -67,6 +68,8 @@ def chat(
             pipeline.session, pipeline.generation, pipeline.model.name, pipeline.model.path,
             save=not no_save, conversation_id=resume_path.stem if resume_path else None,
             pinned=pipeline.settings.chosen_now(),
+            log=(lambda text, answer: record([log_entry(pipeline, "chat", text, answer, conversation.id)]))
+            if pipeline.settings["log"] else None,
         )
         if resume_path is not None:
             conversation.replay(read_records(resume_path))

@@ -75,6 +75,8 @@ EXAMPLES = {
     "embed": examples('llmcli embed "some text"', "llmcli embed --input notes.jsonl --field text > vectors.jsonl",
                       "cat lines.txt | llmcli embed --format npy > v.npy"),
     "similar": examples('llmcli similar --collection vectors.jsonl "query" -n 5'),
+    "logs": examples("llmcli logs", 'llmcli logs -q "lighthouse" --json', "llmcli logs -m smollm2 --since 7d",
+                     "llmcli logs rm --before 30d", "llmcli logs off"),
     "tokenize": examples('llmcli tokenize "Hello world"', 'llmcli tokenize --json "Hello world"',
                          'llmcli tokenize --chat "Hi"'),
     "cache list": examples("llmcli cache list", "llmcli cache list --json | jq '.[].tokens'"),
@@ -99,5 +101,6 @@ SHORT_HELP = {
     "count": "Count tokens of files or a prompt (only the vocabulary is loaded).",
     "embed": "Embed texts: vectors as JSON, JSONL or .npy (many texts a pass).",
     "similar": "The stored texts nearest to a query (cosine).",
+    "logs": "Every answer, recorded: list, search, remove (SQLite).",
     "tokenize": "Show the tokens of a text: ids and pieces.",
 }

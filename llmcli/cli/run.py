@@ -24,6 +24,11 @@ BatchOpt = Annotated[Optional[str], typer.Option(
 ParallelOpt = Annotated[Optional[int], typer.Option(
     "--parallel", "-P", min=1, max=64, rich_help_panel="Batch", show_default=False,
     help="With --batch: sequences decoded together in one context. [default: 4]")]
+ContinueOpt = Annotated[bool, typer.Option(
+    "--continue", "-C", help="Continue the most recent conversation in the log (a run's or a chat's): its exchanges "
+    "come before the prompt. (-c is --ctx-size.)")]
+CidOpt = Annotated[Optional[str], typer.Option(
+    "--cid", help="Continue this conversation (its id: llmcli logs --json).", show_default=False)]
 DEFAULT_PARALLEL = 4
 
 
@@ -38,6 +43,8 @@ def run(
     wait_stdin: WaitStdinOpt = False,
     batch: BatchOpt = None,
     parallel: ParallelOpt = None,
+    continue_conversation: ContinueOpt = False,
+    cid: CidOpt = None,
     **given: Any,
 ) -> None:
     """Answer one prompt, streamed to stdout; stats on stderr."""
@@ -45,7 +52,8 @@ def run(
     from llmcli.cli.inputs import combine_input, read_message
     from llmcli.cli.stream import AnswerSink
     from llmcli.inference.events import Done, Notice
-    from llmcli.pipeline import open_answering
+    from llmcli.pipeline import continued, log_entry, new_conversation_id, open_answering
+    from llmcli.store.answer_log import record
 
     if batch is not None:
         from llmcli.cli.batch import run_batch_command
@@ -66,6 +74,9 @@ def run(
     with pipeline:
         for text in pipeline.session.notices:
             output.print_notice(console, text)
+        conversation_id = new_conversation_id()
+        if continue_conversation or cid:
+            conversation_id, pipeline.session.history = continued(cid)
         if show_prompt:
             if pipeline.engine is None:
                 raise UsageError("the server renders the prompt with --endpoint: --show-prompt is not available")
@@ -89,6 +100,10 @@ def run(
                     format_error = event.format_error
                     if not quiet:
                         output.print_stats(console, event)
+                    if pipeline.settings["log"]:
+                        warning = record([log_entry(pipeline, "run", message, sink.record(event), conversation_id)])
+                        if warning:
+                            output.print_notice(console, warning)
         signum = pipeline.cancel.signum
     if signum is not None:
         raise typer.Exit(128 + signum)

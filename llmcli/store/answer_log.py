@@ -1,0 +1,160 @@
+"""Every answer, recorded: a SQLite database (WAL mode, full-text search with FTS5) under the data dir.
+
+Many processes write at once (`xargs -P 8 llmcli run`, `--batch`): SQLite serialises the writers (each waits up
+to BUSY_TIMEOUT_S for the lock). The log never fails a run: the caller turns an `sqlite3.Error`/`OSError` into
+one warning. The schema carries its version (`PRAGMA user_version`) and `MIGRATIONS` bring an older file up to it.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BUSY_TIMEOUT_S = 10.0
+MIGRATIONS = (  # MIGRATIONS[n] takes a database from version n to n + 1 (idempotent: two processes may both run it)
+    """
+    CREATE TABLE IF NOT EXISTS answers (
+        id INTEGER PRIMARY KEY,
+        time REAL NOT NULL,
+        kind TEXT NOT NULL,              -- run, chat, batch
+        model TEXT, model_sha256 TEXT,
+        system TEXT, prompt TEXT NOT NULL, answer TEXT NOT NULL, reasoning TEXT,
+        settings TEXT, finish_reason TEXT, timings TEXT,
+        conversation_id TEXT
+    );
+    CREATE INDEX IF NOT EXISTS answers_time ON answers(time);
+    CREATE INDEX IF NOT EXISTS answers_conversation ON answers(conversation_id, id);
+    CREATE VIRTUAL TABLE IF NOT EXISTS answers_fts USING fts5(prompt, answer, reasoning, content='answers',
+                                                              content_rowid='id');
+    CREATE TRIGGER IF NOT EXISTS answers_ai AFTER INSERT ON answers BEGIN
+        INSERT INTO answers_fts(rowid, prompt, answer, reasoning) VALUES (new.id, new.prompt, new.answer, new.reasoning);
+    END;
+    CREATE TRIGGER IF NOT EXISTS answers_ad AFTER DELETE ON answers BEGIN
+        INSERT INTO answers_fts(answers_fts, rowid, prompt, answer, reasoning)
+        VALUES ('delete', old.id, old.prompt, old.answer, old.reasoning);
+    END;
+    """,
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+@dataclass(frozen=True)
+class Entry:
+    kind: str
+    model: str
+    model_sha256: str | None
+    system: str | None
+    prompt: str
+    answer: str
+    reasoning: str | None
+    settings: Mapping[str, Any]
+    finish_reason: str
+    timings: Mapping[str, Any]
+    conversation_id: str | None = None
+
+
+class AnswerLog:
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self._migrate()
+
+    def _migrate(self) -> None:
+        version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise sqlite3.DatabaseError(f"{self.path} was written by a newer llmcli (schema {version})")
+        for step in range(version, SCHEMA_VERSION):
+            self.db.executescript(MIGRATIONS[step])
+        if version < SCHEMA_VERSION:
+            self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> AnswerLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def add(self, entries: Sequence[Entry]) -> None:
+        rows = [(time.time(), e.kind, e.model, e.model_sha256, e.system, e.prompt, e.answer, e.reasoning,
+                 json.dumps(dict(e.settings), default=str), e.finish_reason, json.dumps(dict(e.timings)), e.conversation_id)
+                for e in entries]
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.executemany("INSERT INTO answers (time, kind, model, model_sha256, system, prompt, answer, reasoning, "
+                                "settings, finish_reason, timings, conversation_id) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+
+    def find(self, limit: int = 10, text: str | None = None, model: str | None = None, since: float | None = None,
+             conversation_id: str | None = None) -> list[dict[str, Any]]:
+        """The newest matching records first; `text` is an FTS5 query over prompt, answer and reasoning."""
+        where: list[str] = []
+        args: list[Any] = []
+        if text:
+            where.append("a.id IN (SELECT rowid FROM answers_fts WHERE answers_fts MATCH ?)")
+            args.append(text)
+        if model:
+            where.append("a.model = ?")
+            args.append(model)
+        if since is not None:
+            where.append("a.time >= ?")
+            args.append(since)
+        if conversation_id:
+            where.append("a.conversation_id = ?")
+            args.append(conversation_id)
+        sql = "SELECT * FROM answers a" + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY a.id DESC LIMIT ?"
+        rows = self.db.execute(sql, [*args, limit]).fetchall()
+        return [_record(row) for row in rows]
+
+    def latest_conversation(self) -> str | None:
+        row = self.db.execute("SELECT conversation_id FROM answers WHERE conversation_id IS NOT NULL "
+                              "ORDER BY id DESC LIMIT 1").fetchone()
+        return str(row[0]) if row else None
+
+    def remove(self, record_id: int | None = None, before: float | None = None) -> int:
+        if record_id is not None:
+            return self.db.execute("DELETE FROM answers WHERE id = ?", (record_id,)).rowcount
+        return self.db.execute("DELETE FROM answers WHERE time < ?", (before,)).rowcount
+
+    def count(self) -> int:
+        return int(self.db.execute("SELECT count(*) FROM answers").fetchone()[0])
+
+
+def _record(row: sqlite3.Row) -> dict[str, Any]:
+    record = dict(row)
+    for key in ("settings", "timings"):
+        record[key] = json.loads(record[key]) if record[key] else None
+    record["time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(record["time"]))
+    return record
+
+
+def record(entries: Sequence[Entry]) -> str | None:
+    """Add `entries` to the log; a warning (not an exception) when it cannot: the answer was given anyway."""
+    from llmcli import paths
+
+    path = paths.answer_log_file()
+    try:
+        with AnswerLog(path) as log:
+            log.add(entries)
+    except (sqlite3.Error, OSError) as exc:
+        return f"the answer is not in the log ({path}: {exc}); --no-log stops trying"
+    return None
+
+
+def new_conversation_id() -> str:
+    import uuid
+
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
