@@ -26,7 +26,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llmcli import paths
@@ -188,7 +188,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        panel=CACHE, check=lambda v: v > 0, rule="must be > 0"),
 ]}
 
-RESERVED_TABLES = ("profiles", "aliases")
+RESERVED_TABLES = ("profiles", "aliases", "templates")
 
 
 _ESCAPE = r"\\(u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[ntr0\\\"'])"  # compiled on first use (re caches it)
@@ -235,6 +235,7 @@ class ConfigFile:
     settings: dict[str, Any]
     profiles: dict[str, dict[str, Any]]
     aliases: dict[str, str]
+    templates: dict[str, Any] = field(default_factory=dict)  # [templates.NAME], checked by llmcli/prompt_templates.py
 
 
 def load_config_file() -> ConfigFile:
@@ -267,7 +268,9 @@ def load_config_file() -> ConfigFile:
             if key not in SETTINGS:
                 raise UsageError(f"config file {path}: {where}unknown setting {key!r}", hint=f"Known: {', '.join(SETTINGS)}")
             table[key] = coerce(SETTINGS[key], value, f"config file {path}: {where}{key}")
-    return ConfigFile(top, profiles, {name.lower(): ref for name, ref in aliases.items()})
+    templates = data.get("templates", {})
+    return ConfigFile(top, profiles, {name.lower(): ref for name, ref in aliases.items()},
+                      templates if isinstance(templates, dict) else {})
 
 
 def resolve(

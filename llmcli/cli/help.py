@@ -101,6 +101,7 @@ SHORT_HELP = {
     "count": "Count tokens of files or a prompt (only the vocabulary is loaded).",
     "embed": "Embed texts: vectors as JSON, JSONL or .npy (many texts a pass).",
     "similar": "The stored texts nearest to a query (cosine).",
+    "templates": "Saved prompt templates: list, show, edit, rm (run -T NAME).",
     "logs": "Every answer, recorded: list, search, remove (SQLite).",
     "tokenize": "Show the tokens of a text: ids and pieces.",
 }

@@ -29,7 +29,36 @@ ContinueOpt = Annotated[bool, typer.Option(
     "come before the prompt. (-c is --ctx-size.)")]
 CidOpt = Annotated[Optional[str], typer.Option(
     "--cid", help="Continue this conversation (its id: llmcli logs --json).", show_default=False)]
+TemplateOpt = Annotated[Optional[str], typer.Option(
+    "--template", "-T", help="Use a saved template: its system prompt, its prompt ($input: stdin and the prompt "
+    "argument) and its settings (flags given still win). (-t is --threads.)", show_default=False)]
+SaveOpt = Annotated[Optional[str], typer.Option(
+    "--save", help="Save this command line as a template instead of running it: -s, the prompt (with $input and "
+    "other $placeholders) and the settings given.", show_default=False)]
+VarOpt = Annotated[Optional[list[str]], typer.Option(
+    "--var", help="NAME=VALUE for a template's $NAME. Repeatable.", show_default=False)]
 DEFAULT_PARALLEL = 4
+
+
+def _variables(specs: list[str] | None) -> dict[str, str]:
+    found = {}
+    for spec in specs or ():
+        name, sep, value = spec.partition("=")
+        if not sep or not name.isidentifier():
+            raise UsageError(f"--var {spec!r}: expected NAME=VALUE")
+        found[name] = value
+    return found
+
+
+def _save_template(name: str, prompt: str | None, given: dict[str, Any], console: Any) -> None:
+    from llmcli import paths
+    from llmcli.prompt_templates import PromptTemplate, save
+
+    values = o.given_settings(given)
+    system = values.pop("system", None)
+    save(PromptTemplate(name, system, prompt, values))
+    console.print(f"saved template {name} in {paths.config_file()}: llmcli run -T {name} …")
+    raise typer.Exit(ExitCode.OK)
 
 
 @o.with_settings()
@@ -45,6 +74,9 @@ def run(
     parallel: ParallelOpt = None,
     continue_conversation: ContinueOpt = False,
     cid: CidOpt = None,
+    template: TemplateOpt = None,
+    save: SaveOpt = None,
+    var: VarOpt = None,
     **given: Any,
 ) -> None:
     """Answer one prompt, streamed to stdout; stats on stderr."""
@@ -65,10 +97,25 @@ def run(
     if parallel is not None:
         raise UsageError("--parallel applies to --batch", hint="llmcli run --batch FILE --parallel N")
     console = output.stderr_console()
-    prompt_arg, stdin_text, notice = read_message(prompt, wait_stdin)
-    if notice and not quiet:
-        output.print_notice(console, notice)
-    message = combine_input(prompt_arg, stdin_text, prompt_first)
+    if save is not None:
+        _save_template(save, prompt, given, console)
+    chosen = None
+    if template is not None:
+        from llmcli.prompt_templates import load
+
+        chosen = load(template)
+        given.update({name: value for name, value in chosen.settings.items() if given.get(name) in (None, [])})
+        if chosen.system and not given.get("system"):
+            given["system"] = chosen.system
+    if chosen is not None and not chosen.needs_input and prompt is None and (sys.stdin is None or sys.stdin.isatty()):
+        prompt_arg, stdin_text, message = None, None, chosen.render(None, _variables(var))
+    else:
+        prompt_arg, stdin_text, notice = read_message(prompt, wait_stdin)
+        if notice and not quiet:
+            output.print_notice(console, notice)
+        message = combine_input(prompt_arg, stdin_text, prompt_first)
+        if chosen is not None:
+            message = chosen.render(message, _variables(var))
     with output.download_progress() as progress:  # shown only if the model must be downloaded first
         pipeline = open_answering(o.build_request(given), progress, on_waiting=output.waiting_for)
     with pipeline:
