@@ -1,0 +1,100 @@
+"""The answer log (SQLite), `--continue`, and prompt templates, through the real CLI on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import run_cli
+
+QUICK = ("--temp", "0", "-n", "6", "-q")
+
+
+def logged(*args: str) -> list[dict]:
+    result = run_cli("logs", "--json", *args)
+    assert result.code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_runs_chat_and_batch_are_logged_and_found_by_a_word_of_their_answer(tmp_path):
+    answer = run_cli("run", *QUICK, "Name a lighthouse keeper.").stdout.strip()
+    word = max(answer.split(), key=len).strip(".,!?")
+    (found,) = logged("-q", word)
+    assert found["answer"] == answer and found["prompt"] == "Name a lighthouse keeper." and found["kind"] == "run"
+    assert found["model"] == "smollm2" and found["settings"]["temp"] == 0 and found["timings"]["completion_tokens"] > 0
+    assert found["finish_reason"] in ("stop", "length") and found["conversation_id"]
+    assert run_cli("chat", *QUICK, input="Say hi.\n").code == 0
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("one\ntwo\n")
+    assert run_cli("run", "--batch", str(prompts), *QUICK).code == 0
+    assert run_cli("run", "--no-log", *QUICK, "unlogged").code == 0
+    records = logged("-n", "50")
+    assert sorted(r["kind"] for r in records) == ["batch", "batch", "chat", "run"]
+    assert [r["prompt"] for r in logged("-m", "smollm2", "--since", "1h", "-n", "2")] == ["two", "one"]
+    plain = run_cli("logs", "-n", "1").stdout
+    assert "> two" in plain and "batch" in plain
+    removed = run_cli("logs", "rm", str(found["id"]))
+    assert removed.code == 0 and not logged("-q", word)
+    assert run_cli("logs", "rm", "--before", "0m").code == 0 and logged() == []
+
+
+def test_eight_runs_at_once_leave_eight_records(isolated_env):
+    env = {**os.environ, "LLMCLI_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "llmcli", "run", *QUICK, f"Count to {i}."], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+             for i in range(8)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0 and b"not in the log" not in err, err
+    assert sorted(r["prompt"] for r in logged("-n", "20")) == sorted(f"Count to {i}." for i in range(8))
+
+
+def test_a_broken_log_never_fails_a_run(isolated_env):
+    database = isolated_env / "data" / "logs.db"
+    database.parent.mkdir(parents=True, exist_ok=True)
+    database.write_bytes(b"this is not a database" * 100)
+    result = run_cli("run", *QUICK, "hi")
+    assert result.code == 0 and result.stdout.strip()
+    assert "the answer is not in the log" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_logs_off_on_and_status():
+    assert "logging on (default)" in run_cli("logs", "status").stdout
+    assert run_cli("logs", "off").code == 0
+    run_cli("run", *QUICK, "hi")
+    assert "logging off" in run_cli("logs", "status").stdout and logged() == []
+    assert run_cli("run", "--log", *QUICK, "hi").code == 0 and len(logged()) == 1  # a flag still logs one
+    assert run_cli("logs", "on").code == 0 and "logging on" in run_cli("logs", "status").stdout
+    assert run_cli("logs", "path").stdout.strip().endswith("logs.db")
+
+
+def test_continue_puts_the_previous_exchange_before_the_prompt():
+    first = run_cli("run", *QUICK, "My name is Ada.").stdout.strip()
+    shown = run_cli("run", "-C", "--show-prompt", "What is my name?").stdout
+    assert "My name is Ada." in shown and first in shown and shown.index(first) < shown.index("What is my name?")
+    assert run_cli("run", "-C", *QUICK, "What is my name?").code == 0
+    ids = {r["conversation_id"] for r in logged()}
+    assert len(ids) == 1  # the continued run joined the conversation
+    (cid,) = ids
+    again = run_cli("run", "--cid", cid, "--show-prompt", "And again?").stdout
+    assert again.count("My name is Ada.") == 1 and "What is my name?" in again
+    assert run_cli("run", "--cid", "nope", "hi").code == 2
+
+
+def test_a_template_with_input_from_stdin_and_placeholders(isolated_env):
+    saved = run_cli("run", "--save", "summ", "-s", "You are terse.", "--temp", "0", "-n", "8",
+                    "Summarize for $audience: $input")
+    assert saved.code == 0 and "saved template summ" in saved.stderr
+    shown = run_cli("run", "-T", "summ", "--var", "audience=kids", "--show-prompt",
+                    input="The keeper counted ships.").stdout
+    assert "You are terse." in shown and "Summarize for kids: The keeper counted ships." in shown
+    answered = run_cli("run", "-T", "summ", "--var", "audience=kids", "--json", input="The keeper counted ships.")
+    record = json.loads(answered.stdout)
+    assert record["usage"]["completion_tokens"] <= 8  # the template's -n
+    missing = run_cli("run", "-T", "summ", input="text")
+    assert missing.code == 2 and "no value for $audience" in missing.stderr
+    assert "summ" in run_cli("templates", "list").stdout
+    assert "placeholders: $audience, $input" in run_cli("templates", "show", "summ").stdout
+    assert run_cli("templates", "rm", "summ").code == 0 and run_cli("run", "-T", "summ", "x").code == 2
