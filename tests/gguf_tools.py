@@ -13,7 +13,13 @@ def _string(value: str) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
+class U32(int):
+    """An int written as GGUF's uint32 (llama.cpp insists on it for some keys, e.g. `{arch}.pooling_type`)."""
+
+
 def _value(value: str | float | int) -> bytes:
+    if isinstance(value, U32):
+        return struct.pack("<II", 4, value)
     if isinstance(value, str):
         return struct.pack("<I", 8) + _string(value)
     if isinstance(value, float):

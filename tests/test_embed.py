@@ -74,3 +74,15 @@ def test_npy_is_one_float32_array(tmp_path):
     assert proc.returncode == 0, proc.stderr
     array = np.load(io.BytesIO(proc.stdout))
     assert array.shape == (5, 576) and array.dtype == np.float32
+
+
+def test_an_embedding_model_s_own_pooling_is_used(smollm2, tmp_path):
+    """A GGUF that declares its pooling (as embedding models do) is pooled that way unless --pooling says otherwise."""
+    from gguf_tools import U32, rewrite_metadata
+
+    pooled = rewrite_metadata(smollm2, tmp_path / "last-pooled.gguf", strings={"llama.pooling_type": U32(3)})  # LAST
+    own = json.loads(run_cli("embed", "-m", str(pooled), TEXTS[0]).stdout)
+    last = json.loads(run_cli("embed", "--pooling", "last", TEXTS[0]).stdout)
+    mean = json.loads(run_cli("embed", "--pooling", "mean", TEXTS[0]).stdout)
+    assert max(abs(a - b) for a, b in zip(own, last, strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(own, mean, strict=True)) > 1e-2
