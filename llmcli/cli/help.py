@@ -53,6 +53,8 @@ EXAMPLES = {
         'llmcli run --json-schema schema.json "Describe Paris."',
         "llmcli run --batch questions.txt --parallel 8 > answers.jsonl",
         'llmcli run -m gemma3-270m --raw -n 64 "Once upon a time"',
+        'llmcli run -C "And why?"                # continue the last conversation',
+        "cat notes.md | llmcli run -T summarize  # a saved template",
     ),
     "chat": examples("llmcli chat", 'llmcli chat -s "Answer in French." --temp 0.3', "llmcli chat --resume last",
                      "llmcli chat --list"),
