@@ -30,6 +30,8 @@ class FakeServer:
         self.behaviour = "ok"
         self.log: list[tuple[str, dict]] = []
         self.failures_left = 0
+        self.in_flight = self.most_in_flight = 0  # requests being answered at once
+        self.lock = threading.Lock()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -57,7 +59,12 @@ class FakeServer:
                     return self._json(400, {"error": {"message": "temperature is out of range"}})
                 prompt = body["messages"][-1]["content"] if "messages" in body else body["prompt"]
                 if outer.behaviour == "echo_slowly":  # later prompts answer sooner: the order must be restored
+                    with outer.lock:
+                        outer.in_flight += 1
+                        outer.most_in_flight = max(outer.most_in_flight, outer.in_flight)
                     time.sleep(max(0.0, 0.3 - 0.02 * int(prompt.split()[-1])))
+                    with outer.lock:
+                        outer.in_flight -= 1
                 words = ["You", " said:", f" {prompt}", " Hello", " world."]
                 self._stream(words)
 
@@ -131,10 +138,8 @@ def test_a_failing_server_is_retried_and_a_hanging_one_times_out(fake):
     retried = run_cli("run", "--endpoint", fake.url, "-m", "fake-model", "hi")
     assert retried.code == 0 and retried.stdout.startswith("You said: hi") and len(fake.posts()) == 2
     fake.behaviour = "hang"
-    started = time.monotonic()
     hung = run_cli("run", "--endpoint", fake.url, "-m", "fake-model", "--endpoint-timeout", "1", "hi")
-    assert hung.code == 4 and "did not answer within 1 s" in hung.stderr
-    assert time.monotonic() - started < 4
+    assert hung.code == 4 and "did not answer within 1 s" in hung.stderr  # it gave up before the server answered
 
 
 def test_nothing_listening_is_a_network_error():
@@ -150,15 +155,13 @@ def test_batch_sends_in_parallel_and_writes_in_input_order(fake, tmp_path):
     fake.behaviour = "echo_slowly"
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(f"prompt {i}\n" for i in range(12)) + '{"prompt": "prompt 12", "id": "x"}\n\n')
-    started = time.monotonic()
     result = run_cli("run", "--batch", str(prompts), "--endpoint", fake.url, "--parallel", "12")
-    elapsed = time.monotonic() - started
     assert result.code == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["index"] for r in records] == list(range(14))
     assert [r["text"] for r in records[:13]] == [f"You said: prompt {i} Hello world." for i in range(13)]
     assert records[12]["id"] == "x" and records[13]["error"] == "empty line"
-    assert elapsed < 0.3 * 13  # the requests overlapped (each waits up to 0.3 s)
+    assert fake.most_in_flight > 1  # the requests overlapped
 
 
 def test_config_file_endpoint_and_api_key_from_the_environment(fake, tmp_path):

@@ -12,15 +12,18 @@ from llmcli.profiles import save_profile
 
 
 def test_tune_measures_within_its_budget_reports_the_rest_and_saves_a_usable_profile(isolated_env):
-    result = run_cli("bench", "--tune", "-p", "64", "-n", "16", "--budget", "2s", "--save", "quick", "--format", "json")
+    result = run_cli("bench", "--tune", "-p", "32", "-n", "8", "--budget", "2s", "--save", "quick", "--format", "json")
     assert result.code == 0, result.stderr
     record = json.loads(result.stdout)
     dimensions = {d["setting"]: d for d in record["dimensions"]}
     assert list(dimensions) == ["threads", "batch_size", "flash_attn", "kv_type", "mmap"]
     threads = dimensions["threads"]
-    assert [c["job_s"]["n"] for c in threads["candidates"]] == [2, 2], threads  # two rounds, then the budget is spent
-    assert all(d["verdict"] == "not measured (time budget)" and d["chosen"] == d["default"]
-               for d in record["dimensions"][1:])
+    assert all(c["job_s"]["n"] >= 2 for c in threads["candidates"])  # a dimension begun gets two rounds at least
+    # what the budget left out comes last, keeps its default and says so (how much fits depends on the machine)
+    measured = [d["verdict"] != "not measured (time budget)" for d in record["dimensions"]]
+    assert measured == sorted(measured, reverse=True) and measured[0]
+    assert all(d["chosen"] == d["default"] and all(c["job_s"]["n"] == 0 for c in d["candidates"])
+               for d, done in zip(record["dimensions"], measured, strict=True) if not done)
     assert record["profile"] == {k: v for k, v in [("threads", threads["chosen"])] if v != threads["default"]}
     assert "saved [profiles.quick]" in result.stderr
     config = settings.load_config_file()
