@@ -221,3 +221,13 @@ def test_a_full_queue_is_429_with_retry_after(tmp_path):
 def test_a_public_address_needs_an_api_key():
     result = run_cli("serve", "--host", "0.0.0.0")
     assert result.code == 2 and "--api-key" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_taken_port_is_a_one_line_error_before_the_model_loads():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = run_cli("serve", "--port", str(taken.getsockname()[1]))
+    assert result.code == 1 and "cannot listen on 127.0.0.1" in result.stderr and "Traceback" not in result.stderr

@@ -60,6 +60,7 @@ def serve(
     from llmcli.cli import output
     from llmcli.serve.setup import open_server
 
+    _check_listen(host, port)  # before the model loads: a taken port is a one-line error, not uvicorn's
     request = o.build_request(given)
     if settings_endpoint(request):
         raise UsageError("serve answers with a local model: drop --endpoint (or the config file's endpoint)")
@@ -85,6 +86,21 @@ def settings_endpoint(request: Any) -> str | None:
 
     endpoint: str | None = settings.resolve(request.settings, request.profile)["endpoint"]
     return endpoint
+
+
+def _check_listen(host: str, port: int) -> None:
+    import socket
+
+    from llmcli.errors import LlmcliError
+
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind((host, port))
+    except OSError as exc:
+        raise LlmcliError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                          hint="Another server holds the port? Choose one with --port (0: any free one).") from None
 
 
 def _loopback(host: str) -> bool:
