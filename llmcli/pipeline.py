@@ -263,7 +263,7 @@ def open_remote(request: Request, effective: settings.Settings, constraint: Cons
         if model is None:
             raise ModelNotFoundError(f"{endpoint.url} lists no model", hint="Name one with -m.")
         defaults = {name: setting.default for name, setting in settings.SETTINGS.items()}
-        remote = RemoteRequest(model, effective.values, defaults, constraint.grammar if not constraint.json else None,
+        remote = RemoteRequest(model, defaults, constraint.grammar if not constraint.json else None,
                                constraint.schema, constraint.json and constraint.schema is None)
         sampling = SamplingConfig.from_settings(effective.values)  # checked as for a local model
         prompt = PromptOptions(effective["system"], request.raw, None, effective["on_overflow"], effective["think"])

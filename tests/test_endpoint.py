@@ -235,3 +235,11 @@ def test_run_and_batch_against_llama_cpp_python_s_own_server(smollm2, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_chat_over_an_endpoint_sends_the_history_and_what_set_changed(fake):
+    result = run_cli("chat", "--endpoint", fake.url, "--temp", "0.3", "-q", input="first\n/set temp 0.7\nsecond\n")
+    assert result.code == 0, result.stderr
+    first, second = fake.posts()
+    assert first["temperature"] == 0.3 and second["temperature"] == 0.7
+    assert [m["content"] for m in second["messages"]] == ["first", "You said: first Hello world.", "second"]

@@ -31,16 +31,15 @@ class RemoteRequest:
     """What every request of a command carries: the model, the sampling settings, the answer's constraint."""
 
     model: str
-    settings: Mapping[str, Any]  # the effective settings (only what differs from the built-in default is sent)
-    defaults: Mapping[str, Any]  # the built-in defaults
+    defaults: Mapping[str, Any]  # the built-in defaults: a setting equal to its default is not sent (but temp is)
     grammar: str | None = None
     json_schema: Mapping[str, Any] | None = None
     json_object: bool = False
 
     def body(self, generation: GenerationOptions) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model}
-        for name, field in FIELDS.items():
-            value = self.settings.get(name)
+        for name, field in FIELDS.items():  # from this answer's sampling: chat's /set changes it between turns
+            value = getattr(generation.sampling, name)
             if value is not None and (value != self.defaults.get(name) or name == "temp"):
                 body[field] = value
         if generation.max_tokens:
