@@ -46,6 +46,7 @@ class Job:
     emit: Callable[[Token | Done], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+    failure: tuple[int, str] | None = None  # set before its Done when it failed: (HTTP-like status, why)
 
 
 @dataclass
@@ -133,7 +134,10 @@ class SlotServer:
                     busy_period.enter_context(engine.sharing_cores())
                     busy = True
                 self._drop_cancelled()
-                self._step(batch)
+                try:
+                    self._step(batch)
+                except Exception as exc:  # llama.cpp failed a step: those answers fail, the server goes on
+                    self._fail_all(str(exc))
                 if self._events:
                     events, self._events = self._events, []
                     self.deliver(events)
@@ -158,7 +162,8 @@ class SlotServer:
             try:
                 sampler = self.engine.sampler(job.generation.sampling, job.seed)
             except Exception as exc:  # a grammar llama.cpp refuses: the request fails, the server goes on
-                self._events.append((job, _cancelled(job, str(exc))))
+                job.failure = (400, str(exc))
+                self._events.append((job, _cancelled(job)))
                 continue
             answer = Answer(job.generation, len(job.tokens), self.engine.n_ctx)
             self.active[seq] = _Active(job, sampler, answer, keep, time.perf_counter(), prefilled=keep)
@@ -212,6 +217,14 @@ class SlotServer:
             if answer.finish is not None:
                 self._finish(seq, slot, answer.finish)
 
+    def _fail_all(self, reason: str) -> None:
+        for seq, slot in enumerate(self.active):
+            if slot is not None:
+                slot.job.failure = (500, f"the engine failed: {reason}")
+                self._finish(seq, slot, "interrupted")
+        self.engine.kv.clear()
+        self.cached = [[] for _ in range(self.n_slots)]
+
     def _finish(self, seq: int, slot: _Active, finish: str) -> None:
         answer = slot.answer
         text = answer.close()
@@ -235,8 +248,8 @@ class SlotServer:
         self.served += 1
 
 
-def _cancelled(job: Job, error: str | None = None) -> Done:
+def _cancelled(job: Job) -> Done:
     waited = time.perf_counter() - job.submitted
     stats = Stats(load_s=0.0, prompt_s=0.0, prompt_tokens=len(job.tokens), cached_tokens=0, prefill_tokens=0,
                   prefill_s=0.0, ttft_s=waited, completion_tokens=0, decode_steps=0, decode_s=0.0, total_s=waited)
-    return Done("interrupted", stats, None, error)
+    return Done("interrupted", stats)

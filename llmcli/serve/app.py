@@ -154,8 +154,8 @@ async def _stream(events: asyncio.Queue[Token | Done], job: Job, reply: Reply, p
                 yield json.dumps(reply.chunk(event.text, event.reasoning, first), ensure_ascii=False)
                 first = False
                 continue
-            if event.format_error is not None and event.finish_reason == "interrupted":
-                yield json.dumps(ApiError(400, event.format_error).body())
+            if job.failure is not None:
+                yield json.dumps(ApiError(job.failure[0], job.failure[1], "server_error").body())
             else:
                 yield json.dumps(reply.last_chunk(event), ensure_ascii=False)
                 if parsed.include_usage:
@@ -182,8 +182,9 @@ async def _whole(request: Request, events: asyncio.Queue[Token | Done], job: Job
             if isinstance(event, Token):
                 (reasoning if event.reasoning else text).append(event.text)
                 continue
-            if event.format_error is not None and event.finish_reason == "interrupted":
-                return _error(ApiError(400, event.format_error))
+            if job.failure is not None:
+                status, reason = job.failure
+                return _error(ApiError(status, reason, "invalid_request_error" if status < 500 else "server_error"))
             return JSONResponse(reply.whole("".join(text), "".join(reasoning).strip() or None, event))
     finally:
         job.cancelled.set()
