@@ -204,7 +204,7 @@ def test_faults_get_the_right_status_and_the_server_keeps_serving(server):
     assert rss_kib(proc) - baseline < 100 * 1024  # back near its baseline (the KV cache was allocated at start)
 
 
-def test_a_full_queue_is_429_with_retry_after(tmp_path):
+def test_a_full_queue_is_429_with_retry_after_and_sigterm_ends_a_stream_cleanly(tmp_path):
     proc, url = start_server(tmp_path, "-P", "1", "--queue", "0", "-c", "256")
     try:
         body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 200, "stream": True,
@@ -215,6 +215,11 @@ def test_a_full_queue_is_429_with_retry_after(tmp_path):
             refused = httpx2.post(f"{url}/v1/chat/completions", json=body, timeout=60)
             assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
             assert refused.json()["error"]["type"] == "rate_limit_error"
+            proc.send_signal(signal.SIGTERM)  # mid-answer: it is cancelled, and its stream still ends as one
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        last = json.loads(rest[-2][5:])
+        assert last["choices"][0]["finish_reason"] == "stop" and last["timings"]["finish_reason"] == "interrupted"
     finally:
         stop_server(proc)
 

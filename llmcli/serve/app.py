@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -31,6 +32,7 @@ from llmcli.inference.serving import Job, QueueFull, SlotServer, deliver_here
 from llmcli.serve.protocol import ApiError, Parsed, Prompter, Reply, parse
 
 RETRY_AFTER_S = 1
+SHUTDOWN_GRACE_S = 5.0  # SIGTERM: how long a cancelled stream has to send its end before it is cut
 
 
 @dataclass
@@ -140,12 +142,22 @@ async def _complete(request: Request, state: ServerState, chat: bool) -> Respons
                       {"Retry-After": str(RETRY_AFTER_S)})
     reply = Reply.new(chat, state.model)
     if parsed.stream:
-        return EventSourceResponse(_stream(events, job, reply, parsed), ping=15, send_timeout=30)
+        shutdown = anyio.Event()  # set by sse-starlette on SIGTERM: the answer is cancelled and its stream ends cleanly
+        return EventSourceResponse(_stream(events, job, reply, parsed, shutdown), ping=15, send_timeout=30,
+                                   shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_S)
     return await _whole(request, events, job, reply)
 
 
-async def _stream(events: asyncio.Queue[Token | Done], job: Job, reply: Reply, parsed: Parsed) -> AsyncIterator[str]:
-    """Chunks as the engine produces them; the client gone (the task cancelled): the job is cancelled."""
+async def _stream(events: asyncio.Queue[Token | Done], job: Job, reply: Reply, parsed: Parsed,
+                  shutdown: anyio.Event) -> AsyncIterator[str]:
+    """Chunks as the engine produces them; the client gone (the task cancelled): the job is cancelled. The server
+    stopping: the job is cancelled too, and the stream still ends as a stream should (last chunk, [DONE])."""
+
+    async def cancel_on_shutdown() -> None:
+        await shutdown.wait()
+        job.cancelled.set()
+
+    watcher = asyncio.ensure_future(cancel_on_shutdown())
     first = True
     try:
         while True:
@@ -163,6 +175,7 @@ async def _stream(events: asyncio.Queue[Token | Done], job: Job, reply: Reply, p
             yield "[DONE]"
             return
     finally:
+        watcher.cancel()
         job.cancelled.set()  # a no-op once the answer is done
 
 
