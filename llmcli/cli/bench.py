@@ -40,7 +40,8 @@ def bench(
     repetitions: Annotated[int, typer.Option("--repetitions", "-r", min=1,
                                              help="Repetitions of each test, after a warm-up.")] = BenchPlan.repetitions,
     threads: Annotated[Optional[str], typer.Option(
-        "--threads", "-t", help="Thread counts to compare, e.g. 1,2. [default: one per physical core]",
+        "--threads", "-t", help="Thread counts to compare, e.g. 1,2. [default: the threads setting, else one per "
+        "physical core]",
         show_default=False)] = None,
     depth: Annotated[str, typer.Option("--depth", "-d", help="KV-cache depths for the raw tests, e.g. 0,512.")] = "0",
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Prompt tokens per step.")] = BenchPlan.n_batch,
@@ -93,9 +94,10 @@ def bench(
         _bench_endpoint(endpoint, api_key, model, n_gen, repetitions,
                         _int_list(parallel, "--parallel", 1) if parallel else (), output_format)
         return
+    configured = settings.resolve({})["threads"]  # $LLMCLI_THREADS or the config file's, else one per core
     plan = BenchPlan(
         prompt_tokens=n_prompt, gen_tokens=n_gen, repetitions=repetitions,
-        threads=_int_list(threads, "--threads", 1) if threads else (),
+        threads=_int_list(threads, "--threads", 1) if threads else (configured,) if configured else (),
         depths=_int_list(depth, "--depth", 0),
         n_batch=batch_size,
         parallel=_int_list(parallel, "--parallel", 1) if parallel else (),
