@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcli import paths, settings
-from llmcli.chat.session import PromptOptions, RenderedPrompt, Session, find_template, render_prompt
+from llmcli.chat.session import PromptOptions, RenderedPrompt, Session, find_template, render_prompt, with_system
 from llmcli.chat.templates import ChatTemplate, Message
 from llmcli.errors import ModelNotFoundError, UsageError
 from llmcli.files import known_sha256
@@ -197,7 +197,7 @@ class Tokenizer:
 
     def chat(self, text: str) -> RenderedPrompt:
         """The rendered prompt of `text` as a new message: system prompt and template applied (as `run` does)."""
-        messages = ([Message("system", self.prompt.system)] if self.prompt.system else []) + [Message("user", text)]
+        messages = with_system(self.prompt.system, [Message("user", text)])
         return render_prompt(self.template, self.vocabulary.vocab, messages, self.prompt)
 
     def close(self) -> None:

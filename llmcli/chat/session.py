@@ -42,6 +42,13 @@ class RenderedPrompt:
     tokens: list[int]
 
 
+def with_system(system: str | None, messages: list[Message]) -> list[Message]:
+    """The messages a template renders: the system prompt first, when there is one and the messages bring none."""
+    if not system or (messages and messages[0].role == "system"):
+        return list(messages)
+    return [Message("system", system), *messages]
+
+
 def find_template(header: GGUFHeader, options: PromptOptions) -> tuple[ChatTemplate | None, list[str]]:
     """The chat template to use (--chat-template-file, else the model's; None: --raw or none stored), and
     notices for the user (no template; a --think the template does not read)."""
@@ -111,8 +118,7 @@ class Session:
         return self.template is None
 
     def messages_with(self, user_text: str, history: list[Message] | None = None) -> list[Message]:
-        system = [Message("system", self.options.system)] if self.options.system else []
-        return [*system, *(self.history if history is None else history), Message("user", user_text)]
+        return with_system(self.options.system, [*(self.history if history is None else history), Message("user", user_text)])
 
     def render(self, user_text: str, history: list[Message] | None = None) -> RenderedPrompt:
         """The exact text and tokens the model will see for this new message (after `history`, else the session's)."""

@@ -158,6 +158,7 @@ class Engine:
         """A new, empty KV cache of `n_cells` cells for `n_seq_max` sequences, n_cells / n_seq_max cells each
         (run --batch sizes it to its work); an answer still ends at `n_ctx` tokens. The weights stay loaded."""
         self._create_context(n_cells, n_seq_max, unified=False)
+
     def close(self) -> None:
         share: CoreShare | None = getattr(self, "_share", None)
         if share is not None:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from llmcli.chat.session import PromptOptions
+from llmcli.chat.session import PromptOptions, with_system
 from llmcli.chat.templates import Message
 from llmcli.errors import LlmcliError, UsageError
 from llmcli.inference.events import Done, Notice, Token, answer_record
@@ -120,8 +120,7 @@ class Exchange:
         chat = not session.options.raw
         body = session.request.body(options)
         if chat:
-            system = [Message("system", session.options.system)] if session.options.system else []
-            messages = [*system, *history, Message("user", user_text)]
+            messages = with_system(session.options.system, [*history, Message("user", user_text)])
             body["messages"] = [{"role": m.role, "content": m.content} for m in messages]
         else:
             body["prompt"] = user_text

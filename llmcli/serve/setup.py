@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmcli.chat.session import render_prompt
+from llmcli.chat.session import render_prompt, with_system
 from llmcli.chat.templates import Message
 from llmcli.inference.serving import SlotServer
 from llmcli.pipeline import Pipeline, Request, open_pipeline
@@ -20,8 +20,7 @@ def open_server(request: Request, parallel: int, queue: int, max_body: int, max_
     session, engine = pipeline.session, pipeline.engine
 
     def render_chat(messages: list[Message]) -> Any:
-        system = [Message("system", session.options.system)] if session.options.system and messages[0].role != "system" else []
-        return render_prompt(session.template, engine.vocab, [*system, *messages], session.options)
+        return render_prompt(session.template, engine.vocab, with_system(session.options.system, messages), session.options)
 
     names = tuple(dict.fromkeys((pipeline.model.name, pipeline.model.path.stem, pipeline.model.path.name)))
     limits = Limits(engine.n_ctx, min(max_answer, engine.n_ctx), max_body)
