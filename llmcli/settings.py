@@ -166,7 +166,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _s("batch_size", int, 512, "Prompt tokens evaluated per step.", "--batch-size", "-b", panel=ENGINE, **_at_least(1)),
     _s("mlock", bool, False, "Keep the weights in RAM.", "--mlock/--no-mlock", panel=ENGINE),
     _s("mmap", bool, True, "Map the model file instead of reading it.", "--mmap/--no-mmap", panel=ENGINE),
-    _s("speculate", str, "off", "Speculative decoding: several tokens a pass when a draft is right. auto drafts (from the "
+    _s("speculate", str, "auto", "Speculative decoding: several tokens a pass when a draft is right. auto drafts (from the "
        "prompt, or --draft-model) when its cost model expects a gain; lookup and draft always do; off never.",
        choices=("auto", "lookup", "draft", "off"), panel=ENGINE),
     _s("draft_model", str, None, "A small model with the same vocabulary that drafts tokens (--speculate auto, unless "

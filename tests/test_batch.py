@@ -142,10 +142,10 @@ def test_a_long_answer_grows_the_kv_cache_without_changing_any_answer():
     code = (
         "import json\n"
         "from llmcli.pipeline import open_pipeline, Request\n"
-        "from llmcli.inference import parallel\n"
+        "from llmcli.inference import batch_input, parallel\n"
         "from llmcli.interrupt import Cancellation\n"
         "p = open_pipeline(Request(settings={'temp': 0.0, 'max_tokens': None, 'prompt_cache': False}, parallel=4))\n"
-        f"items = parallel.parse_items({QUESTIONS[1:4]!r})\n"
+        f"items = batch_input.parse_items({QUESTIONS[1:4]!r})\n"
         "texts = {}\n"
         "for room in (4096, 1):\n"
         "    bp = parallel.plan(items, p.prompt_tokens, p.engine, p.generation, 3, answer_room=room)\n"

@@ -70,11 +70,60 @@ def test_sampled_answers_follow_the_seed_with_drafts_as_without():
     again = _chat("lookup", lines[:9], *args)
     assert [r["text"] for r in again] == [r["text"] for r in drafted[:3]]  # reproducible with a seed
     assert sum(r["timings"]["accepted_tokens"] for r in drafted) > 20
-    # The sampler chain sees every token in order and draws one random number per token, drafted or not:
-    # each seed gives the answer plain sampling gives, so the distributions are the same (chi-squared 0).
+    # The distribution of the first three words (tokens sampled inside drafts) over the 30 seeds: a chi-squared
+    # test of homogeneity, drafted against plain, at the 1 % level.
+    statistic, df = _chi_squared(Counter(_words(r["text"]) for r in plain), Counter(_words(r["text"]) for r in drafted))
+    assert statistic <= _chi_squared_critical(df), (statistic, df)
+    # Stronger: the sampler chain sees every token in order and draws one random number per token, drafted or
+    # not, so each seed gives the answer plain sampling gives.
     assert [r["text"] for r in drafted] == [r["text"] for r in plain]
     answers = Counter(r["text"] for r in drafted)
     assert len(answers) > 5  # really sampled: the seeds give different answers
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split()[:3])
+
+
+def _chi_squared(a: Counter, b: Counter) -> tuple[float, int]:
+    """Pearson's statistic for two samples over the same categories, and its degrees of freedom."""
+    categories = sorted(set(a) | set(b))
+    n_a, n_b = sum(a.values()), sum(b.values())
+    statistic = 0.0
+    for category in categories:
+        total = a[category] + b[category]
+        for counts, n in ((a, n_a), (b, n_b)):
+            expected = total * n / (n_a + n_b)
+            statistic += (counts[category] - expected) ** 2 / expected
+    return statistic, max(1, len(categories) - 1)
+
+
+def _chi_squared_critical(df: int, z: float = 2.326) -> float:
+    """The 99th percentile of chi-squared with df degrees of freedom (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_chi_squared_helpers_reject_different_distributions():
+    assert _chi_squared(Counter(a=10, b=10), Counter(a=10, b=10))[0] == 0.0
+    statistic, df = _chi_squared(Counter(a=30), Counter(b=30))
+    assert df == 1 and statistic > _chi_squared_critical(df)  # 60.0 against 6.6
+    assert _chi_squared_critical(10) == pytest.approx(23.21, abs=0.1)
+
+
+def test_batch_drafts_per_sequence_with_the_answers_of_plain_decoding(tmp_path, smollm2):
+    questions = tmp_path / "q.txt"
+    questions.write_text("\n".join([f"Repeat this sentence exactly: {TEXT}", "Name three planets.",
+                                     f"Copy this text: {TEXT}", "Count from one to twelve in words."]) + "\n")
+    runs = {mode: run_cli("run", "--batch", str(questions), "-P", "2", "-t", "1", "--temp", "0", "-n", "40",
+                          "--speculate", mode) for mode in ("off", "lookup")}
+    records = {mode: [json.loads(line) for line in r.stdout.splitlines()] for mode, r in runs.items()}
+    assert [r["text"] for r in records["lookup"]] == [r["text"] for r in records["off"]]
+    assert [r["finish_reason"] for r in records["lookup"]] == [r["finish_reason"] for r in records["off"]]
+    accepted = [r["timings"]["accepted_tokens"] for r in records["lookup"]]
+    assert accepted[0] > 10 and accepted[2] > 10  # the copying answers: many tokens a pass
+    assert "drafted accepted" in runs["lookup"].stderr and "drafted accepted" not in runs["off"].stderr
+    refused = run_cli("run", "--batch", str(questions), "--draft-model", str(smollm2))
+    assert refused.code == 2 and "not with --draft-model" in refused.stderr
 
 
 def test_draft_model_must_share_the_vocabulary_and_agrees_with_itself(smollm2, gemma3):
@@ -127,3 +176,10 @@ def test_the_cost_model_drafts_only_when_it_pays():
     cost.observe_pass(9, 0.080)  # a 9-token pass as dear as 8 single ones: drafting cannot pay
     assert cost.pass_cost(9) == pytest.approx(8.0)
     assert expected_gain(0.9, 4.0, 8) == pytest.approx((1 - 0.9**9) / 0.1 / 4.0)
+    batch = CostModel(per_token=0.5)
+    batch.observe_pass(1, 0.010)
+    batch.observe_pass(8, 0.045)  # a step of 8 sequences, one token each
+    for _ in range(10):
+        batch.observe_acceptance(12, 8, 8)
+    alone, in_step = batch.best_k(16, 12), batch.best_step_k(8, 8, 16, 12)
+    assert alone[0] > 0 and in_step[1] < alone[1]  # a draft adds less to a step that already carries 8 tokens

@@ -24,10 +24,11 @@ from llmcli.bench.rows import Row
 from llmcli.bench.speculation import pass_cost_rows, speculation_rows
 from llmcli.chat.session import Session
 from llmcli.inference import system
+from llmcli.inference.batch_input import BatchItem
 from llmcli.inference.engine import Engine, EngineConfig
 from llmcli.inference.events import Done
 from llmcli.inference.generation import GenerationOptions
-from llmcli.inference.parallel import BatchItem, BatchRun
+from llmcli.inference.parallel import BatchRun
 from llmcli.inference.parallel import plan as batch_planned
 from llmcli.inference.raw import RawLoop
 from llmcli.inference.sampling import greedy_without_end

@@ -19,7 +19,7 @@ from llmcli.inference.generation import GenerationOptions
 from llmcli.inference.sampling import SamplingConfig
 from llmcli.inference.speculative import Speculation
 
-PASS_SIZES = (1, 2, 4, 8, 12, 16)
+PASS_SIZES = tuple(range(1, 17))  # the cost of a k-token pass for k = 1 ... 16
 GROUNDED = (  # about 450 tokens: a 256-token answer that copies it stays inside it
     "The history of the lighthouse at the northern cape begins in the winter of the great storm, when three fishing "
     "boats were lost on the rocks below the cliff. The villagers gathered in the church hall and agreed that a light "

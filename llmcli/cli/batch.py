@@ -42,7 +42,7 @@ def _remote_batch(pipeline: Any, items: list[Any], parallel: int, quiet: bool) -
 
     from llmcli.cli import output
     from llmcli.cli.stream import write_json_line
-    from llmcli.inference.parallel import in_order
+    from llmcli.inference.batch_input import in_order
     from llmcli.remote.session import batch
 
     started = time.perf_counter()
@@ -68,7 +68,8 @@ def _remote_batch(pipeline: Any, items: list[Any], parallel: int, quiet: bool) -
 def run_batch_command(source: str, request: Request, parallel: int, quiet: bool) -> None:
     from llmcli.cli import output
     from llmcli.cli.stream import write_json_line
-    from llmcli.inference.parallel import BatchRun, in_order, parse_items, plan
+    from llmcli.inference.batch_input import in_order, parse_items
+    from llmcli.inference.parallel import BatchRun, plan
     from llmcli.pipeline import RemotePipeline, open_answering
 
     if source == "-":
@@ -89,6 +90,9 @@ def run_batch_command(source: str, request: Request, parallel: int, quiet: bool)
         for notice in pipeline.session.notices:
             output.print_notice(console, notice)
         generation = pipeline.generation_for_batch()
+        if generation.speculation.draft_model is not None:
+            raise UsageError("--batch drafts from each prompt and its answer (prompt lookup), not with --draft-model",
+                             hint="Use --speculate auto or lookup with --batch; a draft model drafts for run and chat.")
         batch_plan = plan(items, pipeline.prompt_tokens, pipeline.engine, generation, parallel)
         pipeline.resize_kv(batch_plan.cells, batch_plan.n_sequences)  # sized to the work, checked against memory
         logged = BatchLog(pipeline, items)
@@ -113,6 +117,7 @@ def run_batch_command(source: str, request: Request, parallel: int, quiet: bool)
             f"{summary.completion_tokens} tok generated · {summary.wall_s:.2f} s · {rate:.1f} tok/s overall · "
             f"{summary.decode_tps:.1f} tok/s aggregate decode · {parallel} parallel"
             + (f" · KV cache grown {summary.grown}x" if summary.grown else "")
+            + (f" · {summary.accepted_tokens}/{summary.draft_tokens} drafted accepted" if summary.draft_tokens else "")
             + (" · interrupted" if summary.interrupted else ""),
             style="dim",
         )

@@ -14,66 +14,33 @@ twice as large (up to the context size) and the states restored — answers are 
 the sizing. The prefix every prompt shares (template head, system prompt) is evaluated once, in a
 sequence of its own, and copied to each slot when it starts (`llama_memory_seq_cp`).
 
+Speculative decoding works per sequence: in a step that only decodes, a slot may add a draft from its
+own prompt and answer (prompt lookup) after its pending token, verified by its own sampler chain as a
+single answer's are (`speculative.Decoder`). A step of n sequences already reads the weights once for n
+tokens, so `auto` asks the cost model what k more tokens would add to that step (`CostModel.step_gain`),
+measured from the steps themselves and a small probe now and then.
+
 Built on the engine's public API; it never prints.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from llmcli.errors import LlmcliError
 from llmcli.inference.batch import Batch
+from llmcli.inference.batch_input import BatchItem, Record
 from llmcli.inference.engine import Engine
 from llmcli.inference.events import Done, answer_record
 from llmcli.inference.generation import Answer, GenerationOptions
 from llmcli.inference.sampler import Sampler
+from llmcli.inference.speculative import MIN_GAIN, PROBE_EVERY, PROBE_K, LookupDrafter
 from llmcli.inference.stats import Stats
 from llmcli.interrupt import Cancellation
 from llmcli.store.prompt_store import shared_prefix
-
-Record = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class BatchItem:
-    index: int
-    prompt: str | None
-    extra: dict[str, Any] = field(default_factory=dict)  # other JSONL fields, carried to the output
-    error: str | None = None
-
-    def error_record(self, message: str) -> Record:
-        return {**self.extra, "index": self.index, "error": message}
-
-
-def parse_items(lines: Iterable[str]) -> list[BatchItem]:
-    """One prompt per line, or JSONL objects with a `prompt` field; bad lines become error items."""
-    items = []
-    for index, raw in enumerate(lines):
-        line = raw.rstrip("\r\n")
-        if not line.strip():
-            items.append(BatchItem(index, None, error="empty line"))
-            continue
-        if not line.lstrip().startswith("{"):
-            items.append(BatchItem(index, line))
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            items.append(BatchItem(index, None, error=f"malformed JSON: {exc}"))
-            continue
-        prompt = record.pop("prompt", None) if isinstance(record, dict) else None
-        if not isinstance(prompt, str) or not prompt.strip():
-            extra = record if isinstance(record, dict) else {}
-            items.append(BatchItem(index, None, extra, 'no "prompt" string in the object'))
-            continue
-        items.append(BatchItem(index, prompt, record))
-    return items
-
 
 DEFAULT_ANSWER_ROOM = 256  # cells for an answer without -n at first (the cache grows for longer ones)
 
@@ -138,6 +105,9 @@ class _Slot:
     pending: int | None = None  # the sampled token still to be decoded
     sampled: int = 0  # tokens sampled, an end-of-generation token included
     first_token: float | None = None
+    lookup: LookupDrafter | None = None  # the prompt and the answer so far, for drafts (speculative decoding)
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def pos(self) -> int:
@@ -153,7 +123,7 @@ class _Slot:
             prefill_tokens=self.prefilled - self.shared,
             prefill_s=first - self.scheduled, ttft_s=first - self.scheduled, completion_tokens=self.answer.n_out,
             decode_steps=max(0, self.sampled - 1), decode_s=now - first, total_s=now - self.scheduled,
-            seed=self.sampler.seed, threads=threads,
+            seed=self.sampler.seed, threads=threads, draft_tokens=self.drafted, accepted_tokens=self.accepted,
         )
         reason = finish or self.answer.finish or "interrupted"
         done = Done(reason, stats, self.answer.stop_sequence, self.answer.format_error(reason))
@@ -175,6 +145,8 @@ class Summary:
     shared_prefix_tokens: int = 0  # the prefix every prompt shares, evaluated once
     prefill_tokens: int = 0  # prompt tokens evaluated (the shared prefix once, then each prompt's rest)
     grown: int = 0  # times the KV cache was made larger for a long answer
+    draft_tokens: int = 0  # speculative decoding: tokens drafted and verified, over all answers
+    accepted_tokens: int = 0
 
     @property
     def decode_tps(self) -> float:
@@ -196,6 +168,9 @@ class BatchRun:
         self.summary = Summary(shared_prefix_tokens=batch_plan.shared)
         self.cells_per_sequence = batch_plan.cells_per_sequence
         self.done = 0
+        self.speculation = generation.speculation
+        self.drafting = generation.speculation.mode in ("auto", "lookup")  # a draft model drafts for one answer only
+        self._since_draft = 0
 
     def run(self, on_progress: Callable[[int, int, float], None] | None = None) -> Summary:
         started = time.perf_counter()
@@ -254,13 +229,22 @@ class BatchRun:
             seed = self.generation.sampling.effective_seed()
         sampler = self.engine.sampler(self.generation.sampling, seed)
         answer = Answer(self.generation, len(tokens), self.engine.n_ctx)
-        return _Slot(seq, item, tokens, sampler, answer, time.perf_counter(), shared=shared, prefilled=shared)
+        lookup = LookupDrafter(tokens) if self.drafting else None
+        return _Slot(seq, item, tokens, sampler, answer, time.perf_counter(), shared=shared, prefilled=shared,
+                     lookup=lookup)
 
     def _step(self, batch: Batch) -> bool:
         """One decode: every decoding slot's pending token, then prompt chunks; False when there was nothing."""
         batch.clear()
-        sample_at = [(slot, batch.add(slot.pending, slot.pos, slot.seq, True))
-                     for slot in filter(None, self.slots) if slot.pending is not None]
+        decoding = [slot for slot in filter(None, self.slots) if slot.pending is not None]
+        waiting = any(slot.prefilled < len(slot.tokens) for slot in filter(None, self.slots))
+        drafts = self._drafts(decoding) if self.drafting and decoding and not waiting else {}
+        sample_at: list[tuple[_Slot, list[int], list[int], int]] = []  # slot, batch indices, its draft, the source
+        for slot in decoding:
+            draft, source = drafts.get(slot.seq, ([], 0))
+            pos, pending = slot.pos, slot.pending or 0
+            indices = [batch.add(token, pos + i, slot.seq, True) for i, token in enumerate([pending, *draft])]
+            sample_at.append((slot, indices, draft, source))
         prefilling = False
         before = {slot.seq: slot.prefilled for slot in filter(None, self.slots)}
         for slot in filter(None, self.slots):
@@ -270,7 +254,7 @@ class BatchRun:
                 slot.prefilled += 1
                 prefilling = True
                 if last:
-                    sample_at.append((slot, index))
+                    sample_at.append((slot, [index], [], 0))
         if batch.n == 0:
             return False
         step_started = time.perf_counter()
@@ -280,17 +264,71 @@ class BatchRun:
             self._grow()
             return True
         self.summary.prefill_tokens += sum(slot.prefilled - before[slot.seq] for slot in filter(None, self.slots))
+        if not prefilling:
+            self.speculation.cost.observe_pass(batch.n, time.perf_counter() - step_started)
         self.engine.adapt_threads(time.perf_counter())
-        for slot, index in sample_at:
-            self._advance(slot, slot.sampler.sample(index))
+        sampled = sum(self._verify(slot, indices, draft, source) for slot, indices, draft, source in sample_at)
         if not prefilling:
             self.summary.decode_steps_s += time.perf_counter() - step_started
-            self.summary.decode_step_tokens += len(sample_at)
+            self.summary.decode_step_tokens += sampled
         for seq, running in enumerate(self.slots):
             if running is not None and running.answer.finish is not None:
                 self._finish(running)
                 self.slots[seq] = None
         return True
+
+    def _drafts(self, decoding: list[_Slot]) -> dict[int, tuple[list[int], int]]:
+        """Each decoding slot's draft for this step (sequence -> draft, source), strongest matches first, as long as
+        the cost model expects the step to give more tokens a second with it; `lookup` always drafts."""
+        speculation, cost = self.speculation, self.speculation.cost
+        forced = speculation.mode == "lookup"
+        candidates = []
+        for slot in decoding:
+            room = min(speculation.max_draft, self.cells_per_sequence - slot.pos - 2, self.engine.n_ctx - slot.pos - 2)
+            if self.generation.max_tokens:
+                room = min(room, self.generation.max_tokens - slot.answer.n_out - 1)
+            if slot.lookup is not None and room > 0:
+                draft, source = slot.lookup.draft(room)
+                if draft:
+                    candidates.append((source, slot.seq, draft))
+        n_tokens, n_out = len(decoding), float(len(decoding))
+        self._since_draft += 1
+        if not candidates or (n_tokens not in cost.pass_s and not forced):  # a plain step first: it is timed
+            return {}
+        drafts: dict[int, tuple[list[int], int]] = {}
+        for source, seq, draft in sorted(candidates, reverse=True):
+            k, gain = cost.best_step_k(n_tokens, n_out, len(draft), source)
+            if forced:
+                k = max(k, 1)
+            elif gain < MIN_GAIN:
+                if self._since_draft < PROBE_EVERY:
+                    continue
+                k = min(PROBE_K, len(draft))  # now and then a small draft anyway: it times a larger step
+            self._since_draft = 0
+            drafts[seq] = (draft[:k], source)
+            n_tokens += k
+            n_out += cost.extra_tokens(k, source)
+        return drafts
+
+    def _verify(self, slot: _Slot, indices: list[int], draft: list[int], source: int) -> int:
+        """Sample the slot's pending token's logits, then each drafted position's while the draft was right; the
+        rest of the draft leaves the slot's cells. The number of tokens sampled."""
+        pos = slot.pos
+        for i, index in enumerate(indices):
+            token = slot.sampler.sample(index)
+            self._advance(slot, token)
+            if slot.answer.finish is not None or i == len(draft) or token != draft[i]:
+                break
+        if draft:
+            accepted = min(i, len(draft))
+            slot.drafted += len(draft)
+            slot.accepted += accepted
+            self.summary.draft_tokens += len(draft)
+            self.summary.accepted_tokens += accepted
+            self.speculation.cost.observe_acceptance(source, len(draft), accepted)
+            if slot.answer.finish is None:
+                self.engine.kv.remove(slot.seq, pos + 1 + i, -1)  # the pending token is now at pos + 1 + i
+        return i + 1
 
     def _grow(self) -> None:
         """A sequence outgrew its cells: save every sequence's state, make each one's cells twice as many (at most
@@ -316,6 +354,8 @@ class BatchRun:
         vocab = self.engine.vocab
         slot.answer.add(token, vocab.is_end_of_generation(token), vocab.piece(token))
         slot.pending = token if slot.answer.finish is None else None
+        if slot.lookup is not None:
+            slot.lookup.append(token)
 
     def _finish(self, slot: _Slot, finish: str | None = None) -> None:
         self.summary.completion_tokens += slot.answer.n_out
@@ -339,17 +379,3 @@ class BatchRun:
             item = self.queue.popleft()
             self.summary.not_started += 1
             self.on_result(item.index, item.error_record("interrupted before it started"))
-
-
-def in_order(write: Callable[[Record], None]) -> Callable[[int, Record], None]:
-    """Results arrive in any order; `write` sees them in input order, each as soon as it can."""
-    waiting: dict[int, Record] = {}
-    next_index = [0]
-
-    def accept(index: int, record: Record) -> None:
-        waiting[index] = record
-        while next_index[0] in waiting:
-            write(waiting.pop(next_index[0]))
-            next_index[0] += 1
-
-    return accept

@@ -47,8 +47,9 @@ class Engine(Protocol):
 MODES = ("auto", "lookup", "draft", "off")
 NGRAM_SIZES = (12, 8, 5, 3, 2)  # the suffix looked up, longest first: a long match is seldom the wrong place
 PROBE_EVERY = 64  # auto, not drafting: one small draft this often (tokens), to notice when it would pay again
-PROBE_K = 2
+PROBE_K = 1
 MIN_GAIN = 1.05  # auto drafts only when the expected speed-up is at least this
+LOSS_BUDGET = 0.02  # auto stops drafting (probes aside) once drafts have lost this share of the answer's decode time
 
 
 class LookupDrafter:
@@ -84,24 +85,27 @@ class LookupDrafter:
 # guess is as good as its model.
 PRIOR_ACCEPTANCE = {12: 0.9, 8: 0.85, 5: 0.65, 3: 0.45, 2: 0.35, 0: 0.7}  # n-gram size (0: a draft model)
 PRIOR_WEIGHT = 4.0
-CALIBRATION_SIZES = (2, 8)  # with the 1-token passes measured anyway; the rest interpolated
-CALIBRATE_FROM = 8  # auto times passes (once a session) when an n-gram match at least this long appears
 
 
 @dataclass
 class CostModel:
     """What a pass costs here and how often drafts are right: the expected speed-up of drafting k tokens.
 
-    Costs are in units of a 1-token pass: a pass of n tokens costs `pass_cost(n)` (measured for each n that
-    was used, else 1 + per_token * (n - 1)); a draft model adds draft_cost per drafted token. Acceptance is
-    kept per source (the n-gram size of a lookup, 0 for a draft model), as counts that fade so that it
-    follows the answer."""
+    A pass of n tokens (logits for each) takes `seconds(n)`: measured for each n that was used (moving
+    averages), interpolated between measured sizes, else estimated from the nearest one with `per_token`.
+    A draft model adds `draft_s` per drafted token. Acceptance is kept per source (the n-gram size of a
+    lookup, 0 for a draft model), as counts that fade so that it follows the answer. One sequence decoding
+    alone is the case n = 1; `--batch` steps of several sequences ask what a draft adds to a step of n."""
 
-    per_token: float = 0.5  # until measured: ~0.4-0.6 for SmolLM2, ~0.35-0.45 for Gemma-3-270M at 2 threads
-    pass_ratio: dict[int, float] = field(default_factory=dict)  # tokens in a pass -> its cost / a 1-token pass
-    draft_cost: float = 0.0
+    per_token: float = 0.5  # until measured: ~0.5-0.9 for SmolLM2, ~0.35-0.6 for Gemma-3-270M at 2 threads
+    pass_s: dict[int, float] = field(default_factory=dict)  # tokens in a pass -> its seconds, measured here
+    draft_s: float = 0.0  # seconds a draft model takes per drafted token
     counts: dict[int, list[float]] = field(default_factory=dict)  # source -> [hits, misses]
-    one_pass_s: float | None = None  # seconds of a 1-token pass (moving average)
+
+    @property
+    def one_pass_s(self) -> float | None:
+        """Seconds of a 1-token pass, once measured."""
+        return self.pass_s.get(1)
 
     def acceptance(self, source: int) -> float:
         hits, misses = self._counts(source)
@@ -113,42 +117,50 @@ class CostModel:
             self.counts[source] = [prior * PRIOR_WEIGHT, (1 - prior) * PRIOR_WEIGHT]
         return self.counts[source]
 
-    def gain(self, k: int, source: int) -> float:
-        """Expected tokens per pass over the pass's cost, for a k-token draft (1.0: as plain decoding)."""
+    def extra_tokens(self, k: int, source: int) -> float:
+        """Tokens a k-token draft is expected to add to its pass: a + a^2 + ... + a^k (a drafted token counts
+        only when the ones before it were right)."""
         a = min(self.acceptance(source), 0.999)
-        expected = (1 - a ** (k + 1)) / (1 - a)
-        return expected / (self.pass_cost(k + 1) + self.draft_cost * k)
+        return (a - a ** (k + 1)) / (1 - a)
+
+    def gain(self, k: int, source: int) -> float:
+        """Expected tokens per second drafting k tokens, over plain decoding's (1.0: as plain decoding)."""
+        one = self.seconds(1)
+        return (1 + self.extra_tokens(k, source)) * one / (self.seconds(k + 1) + self.draft_s * k)
+
+    def step_gain(self, n_tokens: int, n_out: float, k: int, source: int) -> float:
+        """The same for a pass of several sequences (`--batch`): n_tokens in the pass giving n_out tokens, and
+        k more drafted for one sequence."""
+        with_draft = (n_out + self.extra_tokens(k, source)) / self.seconds(n_tokens + k)
+        return with_draft / (n_out / self.seconds(n_tokens))
+
+    def seconds(self, n_tokens: int) -> float:
+        """A pass of n_tokens: measured for this size, else interpolated between measured sizes (a pass's cost
+        is far from linear), else from the nearest measured size and `per_token` (units of a 1-token pass
+        when nothing is measured yet)."""
+        if n_tokens in self.pass_s:
+            return self.pass_s[n_tokens]
+        points = sorted(self.pass_s.items())
+        if len(points) < 2:
+            size, seconds = points[0] if points else (1, 1.0)
+            unit = seconds / (1 + self.per_token * (size - 1))
+            return unit * (1 + self.per_token * (n_tokens - 1))
+        below = [p for p in points if p[0] < n_tokens]
+        above = [p for p in points if p[0] > n_tokens]
+        if not below:
+            (low, t_low), (high, t_high) = points[0], points[1]
+        elif not above:  # beyond the largest measured pass: the slope of the last two, at most the prior's (a pass's
+            # cost grows more slowly the larger it is: the first extra tokens cost most), so larger drafts get tried
+            (low, t_low), (high, t_high) = points[-2], points[-1]
+            slope = min((t_high - t_low) / (high - low), self.per_token * self.pass_s.get(1, t_low / low))
+            return t_high + slope * (n_tokens - high)
+        else:
+            (low, t_low), (high, t_high) = below[-1], above[0]
+        return max(t_low + (t_high - t_low) / (high - low) * (n_tokens - low), 1e-9)
 
     def pass_cost(self, n_tokens: int) -> float:
-        """A pass of n_tokens, in 1-token passes: measured for this size, else interpolated between measured sizes
-        (a pass's cost is far from linear: the first extra token costs most), else the per-token estimate."""
-        if n_tokens in self.pass_ratio:
-            return self.pass_ratio[n_tokens]
-        points = sorted({1: 1.0, **self.pass_ratio}.items())
-        if len(points) == 1:
-            return 1 + self.per_token * (n_tokens - 1)
-        below = [p for p in points if p[0] < n_tokens][-1]
-        above = next((p for p in points if p[0] > n_tokens), None)
-        if above is None:  # beyond the largest measured pass: the slope of the last two
-            below, above = points[-2], points[-1]
-        slope = (above[1] - below[1]) / (above[0] - below[0])
-        return below[1] + slope * (n_tokens - below[0])
-
-    @property
-    def calibrated(self) -> bool:
-        return len(self.pass_ratio) >= 2
-
-    def calibrate(self, engine: Engine, token: int, largest: int) -> None:
-        """Time passes of 2 and 8 tokens (up to `largest` + 1) here, then take them out of the cache again:
-        once per session, when a draft is first worth considering (a fraction of a second)."""
-        for n in CALIBRATION_SIZES:
-            if n > largest + 1:
-                break
-            start = engine.kv.n_cached
-            started = time.perf_counter()
-            engine.evaluate([token] * n, all_logits=n > 1)
-            self.observe_pass(n, time.perf_counter() - started)
-            engine.kv.remove(0, start, -1)
+        """A pass of n_tokens, in 1-token passes."""
+        return self.seconds(n_tokens) / self.seconds(1)
 
     def best_k(self, available: int, source: int) -> tuple[int, float]:
         best, gain = 0, 1.0
@@ -158,18 +170,22 @@ class CostModel:
                 best, gain = k, g
         return best, gain
 
+    def best_step_k(self, n_tokens: int, n_out: float, available: int, source: int) -> tuple[int, float]:
+        best, gain = 0, 1.0
+        for k in range(1, available + 1):
+            g = self.step_gain(n_tokens, n_out, k, source)
+            if g > gain:
+                best, gain = k, g
+        return best, gain
+
     def observe_pass(self, n_tokens: int, seconds: float) -> None:
-        if n_tokens == 1:
-            self.one_pass_s = seconds if self.one_pass_s is None else 0.9 * self.one_pass_s + 0.1 * seconds
-        elif self.one_pass_s:
-            ratio = seconds / self.one_pass_s
-            known = self.pass_ratio.get(n_tokens)
-            self.pass_ratio[n_tokens] = ratio if known is None else 0.7 * known + 0.3 * ratio
-            self.per_token = 0.8 * self.per_token + 0.2 * max(0.0, (ratio - 1) / (n_tokens - 1))
+        known = self.pass_s.get(n_tokens)
+        weight = 0.1 if n_tokens == 1 else 0.3  # 1-token passes come often: a slower average
+        self.pass_s[n_tokens] = seconds if known is None else (1 - weight) * known + weight * seconds
 
     def observe_draft_cost(self, n_tokens: int, seconds: float) -> None:
-        if self.one_pass_s and n_tokens:
-            self.draft_cost = 0.7 * self.draft_cost + 0.3 * seconds / n_tokens / self.one_pass_s
+        if n_tokens:
+            self.draft_s = 0.7 * self.draft_s + 0.3 * seconds / n_tokens
 
     def observe_acceptance(self, source: int, drafted: int, accepted: int) -> None:
         counts = self._counts(source)
@@ -252,6 +268,9 @@ class Decoder:
         self.history = list(prompt) if speculation.draft_model is not None else None
         self.drafted = self.accepted = self.passes = 0
         self._since_draft = 0
+        self._spent_s = 0.0  # in passes so far
+        self._saved_s = 0.0  # what drafts saved (lost, when negative) against 1-token passes for the same tokens
+        self._probing = False
 
     def tokens(self) -> Generator[int, None, None]:
         engine, sampler, cost = self.engine, self.sampler, self.speculation.cost
@@ -268,7 +287,9 @@ class Decoder:
             started = time.perf_counter()
             if not draft:
                 engine.evaluate([token])
-                cost.observe_pass(1, time.perf_counter() - started)
+                elapsed = time.perf_counter() - started
+                cost.observe_pass(1, elapsed)
+                self._spent_s += elapsed
                 self.passes += 1
                 self._appended(token)
                 token = sampler.sample(-1)
@@ -277,7 +298,8 @@ class Decoder:
             base = engine.kv.n_cached
             batch = [token, *draft]
             engine.evaluate(batch, all_logits=True)
-            cost.observe_pass(len(batch), time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            cost.observe_pass(len(batch), elapsed)
             self.passes += 1
             self.drafted += len(draft)
             accepted = len(draft)
@@ -297,7 +319,18 @@ class Decoder:
                 break
             self.accepted += accepted
             cost.observe_acceptance(source, len(draft), accepted)
+            self._account(elapsed, accepted + 1, accepted == len(draft))
             token = sampled
+
+    def _account(self, elapsed: float, tokens: int, all_right: bool) -> None:
+        """What a draft pass saved or lost against plain decoding of the same tokens; a probe that was right all
+        the way lets auto draft again."""
+        one = self.speculation.cost.one_pass_s or elapsed
+        self._spent_s += elapsed
+        self._saved_s += tokens * one - elapsed
+        if self._probing and all_right:
+            self._saved_s = max(self._saved_s, 0.0)
+        self._probing = False
 
     def _appended(self, token: int) -> None:
         if self.lookup is not None:
@@ -311,7 +344,6 @@ class Decoder:
         available = min(speculation.max_draft, self.limit - self.engine.kv.n_cached - 2)
         if available < 1 or cost.one_pass_s is None:  # the first pass is plain: it measures a 1-token pass
             return [], 0
-        forced = self.mode in ("lookup", "draft")
         self._since_draft += 1
         if self.lookup is not None:
             self.lookup.append(token)
@@ -319,18 +351,10 @@ class Decoder:
                 candidate, source = self.lookup.draft(available)
             finally:
                 self.lookup.tokens.pop()
-            if not candidate:
-                return [], 0
-            if not cost.calibrated:
-                if not forced and source < CALIBRATE_FROM:
-                    return [], 0  # a short match in an answer that copies nothing: not worth timing passes for
-                cost.calibrate(self.engine, token, available)
-            k = self._choose(len(candidate), source, forced)
+            k = self._choose(len(candidate), source) if candidate else 0
             return candidate[:k], source
         model = speculation.draft_model
-        if not cost.calibrated:
-            cost.calibrate(self.engine, token, available)
-        k = self._choose(available, 0, forced)
+        k = self._choose(available, 0)
         if model is None or self.history is None or k == 0:
             return [], 0
         started = time.perf_counter()
@@ -338,17 +362,19 @@ class Decoder:
         cost.observe_draft_cost(len(draft), time.perf_counter() - started)
         return draft, 0
 
-    def _choose(self, available: int, source: int, forced: bool) -> int:
-        """How many tokens to draft: the cost model's best; auto drafts only when that pays, and now and then
-        a few tokens anyway, to notice when it would pay again."""
+    def _choose(self, available: int, source: int) -> int:
+        """How many tokens to draft: the cost model's best. Auto drafts only when that pays and drafts have not
+        lost more than LOSS_BUDGET of the answer's time so far; now and then one token anyway (a probe), to
+        notice when drafting would pay again."""
         k, gain = self.speculation.cost.best_k(available, source)
-        if forced:
+        if self.mode in ("lookup", "draft"):
             return max(k, 1)
-        if gain >= MIN_GAIN:
+        if gain >= MIN_GAIN and self._saved_s >= -LOSS_BUDGET * self._spent_s:
             self._since_draft = 0
             return k
         if self._since_draft >= PROBE_EVERY:
             self._since_draft = 0
+            self._probing = True
             return min(PROBE_K, available)
         return 0
 

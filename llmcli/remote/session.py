@@ -14,9 +14,9 @@ from typing import Any
 from llmcli.chat.session import PromptOptions, with_system
 from llmcli.chat.templates import Message
 from llmcli.errors import LlmcliError, UsageError
+from llmcli.inference.batch_input import BatchItem
 from llmcli.inference.events import Done, Notice, Token, answer_record
 from llmcli.inference.generation import GenerationOptions
-from llmcli.inference.parallel import BatchItem
 from llmcli.remote.client import Client, NetworkError, StreamedAnswer
 
 # llmcli settings -> the request fields OpenAI-compatible servers read (llama-server, vLLM and llmcli serve take
