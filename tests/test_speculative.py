@@ -162,7 +162,7 @@ def test_lookup_drafts_what_followed_the_latest_longest_match():
 
 
 def test_the_cost_model_drafts_only_when_it_pays():
-    cost = CostModel(per_token=0.5)
+    cost = CostModel()
     assert cost.best_k(16, 2)[0] == 0  # a 2-gram match is a weak guess: no draft at 35 % acceptance
     k, gain = cost.best_k(16, 12)
     assert k >= 2 and gain > 1.05  # a 12-gram match is a good one
@@ -176,7 +176,7 @@ def test_the_cost_model_drafts_only_when_it_pays():
     cost.observe_pass(9, 0.080)  # a 9-token pass as dear as 8 single ones: drafting cannot pay
     assert cost.pass_cost(9) == pytest.approx(8.0)
     assert expected_gain(0.9, 4.0, 8) == pytest.approx((1 - 0.9**9) / 0.1 / 4.0)
-    batch = CostModel(per_token=0.5)
+    batch = CostModel()
     batch.observe_pass(1, 0.010)
     batch.observe_pass(8, 0.045)  # a step of 8 sequences, one token each
     for _ in range(10):

@@ -37,7 +37,7 @@ from llmcli.inference.engine import Engine
 from llmcli.inference.events import Done, answer_record
 from llmcli.inference.generation import Answer, GenerationOptions
 from llmcli.inference.sampler import Sampler
-from llmcli.inference.speculative import MIN_GAIN, PROBE_EVERY, PROBE_K, LookupDrafter
+from llmcli.inference.speculative import MIN_GAIN, PROBE_EVERY, PROBE_FROM, PROBE_K, LookupDrafter
 from llmcli.inference.stats import Stats
 from llmcli.interrupt import Cancellation
 from llmcli.store.prompt_store import shared_prefix
@@ -301,7 +301,7 @@ class BatchRun:
             if forced:
                 k = max(k, 1)
             elif gain < MIN_GAIN:
-                if self._since_draft < PROBE_EVERY:
+                if self._since_draft < PROBE_EVERY or source < PROBE_FROM:
                     continue
                 k = min(PROBE_K, len(draft))  # now and then a small draft anyway: it times a larger step
             self._since_draft = 0

@@ -18,6 +18,7 @@ then when it is not.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
@@ -45,39 +46,48 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 MODES = ("auto", "lookup", "draft", "off")
-NGRAM_SIZES = (12, 8, 5, 3, 2)  # the suffix looked up, longest first: a long match is seldom the wrong place
+NGRAM_SIZES = (12, 8, 5, 3, 2)  # how long a match is counted as (longest first): a long one is seldom the wrong place
+MATCHES_COMPARED = 32  # a lookup compares the suffix with at most this many of the latest occurrences of its last pair
 PROBE_EVERY = 64  # auto, not drafting: one small draft this often (tokens), to notice when it would pay again
 PROBE_K = 1
+PROBE_FROM = 8  # probes draft only after a match of at least this many tokens (or from a draft model)
 MIN_GAIN = 1.05  # auto drafts only when the expected speed-up is at least this
-LOSS_BUDGET = 0.02  # auto stops drafting (probes aside) once drafts have lost this share of the answer's decode time
+LOSS_BUDGET = 0.01  # auto stops drafting (probes aside) once drafts have lost this share of the answer's decode time
 
 
 class LookupDrafter:
-    """Drafts from the tokens so far: what followed the latest earlier occurrence of their last n tokens."""
+    """Drafts from the tokens so far: what followed the earlier occurrence of their longest suffix (up to 12
+    tokens; among equally long ones the latest). Each token indexes one pair of tokens; a lookup compares
+    backwards from the latest occurrences of the last pair, so the work per token stays a few microseconds."""
 
     def __init__(self, tokens: Sequence[int]):
         self.tokens = list(tokens)
-        self._latest: dict[tuple[int, ...], int] = {}  # n-gram -> the end of its latest indexed occurrence
-        self._indexed = 0  # n-grams ending at positions <= this are indexed
+        self._after: dict[tuple[int, int], list[int]] = {}  # a pair of tokens -> the positions right after it
+        self._indexed = 2  # pairs that end before this position are indexed
 
     def append(self, token: int) -> None:
         self.tokens.append(token)
 
     def draft(self, k: int) -> tuple[list[int], int]:
-        """Up to k tokens, and the size of the n-gram matched (0: none found)."""
-        tokens, latest = self.tokens, self._latest
+        """Up to k tokens, and the n-gram size the match counts as (0: none found)."""
+        tokens, after = self.tokens, self._after
         end = len(tokens)
-        for stop in range(self._indexed + 1, end):  # every n-gram that ends before the current end
-            for n in NGRAM_SIZES:
-                if stop >= n:
-                    latest[tuple(tokens[stop - n : stop])] = stop
-        self._indexed = max(self._indexed, end - 1)
-        for n in NGRAM_SIZES:
-            if end >= n:
-                found = latest.get(tuple(tokens[end - n :]))
-                if found is not None:
-                    return tokens[found : min(found + k, end)], n
-        return [], 0
+        for stop in range(self._indexed, end):  # every pair followed by a token
+            after.setdefault((tokens[stop - 2], tokens[stop - 1]), []).append(stop)
+        self._indexed = max(self._indexed, end)
+        if end < 2 or not (found := after.get((tokens[end - 2], tokens[end - 1]))):
+            return [], 0
+        longest = NGRAM_SIZES[0]
+        best, matched = 0, 0
+        for stop in reversed(found[-MATCHES_COMPARED:]):
+            n = 2
+            while n < longest and stop - 1 - n >= 0 and tokens[stop - 1 - n] == tokens[end - 1 - n]:
+                n += 1
+            if n > matched:
+                best, matched = stop, n
+                if n == longest:
+                    break
+        return tokens[best : min(best + k, end)], next(size for size in NGRAM_SIZES if matched >= size)
 
 
 # What a draft from each source is worth before anything is measured: the chance that a drafted token is
@@ -92,12 +102,13 @@ class CostModel:
     """What a pass costs here and how often drafts are right: the expected speed-up of drafting k tokens.
 
     A pass of n tokens (logits for each) takes `seconds(n)`: measured for each n that was used (moving
-    averages), interpolated between measured sizes, else estimated from the nearest one with `per_token`.
+    averages), interpolated between measured sizes, else the `prior_cost` curve scaled to the nearest
+    measured size below.
     A draft model adds `draft_s` per drafted token. Acceptance is kept per source (the n-gram size of a
     lookup, 0 for a draft model), as counts that fade so that it follows the answer. One sequence decoding
     alone is the case n = 1; `--batch` steps of several sequences ask what a draft adds to a step of n."""
 
-    per_token: float = 0.5  # until measured: ~0.5-0.9 for SmolLM2, ~0.35-0.6 for Gemma-3-270M at 2 threads
+    first_extra: float = 0.7  # the prior: a pass of n costs 1 + first_extra * (n - 1) ** 0.85 1-token passes
     pass_s: dict[int, float] = field(default_factory=dict)  # tokens in a pass -> its seconds, measured here
     draft_s: float = 0.0  # seconds a draft model takes per drafted token
     counts: dict[int, list[float]] = field(default_factory=dict)  # source -> [hits, misses]
@@ -134,29 +145,25 @@ class CostModel:
         with_draft = (n_out + self.extra_tokens(k, source)) / self.seconds(n_tokens + k)
         return with_draft / (n_out / self.seconds(n_tokens))
 
+    def prior_cost(self, n_tokens: int) -> float:
+        """A pass of n tokens in 1-token passes before anything is measured. Measured at 2 threads (bench
+        --speculate): SmolLM2 1.7 / 2.6 / 4.4 / 8.0 for 2 / 4 / 8 / 16 tokens, Gemma-3-270M 1.7 / 2.4 / 3.6 / 6.2
+        (this curve: 1.7 / 2.8 / 4.7 / 8.0): the first extra token costs most."""
+        return 1.0 + self.first_extra * math.pow(n_tokens - 1, 0.85)
+
     def seconds(self, n_tokens: int) -> float:
-        """A pass of n_tokens: measured for this size, else interpolated between measured sizes (a pass's cost
-        is far from linear), else from the nearest measured size and `per_token` (units of a 1-token pass
-        when nothing is measured yet)."""
+        """A pass of n_tokens: measured for this size, else interpolated between the measured sizes around it,
+        else the prior curve through the largest measured size below (units of a 1-token pass when nothing is
+        measured yet)."""
         if n_tokens in self.pass_s:
             return self.pass_s[n_tokens]
-        points = sorted(self.pass_s.items())
-        if len(points) < 2:
-            size, seconds = points[0] if points else (1, 1.0)
-            unit = seconds / (1 + self.per_token * (size - 1))
-            return unit * (1 + self.per_token * (n_tokens - 1))
-        below = [p for p in points if p[0] < n_tokens]
-        above = [p for p in points if p[0] > n_tokens]
-        if not below:
-            (low, t_low), (high, t_high) = points[0], points[1]
-        elif not above:  # beyond the largest measured pass: the slope of the last two, at most the prior's (a pass's
-            # cost grows more slowly the larger it is: the first extra tokens cost most), so larger drafts get tried
-            (low, t_low), (high, t_high) = points[-2], points[-1]
-            slope = min((t_high - t_low) / (high - low), self.per_token * self.pass_s.get(1, t_low / low))
-            return t_high + slope * (n_tokens - high)
-        else:
+        below = [p for p in sorted(self.pass_s.items()) if p[0] < n_tokens]
+        above = [p for p in sorted(self.pass_s.items()) if p[0] > n_tokens]
+        if below and above:
             (low, t_low), (high, t_high) = below[-1], above[0]
-        return max(t_low + (t_high - t_low) / (high - low) * (n_tokens - low), 1e-9)
+            return t_low + (t_high - t_low) / (high - low) * (n_tokens - low)
+        size, seconds = below[-1] if below else above[0] if above else (1, 1.0)
+        return float(seconds * self.prior_cost(n_tokens) / self.prior_cost(size))
 
     def pass_cost(self, n_tokens: int) -> float:
         """A pass of n_tokens, in 1-token passes."""
@@ -268,7 +275,8 @@ class Decoder:
         self.history = list(prompt) if speculation.draft_model is not None else None
         self.drafted = self.accepted = self.passes = 0
         self._since_draft = 0
-        self._spent_s = 0.0  # in passes so far
+        self._plain = 0  # plain passes so far
+        self._spent_s = 0.0  # in draft passes so far
         self._saved_s = 0.0  # what drafts saved (lost, when negative) against 1-token passes for the same tokens
         self._probing = False
 
@@ -287,9 +295,9 @@ class Decoder:
             started = time.perf_counter()
             if not draft:
                 engine.evaluate([token])
-                elapsed = time.perf_counter() - started
-                cost.observe_pass(1, elapsed)
-                self._spent_s += elapsed
+                if not self.passes & 7:  # one plain pass in 8 keeps the 1-token time current
+                    cost.observe_pass(1, time.perf_counter() - started)
+                self._plain += 1
                 self.passes += 1
                 self._appended(token)
                 token = sampler.sample(-1)
@@ -369,10 +377,11 @@ class Decoder:
         k, gain = self.speculation.cost.best_k(available, source)
         if self.mode in ("lookup", "draft"):
             return max(k, 1)
-        if gain >= MIN_GAIN and self._saved_s >= -LOSS_BUDGET * self._spent_s:
+        spent = self._spent_s + self._plain * (self.speculation.cost.one_pass_s or 0.0)
+        if gain >= MIN_GAIN and self._saved_s >= -LOSS_BUDGET * spent:
             self._since_draft = 0
             return k
-        if self._since_draft >= PROBE_EVERY:
+        if self._since_draft >= PROBE_EVERY and (source >= PROBE_FROM or source == 0):
             self._since_draft = 0
             self._probing = True
             return min(PROBE_K, available)
