@@ -162,8 +162,13 @@ class CostModel:
         if below and above:
             (low, t_low), (high, t_high) = below[-1], above[0]
             return t_low + (t_high - t_low) / (high - low) * (n_tokens - low)
-        size, seconds = below[-1] if below else above[0] if above else (1, 1.0)
-        return float(seconds * self.prior_cost(n_tokens) / self.prior_cost(size))
+        if not below:  # nothing measured, or only larger passes
+            size, seconds = above[0] if above else (1, 1.0)
+            return float(seconds * self.prior_cost(n_tokens) / self.prior_cost(size))
+        # Beyond the largest measured pass: the prior curve, scaled by the measured pass that came out cheapest
+        # against it (some sizes cost more than their neighbours; the larger passes get tried, then measured).
+        scale = min(t / self.prior_cost(n) for n, t in below if n > 1) if len(below) > 1 else below[-1][1]
+        return float(scale * self.prior_cost(n_tokens))
 
     def pass_cost(self, n_tokens: int) -> float:
         """A pass of n_tokens, in 1-token passes."""
@@ -277,7 +282,8 @@ class Decoder:
         self._since_draft = 0
         self._plain = 0  # plain passes so far
         self._spent_s = 0.0  # in draft passes so far
-        self._saved_s = 0.0  # what drafts saved (lost, when negative) against 1-token passes for the same tokens
+        # What each source's drafts saved (lost, when negative) against 1-token passes for the same tokens.
+        self._saved_s: dict[int, float] = {}
         self._probing = False
 
     def tokens(self) -> Generator[int, None, None]:
@@ -327,17 +333,16 @@ class Decoder:
                 break
             self.accepted += accepted
             cost.observe_acceptance(source, len(draft), accepted)
-            self._account(elapsed, accepted + 1, accepted == len(draft))
+            self._account(source, elapsed, accepted + 1, accepted == len(draft))
             token = sampled
 
-    def _account(self, elapsed: float, tokens: int, all_right: bool) -> None:
+    def _account(self, source: int, elapsed: float, tokens: int, all_right: bool) -> None:
         """What a draft pass saved or lost against plain decoding of the same tokens; a probe that was right all
         the way lets auto draft again."""
         one = self.speculation.cost.one_pass_s or elapsed
         self._spent_s += elapsed
-        self._saved_s += tokens * one - elapsed
-        if self._probing and all_right:
-            self._saved_s = max(self._saved_s, 0.0)
+        saved = self._saved_s.get(source, 0.0) + tokens * one - elapsed
+        self._saved_s[source] = max(saved, 0.0) if self._probing and all_right else saved
         self._probing = False
 
     def _appended(self, token: int) -> None:
@@ -371,14 +376,14 @@ class Decoder:
         return draft, 0
 
     def _choose(self, available: int, source: int) -> int:
-        """How many tokens to draft: the cost model's best. Auto drafts only when that pays and drafts have not
-        lost more than LOSS_BUDGET of the answer's time so far; now and then one token anyway (a probe), to
-        notice when drafting would pay again."""
+        """How many tokens to draft: the cost model's best. Auto drafts only when that pays and the drafts of this
+        source (an n-gram size, or the draft model) have not lost more than LOSS_BUDGET of the answer's time so
+        far; now and then one token anyway after a long match (a probe), to notice when it would pay again."""
         k, gain = self.speculation.cost.best_k(available, source)
         if self.mode in ("lookup", "draft"):
             return max(k, 1)
         spent = self._spent_s + self._plain * (self.speculation.cost.one_pass_s or 0.0)
-        if gain >= MIN_GAIN and self._saved_s >= -LOSS_BUDGET * spent:
+        if gain >= MIN_GAIN and self._saved_s.get(source, 0.0) >= -LOSS_BUDGET * spent:
             self._since_draft = 0
             return k
         if self._since_draft >= PROBE_EVERY and (source >= PROBE_FROM or source == 0):
