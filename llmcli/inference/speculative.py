@@ -51,7 +51,7 @@ MATCHES_COMPARED = 32  # a lookup compares the suffix with at most this many of 
 PROBE_EVERY = 64  # auto, not drafting: one small draft this often (tokens), to notice when it would pay again
 PROBE_K = 1
 PROBE_FROM = 8  # probes draft only after a match of at least this many tokens (or from a draft model)
-MIN_GAIN = 1.05  # auto drafts only when the expected speed-up is at least this
+MIN_GAIN = 1.02  # auto drafts only when the expected speed-up is at least this
 LOSS_BUDGET = 0.01  # auto stops drafting (probes aside) once drafts have lost this share of the answer's decode time
 
 
@@ -112,6 +112,7 @@ class CostModel:
     pass_s: dict[int, float] = field(default_factory=dict)  # tokens in a pass -> its seconds, measured here
     draft_s: float = 0.0  # seconds a draft model takes per drafted token
     counts: dict[int, list[float]] = field(default_factory=dict)  # source -> [hits, misses]
+    verified: dict[int, int] = field(default_factory=dict)  # source -> drafts verified (auto's slow start)
 
     @property
     def one_pass_s(self) -> float | None:
@@ -200,6 +201,7 @@ class CostModel:
             self.draft_s = 0.7 * self.draft_s + 0.3 * seconds / n_tokens
 
     def observe_acceptance(self, source: int, drafted: int, accepted: int) -> None:
+        self.verified[source] = self.verified.get(source, 0) + 1
         counts = self._counts(source)
         counts[0] = 0.95 * counts[0] + accepted
         counts[1] = 0.95 * counts[1] + (1 if accepted < drafted else 0)
@@ -379,10 +381,12 @@ class Decoder:
         """How many tokens to draft: the cost model's best. Auto drafts only when that pays and the drafts of this
         source (an n-gram size, or the draft model) have not lost more than LOSS_BUDGET of the answer's time so
         far; now and then one token anyway after a long match (a probe), to notice when it would pay again."""
-        k, gain = self.speculation.cost.best_k(available, source)
+        cost = self.speculation.cost
         if self.mode in ("lookup", "draft"):
-            return max(k, 1)
-        spent = self._spent_s + self._plain * (self.speculation.cost.one_pass_s or 0.0)
+            return max(cost.best_k(available, source)[0], 1)
+        # A slow start: a source's first drafts are short (1, 2, 4, ... tokens), so a wrong prior costs little.
+        k, gain = cost.best_k(min(available, 2 ** cost.verified.get(source, 0)), source)
+        spent = self._spent_s + self._plain * (cost.one_pass_s or 0.0)
         if gain >= MIN_GAIN and self._saved_s.get(source, 0.0) >= -LOSS_BUDGET * spent:
             self._since_draft = 0
             return k
