@@ -1,8 +1,8 @@
 """Speculative decoding (issue 14) through the real CLI, and its parts on their own.
 
-One llama.cpp thread (`-t 1`) where outputs are compared: with more threads llama.cpp's flash attention
-splits a single token's attention over the threads, a different order of additions than a pass of several
-tokens, so a near-tie can resolve differently (see the README)."""
+One llama.cpp thread (`-t 1`) where outputs are compared: with more threads llama.cpp evaluates a single
+token's attention in another order of additions than a pass of several tokens (once the context passes 256
+cells), so a near-tie can resolve differently (see the README)."""
 
 from __future__ import annotations
 

@@ -11,9 +11,10 @@ tokens they would have seen), and the rejected draft leaves the KV cache.
 
 So greedy answers are identical to plain decoding, and a seeded sampled answer is the one plain
 decoding gives with that seed (up to llama.cpp's batch numerics). `CostModel` decides whether to draft
-and how many tokens, from the measured cost of a k-token pass against a 1-token pass on this machine and
-the measured acceptance; `auto` drafts only when the expected gain is positive, and probes again now and
-then when it is not.
+and how many tokens, from the measured seconds of a pass of each size on this machine and the measured
+acceptance per draft source; `auto` (the default) drafts only when the expected gain is positive, starts
+each source with short drafts, stops a source whose drafts have lost LOSS_BUDGET of the answer's time,
+and probes again now and then after a long match.
 """
 
 from __future__ import annotations
