@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 from conftest import run_cli
 
-from llmcli.inference.speculative import CostModel, LookupDrafter, expected_gain
+from llmcli.inference.speculative import CostModel, LookupDrafter
 
 TEXT = ("The keeper climbed the stairs at dusk, lit the lamp, and wrote the weather in the log: wind from the west, "
         "light rain, three ships passing close to the rocks.")
@@ -175,7 +175,7 @@ def test_the_cost_model_drafts_only_when_it_pays():
     cost.observe_pass(1, 0.010)
     cost.observe_pass(9, 0.080)  # a 9-token pass as dear as 8 single ones: drafting cannot pay
     assert cost.pass_cost(9) == pytest.approx(8.0)
-    assert expected_gain(0.9, 4.0, 8) == pytest.approx((1 - 0.9**9) / 0.1 / 4.0)
+    assert cost.gain(8, 12) == pytest.approx((1 + cost.extra_tokens(8, 12)) / 8.0)  # the measured cost is used
     batch = CostModel()
     batch.observe_pass(1, 0.010)
     batch.observe_pass(8, 0.045)  # a step of 8 sequences, one token each

@@ -396,10 +396,3 @@ class Decoder:
             self._probing = True
             return min(PROBE_K, available)
         return 0
-
-
-def expected_gain(acceptance: float, pass_cost: float, k: int) -> float:
-    """The speed-up of k-token drafts at this acceptance, when a (k + 1)-token pass costs `pass_cost` 1-token passes."""
-    a = min(acceptance, 0.999)
-    return (1 - a ** (k + 1)) / (1 - a) / pass_cost if k else 1.0
-
