@@ -317,12 +317,13 @@ def _speculation(effective: settings.Settings, engine: Engine, config: EngineCon
                  cancel: Cancellation) -> Speculation:
     """How to decode; with --draft-model, that model loaded beside the target and checked against its vocabulary."""
     mode, reference = effective["speculate"], effective["draft_model"]
+    draft_max = min(effective["draft_max"], config.n_batch - 1)  # a draft and its pending token fit one llama_decode
     if reference and effective.sources["speculate"] == "default":
         mode = "auto"  # a draft model given is a draft model to use
     if mode == "draft" and not reference:
         raise UsageError("--speculate draft needs a --draft-model", hint="Or --speculate lookup: drafts from the prompt.")
     if not reference or mode in ("off", "lookup"):
-        return Speculation(mode, effective["draft_max"])
+        return Speculation(mode, draft_max)
     draft_file = models.resolve(reference, settings.load_config_file().aliases, fetch)
     with cancel.on_signals():
         draft = DraftModel(Engine(draft_file.path, dataclasses.replace(config, n_seq_max=1, kv_later=False), cancel))
@@ -331,7 +332,7 @@ def _speculation(effective: settings.Settings, engine: Engine, config: EngineCon
         draft.close()
         raise UsageError(f"--draft-model {reference} cannot draft for this model: {problem}",
                          hint="A draft model must share the model's vocabulary (usually: a smaller model of the same family).")
-    return Speculation(mode, effective["draft_max"], draft)
+    return Speculation(mode, draft_max, draft)
 
 
 def open_embedder(request: Request, pooling: str, normalize: bool, truncate: bool, texts_per_batch: int,

@@ -183,3 +183,18 @@ def test_the_cost_model_drafts_only_when_it_pays():
         batch.observe_acceptance(12, 8, 8)
     alone, in_step = batch.best_k(16, 12), batch.best_step_k(8, 8, 16, 12)
     assert alone[0] > 0 and in_step[1] < alone[1]  # a draft adds less to a step that already carries 8 tokens
+
+
+def test_drafts_fit_a_small_batch_size(tmp_path):
+    """A draft and its pending token go in one llama_decode: with -b 4 a draft is at most 3 tokens (llama.cpp
+    aborted the process on a larger pass before)."""
+    single = run_cli("run", "-b", "4", "-t", "1", "--json", "--temp", "0", "-n", "24", "--speculate", "lookup",
+                     f"Repeat this sentence exactly: {TEXT}")
+    assert single.code == 0, single.stderr
+    assert json.loads(single.stdout)["timings"]["accepted_tokens"] > 0
+    questions = tmp_path / "q.txt"
+    questions.write_text(f"Repeat this sentence exactly: {TEXT}\nCopy this text: {TEXT}\n")
+    batch = run_cli("run", "--batch", str(questions), "-P", "2", "-b", "4", "-t", "1", "--temp", "0", "-n", "24",
+                    "--speculate", "lookup")
+    assert batch.code == 0, batch.stderr
+    assert sum(json.loads(line)["timings"]["accepted_tokens"] for line in batch.stdout.splitlines()) > 0

@@ -238,7 +238,7 @@ class BatchRun:
         batch.clear()
         decoding = [slot for slot in filter(None, self.slots) if slot.pending is not None]
         waiting = any(slot.prefilled < len(slot.tokens) for slot in filter(None, self.slots))
-        drafts = self._drafts(decoding) if self.drafting and decoding and not waiting else {}
+        drafts = self._drafts(decoding, batch.capacity) if self.drafting and decoding and not waiting else {}
         sample_at: list[tuple[_Slot, list[int], list[int], int]] = []  # slot, batch indices, its draft, the source
         for slot in decoding:
             draft, source = drafts.get(slot.seq, ([], 0))
@@ -277,7 +277,7 @@ class BatchRun:
                 self.slots[seq] = None
         return True
 
-    def _drafts(self, decoding: list[_Slot]) -> dict[int, tuple[list[int], int]]:
+    def _drafts(self, decoding: list[_Slot], capacity: int) -> dict[int, tuple[list[int], int]]:
         """Each decoding slot's draft for this step (sequence -> draft, source), strongest matches first, as long as
         the cost model expects the step to give more tokens a second with it; `lookup` always drafts."""
         speculation, cost = self.speculation, self.speculation.cost
@@ -297,6 +297,9 @@ class BatchRun:
             return {}
         drafts: dict[int, tuple[list[int], int]] = {}
         for source, seq, draft in sorted(candidates, reverse=True):
+            draft = draft[: capacity - n_tokens]  # the step's batch holds at most `capacity` tokens
+            if not draft:
+                break
             k, gain = cost.best_step_k(n_tokens, n_out, len(draft), source)
             if forced:
                 k = max(k, 1)
