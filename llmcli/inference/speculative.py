@@ -278,8 +278,8 @@ class Decoder:
         self.mode = speculation.mode if speculation.mode != "draft" or speculation.draft_model else "lookup"
         if self.mode == "auto" and speculation.draft_model is not None:
             self.mode = "auto-draft"
+        # Prompt and answer so far, the pending token included: what a draft continues.
         self.lookup = LookupDrafter(prompt) if self.mode in ("auto", "lookup") else None
-        # Prompt and answer so far, for the draft model (a lookup keeps its own copy).
         self.history = list(prompt) if speculation.draft_model is not None else None
         self.drafted = self.accepted = self.passes = 0
         self._since_draft = 0
@@ -299,8 +299,9 @@ class Decoder:
                 self.passes += 1
                 token = sampler.sample(-1)
                 yield token
+        self._appended(token)
         while True:
-            draft, source = self._draft(token)
+            draft, source = self._draft()
             started = time.perf_counter()
             if not draft:
                 engine.evaluate([token])
@@ -308,8 +309,8 @@ class Decoder:
                     cost.observe_pass(1, time.perf_counter() - started)
                 self._plain += 1
                 self.passes += 1
-                self._appended(token)
                 token = sampler.sample(-1)
+                self._appended(token)
                 yield token
                 continue
             base = engine.kv.n_cached
@@ -321,8 +322,8 @@ class Decoder:
             self.drafted += len(draft)
             accepted = len(draft)
             for i in range(len(batch)):
-                self._appended(batch[i])
                 sampled = sampler.sample(i)
+                self._appended(sampled)
                 try:
                     yield sampled
                 except GeneratorExit:  # the answer ended here: what follows batch[i] leaves the cache
@@ -354,19 +355,15 @@ class Decoder:
         if self.history is not None:
             self.history.append(token)
 
-    def _draft(self, token: int) -> tuple[list[int], int]:
-        """The draft to verify with `token` (pending) and its source, or ([], 0) for a plain pass."""
+    def _draft(self) -> tuple[list[int], int]:
+        """The draft to verify with the pending token and its source, or ([], 0) for a plain pass."""
         speculation, cost = self.speculation, self.speculation.cost
         available = min(speculation.max_draft, self.limit - self.engine.kv.n_cached - 2)
         if available < 1 or cost.one_pass_s is None:  # the first pass is plain: it measures a 1-token pass
             return [], 0
         self._since_draft += 1
         if self.lookup is not None:
-            self.lookup.append(token)
-            try:
-                candidate, source = self.lookup.draft(available)
-            finally:
-                self.lookup.tokens.pop()
+            candidate, source = self.lookup.draft(available)
             k = self._choose(len(candidate), source) if candidate else 0
             return candidate[:k], source
         model = speculation.draft_model
@@ -374,7 +371,7 @@ class Decoder:
         if model is None or self.history is None or k == 0:
             return [], 0
         started = time.perf_counter()
-        draft = model.draft([*self.history, token], k)
+        draft = model.draft(self.history, k)
         cost.observe_draft_cost(len(draft), time.perf_counter() - started)
         return draft, 0
 
