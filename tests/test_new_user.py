@@ -138,14 +138,14 @@ def _threads_used(*prefix: str, env: dict[str, str] | None = None) -> int:
 
 
 def test_threads_follow_the_cpu_affinity():
-    from llmcli.inference.system import physical_cores
+    from llmcli.cpu_topology import physical_cores
 
     assert _threads_used() == physical_cores()  # this process may use every core
     assert _threads_used("taskset", "-c", "0") == 1  # pinned to one CPU: one thread
 
 
 def test_a_generating_llmcli_takes_its_share_of_the_cores(isolated_env):
-    from llmcli.inference.system import physical_cores
+    from llmcli.cpu_topology import physical_cores
 
     generating = isolated_env / "xdg-runtime" / "llmcli" / "generating"
     generating.mkdir(parents=True)
@@ -198,7 +198,7 @@ def test_an_answer_caught_in_a_loop_stops_with_finish_reason_repetition():
 
 
 def test_the_loop_detector_needs_an_exact_repeat_over_a_long_enough_span():
-    from llmcli.inference.generation import LOOP_SPAN, looping
+    from llmcli.answer.generation import LOOP_SPAN, looping
 
     line = list(range(100, 120))  # a 20-token "line"
     assert looping([1, 2, 3] + line * 4)  # 80 tokens of one line repeated

@@ -13,7 +13,7 @@ from conftest import run_cli, run_in_terminal
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmcli.inference.reasoning import ReasoningSplitter, opens_thinking
+from llmcli.answer.reasoning import ReasoningSplitter, opens_thinking
 
 THINK_THEN_ANSWER = 'root ::= "<think>" [a-z ]{5,30} "</think>" [A-Z .!]{3,30}'  # thinking in lower, answer in upper case
 GREEDY = ("--temp", "0", "-n", "60")
@@ -69,7 +69,7 @@ def test_splitting_does_not_depend_on_how_the_text_is_cut(text, cuts, open_at_st
 
 
 def test_reasoning_is_reported_once_when_one_piece_holds_its_end_and_the_answer():
-    from llmcli.inference.generation import Answer, GenerationOptions
+    from llmcli.answer.generation import Answer, GenerationOptions
 
     answer = Answer(GenerationOptions(), 0, 1000)
     pieces = [b"<think>", b"plan</think>The", b" answer", b"."]

@@ -256,7 +256,7 @@ def test_an_answer_that_is_not_the_json_asked_for_exits_8_with_the_reason():
 def test_integer_range_patterns_match_exactly_the_range(low, span, probes):
     import re
 
-    from llmcli.inference.schema_grammar import integer_range
+    from llmcli.llama.schema_grammar import integer_range
 
     high = None if span is None else (span if low is None else low + span)
     as_regex = re.sub(r'"(-?\d*)"', r"\1", integer_range(low, high)).replace(" ", "")  # GBNF literals -> regex

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 from conftest import run_cli
 
-from llmcli.inference.speculative import CostModel, LookupDrafter
+from llmcli.decode.speculative import CostModel, LookupDrafter
 
 TEXT = ("The keeper climbed the stairs at dusk, lit the lamp, and wrote the weather in the log: wind from the west, "
         "light rain, three ships passing close to the rocks.")

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmcli.inference.streaming import StopMatcher, Utf8Assembler, cut_at_first_stop
+from llmcli.answer.answer_text import StopMatcher, Utf8Assembler, cut_at_first_stop
 
 
 def assemble(pieces: list[bytes]) -> list[str]:
@@ -99,7 +99,7 @@ def test_streaming_equals_cut_at_first_stop(text, stops, data):
 
 
 def test_answer_text_assembles_bytes_then_holds_back_stops():
-    from llmcli.inference.streaming import AnswerText
+    from llmcli.answer.answer_text import AnswerText
 
     answer = AnswerText(["STOP"])
     euro = "€".encode()
@@ -113,7 +113,7 @@ def test_answer_text_assembles_bytes_then_holds_back_stops():
 
 
 def test_answer_text_finish_releases_a_false_start_and_a_dangling_byte():
-    from llmcli.inference.streaming import AnswerText
+    from llmcli.answer.answer_text import AnswerText
 
     answer = AnswerText(["</end>"])
     assert answer.feed(b"a </e") == "a "
@@ -131,7 +131,7 @@ def test_answer_text_finish_releases_a_false_start_and_a_dangling_byte():
     (None, 10, 100, [b"x", b"<", b"/", b"s", b">", b"y"], "stop_sequence", 5),
 ])
 def test_answer_applies_one_finish_rule(max_tokens, n_prompt, n_ctx, tokens, finish, n_out):
-    from llmcli.inference.generation import Answer, GenerationOptions
+    from llmcli.answer.generation import Answer, GenerationOptions
 
     answer = Answer(GenerationOptions(max_tokens=max_tokens, stops=("</s>",)), n_prompt, n_ctx)
     text = ""

@@ -8,7 +8,7 @@ from conftest import run_cli
 
 from llmcli import paths, settings
 from llmcli.bench.tune import Candidate, Dimension, thread_candidates
-from llmcli.profiles import save_profile
+from llmcli.config_edit import save_profile
 
 
 def test_tune_measures_within_its_budget_reports_the_rest_and_saves_a_usable_profile(isolated_env):

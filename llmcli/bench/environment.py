@@ -8,8 +8,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-from llmcli.files import sha256_of
-from llmcli.inference import backend, system
+from llmcli import cpu_topology as system
+from llmcli.file_hashes import sha256_of
+from llmcli.llama import llama_log as backend
 from llmcli.store.models import ResolvedModel
 
 

@@ -16,6 +16,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
+from llmcli import cpu_topology as system
+from llmcli.answer.batch_jsonl import BatchItem
+from llmcli.answer.events import Done
+from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.sampling_config import greedy_without_end
+from llmcli.bench.baseline_loop import RawLoop
 from llmcli.bench.contention import pair_decode_rate
 from llmcli.bench.environment import memory_bandwidth
 from llmcli.bench.plan import BenchPlan
@@ -23,17 +29,10 @@ from llmcli.bench.prompt_cache import kv_type_rows, prompt_cache_rows
 from llmcli.bench.rows import Row
 from llmcli.bench.speculation import pass_cost_rows, speculation_rows
 from llmcli.chat.session import Session
-from llmcli.inference import system
-from llmcli.inference.batch_input import BatchItem
-from llmcli.inference.engine import Engine, EngineConfig
-from llmcli.inference.events import Done
-from llmcli.inference.generation import GenerationOptions
-from llmcli.inference.parallel import BatchRun
-from llmcli.inference.parallel import plan as batch_planned
-from llmcli.inference.raw import RawLoop
-from llmcli.inference.sampling import greedy_without_end
-from llmcli.inference.speculative import Speculation
+from llmcli.decode.batch_run import BatchRun
+from llmcli.decode.batch_run import plan as batch_planned
 from llmcli.interrupt import Cancellation
+from llmcli.llama.engine import Engine, EngineConfig
 from llmcli.store.gguf_header import GGUFHeader
 from llmcli.store.models import ResolvedModel
 
@@ -60,7 +59,7 @@ class _Subject:
         # Greedy with end-of-generation banned: every run yields exactly gen_tokens, in both paths.
         self.sampling = greedy_without_end(engine.vocab.end_of_generation_tokens())
         # Plain decoding: the overhead rows compare the Python layer with the raw loop, token for token.
-        self.generation = GenerationOptions(self.sampling, plan.gen_tokens, speculation=Speculation("off"))
+        self.generation = GenerationOptions(self.sampling, plan.gen_tokens, speculate="off")
         n_corpus = max(plan.depths) + plan.prompt_tokens
         self.corpus = engine.vocab.tokenize(FILLER * (engine.n_ctx // 20 + 8), add_special=True)[:n_corpus]
         self.pp_text, self.pp_tokens = self._text_of_about(plan.prompt_tokens)
@@ -104,7 +103,7 @@ class _Subject:
         return self._ask(TTFT_PROMPT, self.generation).stats.decode_tps
 
     def ttft(self) -> float:
-        return self._ask(TTFT_PROMPT, GenerationOptions(self.sampling, 1, speculation=Speculation("off"))).stats.ttft_s
+        return self._ask(TTFT_PROMPT, GenerationOptions(self.sampling, 1, speculate="off")).stats.ttft_s
 
     def _ask(self, text: str, generation: GenerationOptions) -> Done:
         self.engine.kv.clear()
@@ -203,7 +202,7 @@ class Benchmark:
 
             def batch(n: int, gen_tokens: int) -> float:
                 items = [BatchItem(i, f"{TTFT_PROMPT} ({i})") for i in range(n)]
-                generation = GenerationOptions(sampling, gen_tokens, speculation=Speculation("off"))
+                generation = GenerationOptions(sampling, gen_tokens, speculate="off")
                 batch_plan = batch_planned(items, lambda text: session.render(text).tokens, engine, generation, n)
                 engine.resize(batch_plan.cells, batch_plan.n_sequences)
                 run = BatchRun(engine, batch_plan, generation, Cancellation(), lambda index, record: None)

@@ -14,14 +14,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from llmcli.answer.events import Done
+from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.sampling_config import greedy_without_end
+from llmcli.bench.baseline_loop import RawLoop
 from llmcli.bench.rows import Row
 from llmcli.chat.session import Session
-from llmcli.inference.engine import Engine, EngineConfig
-from llmcli.inference.events import Done
-from llmcli.inference.generation import GenerationOptions
-from llmcli.inference.prompt_cache import GIB, PromptCache, PromptCacheConfig
-from llmcli.inference.raw import RawLoop
-from llmcli.inference.sampling import greedy_without_end
+from llmcli.decode.prompt_cache import GIB, PromptCache, PromptCacheConfig
+from llmcli.llama.engine import Engine, EngineConfig
 from llmcli.store.gguf_header import GGUFHeader
 from llmcli.store.memory import kv_cache_bytes
 

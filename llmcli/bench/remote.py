@@ -9,11 +9,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+from llmcli.answer.events import Done
+from llmcli.answer.generation import GenerationOptions
 from llmcli.bench.measure import TTFT_PROMPT
 from llmcli.bench.rows import Row
-from llmcli.inference.events import Done
-from llmcli.inference.generation import GenerationOptions
-from llmcli.remote.session import Exchange, RemoteSession
+from llmcli.remote.session import RemoteSession, exchange
 
 
 def endpoint_rows(session: RemoteSession, generation: GenerationOptions, gen_tokens: int, repetitions: int,
@@ -21,7 +21,7 @@ def endpoint_rows(session: RemoteSession, generation: GenerationOptions, gen_tok
     generation = replace(generation, max_tokens=gen_tokens)
 
     def answer(index: int) -> Done:
-        *_, done = Exchange().run(session, f"{TTFT_PROMPT} ({index})", generation, [])
+        *_, done = exchange(session, f"{TTFT_PROMPT} ({index})", generation, [])
         assert isinstance(done, Done)
         return done
 

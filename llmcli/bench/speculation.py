@@ -11,13 +11,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from llmcli.answer.events import Done
+from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.bench.rows import Row
-from llmcli.chat.session import PromptOptions, Session
-from llmcli.inference.engine import Engine, EngineConfig
-from llmcli.inference.events import Done
-from llmcli.inference.generation import GenerationOptions
-from llmcli.inference.sampling import SamplingConfig
-from llmcli.inference.speculative import Speculation
+from llmcli.chat.answerer import PromptOptions
+from llmcli.chat.session import Session
+from llmcli.llama.engine import Engine, EngineConfig
 
 PASS_SIZES = tuple(range(1, 17))  # the cost of a k-token pass for k = 1 ... 16
 GROUNDED = (  # about 450 tokens: a 256-token answer that copies it stays inside it
@@ -74,7 +74,7 @@ def speculation_rows(path: Path, threads: int, n_batch: int, gen_tokens: int, re
             acceptance = {mode: row(f"acceptance {task}", f"speculate {mode}", "%") for mode in modes if mode != "off"}
             for _ in range(repetitions):
                 for mode in modes:
-                    options = replace(plain, speculation=Speculation(mode))
+                    options = replace(plain, speculate=mode)
                     session.history.clear()  # the prompt's cached KV is kept: only the answers are timed
                     done = next(e for e in session.ask(prompt, options) if isinstance(e, Done))
                     rows[mode].samples.append(done.stats.decode_tps)

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from llmcli import cpu_topology as system
+from llmcli.answer.sampling_config import greedy_without_end
+from llmcli.bench.baseline_loop import RawLoop
 from llmcli.bench.compare import welch_significant
 from llmcli.bench.measure import FILLER, Progress
-from llmcli.inference import system
-from llmcli.inference.engine import Engine, EngineConfig
-from llmcli.inference.raw import RawLoop
-from llmcli.inference.sampling import greedy_without_end
+from llmcli.llama.engine import Engine, EngineConfig
 from llmcli.settings import default
 
 DECODE_SAMPLE = 16  # decode steps timed per sample (the answer's time is extrapolated from their rate)

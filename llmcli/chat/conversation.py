@@ -17,27 +17,24 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llmcli import paths
-from llmcli.chat.session import Session
-from llmcli.chat.templates import Message
-from llmcli.errors import ResourceError, UsageError
-from llmcli.files import remembered_sha256
-from llmcli.inference.events import Done, Notice, Token, answer_record
-from llmcli.inference.generation import GenerationOptions
-from llmcli.inference.sampling import SETTING_FIELDS
+from llmcli.answer.events import Done, Notice, Token, answer_record
+from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.sampling_config import SETTING_FIELDS
+from llmcli.chat.answerer import Answerer
+from llmcli.chat.chat_template import Message
+from llmcli.errors import UsageError
+from llmcli.file_hashes import remembered_sha256
 from llmcli.settings import SETTINGS, check_value, parse_text
-
-if TYPE_CHECKING:  # the remote session (--endpoint) depends on this package, not the other way round
-    from llmcli.remote.session import RemoteSession
 
 # What chat's /set may change: every setting marked for chat in the table.
 CHAT_SETTINGS = tuple(name for name, setting in SETTINGS.items() if setting.chat)
 
 
 class Conversation:
-    def __init__(self, session: Session | RemoteSession, generation: GenerationOptions, model_name: str,
+    def __init__(self, session: Answerer, generation: GenerationOptions, model_name: str,
                  model_path: Path | None,
                  save: bool = True, conversation_id: str | None = None, pinned: frozenset[str] = frozenset(),
                  log: Callable[[str, dict[str, Any]], str | None] | None = None):
@@ -64,7 +61,7 @@ class Conversation:
         if not self._started:
             self._started = True
             if not self.path.exists():
-                template = self.session.template.source if self.session.template else ""
+                template = self.session.template_source or ""
                 records.insert(0, {
                     "type": "session", "id": self.id, "model": self.model_name, "model_path": str(self.model_path),
                     "model_sha256": remembered_sha256(self.model_path) if self.model_path else None,
@@ -106,8 +103,7 @@ class Conversation:
                 interrupted = event.finish_reason == "interrupted"
                 if interrupted and self.history:
                     self.history[-1] = dataclasses.replace(self.history[-1], interrupted=True)
-                reply = self.history[-1].content if self.history else ""
-                record = answer_record(reply, event, reasoning=self.session.last_reasoning)
+                record = answer_record(event)
                 warning = self.log(text, record) if self.log is not None and not interrupted else None
                 if warning:
                     yield Notice(warning)
@@ -123,20 +119,9 @@ class Conversation:
         return failure
 
     def _fit(self, text: str) -> int:
-        """Drop the oldest exchanges until the prompt plus room for the answer fits; returns how many."""
-        engine = self.session.engine
-        if engine is None:  # --endpoint: the server says when the conversation no longer fits
-            return 0
-        room = self.session.answer_room(self.generation.max_tokens)
-        dropped = 0
-        while len(self.session.render(text).tokens) + room > engine.n_ctx:
-            if len(self.history) < 2:
-                raise ResourceError(
-                    f"this message does not fit the context of {engine.n_ctx} tokens even without history",
-                    hint="Use a larger --ctx-size or a shorter message.",
-                )
-            del self.history[:2]
-            dropped += 1
+        """Drop the oldest exchanges until the prompt plus room for the answer fits; returns how many (a server says
+        itself when the conversation no longer fits)."""
+        dropped = self.session.fit(text, self.generation.max_tokens)
         if dropped:
             self._write({"type": "drop", "exchanges": dropped})
         return dropped

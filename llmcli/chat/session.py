@@ -1,52 +1,46 @@
-"""Step 2 and the conversation around it: messages -> chat template -> tokens -> the engine.
+"""Step 2 and the conversation around it, on a local model: messages -> chat template -> tokens -> the scheduler.
 
-A `Session` holds a loaded engine, the template, the system prompt and the
-history; `ask` renders the conversation with the new message, tokenizes it and
-lets the engine prefill only what its KV cache does not hold yet.
+A `Session` is the local `Answerer` (llmcli/chat/answerer.py): it holds the loaded engine, its scheduler, the
+template, the system prompt and the history; `ask` renders the conversation with the new message, tokenizes it
+and lets the scheduler evaluate only what the KV cache does not hold yet; `batch` answers many prompts in slots.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
-from llmcli.chat import templates
-from llmcli.chat.templates import ChatTemplate, Message
+from llmcli.answer.batch_jsonl import BatchItem, Summary
+from llmcli.answer.events import Done, Notice, Token
+from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.reasoning import opens_thinking
+from llmcli.answer.stats import AnswerClock
+from llmcli.chat import chat_template as templates
+from llmcli.chat.answerer import (
+    ContextInfo,
+    ProgressCallback,
+    PromptOptions,
+    RenderedPrompt,
+    ResultCallback,
+    Resumed,
+    with_system,
+)
+from llmcli.chat.chat_template import ChatTemplate, Message
+from llmcli.decode import batch_run
+from llmcli.decode.prompt_cache import PromptCache
+from llmcli.decode.scheduler import Scheduler
+from llmcli.decode.speculative import Speculation
 from llmcli.errors import ResourceError, UsageError
-from llmcli.inference.engine import Engine
-from llmcli.inference.events import Done, Notice, Token
-from llmcli.inference.generation import GenerationOptions
-from llmcli.inference.prompt_cache import PromptCache
-from llmcli.inference.reasoning import opens_thinking
-from llmcli.inference.vocab import Vocabulary
+from llmcli.interrupt import Cancellation
+from llmcli.llama.engine import Engine
+from llmcli.llama.vocab import Vocabulary
 from llmcli.settings import default
+from llmcli.shared_prefix import shared_prefix
 from llmcli.store.gguf_header import GGUFHeader
-from llmcli.store.prompt_store import shared_prefix
 
-
-@dataclass(frozen=True)
-class PromptOptions:
-    system: str | None = None
-    raw: bool = False  # send the text as-is: no template (base models)
-    template_file: Path | None = None  # overrides the template stored in the model
-    on_overflow: str = default("on_overflow")  # or "truncate": drop the start of the message until it fits
-    think: bool | None = None  # --think / --no-think: passed to the template; None: its default
-
-
-@dataclass(frozen=True)
-class RenderedPrompt:
-    text: str
-    tokens: list[int]
-
-
-def with_system(system: str | None, messages: list[Message]) -> list[Message]:
-    """The messages a template renders: the system prompt first, when there is one and the messages bring none."""
-    if not system or (messages and messages[0].role == "system"):
-        return list(messages)
-    return [Message("system", system), *messages]
+# Checks that a KV cache of this many cells fits in memory before --batch makes it (raises ResourceError).
+KVCheck = Callable[[int], None]
 
 
 def find_template(header: GGUFHeader, options: PromptOptions) -> tuple[ChatTemplate | None, list[str]]:
@@ -94,8 +88,12 @@ def thinking_variables(think: bool | None) -> dict[str, bool]:
 
 class Session:
     def __init__(self, engine: Engine, options: PromptOptions | None = None, prompt_cache: PromptCache | None = None,
-                 split_min: int = default("prompt_cache_min")):
+                 split_min: int = default("prompt_cache_min"), speculation: Speculation | None = None,
+                 check_kv: KVCheck | None = None):
         self.engine = engine
+        self.speculation = speculation or Speculation()  # a chat's answers share its cost model: it learns across turns
+        self.scheduler = Scheduler(engine, 1, self.speculation)
+        self.check_kv = check_kv
         self.prompt_cache = prompt_cache  # saved KV states of long prompts, across runs
         # Prompts at least this long are split where their stable part ends (prompt cache on or off: the
         # same numbers either way); shorter ones are never saved, and evaluated in one go.
@@ -106,7 +104,6 @@ class Session:
         self.template = self._find_template()
         self._load_s = engine.load_s  # reported once, with the first answer
         self._last_prompt_tokens = 0  # the length of the last prompt asked
-        self.last_reasoning: str | None = None  # the reasoning (think block) of the last answer, not in the history
 
     def _find_template(self) -> ChatTemplate | None:
         template, notices = find_template(self.engine.header, self.options)
@@ -116,6 +113,60 @@ class Session:
     @property
     def raw(self) -> bool:
         return self.template is None
+
+    @property
+    def where(self) -> str:
+        return str(self.engine.path)
+
+    @property
+    def template_source(self) -> str | None:
+        return self.template.source if self.template is not None else None
+
+    def context(self) -> ContextInfo:
+        used = len(self.render_history().tokens) if self.history or self.options.system else 0
+        return ContextInfo(self.engine.n_ctx, used, self.engine.kv.shared_prefix(self.render("").tokens) if used else 0)
+
+    def render_history(self) -> RenderedPrompt:
+        """The conversation so far (the system prompt and the history), as the model sees it before a new message."""
+        return render_prompt(self.template, self.engine.vocab, with_system(self.options.system, list(self.history)),
+                             self.options)
+
+    def fit(self, user_text: str, max_tokens: int | None) -> int:
+        room = self.answer_room(max_tokens)
+        dropped = 0
+        while len(self.render(user_text).tokens) + room > self.engine.n_ctx:
+            if len(self.history) < 2:
+                raise ResourceError(
+                    f"this message does not fit the context of {self.engine.n_ctx} tokens even without history",
+                    hint="Use a larger --ctx-size or a shorter message.",
+                )
+            del self.history[:2]
+            dropped += 1
+        return dropped
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+    def batch(self, items: list[BatchItem], generation: GenerationOptions, parallel: int, cancel: Cancellation,
+              on_result: ResultCallback, on_progress: ProgressCallback | None = None) -> Summary:
+        """--batch: every prompt rendered, the KV cache sized to the work (checked against memory first), the answers
+        decoded together in `parallel` slots of one scheduler."""
+        if self.speculation.draft_model is not None:
+            raise UsageError("--batch drafts from each prompt and its answer (prompt lookup), not with --draft-model",
+                             hint="Use --speculate auto or lookup with --batch; a draft model drafts for run and chat.")
+        if generation.reasoning and opens_thinking(self.render("").text):  # the same template for every prompt
+            generation = dataclasses.replace(generation, thinking_open=True)
+        plan = batch_run.plan(items, lambda text: self.render(text, []).tokens, self.engine, generation, parallel)
+        if self.check_kv is not None:
+            self.check_kv(plan.cells)
+        self.scheduler.close()
+        self.engine.resize(plan.cells, plan.n_sequences)
+        try:
+            summary = batch_run.BatchRun(self.engine, plan, generation, cancel, on_result, self.speculation).run(on_progress)
+        finally:
+            self.scheduler = Scheduler(self.engine, 1, self.speculation)
+        summary.parallel = parallel
+        return summary
 
     def messages_with(self, user_text: str, history: list[Message] | None = None) -> list[Message]:
         return with_system(self.options.system, [*(self.history if history is None else history), Message("user", user_text)])
@@ -176,17 +227,12 @@ class Session:
         restored, restore_s = self._restore(prompt.tokens, stable)
         yield from self._cache_notices()
         load_s, self._load_s = self._load_s, 0.0
-        answer: list[str] = []
-        reasoning: list[str] = []
         seed = options.sampling.effective_seed()
         done: Done | None = None
-        for event in self.engine.generate(prompt.tokens, options, seed, started=started, prompt_s=prompt_s, load_s=load_s,
-                                          split_at=stable):
-            if isinstance(event, Token):
-                (reasoning if event.reasoning else answer).append(event.text)
-            else:
-                self.last_reasoning = "".join(reasoning).strip() or None
-                self.history += [Message("user", user_text), Message("assistant", "".join(answer))]
+        clock = AnswerClock(started, load_s, prompt_s)
+        for event in self.scheduler.answer(prompt.tokens, options, seed, clock, split_at=stable):
+            if isinstance(event, Done):
+                self.history += [Message("user", user_text), Message("assistant", event.text)]
                 if restored:
                     event = dataclasses.replace(event, stats=dataclasses.replace(
                         event.stats, restored_tokens=min(restored, event.stats.cached_tokens), restore_s=restore_s))
@@ -232,12 +278,15 @@ class Session:
             return None
         return engine.kv.cut(start, start + span)
 
-    def resume(self) -> int:
+    def resume(self) -> Resumed:
         """A resumed conversation: load the KV state of its history from the prompt cache now, before the
-        next message; the tokens restored (0: none saved, the next turn evaluates the history again)."""
+        next message (none saved: the next turn evaluates the history again)."""
         if not self.history:
-            return 0
-        return self._restore(self.render("").tokens)[0]
+            return Resumed()
+        restored = self._restore(self.render("").tokens)[0]
+        if restored:
+            return Resumed(restored)
+        return Resumed(0, "the prompt cache is off" if self.prompt_cache is None else "none is saved or it was not valid")
 
     def keep_state(self) -> None:
         """The conversation ends: save its KV state (if not saved already) for `chat --resume`."""

@@ -122,13 +122,15 @@ def _bench_endpoint(url: str, api_key: str | None, model: list[str] | None, n_ge
     from llmcli.bench.remote import endpoint_rows
     from llmcli.bench.rows import Row
     from llmcli.cli import output
-    from llmcli.pipeline import RemotePipeline, Request, open_answering
+    from llmcli.pipeline import Request, open_answering
+    from llmcli.remote.session import RemoteSession
 
     if model and len(model) > 1:
         raise UsageError("--endpoint measures one model: give one -m")
     flags: dict[str, Any] = {"endpoint": url, "temp": 0.0, **({"model": model[0]} if model else {})}
     pipeline = open_answering(Request(settings=flags, api_key=api_key))
-    assert isinstance(pipeline, RemotePipeline)
+    session = pipeline.session
+    assert isinstance(session, RemoteSession)  # flags carry --endpoint: a server answers
     rows: list[Row] = []
 
     def row(test: str, path: str, unit: str) -> Row:
@@ -137,10 +139,10 @@ def _bench_endpoint(url: str, api_key: str | None, model: list[str] | None, n_ge
 
     with pipeline, output.progress_bar("benchmark") as advance:
         total = repetitions * (1 + sum(1 for n in parallel if n > 1))
-        for done, what in enumerate(endpoint_rows(pipeline.session, pipeline.generation, n_gen, repetitions, parallel,
+        for done, what in enumerate(endpoint_rows(session, pipeline.generation, n_gen, repetitions, parallel,
                                                   row), 1):
             advance(done, total, what)
-    environment = {"endpoint": pipeline.client.endpoint.url, "cpu": f"remote: {pipeline.client.endpoint.url}",
+    environment = {"endpoint": session.where, "cpu": f"remote: {session.where}",
                    "physical_cores": "?", "llama_cpp_python": "n/a (remote)", "models": [],
                    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     print(_format(rows, environment, BenchPlan(gen_tokens=n_gen, repetitions=repetitions, parallel=parallel),
@@ -181,7 +183,7 @@ def _tune(model: list[str] | None, budget_s: float, save: str | None, output_for
         print(_tune_table(resolved.name, tuner), end="")
     if save is not None:
         from llmcli import paths
-        from llmcli.profiles import save_profile
+        from llmcli.config_edit import save_profile
 
         chosen = tuner.profile()
         save_profile(save, chosen, f"llmcli bench --tune on {resolved.name}: the settings that beat the default "
@@ -247,7 +249,7 @@ def _result(row: Any) -> str:
 def _format(rows: list[Any], environment: dict[str, Any], plan: Any, fmt: str) -> str:
     from dataclasses import asdict
 
-    from llmcli.files import human_count, human_size
+    from llmcli.units import human_count, human_size
 
     if fmt == "json":
         record = {"environment": environment, "plan": asdict(plan), "results": [r.to_dict() for r in rows]}

@@ -18,8 +18,8 @@ def list_states(as_json: o.JsonOpt = False) -> None:
 
     from llmcli import paths
     from llmcli.cli import output
-    from llmcli.files import human_size
     from llmcli.store.prompt_store import all_entries
+    from llmcli.units import human_size
 
     entries = sorted(all_entries(paths.prompt_cache_dir()), key=lambda e: e.used, reverse=True)
     if as_json:
@@ -36,9 +36,9 @@ def info(as_json: o.JsonOpt = False) -> None:
     """Where the prompt cache is, how much it holds and its budget."""
     from llmcli import paths
     from llmcli.cli import output
-    from llmcli.files import human_size
     from llmcli.settings import resolve
     from llmcli.store.prompt_store import all_entries
+    from llmcli.units import human_size
 
     effective = resolve({})
     entries = all_entries(paths.prompt_cache_dir())
@@ -63,8 +63,8 @@ def info(as_json: o.JsonOpt = False) -> None:
 def clear() -> None:
     """Remove every saved state (prompts are evaluated again the next time)."""
     from llmcli import paths
-    from llmcli.files import human_size
     from llmcli.store.prompt_store import clear as clear_store
+    from llmcli.units import human_size
 
     removed, freed = clear_store(paths.prompt_cache_dir())
     print(f"removed {removed} saved state(s), {human_size(freed)}")

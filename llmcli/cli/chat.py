@@ -90,20 +90,14 @@ def _restore_state(session: Any, conversation: Any, console: Any) -> None:
     from llmcli.cli import output
 
     exchanges = len(conversation.history) // 2
-    if session.engine is None:  # --endpoint: the server holds (or rebuilds) the KV cache
-        console.print(f"resumed {conversation.id}: {exchanges} exchange(s)")
-        return
-    restored = session.resume()
+    resumed = session.resume()
     for notice in session.take_notices():
         output.print_notice(console, notice)
-    if restored or not exchanges:
-        console.print(f"resumed {conversation.id}: {exchanges} exchange(s)" +
-                      (f", KV state of {restored} tokens restored" if restored else ""))
-        return
-    console.print(f"resumed {conversation.id}: {exchanges} exchange(s)")
-    reason = "the prompt cache is off" if session.prompt_cache is None else "none is saved or it was not valid"
-    output.print_notice(console, f"no saved KV state for this conversation ({reason}): "
-                        "the first turn evaluates the conversation again")
+    console.print(f"resumed {conversation.id}: {exchanges} exchange(s)" +
+                  (f", KV state of {resumed.restored} tokens restored" if resumed.restored else ""))
+    if resumed.missing is not None:
+        output.print_notice(console, f"no saved KV state for this conversation ({resumed.missing}): "
+                            "the first turn evaluates the conversation again")
 
 
 def _list_saved(as_json: bool) -> None:
@@ -208,27 +202,18 @@ class Repl:
         return True
 
     def reply(self, events: Any) -> None:
-        from llmcli.cli.output import print_notice, print_stats
-        from llmcli.cli.stream import AnswerSink
-        from llmcli.inference.events import Done, Notice
+        from llmcli.cli.output import print_error
+        from llmcli.cli.stream import AnswerSink, show_answer
+
+        def told(done: Any) -> None:
+            if done.format_error is not None:
+                print_error(self.console, done.format_error)
+            if done.finish_reason == "interrupted":
+                self.console.print("[interrupted: the partial reply stays in the conversation]")
 
         sink = AnswerSink(as_json=self.as_json, extra={"model": self.conversation.model_name}, reasoning=self.reasoning)
         with self.cancel.on_signals():
-            for event in events:
-                if isinstance(event, Notice):
-                    print_notice(self.console, event.text)
-                    sink.notices.append(event.text)
-                    continue
-                sink.handle(event)
-                if isinstance(event, Done):
-                    if event.format_error is not None:
-                        from llmcli.cli.output import print_error
-
-                        print_error(self.console, event.format_error)
-                    if event.finish_reason == "interrupted":
-                        self.console.print("[interrupted: the partial reply stays in the conversation]")
-                    if not self.quiet:
-                        print_stats(self.console, event)
+            show_answer(events, sink, self.console, self.quiet, told)
         self.cancel.signum = None  # Ctrl-C ended this reply, not the session
 
 
@@ -256,10 +241,15 @@ def _set(repl: Repl, argument: str) -> None:
 
 def _show(repl: Repl, argument: str) -> None:
     conversation = repl.conversation
-    engine = conversation.session.engine
-    repl.console.print(f"model    {conversation.model_name} ({conversation.model_path})")
+    session = conversation.session
+    repl.console.print(f"model    {conversation.model_name} ({session.where})")
     exchanges = len(conversation.history) // 2
-    repl.console.print(f"context  {engine.kv.n_cached} / {engine.n_ctx} tokens used, {exchanges} exchange(s)")
+    context = session.context()
+    if context is None:
+        repl.console.print(f"context  kept by the server (it does not say how much is used), {exchanges} exchange(s)")
+    else:
+        repl.console.print(f"context  {context.used} / {context.n_ctx} tokens used by the conversation "
+                           f"({context.cached} in the KV cache), {exchanges} exchange(s)")
     repl.console.print(f"system   {conversation.system or '(none)'}")
     settings = ", ".join(f"{k}={_shown(k, v)}" for k, v in conversation.settings_record().items())
     repl.console.print(f"settings {settings}")
@@ -317,7 +307,7 @@ def _history(repl: Repl, argument: str) -> None:
 
 
 def _stats(repl: Repl, argument: str) -> None:
-    from llmcli.inference.stats import summary_line
+    from llmcli.answer.stats import summary_line
 
     turns = repl.conversation.turn_stats
     if not turns:

@@ -92,7 +92,7 @@ def similar(
 ) -> None:
     """The texts of a collection nearest to a query: cosine similarity, embedded with the same model and pooling."""
     from llmcli.cli import output
-    from llmcli.inference.embedding import cosine
+    from llmcli.embed.embedding import cosine
 
     stored = _collection(collection)
     embedder = _open(given, pooling, normalize, False, 1, force)
@@ -117,8 +117,9 @@ def similar(
 
 def _open(given: dict[str, Any], pooling: str, normalize: bool, truncate: bool, per_batch: int, force: bool) -> Any:
     from llmcli.cli import output
-    from llmcli.inference.embedding import POOLINGS
-    from llmcli.pipeline import Request, open_embedder
+    from llmcli.embed.embedding import POOLINGS
+    from llmcli.pipeline import Request
+    from llmcli.pipeline.local import open_embedder
 
     if pooling not in POOLINGS:
         raise UsageError(f"--pooling must be one of {', '.join(POOLINGS)} (got {pooling!r})")

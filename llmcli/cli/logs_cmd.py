@@ -103,7 +103,7 @@ def turn_off() -> None:
 
 def _switch(value: bool) -> None:
     from llmcli import paths
-    from llmcli.profiles import save_setting
+    from llmcli.config_edit import save_setting
 
     save_setting("log", value)
     print(f"logging {'on' if value else 'off'} ({paths.config_file()})")

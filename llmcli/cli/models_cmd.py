@@ -54,8 +54,8 @@ AllOpt = Annotated[bool, typer.Option(
 def list_models(as_json: ListJsonOpt = False, available: AvailableOpt = False, everywhere: AllOpt = False) -> None:
     """List installed and cached models: name, quant, size, parameters, architecture, context, source."""
     from llmcli.cli import output
-    from llmcli.files import human_count, human_size
     from llmcli.store import catalog
+    from llmcli.units import human_count, human_size
 
     if available:
         names = catalog.available(_aliases())
@@ -84,8 +84,8 @@ def show(
 ) -> None:
     """Show a model's metadata without loading its weights: arch, params, quant, context, special tokens, template, license."""
     from llmcli.cli import output
-    from llmcli.files import human_count, human_size
     from llmcli.store import catalog
+    from llmcli.units import human_count, human_size
 
     info = catalog.describe(catalog.local_model(reference, _aliases()))
     if template:
@@ -117,8 +117,8 @@ def rm(
 ) -> None:
     """Remove a cached model (OWNER/REPO removes every quant of it)."""
     from llmcli.cli import output
-    from llmcli.files import human_size
     from llmcli.store import cache, catalog
+    from llmcli.units import human_size
 
     console = output.stderr_console()
     assembled = catalog.assembled_copy(reference)
@@ -150,7 +150,7 @@ def _confirm(question: str, yes: bool) -> None:
 
 def _remove_assembled(reference: str, path: Path, yes: bool, console: Any) -> None:
     from llmcli.errors import ModelNotFoundError
-    from llmcli.files import human_size
+    from llmcli.units import human_size
 
     if not path.is_file():
         raise ModelNotFoundError(f"{reference} has not been assembled: there is no copy to remove")

@@ -133,7 +133,7 @@ def given_settings(given: Mapping[str, Any]) -> dict[str, Any]:
 
 def build_request(given: Mapping[str, Any], parallel: int | None = None) -> Request:
     """The Request that a command's options (settings and REQUEST_OPTIONS) describe; `parallel`: run --batch."""
-    from llmcli.pipeline import Request  # the pipeline loads llama.cpp: not for --help
+    from llmcli.pipeline import Request, Shape  # not for --help: it loads the settings table and the store
 
     return Request(
         settings=given_settings(given),
@@ -149,6 +149,5 @@ def build_request(given: Mapping[str, Any], parallel: int | None = None) -> Requ
         api_key=given["api_key"],
         offline=given["offline"],
         force=given["force"],
-        parallel=parallel or 1,
-        batch=parallel is not None,
+        shape=Shape(parallel, batch=True) if parallel is not None else Shape(),
     )

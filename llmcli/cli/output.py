@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from llmcli.inference.events import Done
-from llmcli.inference.stats import summary_line
+from llmcli.answer.events import Done
+from llmcli.answer.stats import summary_line
 
 
 def stderr_console() -> Console:

@@ -52,7 +52,7 @@ def _variables(specs: list[str] | None) -> dict[str, str]:
 
 def _save_template(name: str, prompt: str | None, given: dict[str, Any], console: Any) -> None:
     from llmcli import paths
-    from llmcli.prompt_templates import PromptTemplate, save
+    from llmcli.saved_templates import PromptTemplate, save
 
     values = o.given_settings(given)
     system = values.pop("system", None)
@@ -82,8 +82,7 @@ def run(
     """Answer one prompt, streamed to stdout; stats on stderr."""
     from llmcli.cli import output
     from llmcli.cli.inputs import combine_input, read_message
-    from llmcli.cli.stream import AnswerSink
-    from llmcli.inference.events import Done, Notice
+    from llmcli.cli.stream import AnswerSink, show_answer
     from llmcli.pipeline import continued, log_entry, new_conversation_id, open_answering
     from llmcli.store.answer_log import record
 
@@ -101,7 +100,7 @@ def run(
         _save_template(save, prompt, given, console)
     chosen = None
     if template is not None:
-        from llmcli.prompt_templates import load
+        from llmcli.saved_templates import load
 
         chosen = load(template)
         given.update({name: value for name, value in chosen.settings.items() if given.get(name) in (None, [])})
@@ -119,38 +118,33 @@ def run(
     with output.download_progress() as progress:  # shown only if the model must be downloaded first
         pipeline = open_answering(o.build_request(given), progress, on_waiting=output.waiting_for)
     with pipeline:
-        for text in pipeline.session.notices:
+        session = pipeline.session
+        for text in session.notices:
             output.print_notice(console, text)
         conversation_id = new_conversation_id()
         if continue_conversation or cid:
-            conversation_id, pipeline.session.history = continued(cid)
+            conversation_id, session.history = continued(cid)
         if show_prompt:
-            if pipeline.engine is None:
-                raise UsageError("the server renders the prompt with --endpoint: --show-prompt is not available")
-            rendered = pipeline.session.render(message)
+            rendered = session.render(message)  # a server renders its own: a usage error says so
             sys.stdout.write(rendered.text + "\n")
-            mode = "raw" if pipeline.session.raw else "chat template"
-            console.print(f"{len(rendered.tokens)} tokens ({pipeline.model.name}, {mode}, context {pipeline.engine.n_ctx})")
+            mode = "raw" if session.template_source is None else "chat template"
+            context = session.context()
+            console.print(f"{len(rendered.tokens)} tokens ({pipeline.model.name}, {mode}"
+                          + (f", context {context.n_ctx})" if context is not None else ")"))
             return
         sink = AnswerSink(as_json=as_json, extra={"model": pipeline.model.name}, reasoning=pipeline.settings["reasoning"])
-        format_error = None
+
+        def logged(done: Any) -> None:
+            if pipeline.settings["log"]:
+                warning = record([log_entry(pipeline, "run", message, sink.record(done), conversation_id)])
+                if warning:
+                    output.print_notice(console, warning)
+
         with pipeline.cancel.on_signals():
             # What a later run likely shares: the piped document (before the question), else the whole message.
             stable = stdin_text if stdin_text and prompt_arg and not prompt_first else message
-            for event in pipeline.session.ask(message, pipeline.generation, stable_text=stable):
-                if isinstance(event, Notice):
-                    sink.notices.append(event.text)
-                    output.print_notice(console, event.text)
-                    continue
-                sink.handle(event)
-                if isinstance(event, Done):
-                    format_error = event.format_error
-                    if not quiet:
-                        output.print_stats(console, event)
-                    if pipeline.settings["log"]:
-                        warning = record([log_entry(pipeline, "run", message, sink.record(event), conversation_id)])
-                        if warning:
-                            output.print_notice(console, warning)
+            done = show_answer(session.ask(message, pipeline.generation, stable_text=stable), sink, console, quiet, logged)
+        format_error = done.format_error if done is not None else None
         signum = pipeline.cancel.signum
     if signum is not None:
         raise typer.Exit(128 + signum)

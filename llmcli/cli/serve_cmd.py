@@ -77,7 +77,7 @@ def serve(
         server = uvicorn.Server(config)
         config.load()
         server.config.callback_notify = None
-        _announce(server, console, prompter.model_names[0], parallel, pipeline.engine.n_ctx, api_key is not None)
+        _announce(server, console, prompter.model_names[0], parallel, prompter.limits.n_ctx, api_key is not None)
         server.run()
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 from rich.console import COLOR_SYSTEMS, Console
 from rich.style import Style
 
+from llmcli.answer.events import Done, Notice, Token, answer_record
 from llmcli.errors import StdoutClosed
-from llmcli.inference.events import Done, Token, answer_record
 
 ANSWER_STYLE = Style(color="cyan")
 REASONING_STYLE = Style(dim=True, italic=True)
@@ -68,8 +69,7 @@ class AnswerSink:
             self._write("\n")  # end the answer's last line, so the shell prompt does not follow it
 
     def record(self, done: Done) -> dict[str, Any]:
-        reasoning = "".join(self.thought).strip() or None
-        return {**self.extra, **answer_record("".join(self.parts), done, self.notices, reasoning)}
+        return {**self.extra, **answer_record(done, self.notices)}
 
     def _think(self, text: str) -> None:
         self._thought_open = True
@@ -112,6 +112,28 @@ def _write_to(stream: IO[str], text: str) -> None:
     with contextlib.suppress(BrokenPipeError, ValueError):  # stderr gone: the thinking is not the answer
         stream.write(text)
         stream.flush()
+
+
+def show_answer(events: Iterable[Token | Done | Notice], sink: AnswerSink, console: Console, quiet: bool,
+                on_done: Callable[[Done], None] | None = None) -> Done | None:
+    """The one event loop of `run` and `chat`: the answer to the sink (stdout), notices to stderr (and into the
+    --json record), then `on_done` and the stats line. The Done, or None when the events stopped before it."""
+    from llmcli.cli.output import print_notice, print_stats
+
+    done = None
+    for event in events:
+        if isinstance(event, Notice):
+            sink.notices.append(event.text)
+            print_notice(console, event.text)
+            continue
+        sink.handle(event)
+        if isinstance(event, Done):
+            done = event
+            if on_done is not None:
+                on_done(event)
+            if not quiet:
+                print_stats(console, event)
+    return done
 
 
 def write_json_line(record: Any) -> None:

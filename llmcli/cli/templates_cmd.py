@@ -19,7 +19,7 @@ NameArg = Annotated[str, typer.Argument(help="The template's name.", show_defaul
 @app.command("list")
 def list_templates() -> None:
     """Every template: its name and the start of its prompt or system prompt."""
-    from llmcli.prompt_templates import all_templates
+    from llmcli.saved_templates import all_templates
 
     for template in all_templates():
         text = (template.prompt or template.system or "").replace("\n", " ")
@@ -29,7 +29,7 @@ def list_templates() -> None:
 @app.command("show")
 def show(name: NameArg) -> None:
     """One template as it is saved."""
-    from llmcli.prompt_templates import load
+    from llmcli.saved_templates import load
     from llmcli.settings import show_value
 
     template = load(name)
@@ -45,7 +45,7 @@ def show(name: NameArg) -> None:
 def edit(name: NameArg) -> None:
     """Open the config file in $EDITOR (the template is added first if it is new), then check it."""
     from llmcli import paths
-    from llmcli.prompt_templates import PromptTemplate, load, save
+    from llmcli.saved_templates import PromptTemplate, load, save
     from llmcli.settings import load_config_file
 
     if name not in load_config_file().templates:
@@ -59,7 +59,7 @@ def edit(name: NameArg) -> None:
 @app.command("rm")
 def remove(name: NameArg) -> None:
     """Remove a template from the config file."""
-    from llmcli.prompt_templates import remove as remove_template
+    from llmcli.saved_templates import remove as remove_template
 
     remove_template(name)
     print(f"removed template {name}")

@@ -14,7 +14,7 @@ from llmcli.cli import options as o
 from llmcli.errors import UsageError
 
 if TYPE_CHECKING:
-    from llmcli.pipeline import Tokenizer
+    from llmcli.pipeline.local import Tokenizer
 
 SETTINGS_TAKEN = ("model", "system", "ctx_size", "think")  # what changes a prompt's tokens or the context
 ChatOpt = Annotated[bool, typer.Option(
@@ -100,7 +100,8 @@ def show_piece(piece: bytes) -> str:
 
 
 def _tokenizer(given: dict[str, Any], raw: bool, template_file: Path | None, offline: bool) -> Tokenizer:
-    from llmcli.pipeline import Request, open_tokenizer
+    from llmcli.pipeline import Request
+    from llmcli.pipeline.local import open_tokenizer
 
     return open_tokenizer(Request(settings=o.given_settings(given), profile=given["profile"], raw=raw,
                                   template_file=template_file, offline=offline))

@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx2
 
+from llmcli.answer.answer_text import StopMatcher
+from llmcli.answer.events import Done, Token
+from llmcli.answer.stats import AnswerClock
 from llmcli.errors import ExitCode, LlmcliError, ModelNotFoundError, UsageError
-from llmcli.inference.events import Done, Token
-from llmcli.inference.stats import Stats
-from llmcli.inference.streaming import StopMatcher
 
 RETRIES = 3  # after the first try, for 429 and 5xx
 BACKOFF_S = 0.5  # doubled each retry; a Retry-After the server sends is honoured (up to 10 s)
@@ -167,9 +167,10 @@ class StreamedAnswer:
 
     def __init__(self, stops: tuple[str, ...], started: float):
         self.stops = StopMatcher(stops)
-        self.started = started
-        self.first: float | None = None
-        self.last: float | None = None
+        self.clock = AnswerClock(started)
+        self.clock.prefill_started = started  # the server's prefill is what the first chunk waits for
+        self.text: list[str] = []
+        self.thought: list[str] = []
         self.pieces = 0  # chunks with text: the token count when the server gives none
         self.finish: str | None = None
         self.stop: str | None = None
@@ -188,18 +189,18 @@ class StreamedAnswer:
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
             if isinstance(reasoning, str) and reasoning:
                 self._arrived()
+                self.thought.append(reasoning)
                 yield Token(reasoning, reasoning=True)
             text = delta.get("content") if chat else delta.get("text")
             if isinstance(text, str) and text and self.stop is None:
                 self._arrived()
                 shown, self.stop = self.stops.feed(text)
                 if shown:
+                    self.text.append(shown)
                     yield Token(shown)
 
     def _arrived(self) -> None:
-        now = time.perf_counter()
-        self.first = self.first or now
-        self.last = now
+        self.clock.token(time.perf_counter(), True)
         self.pieces += 1
 
     def done(self, interrupted: bool) -> tuple[str, Done]:
@@ -207,18 +208,18 @@ class StreamedAnswer:
         tail = ""
         if self.stop is None:
             tail, self.stop = self.stops.finish()
-        now = time.perf_counter()
-        first = self.first or now
+        if tail:
+            self.text.append(tail)
         prompt = int(self.usage.get("prompt_tokens") or 0)
         details = self.usage.get("prompt_tokens_details") or {}
         cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
         completion = int(self.usage.get("completion_tokens") or self.pieces)
-        stats = Stats(load_s=0.0, prompt_s=0.0, prompt_tokens=prompt, cached_tokens=cached,
-                      prefill_tokens=max(0, prompt - cached), prefill_s=first - self.started, ttft_s=first - self.started,
-                      completion_tokens=completion, decode_steps=max(0, completion - 1),
-                      decode_s=(self.last or first) - first, total_s=now - self.started)
+        self.clock.prefill_done = self.clock.first_token
+        stats = self.clock.stats(prompt_tokens=prompt, cached_tokens=cached, prefill_tokens=max(0, prompt - cached),
+                                 completion_tokens=completion, decode_steps=max(0, completion - 1))
         own = self.server_timings.get("finish_reason")  # llmcli serve says why, in llmcli's words
         finish = ("interrupted" if interrupted else "stop_sequence" if self.stop is not None
                   else own if isinstance(own, str) and own else self.finish or "stop")
         stop = self.stop if self.stop is not None else self.server_timings.get("stop_sequence")
-        return tail, Done(finish, stats, stop if isinstance(stop, str) else None)
+        return tail, Done(finish, stats, stop if isinstance(stop, str) else None, text="".join(self.text),
+                          reasoning="".join(self.thought).strip() or None)

@@ -1,22 +1,31 @@
-"""A conversation with a remote engine: the same `ask` as a local Session (events in, history kept), and the
-requests of `run --batch` sent `parallel` at a time."""
+"""A conversation with a server (--endpoint): the `Answerer` a local Session is (events in, history kept), and the
+requests of `run --batch` sent `parallel` at a time. Imports no llama.cpp."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from llmcli.chat.session import PromptOptions, with_system
-from llmcli.chat.templates import Message
+from llmcli.answer.batch_jsonl import BatchItem, Summary
+from llmcli.answer.events import Done, Notice, Token, answer_record
+from llmcli.answer.generation import GenerationOptions
+from llmcli.chat.answerer import (
+    ContextInfo,
+    ProgressCallback,
+    PromptOptions,
+    RenderedPrompt,
+    ResultCallback,
+    Resumed,
+    with_system,
+)
+from llmcli.chat.chat_template import Message
 from llmcli.errors import LlmcliError, UsageError
-from llmcli.inference.batch_input import BatchItem
-from llmcli.inference.events import Done, Notice, Token, answer_record
-from llmcli.inference.generation import GenerationOptions
+from llmcli.interrupt import Cancellation
 from llmcli.remote.client import Client, NetworkError, StreamedAnswer
 
 # llmcli settings -> the request fields OpenAI-compatible servers read (llama-server, vLLM and llmcli serve take
@@ -56,41 +65,41 @@ class RemoteRequest:
 
 
 class RemoteSession:
-    """`Session`'s interface over an endpoint: the server renders the template and keeps the KV cache."""
+    """The `Answerer` over an endpoint: the server renders the template and keeps the KV cache, so what it cannot
+    tell (the context, the template, a KV state to keep) is None or a clear error here."""
 
-    engine = None  # no local engine: nothing to fit or shift here (the server says when it does not fit)
-    template = None
-    prompt_cache = None
-    remote = True
+    template_source = None  # the server renders the prompt
 
     def __init__(self, client: Client, request: RemoteRequest, options: PromptOptions):
         self.client, self.request, self.options = client, request, options
         self.history: list[Message] = []
         self.notices: list[str] = []
-        self.last_reasoning: str | None = None
 
     @property
-    def raw(self) -> bool:
-        return self.options.raw
+    def where(self) -> str:
+        return self.client.endpoint.url
 
     def ask(self, user_text: str, options: GenerationOptions, stable_text: str | None = None) -> Iterator[Token | Done | Notice]:
         """Answer `user_text` after the history; the exchange joins the history when the answer is done."""
-        exchange = Exchange()
-        yield from exchange.run(self, user_text, options, self.history)
-        self.last_reasoning = exchange.reasoning
-        self.history += [Message("user", user_text), Message("assistant", exchange.content)]
+        for event in exchange(self, user_text, options, self.history):
+            if isinstance(event, Done):
+                self.history += [Message("user", user_text), Message("assistant", event.text)]
+            yield event
 
-    def render(self, user_text: str) -> Any:
-        raise UsageError("the prompt is rendered by the server with --endpoint: --show-prompt is not available")
+    def render(self, user_text: str) -> RenderedPrompt:
+        raise UsageError("the server renders the prompt with --endpoint: --show-prompt is not available")
 
-    def answer_room(self, max_tokens: int | None) -> int:
-        return max_tokens or 0
+    def context(self) -> ContextInfo | None:
+        return None
+
+    def fit(self, user_text: str, max_tokens: int | None) -> int:
+        return 0  # the server says when the conversation no longer fits
 
     def shift_for(self, user_text: str) -> None:
         return None
 
-    def resume(self) -> int:
-        return 0
+    def resume(self) -> Resumed:
+        return Resumed()  # the server holds (or rebuilds) the KV cache
 
     def keep_state(self) -> None:
         return None
@@ -98,76 +107,72 @@ class RemoteSession:
     def take_notices(self) -> list[str]:
         return []
 
+    def close(self) -> None:
+        self.client.close()
 
-class Exchange:
-    """One request and its streamed answer: the events, and what they add up to."""
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.thought: list[str] = []
-
-    @property
-    def content(self) -> str:
-        return "".join(self.text)
-
-    @property
-    def reasoning(self) -> str | None:
-        return "".join(self.thought).strip() or None
-
-    def run(self, session: RemoteSession, user_text: str, options: GenerationOptions,
-            history: list[Message]) -> Iterator[Token | Done]:
+    def batch(self, items: list[BatchItem], generation: GenerationOptions, parallel: int, cancel: Cancellation,
+              on_result: ResultCallback, on_progress: ProgressCallback | None = None) -> Summary:
+        """Every item's answer, `parallel` requests at a time, each result as it finishes (any order). A server that
+        cannot be reached stops the batch (NetworkError); a refused item is an error record."""
         started = time.perf_counter()
-        chat = not session.options.raw
-        body = session.request.body(options)
-        if chat:
-            messages = with_system(session.options.system, [*history, Message("user", user_text)])
-            body["messages"] = [{"role": m.role, "content": m.content} for m in messages]
-        else:
-            body["prompt"] = user_text
-        answer = StreamedAnswer(options.stops, started)
-        for chunk in session.client.stream("chat/completions" if chat else "completions", body):
-            for event in answer.events(chunk, chat):
-                (self.thought if event.reasoning else self.text).append(event.text)
-                yield event
-            if answer.stop is not None:
-                break  # the rest is not needed: closing the stream tells the server to stop
-        tail, done = answer.done(session.client.cancelled())
-        if tail:
-            self.text.append(tail)
-            yield Token(tail)
-        yield dataclasses.replace(done, format_error=options.constraint.problem(self.content, done.finish_reason))
+        summary = Summary(prompts=len(items), parallel=parallel, where=self.where)
+
+        def one(item: BatchItem) -> dict[str, Any]:
+            if item.error is not None:
+                return item.error_record(item.error)
+            try:
+                *_, done = exchange(self, item.prompt or "", generation, [])
+            except NetworkError:
+                raise
+            except LlmcliError as exc:
+                return item.error_record(exc.message)
+            assert isinstance(done, Done)
+            return {**item.extra, "index": item.index, **answer_record(done)}
+
+        finished = 0
+        with ThreadPoolExecutor(max_workers=parallel) as pool:
+            for item, result in zip(items, pool.map(one, items), strict=True):
+                if "error" in result:
+                    summary.errors += 1
+                else:
+                    usage = result["usage"]
+                    summary.prompt_tokens += usage["prompt_tokens"]
+                    summary.completion_tokens += usage["completion_tokens"]
+                on_result(item.index, result)
+                finished += 1
+                if on_progress is not None:
+                    elapsed = time.perf_counter() - started
+                    on_progress(finished, len(items), summary.completion_tokens / elapsed if elapsed > 0 else 0.0)
+        summary.wall_s = time.perf_counter() - started
+        return summary
 
 
-def batch(session: RemoteSession, items: list[BatchItem], generation: GenerationOptions, parallel: int,
-          on_result: Callable[[int, dict[str, Any]], None]) -> tuple[int, int]:
-    """Every item's answer, `parallel` requests at a time, each result as it finishes (any order); (answered,
-    errors). A server that cannot be reached stops the batch (NetworkError); a refused item is an error record."""
-
-    def one(item: BatchItem) -> dict[str, Any]:
-        if item.error is not None:
-            return item.error_record(item.error)
-        exchange = Exchange()
-        try:
-            *_, done = exchange.run(session, item.prompt or "", generation, [])
-        except NetworkError:
-            raise
-        except LlmcliError as exc:
-            return item.error_record(exc.message)
-        assert isinstance(done, Done)
-        return {**item.extra, "index": item.index, **answer_record(exchange.content, done, reasoning=exchange.reasoning)}
-
-    errors = 0
-    with ThreadPoolExecutor(max_workers=parallel) as pool:
-        for item, result in zip(items, pool.map(one, items), strict=True):
-            errors += "error" in result
-            on_result(item.index, result)
-    return len(items), errors
+def exchange(session: RemoteSession, user_text: str, options: GenerationOptions,
+             history: list[Message]) -> Iterator[Token | Done]:
+    """One request and its streamed answer, as events; the Done carries the whole answer."""
+    started = time.perf_counter()
+    chat = not session.options.raw
+    body = session.request.body(options)
+    if chat:
+        messages = with_system(session.options.system, [*history, Message("user", user_text)])
+        body["messages"] = [{"role": m.role, "content": m.content} for m in messages]
+    else:
+        body["prompt"] = user_text
+    answer = StreamedAnswer(options.stops, started)
+    for chunk in session.client.stream("chat/completions" if chat else "completions", body):
+        yield from answer.events(chunk, chat)
+        if answer.stop is not None:
+            break  # the rest is not needed: closing the stream tells the server to stop
+    tail, done = answer.done(session.client.cancelled())
+    if tail:
+        yield Token(tail)
+    yield dataclasses.replace(done, format_error=options.constraint.problem(done.text, done.finish_reason))
 
 
 def schema_of(json_schema: str | None) -> Mapping[str, Any] | None:
     """--json-schema's text (JSON, or a file holding it) as an object."""
     if json_schema is None:
         return None
-    from llmcli.inference.grammar import build_constraint
+    from llmcli.answer.constraint import build_constraint
 
     return build_constraint(json_schema=json_schema).schema or json.loads(json_schema)

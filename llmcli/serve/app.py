@@ -27,8 +27,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llmcli.inference.events import Done, Token
-from llmcli.inference.serving import Job, QueueFull, SlotServer, deliver_here
+from llmcli.answer.events import Done, Token
+from llmcli.decode.serving import Job, QueueFull, SlotServer, deliver_here
 from llmcli.serve.protocol import ApiError, Parsed, Prompter, Reply, parse
 
 RETRY_AFTER_S = 1

@@ -10,15 +10,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmcli.chat.session import RenderedPrompt
-from llmcli.chat.templates import Message
+from llmcli.answer.constraint import build_constraint
+from llmcli.answer.events import Done
+from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.reasoning import opens_thinking
+from llmcli.answer.sampling_config import SamplingConfig
+from llmcli.chat.answerer import RenderedPrompt
+from llmcli.chat.chat_template import Message
 from llmcli.errors import LlmcliError
-from llmcli.inference.events import Done
-from llmcli.inference.generation import GenerationOptions
-from llmcli.inference.grammar import build_constraint
-from llmcli.inference.reasoning import opens_thinking
-from llmcli.inference.sampling import SamplingConfig
-from llmcli.inference.speculative import Speculation
+from llmcli.llama.schema_grammar import with_grammar
 from llmcli.settings import SETTINGS, check_value
 
 # OpenAI's names -> llmcli settings (llama-cpp-python and llama-server take the llmcli names as they are)
@@ -49,6 +49,7 @@ class Limits:
     n_ctx: int  # a slot's context: prompt + answer
     max_tokens: int  # the most tokens an answer may ask for
     max_body_bytes: int
+    max_draft: int = 16  # tokens a draft may have (speculative decoding: the server's --speculate, --draft-max)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,8 @@ def parse(body: Any, chat: bool, prompter: Prompter) -> Parsed:
     if not isinstance(stream_options, dict):
         raise ApiError(400, "stream_options must be an object", param="stream_options")
     generation = GenerationOptions(sampling, max_tokens, tuple(stops), constraint, values["repetition_guard"],
-                                   Speculation("off"), thinking_open=opens_thinking(rendered.text))
+                                   speculate=values["speculate"], max_draft=prompter.limits.max_draft,
+                                   thinking_open=opens_thinking(rendered.text))
     return Parsed(rendered.tokens, generation, sampling.effective_seed(), bool(body.get("stream")),
                   bool(stream_options.get("include_usage")))
 
@@ -166,16 +168,16 @@ def _constraint(response_format: Any, grammar: Any) -> Any:
         raise ApiError(400, "grammar must be a GBNF string", param="grammar")
     kind = response_format.get("type") if isinstance(response_format, dict) else response_format
     if kind in (None, "text"):
-        return build_constraint(grammar)
+        return with_grammar(build_constraint(grammar))
     if grammar is not None:
         raise ApiError(400, "grammar and response_format cannot be combined", param="grammar")
     if kind == "json_object":
-        return build_constraint(json_format=True)
+        return with_grammar(build_constraint(json_format=True))
     if kind == "json_schema":
         schema = (response_format.get("json_schema") or {}).get("schema")
         if not isinstance(schema, dict):
             raise ApiError(400, "response_format.json_schema.schema must be an object", param="response_format")
-        return build_constraint(json_schema=json.dumps(schema))
+        return with_grammar(build_constraint(json_schema=json.dumps(schema)))
     raise ApiError(400, "response_format.type must be text, json_object or json_schema", param="response_format")
 
 

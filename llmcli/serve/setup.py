@@ -4,26 +4,30 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmcli.chat.session import render_prompt, with_system
-from llmcli.chat.templates import Message
-from llmcli.inference.serving import SlotServer
-from llmcli.pipeline import Pipeline, Request, open_pipeline
+from llmcli.chat.answerer import with_system
+from llmcli.chat.chat_template import Message
+from llmcli.chat.session import Session, render_prompt
+from llmcli.decode.serving import SlotServer
+from llmcli.pipeline import Pipeline, Request, Shape
+from llmcli.pipeline.local import open_pipeline
 from llmcli.serve.protocol import Limits, Prompter
 
 
 def open_server(request: Request, parallel: int, queue: int, max_body: int, max_answer: int,
-                on_progress: Any = None) -> tuple[SlotServer, Prompter, Pipeline]:
-    """The model loaded with `parallel` slots of a full context each, its slot server, and its prompter."""
+                on_progress: Any = None) -> tuple[SlotServer, Prompter, Pipeline[Session]]:
+    """The model loaded with `parallel` slots of a full context each, its slot server (speculative decoding as
+    --speculate says, for every slot), and its prompter."""
     import dataclasses
 
-    pipeline = open_pipeline(dataclasses.replace(request, slots=parallel), on_progress)
-    session, engine = pipeline.session, pipeline.engine
+    pipeline = open_pipeline(dataclasses.replace(request, shape=Shape(parallel)), on_progress)
+    session = pipeline.session
+    engine = session.engine
 
     def render_chat(messages: list[Message]) -> Any:
         return render_prompt(session.template, engine.vocab, with_system(session.options.system, messages), session.options)
 
-    names = tuple(dict.fromkeys((pipeline.model.name, pipeline.model.path.stem, pipeline.model.path.name)))
-    limits = Limits(engine.n_ctx, min(max_answer, engine.n_ctx), max_body)
+    names = tuple(dict.fromkeys((pipeline.model.name, engine.path.stem, engine.path.name)))
+    limits = Limits(engine.n_ctx, min(max_answer, engine.n_ctx), max_body, pipeline.generation.max_draft)
     prompter = Prompter(render_chat, lambda text: engine.vocab.tokenize(text, add_special=True), names,
                         dict(pipeline.settings.values), limits)
-    return SlotServer(engine, parallel, queue), prompter, pipeline
+    return SlotServer(engine, parallel, queue, speculation=session.speculation), prompter, pipeline

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcli.errors import IntegrityError, ModelNotFoundError, UsageError
-from llmcli.files import sha256_of
+from llmcli.file_hashes import sha256_of
 from llmcli.store import cache, models
 from llmcli.store.cache import CachedModel, Fetch
 from llmcli.store.gguf_header import GGUFHeader, read_header, string_items
@@ -73,7 +73,7 @@ def entries(everywhere: bool = False) -> list[Entry]:
             entry = Entry(entry.name, entry.path, entry.source, entry.size, entry.header, entry.problem, total)
         found.append(entry)
     if everywhere:
-        from llmcli.store import elsewhere
+        from llmcli.store import foreign_stores as elsewhere
 
         found += [_entry(model.name, model.path, model.source) for model in elsewhere.all_models()]
     return found
@@ -134,7 +134,7 @@ def assembled_copy(reference: str) -> Path | None:
 
 def removable(reference: str, aliases: dict[str, str] | None = None) -> list[CachedModel]:
     """The cached models `reference` names: OWNER/REPO (all of it), OWNER/REPO:QUANT or …/FILE.gguf."""
-    from llmcli.store import elsewhere
+    from llmcli.store import foreign_stores as elsewhere
 
     if elsewhere.is_foreign(reference):
         tool = reference.split(":", 1)[0]

@@ -29,11 +29,12 @@ from typing import Any
 
 from llmcli import paths
 from llmcli.errors import ExitCode, IntegrityError, LlmcliError, ModelNotFoundError, ResourceError, UsageError
-from llmcli.files import human_size, sha256_of
+from llmcli.file_hashes import sha256_of
 from llmcli.settings import default
 from llmcli.store import memory
 from llmcli.store.cache import CachedModel, Fetch, Fetched, ProgressCallback, choose, from_cache, partial_downloads, remove_file
 from llmcli.store.references import HubReference, check_filename, choices
+from llmcli.units import human_size
 
 DISK_MARGIN = 64 * 1024 * 1024
 

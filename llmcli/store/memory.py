@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from llmcli.errors import ResourceError
-from llmcli.files import human_size
 from llmcli.store.gguf_header import GGUFHeader
+from llmcli.units import human_size
 
 RUNTIME_OVERHEAD = 120 * 2**20  # Python, llama.cpp's compute buffers for small batches
 

@@ -21,7 +21,8 @@ from typing import Any
 
 from llmcli import paths
 from llmcli.errors import LlmcliError, ModelNotFoundError, UsageError
-from llmcli.store import elsewhere, references
+from llmcli.store import foreign_stores as elsewhere
+from llmcli.store import references
 from llmcli.store.cache import Fetch, from_cache
 from llmcli.store.packages import PACKAGE_EXTRAS, PackagedModel, ensure_assembled, packaged_models
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmcli.shared_prefix import shared_prefix
+
 MAGIC = b"LLMCLIKV"
 FORMAT_VERSION = 1
 BLOCK = 64  # tokens per block of the hash chain
@@ -79,15 +81,6 @@ def block_hashes(key: str, tokens: Sequence[int]) -> list[str]:
         previous = hashlib.sha256(previous + data[start * 4 : (start + BLOCK) * 4]).digest()
         hashes.append(previous[:16].hex())
     return hashes
-
-
-def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens `a` and `b` have in common."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _fits(saved: Sequence[int], tokens: Sequence[int], at_least: int, whole: bool) -> bool:

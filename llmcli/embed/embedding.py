@@ -13,11 +13,9 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-import llama_cpp
-
 from llmcli.errors import LlmcliError
-from llmcli.inference.batch import Batch
-from llmcli.inference.engine import POOLING, Engine
+from llmcli.llama.batch import Batch
+from llmcli.llama.engine import POOLING, Engine
 from llmcli.store.gguf_header import GGUFHeader
 
 POOLINGS = ("model", *POOLING)  # model: the model's own, else mean
@@ -47,8 +45,6 @@ class Embedder:
         self.n_embd = int(engine.header.metadata.get(f"{engine.header.architecture}.embedding_length") or 0)
         self.cells = engine.kv.n_ctx  # the tokens one batch may hold, all its texts together
         self.n_seq = engine.config.n_seq_max
-        model = llama_cpp.llama_get_model(engine.llama_context)
-        self._encoder_only = bool(llama_cpp.llama_model_has_encoder(model)) and not llama_cpp.llama_model_has_decoder(model)
 
     def embed(self, texts: Sequence[str], on_progress: Callable[[int], None] | None = None) -> Iterator[Embedded]:
         """One result per text, in order; a text longer than a batch is an error result (or, `truncate`, its
@@ -93,17 +89,13 @@ class Embedder:
             for seq, tokens in enumerate(batch_tokens):
                 for pos, token in enumerate(tokens):
                     batch.add(token, pos, seq, True)
-            ctx = engine.llama_context
-            rc = llama_cpp.llama_encode(ctx, batch.raw) if self._encoder_only else llama_cpp.llama_decode(ctx, batch.raw)
-            if rc != 0:
-                engine.kv.clear()
-                raise LlmcliError(f"llama.cpp failed to embed a batch (code {rc})")
+            engine.embed(batch)
             vectors = []
             for seq in range(len(batch_tokens)):
-                pointer = llama_cpp.llama_get_embeddings_seq(ctx, seq)
-                if not pointer:
+                vector = engine.embedding(seq, self.n_embd)
+                if vector is None:
                     raise LlmcliError("llama.cpp gave no pooled embedding: this model cannot pool (try --pooling mean)")
-                vectors.append(pointer[: self.n_embd])
+                vectors.append(vector)
         engine.kv.clear()
         for tokens, vector in zip(batch_tokens, vectors, strict=True):
             if self.normalize:

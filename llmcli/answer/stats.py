@@ -1,8 +1,10 @@
-"""The timing record of one answer, the rates derived from it, and its one-line summary."""
+"""The timing record of one answer (`Stats`), the one place it is built (`AnswerClock`), the rates derived from
+it, and its one-line summary."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,45 @@ class Stats:
         record["decode_tokens_per_s"] = round(self.decode_tps, 2)
         record["acceptance"] = round(self.acceptance, 4)
         return record
+
+
+@dataclass
+class AnswerClock:
+    """The moments of one answer, stamped as they happen (perf_counter seconds), and its `Stats` from them: the
+    scheduler's slots, a request that never started and a remote answer all build their stats here."""
+
+    submitted: float = field(default_factory=time.perf_counter)  # the request: TTFT counts template and tokenizing
+    load_s: float = 0.0  # the model load this answer waited for (reported once, with a session's first answer)
+    prompt_s: float = 0.0  # template rendering + tokenization
+    prefill_started: float | None = None
+    prefill_done: float | None = None
+    first_token: float | None = None  # the first token sampled
+    first_text: float | None = None  # the first text shown (a character held back for UTF-8 or a stop comes later)
+    last_token: float | None = None
+
+    def token(self, now: float, shown: bool) -> None:
+        """A token was sampled at `now`; `shown`: it completed text of the answer (or its reasoning)."""
+        if self.first_token is None:
+            self.first_token = now
+        if shown and self.first_text is None:
+            self.first_text = now
+        self.last_token = now
+
+    def stats(self, *, prompt_tokens: int, cached_tokens: int = 0, prefill_tokens: int = 0, completion_tokens: int = 0,
+              decode_steps: int = 0, seed: int | None = None, threads: int | None = None, draft_tokens: int = 0,
+              accepted_tokens: int = 0) -> Stats:
+        now = time.perf_counter()
+        first = self.first_token or now
+        prefill_end = self.prefill_done or first
+        return Stats(
+            load_s=self.load_s, prompt_s=self.prompt_s, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+            prefill_tokens=prefill_tokens,
+            prefill_s=prefill_end - self.prefill_started if self.prefill_started is not None else 0.0,
+            ttft_s=(self.first_text or first) - self.submitted, completion_tokens=completion_tokens,
+            decode_steps=decode_steps, decode_s=(self.last_token or first) - first if decode_steps else 0.0,
+            total_s=now - self.submitted, seed=seed, threads=threads, draft_tokens=draft_tokens,
+            accepted_tokens=accepted_tokens,
+        )
 
 
 def summary_line(stats: Stats, finish_reason: str, stop_sequence: str | None = None) -> str:

@@ -1,4 +1,4 @@
-"""Hashing and sizes of files on disk: one helper each, for the store, chat records and bench."""
+"""Hashing model files, and remembering the hashes (the store, chat records, bench and the prompt cache)."""
 
 from __future__ import annotations
 
@@ -48,19 +48,3 @@ def _remembered(path: Path, compute: bool) -> str | None:
             store.parent.mkdir(parents=True, exist_ok=True)
             store.write_text(json.dumps(known))
     return str(known[key])
-
-
-def human_size(n_bytes: float) -> str:
-    """`512 B`, `1.5 KiB`, `94.0 MiB`, `2.3 GiB`."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n_bytes < 1024 or unit == "GiB":
-            return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
-        n_bytes /= 1024
-    return f"{n_bytes:.1f} GiB"
-
-
-def human_count(n: int | None) -> str:
-    """Parameter counts: `135M`, `1.10B`."""
-    if not n:
-        return ""
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"

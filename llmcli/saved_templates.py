@@ -96,7 +96,7 @@ def save(template: PromptTemplate) -> None:
     """Write (or replace) `[templates.NAME]` in the config file, keeping the rest of it."""
     import tomlkit
 
-    from llmcli.profiles import check_name, edit_document
+    from llmcli.config_edit import check_name, edit_document
 
     check_name(template.name, "template")
     table = tomlkit.table()
@@ -114,7 +114,7 @@ def save(template: PromptTemplate) -> None:
 
 
 def remove(name: str) -> None:
-    from llmcli.profiles import edit_document
+    from llmcli.config_edit import edit_document
 
     load(name)
 

@@ -10,7 +10,7 @@ from typing import Any
 import llama_cpp
 
 from llmcli.errors import IntegrityError
-from llmcli.inference.backend import llama_backend
+from llmcli.llama.llama_log import llama_backend
 from llmcli.store.gguf_header import read_header
 
 

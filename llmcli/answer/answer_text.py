@@ -9,7 +9,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Iterable
 
-from llmcli.inference.reasoning import ReasoningSplitter
+from llmcli.answer.reasoning import ReasoningSplitter
 
 
 class Utf8Assembler:

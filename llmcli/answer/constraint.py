@@ -1,5 +1,5 @@
-"""Constrained answers: GBNF from --grammar, --grammar-file, --json-schema or --format json, and the check
-of the finished answer against what was asked (a grammar cannot express everything a schema says, and an
+"""Constrained answers: what --grammar, --grammar-file, --json-schema or --format json ask for, and the check
+of the finished answer against it (a grammar cannot express everything a schema says, and an
 answer cut off by -n or the context is not valid JSON).
 
 Enforced while generating (the grammar): JSON syntax, object keys and required properties, types, enums
@@ -7,6 +7,9 @@ and constants, string lengths, integer bounds (`minimum`, `maximum` and their ex
 schema_grammar.py). Checked afterwards (jsonschema): all of the schema (patterns, number bounds, array
 lengths, formats, combinations the grammar approximates). An answer that fails the check carries the reason
 (`Done.format_error`), and `llmcli run` exits 8.
+
+Pure: the GBNF of a schema is made by llama.cpp's converter (llmcli/llama/schema_grammar.py `with_grammar`), for
+a local model only; a server (--endpoint) is sent the schema itself.
 """
 
 from __future__ import annotations
@@ -55,9 +58,8 @@ def build_constraint(
     json_schema: str | None = None,
     json_format: bool = False,
 ) -> Constraint:
-    """The constraint whichever of --grammar, --grammar-file, --json-schema, --format json asks for.
-
-    A schema is a JSON document or a path to one.
+    """The constraint whichever of --grammar, --grammar-file, --json-schema, --format json asks for (the JSON ones
+    without their grammar: `with_grammar` adds it for a local model). A schema is a JSON document or a path to one.
     """
     chosen = [flag for flag, value in (
         ("--grammar", gbnf), ("--grammar-file", gbnf_file), ("--json-schema", json_schema), ("--format json", json_format)
@@ -74,21 +76,10 @@ def build_constraint(
             raise UsageError(f"cannot read --grammar-file {gbnf_file}: {exc}") from None
     if gbnf is not None:
         return Constraint(gbnf, flag)
-    from llama_cpp import llama_grammar  # pure Python: the GBNF converter that ships with llama-cpp-python
-
     if json_format:
-        return Constraint(llama_grammar.JSON_GBNF, flag, json=True)
+        return Constraint(None, flag, json=True)
     assert json_schema is not None
-    schema = _load_schema(json_schema)
-    from llmcli.inference.schema_grammar import schema_to_gbnf
-
-    try:
-        gbnf_text = schema_to_gbnf(schema)
-    except Exception as exc:  # the converter raises plain exceptions on schemas it cannot express
-        raise UsageError(f"--json-schema cannot be turned into a grammar: {exc}") from None
-    # llama-cpp-python's converter lets raw control characters (a newline) into strings, which
-    # is not JSON; llama.cpp's own converter excludes them. Exclude them here too.
-    return Constraint(gbnf_text.replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR), flag, json=True, schema=schema)
+    return Constraint(None, flag, json=True, schema=_load_schema(json_schema))
 
 
 def _load_schema(json_schema: str) -> dict[str, Any]:
@@ -112,6 +103,3 @@ def _load_schema(json_schema: str) -> dict[str, Any]:
         raise UsageError(f"--json-schema is not a valid JSON Schema: {exc.message}") from None
     return schema
 
-
-_LOOSE_JSON_CHAR = r'char ::= [^"\\] |'
-_STRICT_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'

@@ -1,6 +1,7 @@
-"""What generation yields, and the one record of a finished answer (used by run --json, chat and --batch).
+"""What answering yields — `Token`s as the answer grows, one `Done` that carries the whole answer — and the one
+record of a finished answer (run --json, chat, --batch, the log).
 
-Importing this module loads no llama.cpp: renderers and tests use the events without a model.
+Local and remote answers yield the same events; renderers and tests use them without a model.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llmcli.inference.stats import Stats
+from llmcli.answer.stats import Stats
 
 # Why an answer ended: the model's end of generation, -n, a stop sequence, a full context, Ctrl-C/SIGTERM.
 FINISH_REASONS = ("stop", "length", "stop_sequence", "context_full", "repetition", "interrupted")
@@ -26,10 +27,14 @@ class Token:
 
 @dataclass(frozen=True)
 class Done:
+    """The answer is over: why, its timings, and the answer itself (its text, and its reasoning apart)."""
+
     finish_reason: str  # one of FINISH_REASONS
     stats: Stats
     stop_sequence: str | None = None
     format_error: str | None = None  # why the answer is not the JSON --format json / --json-schema asked for
+    text: str = ""  # the whole answer: every Token's text (no stop sequence, no reasoning)
+    reasoning: str | None = None  # the model's think block, or None when it wrote none
 
 
 @dataclass(frozen=True)
@@ -39,13 +44,13 @@ class Notice:
     text: str
 
 
-def answer_record(text: str, done: Done, notices: Sequence[str] = (), reasoning: str | None = None) -> dict[str, Any]:
+def answer_record(done: Done, notices: Sequence[str] = ()) -> dict[str, Any]:
     """The machine-readable record of one answer: text (the answer only), reasoning (the think block, or None),
     why it ended, token counts and timings."""
     stats = done.stats
     return {
-        "text": text,
-        "reasoning": reasoning,
+        "text": done.text,
+        "reasoning": done.reasoning,
         "finish_reason": done.finish_reason,
         "stop_sequence": done.stop_sequence,
         "format_error": done.format_error,

@@ -1,10 +1,9 @@
-"""The KV cache of one llama.cpp context: which tokens sequence 0 holds, and what can be done to them
+"""The KV cache of one llama.cpp context: which tokens each sequence holds, and what can be done to them
 without evaluating anything — keep a prefix, share it, cut a span out and shift the rest, save the
 state to bytes and load it back.
 
-The engine evaluates (and appends what it evaluated here); the prompt cache, chat and the batch
-loop use these operations. Positions are tracked for sequence 0 only: other sequences (run --batch)
-track their own.
+The scheduler evaluates (and records here what it evaluated into which sequence); the prompt cache, chat,
+--batch and serve use these operations. Sequence 0 is the one a single answer (run, chat) uses.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from typing import Any
 
 import llama_cpp
 
-from llmcli.store.prompt_store import shared_prefix
+from llmcli.shared_prefix import shared_prefix
 
 
 class KVCache:
@@ -24,51 +23,66 @@ class KVCache:
         self._memory = llama_cpp.llama_get_memory(ctx)
         self.n_ctx = n_ctx  # cells one sequence may use
         self.n_swa = n_swa  # the model's sliding-window span (0: none): its state holds only the last window
-        self._tokens: list[int] = []  # sequence 0: the tokens whose keys and values are cached, in order
+        self._held: dict[int, list[int]] = {0: []}  # sequence -> the tokens whose keys and values are cached, in order
         # Where a prefill of a sliding-window model was split: (tokens, state bytes); see `checkpoint_here`.
         self.checkpoint: tuple[list[int], memoryview] | None = None
 
     @property
+    def _tokens(self) -> list[int]:
+        return self._held[0]
+
+    @property
     def n_cached(self) -> int:
         """Tokens of sequence 0 in the cache now."""
-        return len(self._tokens)
+        return len(self._held[0])
+
+    def n_held(self, seq: int) -> int:
+        """Tokens of sequence `seq` in the cache now."""
+        return len(self._held.get(seq, ()))
 
     @property
     def tokens(self) -> list[int]:
         """The tokens of sequence 0 in the cache, in order (a copy)."""
-        return list(self._tokens)
+        return list(self._held[0])
 
-    def shared_prefix(self, prompt: Sequence[int]) -> int:
-        """How many leading tokens of `prompt` sequence 0 holds now."""
-        return shared_prefix(self._tokens, prompt)
+    def tokens_of(self, seq: int) -> list[int]:
+        """The tokens of sequence `seq` in the cache, in order (a copy)."""
+        return list(self._held.get(seq, ()))
+
+    def shared_prefix(self, prompt: Sequence[int], seq: int = 0) -> int:
+        """How many leading tokens of `prompt` sequence `seq` holds now."""
+        return shared_prefix(self._held.get(seq, ()), prompt)
 
     # -- bookkeeping of what the engine evaluates ----------------------------------------------
 
-    def appended(self, tokens: Sequence[int]) -> None:
-        """`tokens` are being evaluated into sequence 0, after the ones it holds."""
-        self._tokens.extend(tokens)
+    def appended(self, tokens: Sequence[int], seq: int = 0) -> None:
+        """`tokens` were evaluated into sequence `seq`, after the ones it holds."""
+        self._held.setdefault(seq, []).extend(tokens)
 
-    def resync(self) -> None:
+    def resync(self, seq: int = 0) -> None:
         """After a failed or aborted evaluation: keep what llama.cpp did store (its micro-batches so far)."""
-        del self._tokens[max(0, llama_cpp.llama_memory_seq_pos_max(self._memory, 0) + 1) :]
+        held = self._held.setdefault(seq, [])
+        del held[max(0, llama_cpp.llama_memory_seq_pos_max(self._memory, seq) + 1) :]
 
     # -- editing ---------------------------------------------------------------------------------
 
     def clear(self) -> None:
         """Empty the cache, every sequence."""
         llama_cpp.llama_memory_clear(self._memory, True)
-        self._tokens.clear()
+        self._held = {0: []}
 
     def remove(self, seq: int, start: int = 0, end: int = -1) -> bool:
         """Drop positions [start, end) of sequence `seq` (end -1: to its end); False if llama.cpp cannot."""
         removed = bool(llama_cpp.llama_memory_seq_rm(self._memory, seq, start, end))
-        if removed and seq == 0:
-            del self._tokens[start : None if end < 0 else end]
+        if removed and seq in self._held:
+            del self._held[seq][start : None if end < 0 else end]
         return removed
 
-    def copy(self, source: int, target: int, start: int = 0, end: int = -1) -> None:
-        """Share positions [start, end) of sequence `source` with `target` (no copy of the data)."""
-        llama_cpp.llama_memory_seq_cp(self._memory, source, target, start, end)
+    def copy(self, source: int, target: int) -> None:
+        """Give `target` (empty) what sequence `source` holds, whole: llama.cpp copies between the sequences of
+        a non-unified cache no other way."""
+        llama_cpp.llama_memory_seq_cp(self._memory, source, target, 0, -1)
+        self._held[target] = list(self._held.get(source, ()))
 
     def cut(self, start: int, end: int) -> bool:
         """Drop positions [start, end) of sequence 0 and move the later ones back by end - start (a context
@@ -82,15 +96,16 @@ class KVCache:
         del self._tokens[start:end]
         return True
 
-    def keep_prefix(self, prompt: Sequence[int]) -> int:
-        """Keep the longest cached prefix of `prompt` (at most all but its last token: its logits are needed)
-        and drop the rest; returns how many tokens are kept."""
-        keep = self.shared_prefix(prompt[: len(prompt) - 1])
+    def keep_prefix(self, prompt: Sequence[int], seq: int = 0) -> int:
+        """Keep the longest prefix of `prompt` sequence `seq` holds (at most all but its last token: its logits
+        are needed) and drop the rest; returns how many tokens are kept."""
+        keep = self.shared_prefix(prompt[: len(prompt) - 1], seq)
         # A sliding-window cache may lack the positions the next token must see (llama-server's check).
-        if keep and llama_cpp.llama_memory_seq_pos_min(self._memory, 0) > max(0, keep - max(1, self.n_swa)):
+        if keep and llama_cpp.llama_memory_seq_pos_min(self._memory, seq) > max(0, keep - max(1, self.n_swa)):
             keep = 0
-        if keep < len(self._tokens) and not self.remove(0, keep, -1):
-            self.clear()
+        if keep < self.n_held(seq) and not self.remove(seq, keep, -1):
+            self.remove(seq)  # whole: always possible
+            self._held[seq] = []
             keep = 0
         return keep
 
@@ -117,13 +132,13 @@ class KVCache:
 
         The caller checks the bytes first: llama.cpp detects a damaged header but not damaged values."""
         self.remove(0)
-        self._tokens.clear()
+        self._held[0] = []
         if len(tokens) > self.n_ctx:
             return False
         if not self.load_state(0, payload) or llama_cpp.llama_memory_seq_pos_max(self._memory, 0) + 1 != len(tokens):
             self.remove(0)
             return False
-        self._tokens = list(tokens)
+        self._held[0] = list(tokens)
         return True
 
     def checkpoint_here(self) -> bool:

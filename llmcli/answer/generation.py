@@ -1,7 +1,8 @@
 """What one answer may be (GenerationOptions) and the one rule for when it ends (Answer).
 
-Both decode loops, `Engine.generate` (one sequence) and `parallel.run_batch` (many), feed every
-sampled token to an `Answer`, which assembles the text and decides the finish reason.
+The scheduler (llmcli/decode/scheduler.py) feeds every sampled token of every slot to its `Answer`, which
+turns it into events (the answer's text and its reasoning, apart), decides the finish reason, and makes the
+`Done` that carries the whole answer. Pure: no llama.cpp here.
 """
 
 from __future__ import annotations
@@ -9,12 +10,15 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from llmcli.inference.grammar import Constraint
-from llmcli.inference.reasoning import ReasoningSplitter
-from llmcli.inference.sampling import SamplingConfig
-from llmcli.inference.speculative import Speculation
-from llmcli.inference.streaming import AnswerText
+from llmcli.answer.answer_text import AnswerText
+from llmcli.answer.constraint import Constraint
+from llmcli.answer.events import Done, Token
+from llmcli.answer.reasoning import ReasoningSplitter
+from llmcli.answer.sampling_config import SamplingConfig
+from llmcli.answer.stats import Stats
 from llmcli.settings import default
+
+SPECULATE_MODES = ("auto", "lookup", "draft", "off")
 
 
 @dataclass(frozen=True)
@@ -24,7 +28,8 @@ class GenerationOptions:
     stops: tuple[str, ...] = ()
     constraint: Constraint = field(default_factory=Constraint)  # what the finished answer must be
     repetition_guard: bool = default("repetition_guard")  # stop an answer caught in a loop
-    speculation: Speculation = field(default_factory=Speculation)  # several tokens a pass when a draft is right
+    speculate: str = "off"  # auto, lookup, draft or off: several tokens a pass when a draft is right
+    max_draft: int = 16  # tokens a draft may have
     reasoning: bool = True  # tell a leading <think> block apart from the answer (False: all of it is the answer)
     thinking_open: bool = False  # the prompt opened a think block: the output starts inside it
 
@@ -35,7 +40,7 @@ LOOP_SPAN, LOOP_REPEATS, LOOP_PERIOD, LOOP_EVERY = 64, 3, 128, 8
 
 
 class Answer:
-    """Sampled tokens in, printable text out; `finish` is set once the answer is over:
+    """Sampled tokens in, events out; `finish` is set once the answer is over:
 
     `stop` (end of generation), `stop_sequence`, `length` (-n reached), `context_full`
     (the token just sampled has no cell left in the context to be decoded in) or `repetition`
@@ -50,24 +55,17 @@ class Answer:
         self.n_out = 0  # tokens of the answer (an end-of-generation token is not counted)
         self.finish: str | None = None
         self.constraint = options.constraint
-        self.parts: list[str] = []  # the text returned so far (`content`)
+        self.parts: list[str] = []  # the answer's text so far
         self.thought: list[str] = []  # the reasoning so far
-        self.thinking = ""  # the reasoning the last `add` or `close` completed (its text is not returned)
         self.tokens: list[int] | None = [] if options.repetition_guard else None
 
-    def add(self, token: int, end_of_generation: bool, piece: bytes) -> str:
-        """One sampled token (its id, and its bytes); returns the text now safe to print."""
+    def add(self, token: int, end_of_generation: bool, piece: bytes) -> tuple[Token, ...]:
+        """One sampled token (its id, and its bytes): the text it completes, as events (none while held back)."""
         if end_of_generation:
             self.finish = "stop"
-            return ""
+            return ()
         self.n_out += 1
-        stream = self.stream
-        text = stream.feed(piece)
-        self.thinking = stream.reasoning
-        if self.thinking:
-            self.thought.append(self.thinking)
-            stream.reasoning = ""  # taken: a later piece of pure answer must not bring it again
-        self.parts.append(text)
+        events = self._events(self.stream.feed(piece))
         tokens = self.tokens
         if tokens is not None:
             tokens.append(token)
@@ -79,36 +77,44 @@ class Answer:
             self.finish = "context_full"
         elif tokens is not None and self.n_out % LOOP_EVERY == 0 and looping(tokens):
             self.finish = "repetition"
-        return text
+        return events
 
-    def close(self) -> str:
+    def close(self) -> tuple[Token, ...]:
         """No more tokens: release what was held back (a stop sequence completing now ends it there)."""
-        text = self.stream.finish()
-        self.thinking = self.stream.reasoning
-        if self.thinking:
-            self.thought.append(self.thinking)
-        self.parts.append(text)
+        events = self._events(self.stream.finish())
         if self.stream.stop is not None:
             self.finish = "stop_sequence"
-        return text
+        return events
+
+    def _events(self, text: str) -> tuple[Token, ...]:
+        reasoning, stream = self.stream.reasoning, self.stream
+        if not reasoning:
+            if not text:
+                return ()
+            self.parts.append(text)
+            return (Token(text),)
+        stream.reasoning = ""  # taken: a later piece of pure answer must not bring it again
+        self.thought.append(reasoning)
+        if not text:
+            return (Token(reasoning, reasoning=True),)
+        self.parts.append(text)
+        return Token(reasoning, reasoning=True), Token(text)
+
+    def done(self, finish: str, stats: Stats) -> Done:
+        """The Done of this answer: why it ended (its own finish rule first, else `finish`), and the answer."""
+        reason = self.finish or finish
+        return Done(reason, stats, self.stream.stop, self.constraint.problem(self.content, reason), self.content,
+                    self.reasoning)
 
     @property
     def content(self) -> str:
-        """The text of the answer returned so far."""
+        """The text of the answer so far."""
         return "".join(self.parts)
 
     @property
     def reasoning(self) -> str | None:
         """The model's reasoning (its think block), or None when it wrote none."""
         return "".join(self.thought).strip() or None
-
-    def format_error(self, finish_reason: str) -> str | None:
-        """Why the whole answer is not what --format json or --json-schema asked for, or None."""
-        return self.constraint.problem(self.content, finish_reason)
-
-    @property
-    def stop_sequence(self) -> str | None:
-        return self.stream.stop
 
 
 def looping(tokens: list[int]) -> bool:

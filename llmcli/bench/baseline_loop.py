@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import llama_cpp
 
+from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.errors import LlmcliError
-from llmcli.inference.engine import Engine
-from llmcli.inference.sampling import SamplingConfig
+from llmcli.llama.engine import Engine
 
 
 class RawLoop:

@@ -1,12 +1,13 @@
-"""Load, prefill, decode, stop: the pipeline's steps 3-6 on llama.cpp.
+"""One model and one context on llama.cpp: load, evaluate, sample — the only caller of `llama_decode`.
 
 Inference talks to llama.cpp through llama-cpp-python's C API, not its high-level `Llama`
 class: that one copies the logits into numpy for every token and costs ~14% of decode speed
-on a small model. `Engine.generate` never prints: it yields `Token` events and one final `Done`.
+on a small model. The engine offers decode passes; the loop that drives them, for run, --batch
+and serve alike, is the scheduler's (llmcli/decode/scheduler.py).
 
-The public API, for the decode loops in this package and the features built on them:
-vocabulary (`engine.vocab`), the KV cache (`engine.kv`: keep, share, cut and shift, save and
-restore sequences), `prefill`, `decode` of a `Batch`, a `sampler` for a SamplingConfig, and `generate`.
+The public API: vocabulary (`engine.vocab`), the KV cache (`engine.kv`: keep, share, cut and shift,
+save and restore sequences), `decode` of a `Batch` (any sequences), `prefill` and `evaluate` of
+sequence 0 (a draft model, the bench), a `sampler` for a SamplingConfig, `greedy_token`, `embedding`.
 """
 
 from __future__ import annotations
@@ -21,20 +22,16 @@ from typing import Any
 
 import llama_cpp
 
+from llmcli.answer.sampling_config import SamplingConfig
+from llmcli.core_share import CoreShare
+from llmcli.cpu_topology import physical_cores
 from llmcli.errors import IntegrityError, LlmcliError, ResourceError
-from llmcli.inference.backend import llama_backend
-from llmcli.inference.batch import Batch
-from llmcli.inference.events import Done, Token
-from llmcli.inference.generation import Answer, GenerationOptions
-from llmcli.inference.kv_cache import KVCache
-from llmcli.inference.sampler import Sampler
-from llmcli.inference.sampling import SamplingConfig
-from llmcli.inference.sharing import CoreShare
-from llmcli.inference.speculative import Decoder
-from llmcli.inference.stats import Stats
-from llmcli.inference.system import physical_cores
-from llmcli.inference.vocab import Vocabulary
 from llmcli.interrupt import Cancellation
+from llmcli.llama.batch import Batch
+from llmcli.llama.kv_cache import KVCache
+from llmcli.llama.llama_log import llama_backend
+from llmcli.llama.sampler_chain import Sampler
+from llmcli.llama.vocab import Vocabulary
 from llmcli.settings import default
 from llmcli.store.gguf_header import GGUFHeader, read_header
 
@@ -126,6 +123,7 @@ class Engine:
         self._abort = llama_cpp.ggml_abort_callback(lambda _: bool(self.cancel))  # referenced while installed
         self._one = (llama_cpp.llama_token * 1)()  # the token of a 1-token pass
         self._batch: Batch | None = None  # a pass of several tokens (a draft to verify)
+        self._greedy: Any = None  # a greedy sampler, made on first use (a draft model drafts with it)
         self.load_s = time.perf_counter() - started
 
     def _create_context(self, n_cells: int, n_seq_max: int, unified: bool) -> None:
@@ -167,6 +165,9 @@ class Engine:
         if batch is not None:
             batch.close()
             self._batch = None
+        if getattr(self, "_greedy", None) is not None:
+            llama_cpp.llama_sampler_free(self._greedy)
+            self._greedy = None
         if getattr(self, "_ctx", None):
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
@@ -182,7 +183,7 @@ class Engine:
 
     @property
     def llama_context(self) -> Any:
-        """The llama_context pointer, for the loops in llmcli.inference that call llama.cpp directly."""
+        """The llama_context pointer, for a sampler chain that samples from its logits."""
         return self._ctx
 
     def kv_signature(self) -> dict[str, Any]:
@@ -264,15 +265,44 @@ class Engine:
             llama_cpp.llama_set_abort_callback(self._ctx, llama_cpp.ggml_abort_callback(), None)
         return True
 
-    def decode(self, batch: Batch, what: str = "decoding a batch") -> bool:
-        """Evaluate a batch of any sequences (their positions are the caller's to track); False when the KV cache
-        has no room for it (nothing was evaluated then)."""
-        rc = llama_cpp.llama_decode(self._ctx, batch.raw)
+    def decode(self, batch: Batch, what: str = "decoding a batch", abortable: bool = False) -> str:
+        """Evaluate a batch of any sequences (their positions and tokens are the caller's to track): `ok`; `full`
+        when the KV cache has no room for it (nothing was evaluated then); `aborted` when Ctrl-C stopped it
+        (`abortable`: at once, inside the pass — a prompt chunk; what llama.cpp had stored stays)."""
+        if abortable:
+            llama_cpp.llama_set_abort_callback(self._ctx, self._abort, None)
+        try:
+            rc = llama_cpp.llama_decode(self._ctx, batch.raw)
+        finally:
+            if abortable:  # the callback runs once per graph node: too costly to leave on for token passes
+                llama_cpp.llama_set_abort_callback(self._ctx, llama_cpp.ggml_abort_callback(), None)
+        if rc == 0:
+            return "ok"
         if rc == 1:
-            return False
+            return "full"
+        if rc == 2 and self.cancel:
+            return "aborted"
+        raise self._decode_error(rc, what)
+
+    def greedy_token(self) -> int:
+        """The most likely next token after the last pass of sequence 0 (a draft model's guess)."""
+        if self._greedy is None:
+            self._greedy = llama_cpp.llama_sampler_init_greedy()
+        return int(llama_cpp.llama_sampler_sample(self._greedy, self._ctx, -1))
+
+    def embed(self, batch: Batch) -> None:
+        """Evaluate a batch of whole texts in embedding mode (an encoder-only model encodes it)."""
+        model = llama_cpp.llama_get_model(self._ctx)
+        encoder_only = bool(llama_cpp.llama_model_has_encoder(model)) and not llama_cpp.llama_model_has_decoder(model)
+        rc = llama_cpp.llama_encode(self._ctx, batch.raw) if encoder_only else llama_cpp.llama_decode(self._ctx, batch.raw)
         if rc != 0:
-            raise self._decode_error(rc, what)
-        return True
+            self.kv.clear()
+            raise LlmcliError(f"llama.cpp failed to embed a batch (code {rc})")
+
+    def embedding(self, seq: int, n_embd: int) -> list[float] | None:
+        """The pooled embedding of sequence `seq` after the last `embed` pass, or None (the model cannot pool)."""
+        pointer = llama_cpp.llama_get_embeddings_seq(self._ctx, seq)
+        return None if not pointer else list(pointer[:n_embd])
 
     def evaluate(self, tokens: Sequence[int], all_logits: bool = False) -> None:
         """Append `tokens` to sequence 0 in one pass: logits for the last one, or for each (a draft to verify)."""
@@ -305,93 +335,3 @@ class Engine:
         if rc == 1:
             return ResourceError(f"the KV cache is full while {what} ({self.n_ctx} tokens)", hint="Use a larger --ctx-size.")
         return LlmcliError(f"llama.cpp failed while {what} (code {rc}): {llama_backend().take_error() or 'no reason given'}")
-
-    # -- generation -------------------------------------------------------
-
-    def generate(
-        self,
-        prompt: Sequence[int],
-        options: GenerationOptions,
-        seed: int,
-        started: float | None = None,
-        prompt_s: float = 0.0,
-        load_s: float = 0.0,
-        split_at: int | None = None,
-    ) -> Iterator[Token | Done]:
-        """Prefill `prompt` (reusing the cached prefix), then sample until the answer ends; yield it.
-
-        `started` is the perf_counter() of the request, so TTFT counts template and tokenization.
-        `split_at`: a batch of the prefill ends there (where a saved state ends or will end).
-        """
-        started = time.perf_counter() if started is None else started
-        self.check_budget(len(prompt), options.max_tokens)
-        with self.sampler(options.sampling, seed) as sampler, self.sharing_cores():
-            cached = self.kv.keep_prefix(prompt)
-            prefill_started = time.perf_counter()
-            self.kv.checkpoint = None
-            if split_at is not None and cached < split_at < len(prompt):
-                if self.prefill(prompt[:split_at], cached):
-                    if not self.kv.checkpoint_here():  # llama.cpp refused its own state: evaluate it again
-                        self.prefill(prompt[:split_at], 0)
-                    self.prefill(prompt, split_at)
-            else:
-                self.prefill(prompt, cached)
-            prefill_s = time.perf_counter() - prefill_started
-            prefilled = max(0, self.kv.n_cached - cached)
-
-            answer = Answer(options, len(prompt), self.n_ctx)
-            limit = min(self.n_ctx, len(prompt) + (options.max_tokens or self.n_ctx))
-            decoder = Decoder(self, sampler, prompt, options.speculation, limit)
-            is_eog, vocab, piece = llama_cpp.llama_vocab_is_eog, self.vocab.handle, self.vocab.piece
-            steps = 0
-            first = last = ttft = 0.0
-            share = self._share
-            tokens = decoder.tokens()
-            try:
-                for token in tokens if not self.cancel else ():  # Ctrl-C during the prefill: no logits to sample
-                    last = time.perf_counter()
-                    if share is not None and last >= share.due:
-                        self.adapt_threads(last)
-                    if first:
-                        steps += 1
-                    else:
-                        first = last
-                    text = answer.add(token, is_eog(vocab, token), piece(token))
-                    if answer.thinking:
-                        ttft = ttft or time.perf_counter() - started
-                        yield Token(answer.thinking, reasoning=True)
-                    if text:
-                        ttft = ttft or time.perf_counter() - started
-                        yield Token(text)
-                    if answer.finish is not None or self.cancel:
-                        break
-            finally:
-                tokens.close()  # an answer that ended inside a draft: the rest of the draft leaves the cache
-
-            text = answer.close()
-            if answer.thinking:
-                yield Token(answer.thinking, reasoning=True)
-            if text:
-                ttft = ttft or time.perf_counter() - started
-                yield Token(text)
-            done = time.perf_counter()
-            stats = Stats(
-                load_s=load_s,
-                prompt_s=prompt_s,
-                prompt_tokens=len(prompt),
-                cached_tokens=cached,
-                prefill_tokens=prefilled,
-                prefill_s=prefill_s,
-                ttft_s=ttft or ((first or done) - started),
-                completion_tokens=answer.n_out,
-                decode_steps=steps,
-                decode_s=last - first if steps else 0.0,
-                total_s=done - started,
-                seed=None if options.sampling.greedy else seed,
-                threads=self.n_threads,
-                draft_tokens=decoder.drafted,
-                accepted_tokens=decoder.accepted,
-            )
-            finish = answer.finish or "interrupted"
-            yield Done(finish, stats, answer.stop_sequence, answer.format_error(finish))
-

@@ -1,5 +1,5 @@
 """The input and output of `--batch`: one prompt per line (or JSONL objects with a `prompt` field) in, one
-record per prompt out, in input order."""
+record per prompt out, in input order; and the summary of the whole batch (local or --endpoint)."""
 
 from __future__ import annotations
 
@@ -59,3 +59,28 @@ def in_order(write: Callable[[Record], None]) -> Callable[[int, Record], None]:
             next_index[0] += 1
 
     return accept
+
+
+@dataclass
+class Summary:
+    prompts: int = 0
+    errors: int = 0  # lines that could not be answered (empty, malformed, too long)
+    not_started: int = 0  # prompts an interrupt left unanswered
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    wall_s: float = 0.0
+    decode_steps_s: float = 0.0  # time in steps that only decoded (no prompt chunk)
+    decode_step_tokens: int = 0  # tokens sampled in those steps
+    interrupted: bool = False
+    parallel: int = 1  # sequences decoded (or requests sent) together
+    where: str | None = None  # the server that answered (--endpoint), else None
+    shared_prefix_tokens: int = 0  # the prefix every prompt shares, evaluated once
+    prefill_tokens: int = 0  # prompt tokens evaluated (the shared prefix once, then each prompt's rest)
+    grown: int = 0  # times the KV cache was made larger for a long answer
+    draft_tokens: int = 0  # speculative decoding: tokens drafted and verified, over all answers
+    accepted_tokens: int = 0
+
+    @property
+    def decode_tps(self) -> float:
+        """Aggregate decode rate: tokens per second over all slots, in steps without prefill."""
+        return self.decode_step_tokens / self.decode_steps_s if self.decode_steps_s > 0 else 0.0

@@ -8,12 +8,36 @@ in range, as llama.cpp's own converter writes them (the patterns are this module
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 from llama_cpp import llama_grammar
 
+from llmcli.answer.constraint import Constraint
+from llmcli.errors import UsageError
+
 DIGIT = "[0-9]"
+
+
+def with_grammar(constraint: Constraint) -> Constraint:
+    """The constraint with the grammar that enforces it while generating: JSON's for --format json, the schema's
+    for --json-schema (a --grammar already is one)."""
+    if constraint.grammar is not None or not constraint.json:
+        return constraint
+    if constraint.schema is None:
+        return dataclasses.replace(constraint, grammar=llama_grammar.JSON_GBNF)
+    try:
+        gbnf_text = schema_to_gbnf(dict(constraint.schema))
+    except Exception as exc:  # the converter raises plain exceptions on schemas it cannot express
+        raise UsageError(f"--json-schema cannot be turned into a grammar: {exc}") from None
+    # llama-cpp-python's converter lets raw control characters (a newline) into strings, which
+    # is not JSON; llama.cpp's own converter excludes them. Exclude them here too.
+    return dataclasses.replace(constraint, grammar=gbnf_text.replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR))
+
+
+_LOOSE_JSON_CHAR = r'char ::= [^"\\] |'
+_STRICT_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
 
 
 def schema_to_gbnf(schema: dict[str, Any]) -> str:

@@ -21,30 +21,29 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from llmcli.inference.kv_cache import KVCache
-from llmcli.inference.sampler import Sampler
-from llmcli.inference.vocab import Vocabulary
+from llmcli.llama.kv_cache import KVCache
+from llmcli.llama.vocab import Vocabulary
 
 
 class Engine(Protocol):
-    """What decoding needs of an `llmcli.inference.engine.Engine` (which uses this module)."""
+    """What a draft model needs of an `llmcli.llama.engine.Engine`."""
 
     kv: KVCache
     vocab: Vocabulary
     n_ctx: int
 
-    @property
-    def llama_context(self) -> Any: ...
-
     def evaluate(self, tokens: Sequence[int], all_logits: bool = False) -> None: ...
 
     def prefill(self, prompt: Sequence[int], start: int = 0) -> bool: ...
 
+    def greedy_token(self) -> int: ...
+
     def close(self) -> None: ...
+
 
 MODES = ("auto", "lookup", "draft", "off")
 NGRAM_SIZES = (12, 8, 5, 3, 2)  # how long a match is counted as (longest first): a long one is seldom the wrong place
@@ -142,9 +141,10 @@ class CostModel:
         return (1 + self.extra_tokens(k, source)) * one / (self.seconds(k + 1) + self.draft_s * k)
 
     def step_gain(self, n_tokens: int, n_out: float, k: int, source: int) -> float:
-        """The same for a pass of several sequences (`--batch`): n_tokens in the pass giving n_out tokens, and
-        k more drafted for one sequence."""
-        with_draft = (n_out + self.extra_tokens(k, source)) / self.seconds(n_tokens + k)
+        """The same for a step of several sequences (`--batch`, serve): n_tokens in the pass giving n_out tokens,
+        and k more drafted for one sequence (a draft model's own time included)."""
+        drafting = self.draft_s * k if source == 0 else 0.0
+        with_draft = (n_out + self.extra_tokens(k, source)) / (self.seconds(n_tokens + k) + drafting)
         return with_draft / (n_out / self.seconds(n_tokens))
 
     def prior_cost(self, n_tokens: int) -> float:
@@ -210,11 +210,9 @@ class CostModel:
 
 @dataclass
 class Speculation:
-    """How to decode: `mode` (auto, lookup, draft, off), at most `max_draft` tokens a pass, the draft model
-    if any; one cost model shared by the answers of a session (a chat learns across turns)."""
+    """What drafting needs beyond an answer's options (its `speculate` mode and `max_draft`): the draft model if
+    any, and one cost model shared by every answer of a scheduler (a chat learns across turns)."""
 
-    mode: str = "off"
-    max_draft: int = 16
     draft_model: DraftModel | None = None
     cost: CostModel = field(default_factory=CostModel)
 
@@ -239,17 +237,13 @@ class DraftModel:
 
     def draft(self, tokens: Sequence[int], k: int) -> list[int]:
         """k tokens the draft model would write after `tokens` (greedy), its cache kept in step with them."""
-        import llama_cpp
-
         engine = self.engine
         if len(tokens) + k >= engine.n_ctx:
             return []
-        if self._chain is None:
-            self._chain = llama_cpp.llama_sampler_init_greedy()
         engine.prefill(tokens, engine.kv.keep_prefix(tokens))
         drafted: list[int] = []
         while True:
-            token = int(llama_cpp.llama_sampler_sample(self._chain, engine.llama_context, -1))
+            token = engine.greedy_token()
             if engine.vocab.is_end_of_generation(token):
                 return drafted
             drafted.append(token)
@@ -258,138 +252,97 @@ class DraftModel:
             engine.evaluate([token])
 
     def close(self) -> None:
-        import llama_cpp
-
-        if self._chain is not None:
-            llama_cpp.llama_sampler_free(self._chain)
-            self._chain = None
         self.engine.close()
 
 
-class Decoder:
-    """The tokens of one answer after the prompt: the first from the prefill's logits, then one a pass, or
-    several when a verified draft is right. Closing it early (the answer ended inside a draft) drops the
-    unused part of the draft from the KV cache."""
+class Drafter:
+    """One answer's drafting: where its drafts come from (prompt lookup over the prompt and the answer so far,
+    or the draft model over the same tokens), its mode, and what its drafts have saved or lost so far."""
 
-    def __init__(self, engine: Engine, sampler: Sampler, prompt: Sequence[int], speculation: Speculation,
-                 limit: int):
-        self.engine, self.sampler, self.speculation = engine, sampler, speculation
-        self.limit = limit  # the answer cannot reach past this position (context, or prompt + -n)
-        self.mode = speculation.mode if speculation.mode != "draft" or speculation.draft_model else "lookup"
-        if self.mode == "auto" and speculation.draft_model is not None:
-            self.mode = "auto-draft"
-        # Prompt and answer so far, the pending token included: what a draft continues.
-        self.lookup = LookupDrafter(prompt) if self.mode in ("auto", "lookup") else None
-        self.history = list(prompt) if speculation.draft_model is not None else None
-        self.drafted = self.accepted = self.passes = 0
-        self._since_draft = 0
-        self._plain = 0  # plain passes so far
-        self._spent_s = 0.0  # in draft passes so far
-        # What each source's drafts saved (lost, when negative) against 1-token passes for the same tokens.
-        self._saved_s: dict[int, float] = {}
-        self._probing = False
+    def __init__(self, mode: str, prompt: Sequence[int], model: DraftModel | None):
+        self.forced = mode in ("lookup", "draft")  # auto drafts only when it pays
+        self.model = model if mode in ("auto", "draft") else None
+        self.lookup = LookupDrafter(prompt) if self.model is None else None
+        self.history = list(prompt) if self.model is not None else None
+        self.since_draft = 0  # steps since this answer last drafted
+        self.spent_s = 0.0  # its share of the decode steps so far
+        self.saved_s: dict[int, float] = {}  # source -> what its drafts saved (lost, when negative) against plain steps
+        self.probing = False
 
-    def tokens(self) -> Generator[int, None, None]:
-        engine, sampler, cost = self.engine, self.sampler, self.speculation.cost
-        token = sampler.sample(-1)
-        yield token
-        if self.mode == "off":  # plain decoding: the per-token loop does nothing else
-            while True:
-                engine.evaluate([token])
-                self.passes += 1
-                token = sampler.sample(-1)
-                yield token
-        self._appended(token)
-        while True:
-            draft, source = self._draft()
-            started = time.perf_counter()
-            if not draft:
-                engine.evaluate([token])
-                if not self.passes & 7:  # one plain pass in 8 keeps the 1-token time current
-                    cost.observe_pass(1, time.perf_counter() - started)
-                self._plain += 1
-                self.passes += 1
-                token = sampler.sample(-1)
-                self._appended(token)
-                yield token
-                continue
-            base = engine.kv.n_cached
-            batch = [token, *draft]
-            engine.evaluate(batch, all_logits=True)
-            elapsed = time.perf_counter() - started
-            cost.observe_pass(len(batch), elapsed)
-            self.passes += 1
-            self.drafted += len(draft)
-            accepted = len(draft)
-            for i in range(len(batch)):
-                sampled = sampler.sample(i)
-                self._appended(sampled)
-                try:
-                    yield sampled
-                except GeneratorExit:  # the answer ended here: what follows batch[i] leaves the cache
-                    engine.kv.remove(0, base + i + 1, -1)
-                    self.accepted += i
-                    raise
-                if i < len(draft) and sampled == draft[i]:
-                    continue
-                engine.kv.remove(0, base + i + 1, -1)  # rejected: draft[i:] leaves the cache
-                accepted = i
-                break
-            self.accepted += accepted
-            cost.observe_acceptance(source, len(draft), accepted)
-            self._account(source, elapsed, accepted + 1, accepted == len(draft))
-            token = sampled
+    @staticmethod
+    def for_mode(mode: str, prompt: Sequence[int], model: DraftModel | None) -> Drafter | None:
+        """The drafter of an answer decoded with `mode` (None: off)."""
+        return None if mode not in MODES or mode == "off" else Drafter(mode, prompt, model)
 
-    def _account(self, source: int, elapsed: float, tokens: int, all_right: bool) -> None:
-        """What a draft pass saved or lost against plain decoding of the same tokens; a probe that was right all
-        the way lets auto draft again."""
-        one = self.speculation.cost.one_pass_s or elapsed
-        self._spent_s += elapsed
-        saved = self._saved_s.get(source, 0.0) + tokens * one - elapsed
-        self._saved_s[source] = max(saved, 0.0) if self._probing and all_right else saved
-        self._probing = False
-
-    def _appended(self, token: int) -> None:
+    def appended(self, token: int) -> None:
         if self.lookup is not None:
             self.lookup.append(token)
-        if self.history is not None:
+        elif self.history is not None:
             self.history.append(token)
 
-    def _draft(self) -> tuple[list[int], int]:
-        """The draft to verify with the pending token and its source, or ([], 0) for a plain pass."""
-        speculation, cost = self.speculation, self.speculation.cost
-        available = min(speculation.max_draft, self.limit - self.engine.kv.n_cached - 2)
-        if available < 1 or cost.one_pass_s is None:  # the first pass is plain: it measures a 1-token pass
-            return [], 0
-        self._since_draft += 1
-        if self.lookup is not None:
-            candidate, source = self.lookup.draft(available)
-            k = self._choose(len(candidate), source) if candidate else 0
-            return candidate[:k], source
-        model = speculation.draft_model
-        k = self._choose(available, 0)
-        if model is None or self.history is None or k == 0:
-            return [], 0
-        started = time.perf_counter()
-        draft = model.draft(self.history, k)
-        cost.observe_draft_cost(len(draft), time.perf_counter() - started)
-        return draft, 0
+    def account(self, source: int, share_s: float, plain_s: float, tokens: int, drafted: bool, all_right: bool) -> None:
+        """A step's outcome for this answer: its share of the step's time, and what `tokens` would have cost in
+        plain steps; a probe that was right all the way lets auto draft again."""
+        self.spent_s += share_s
+        if not drafted:
+            return
+        saved = self.saved_s.get(source, 0.0) + tokens * plain_s - share_s
+        self.saved_s[source] = max(saved, 0.0) if self.probing and all_right else saved
+        self.probing = False
 
-    def _choose(self, available: int, source: int) -> int:
-        """How many tokens to draft: the cost model's best. Auto drafts only when that pays and the drafts of this
-        source (an n-gram size, or the draft model) have not lost more than LOSS_BUDGET of the answer's time so
-        far; now and then one token anyway after a long match (a probe), to notice when it would pay again."""
-        cost = self.speculation.cost
-        if self.mode in ("lookup", "draft"):
-            return max(cost.best_k(available, source)[0], 1)
-        # A slow start: a source's first drafts are short (1, 2, 4, ... tokens), so a wrong prior costs little.
-        k, gain = cost.best_k(min(available, 2 ** cost.verified.get(source, 0)), source)
-        spent = self._spent_s + self._plain * (cost.one_pass_s or 0.0)
-        if gain >= MIN_GAIN and self._saved_s.get(source, 0.0) >= -LOSS_BUDGET * spent:
-            self._since_draft = 0
-            return k
-        if self._since_draft >= PROBE_EVERY and (source >= PROBE_FROM or source == 0):
-            self._since_draft = 0
-            self._probing = True
-            return min(PROBE_K, available)
-        return 0
+
+@dataclass(frozen=True)
+class Candidate:
+    """A decoding sequence that could draft this step: its drafter and the room its draft has."""
+
+    seq: int
+    drafter: Drafter
+    room: int
+
+
+def choose_drafts(candidates: Sequence[Candidate], n_decoding: int, capacity: int,
+                  speculation: Speculation) -> dict[int, tuple[list[int], int]]:
+    """The drafts of one step (sequence -> draft, source), strongest matches first, each as long as the cost model
+    expects the step to give more tokens a second with it; `lookup` and `draft` always draft. Auto starts a source
+    slowly (its first drafts are 1, 2, 4, ... tokens), stops a source whose drafts have lost LOSS_BUDGET of the
+    answer's time, and probes with one token now and then after a long match. One sequence decoding alone is the
+    case n_decoding = 1; the step never holds more than `capacity` tokens."""
+    cost = speculation.cost
+    found = []
+    for candidate in candidates:
+        drafter = candidate.drafter
+        drafter.since_draft += 1
+        if drafter.lookup is not None:
+            tokens, source = drafter.lookup.draft(candidate.room)
+            if tokens:
+                found.append((source, candidate, tokens))
+        elif drafter.model is not None:
+            found.append((0, candidate, []))
+    if not found or (n_decoding not in cost.pass_s and not any(c.drafter.forced for _, c, _ in found)):
+        return {}  # a plain step of this size first: it is timed
+    drafts: dict[int, tuple[list[int], int]] = {}
+    n_tokens, n_out = n_decoding, float(n_decoding)
+    for source, candidate, tokens in sorted(found, key=lambda f: -f[0]):
+        drafter = candidate.drafter
+        available = min(len(tokens) if tokens else candidate.room, capacity - n_tokens)
+        if available < 1:
+            continue
+        if drafter.forced:
+            k = max(cost.best_step_k(n_tokens, n_out, available, source)[0], 1)
+        else:
+            k, gain = cost.best_step_k(n_tokens, n_out, min(available, 2 ** cost.verified.get(source, 0)), source)
+            if not (gain >= MIN_GAIN and drafter.saved_s.get(source, 0.0) >= -LOSS_BUDGET * drafter.spent_s):
+                if drafter.since_draft < PROBE_EVERY or not (source >= PROBE_FROM or source == 0):
+                    continue
+                k, drafter.probing = min(PROBE_K, available), True
+        drafter.since_draft = 0
+        if drafter.model is not None and drafter.history is not None:
+            started = time.perf_counter()
+            tokens = drafter.model.draft(drafter.history, k)
+            cost.observe_draft_cost(len(tokens), time.perf_counter() - started)
+        draft = tokens[:k]
+        if draft:
+            drafts[candidate.seq] = (draft, source)
+            n_tokens += len(draft)
+            n_out += cost.extra_tokens(len(draft), source)
+    return drafts

@@ -22,9 +22,9 @@ from typing import Any
 
 import llama_cpp
 
+from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.errors import UsageError
-from llmcli.inference.backend import llama_backend, stderr_captured
-from llmcli.inference.sampling import SamplingConfig
+from llmcli.llama.llama_log import llama_backend, stderr_captured
 
 # Where a DRY repeat may not continue across (llama.cpp's defaults): a new line, a colon, a quote, an asterisk.
 DRY_BREAKERS = ("\n", ":", '"', "*")

@@ -1,0 +1,121 @@
+"""The one interface every model answers through — a local model (llmcli/chat/session.py) and a server
+(--endpoint, llmcli/remote/session.py) alike — and the prompt options both read. As `llm`'s
+`Model.execute()` is one contract for every model, `run`, `chat` and `--batch` never ask which one they have:
+what a server cannot tell (its context, its template, its KV cache) is `None` here, and said so to the user.
+
+Imports no llama.cpp: `--endpoint` loads none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from llmcli.answer.batch_jsonl import BatchItem, Record, Summary
+from llmcli.answer.events import Done, Notice, Token
+from llmcli.answer.generation import GenerationOptions
+from llmcli.chat.chat_template import Message
+from llmcli.interrupt import Cancellation
+from llmcli.settings import default
+
+
+@dataclass(frozen=True)
+class PromptOptions:
+    system: str | None = None
+    raw: bool = False  # send the text as-is: no template (base models)
+    template_file: Path | None = None  # overrides the template stored in the model
+    on_overflow: str = default("on_overflow")  # or "truncate": drop the start of the message until it fits
+    think: bool | None = None  # --think / --no-think: passed to the template; None: its default
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    text: str
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class ContextInfo:
+    """What a local model can tell of its context (a server tells none of it)."""
+
+    n_ctx: int  # tokens one answer's prompt and answer may take
+    used: int  # tokens the conversation takes now: the system prompt and the history, rendered
+    cached: int  # tokens of the KV cache that hold the conversation (evaluated, reusable by the next turn)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A resumed conversation's KV state: the tokens restored, or why none were (None: nothing to say)."""
+
+    restored: int = 0
+    missing: str | None = None
+
+
+def with_system(system: str | None, messages: list[Message]) -> list[Message]:
+    """The messages a template renders: the system prompt first, when there is one and the messages bring none."""
+    if not system or (messages and messages[0].role == "system"):
+        return list(messages)
+    return [Message("system", system), *messages]
+
+
+ResultCallback = Callable[[int, Record], None]
+ProgressCallback = Callable[[int, int, float], None]
+
+
+class Answerer(Protocol):
+    """Asks a model: a conversation (`history`, `options`) and its answers as events; `--batch`; what it can tell."""
+
+    options: PromptOptions
+    history: list[Message]
+    notices: list[str]  # for the user, printed by the CLI
+
+    @property
+    def where(self) -> str:
+        """Where the model is: its file, or the server's URL."""
+        ...
+
+    @property
+    def template_source(self) -> str | None:
+        """The chat template's source (None: raw, or rendered by a server)."""
+        ...
+
+    def ask(self, user_text: str, options: GenerationOptions, stable_text: str | None = None) -> Iterator[Token | Done | Notice]:
+        """Answer `user_text` after the history; the exchange joins the history when the answer is done."""
+        ...
+
+    def render(self, user_text: str) -> RenderedPrompt:
+        """The exact prompt of this new message (a UsageError where a server renders it)."""
+        ...
+
+    def context(self) -> ContextInfo | None:
+        """The context and what the conversation takes of it; None where a server keeps it."""
+        ...
+
+    def fit(self, user_text: str, max_tokens: int | None) -> int:
+        """Drop the oldest exchanges until the prompt of `user_text` and room for the answer fit; how many."""
+        ...
+
+    def shift_for(self, user_text: str) -> bool | None:
+        """After `fit` dropped exchanges: move the KV cache instead of evaluating it again (None: nothing to do)."""
+        ...
+
+    def resume(self) -> Resumed:
+        """A resumed conversation: its KV state loaded now, before the next message."""
+        ...
+
+    def keep_state(self) -> None:
+        """The conversation ends: keep its KV state for `chat --resume` (where there is one to keep)."""
+        ...
+
+    def take_notices(self) -> list[str]:
+        ...
+
+    def batch(self, items: list[BatchItem], generation: GenerationOptions, parallel: int, cancel: Cancellation,
+              on_result: ResultCallback, on_progress: ProgressCallback | None = None) -> Summary:
+        """Every item answered, `parallel` at a time, each result as it finishes (any order)."""
+        ...
+
+    def close(self) -> None:
+        ...

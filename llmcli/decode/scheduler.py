@@ -1,0 +1,344 @@
+"""Step 5, the one answer loop: slots, and one `step()` that decodes them all.
+
+A slot is one answer in one sequence of the KV cache: its prompt, its sampler chain, its `Answer` (the finish
+rule and the text), its drafter and its clock. Each `step()` builds one batch — the pending token of every
+decoding slot and, when no slot is still prefilling, the drafts the cost model buys (speculative decoding), then
+prompt chunks of the slots still prefilling in the room left — decodes it in one `llama_decode`, samples each
+slot with its own chain (a draft is verified position by position: kept while the sampled token is the drafted
+one, the rest leaves the slot's cells), and returns what each answer gained as events. A slot whose answer is
+over gets its `Done` (its stats built in one place, `AnswerClock`) and frees its sequence.
+
+Its three clients differ only in where the prompts come from: `answer` (run, chat: one slot, sequence 0),
+llmcli/decode/batch_run.py (--batch: a finite queue, a shared prefix evaluated once and copied into each slot,
+cells grown when an answer outgrows them) and llmcli/decode/serving.py (serve: a thread-safe queue, each slot
+keeping its cells for the next request that shares their prefix). A prompt chunk can be stopped by Ctrl-C inside
+its pass; a full KV cache grows (when the cells are sized to the work) or ends the answers with context_full.
+
+Built on the engine's public API; it never prints.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmcli.answer.events import Done, Token
+from llmcli.answer.generation import Answer, GenerationOptions
+from llmcli.answer.stats import AnswerClock
+from llmcli.decode.speculative import Candidate, Drafter, Speculation, choose_drafts
+from llmcli.errors import LlmcliError
+from llmcli.llama.batch import Batch
+from llmcli.llama.engine import Engine
+from llmcli.llama.sampler_chain import Sampler
+
+Event = tuple["Slot", Token | Done]
+
+
+@dataclass(eq=False)
+class Slot:
+    """One answer being decoded in sequence `seq`."""
+
+    seq: int
+    prompt: list[int]
+    options: GenerationOptions
+    sampler: Sampler
+    answer: Answer
+    clock: AnswerClock
+    drafter: Drafter | None
+    cached: int  # leading prompt tokens the sequence held already (not evaluated for this answer)
+    prefilled: int  # prompt tokens in the sequence's cells now
+    split_at: int | None = None  # a prompt chunk ends here (where a saved state ends or will end)
+    tag: Any = None  # the client's own handle on this answer (a batch item, a server's job)
+    pending: int | None = None  # the token sampled last, still to be decoded
+    sampled: int = 0  # tokens sampled, an end-of-generation token included
+    draft_source: int = 0  # where this step's draft came from (an n-gram size; 0: the draft model)
+    drafted: int = 0
+    accepted: int = 0
+    finished: bool = False
+
+    @property
+    def pos(self) -> int:
+        """Position of the pending token: right after the prompt and the answer's tokens decoded so far."""
+        return self.prefilled + self.answer.n_out - 1
+
+
+@dataclass
+class StepTotals:
+    """What the steps did, over every answer (--batch's summary line, bench)."""
+
+    prefill_tokens: int = 0  # prompt tokens evaluated
+    decode_steps_s: float = 0.0  # time in steps that only decoded (no prompt chunk)
+    decode_step_tokens: int = 0  # tokens sampled in those steps
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    grown: int = 0  # times the KV cache was made larger for a long answer
+
+
+@dataclass
+class Scheduler:
+    """The slots of one engine and the loop that decodes them. `cells` is what each sequence may use (less than
+    the context when --batch sizes the cache to its work: it grows on demand); `prefix_seq` a sequence that holds
+    a prefix shared by the prompts (kept across a growth); `keep_cells`: a finished slot's cells stay for the
+    next answer in that sequence to reuse (run, chat, serve), else they are cleared (--batch)."""
+
+    engine: Engine
+    n_slots: int = 1
+    speculation: Speculation = field(default_factory=Speculation)
+    cells: int = 0  # 0: the context
+    prefix_seq: int | None = None
+    keep_cells: bool = True
+    slots: list[Slot | None] = field(init=False)
+    totals: StepTotals = field(init=False, default_factory=StepTotals)
+
+    def __post_init__(self) -> None:
+        self.slots = [None] * self.n_slots
+        self.cells = self.cells or self.engine.n_ctx
+        self._batch = Batch(max(self.engine.config.n_batch, self.n_slots))
+
+    def close(self) -> None:
+        self._batch.close()
+
+    @property
+    def busy(self) -> bool:
+        return any(slot is not None for slot in self.slots)
+
+    def free_sequences(self) -> list[int]:
+        return [seq for seq, slot in enumerate(self.slots) if slot is None]
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    def start(self, seq: int, prompt: list[int], options: GenerationOptions, seed: int, clock: AnswerClock | None = None,
+              *, tag: Any = None, split_at: int | None = None, shared: int = 0) -> Slot:
+        """A slot for `prompt` in sequence `seq` (free): the longest prefix of it the sequence holds is kept, the
+        rest evaluated by the next steps. `shared`: the prefix sequence's tokens to copy in first (--batch). Raises
+        what the sampler chain raises (a grammar llama.cpp refuses); nothing is started then."""
+        engine = self.engine
+        sampler = engine.sampler(options.sampling, seed)
+        kv = engine.kv
+        if shared and self.prefix_seq is not None:
+            kv.remove(seq)
+            kv.copy(self.prefix_seq, seq)
+            cached = shared
+        else:
+            cached = kv.keep_prefix(prompt, seq)
+        if seq == 0:
+            kv.checkpoint = None
+        clock = clock or AnswerClock()
+        clock.prefill_started = time.perf_counter()
+        drafter = Drafter.for_mode(options.speculate, prompt, self.speculation.draft_model)
+        slot = Slot(seq, prompt, options, sampler, Answer(options, len(prompt), engine.n_ctx), clock, drafter,
+                    cached, cached, split_at if split_at is not None and cached < split_at < len(prompt) else None, tag)
+        self.slots[seq] = slot
+        return slot
+
+    def finish(self, slot: Slot, reason: str) -> list[Event]:
+        """End `slot`'s answer now (its own finish reason, when it has one, else `reason`): what the answer still
+        held back, then its Done; its sequence is free again."""
+        if slot.finished:
+            return []
+        slot.finished = True
+        events: list[Event] = [(slot, token) for token in slot.answer.close()]
+        if events and slot.clock.first_text is None:
+            slot.clock.first_text = time.perf_counter()
+        stats = slot.clock.stats(
+            prompt_tokens=len(slot.prompt), cached_tokens=slot.cached, prefill_tokens=slot.prefilled - slot.cached,
+            completion_tokens=slot.answer.n_out, decode_steps=max(0, slot.sampled - 1),
+            seed=None if slot.options.sampling.greedy else slot.sampler.seed, threads=self.engine.n_threads,
+            draft_tokens=slot.drafted, accepted_tokens=slot.accepted)
+        events.append((slot, slot.answer.done(reason, stats)))
+        slot.sampler.close()
+        if not self.keep_cells:
+            self.engine.kv.remove(slot.seq)
+        self.slots[slot.seq] = None
+        return events
+
+    def finish_all(self, reason: str) -> list[Event]:
+        return [event for slot in self.slots if slot is not None for event in self.finish(slot, reason)]
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """One decode of every slot: their pending tokens (and drafts), then prompt chunks; the events it made."""
+        engine, batch = self.engine, self._batch
+        batch.clear()
+        active = [slot for slot in self.slots if slot is not None]
+        decoding = [slot for slot in active if slot.pending is not None]
+        prefilling = [slot for slot in active if slot.prefilled < len(slot.prompt)]
+        drafts = self._drafts(decoding) if decoding and not prefilling else {}
+        to_sample: list[tuple[Slot, int, list[int]]] = []  # slot, the batch index of its first logits, its draft
+        for slot in decoding:
+            draft, slot.draft_source = drafts.get(slot.seq, (_NO_DRAFT, 0))
+            pos, seq = slot.pos, slot.seq
+            to_sample.append((slot, batch.add(slot.pending or 0, pos, seq, True), draft))
+            for i, token in enumerate(draft):
+                batch.add(token, pos + 1 + i, seq, True)
+        chunks: list[tuple[Slot, int]] = []  # slot, where its chunk began
+        for slot in prefilling:
+            if batch.full:
+                break
+            begin, end = slot.prefilled, len(slot.prompt)
+            if slot.split_at is not None and begin < slot.split_at:
+                end = slot.split_at
+            end = min(end, begin + batch.capacity - batch.n)
+            for pos in range(begin, end):
+                batch.add(slot.prompt[pos], pos, slot.seq, pos == len(slot.prompt) - 1)
+            if end == len(slot.prompt):
+                to_sample.append((slot, batch.n - 1, _NO_DRAFT))
+            chunks.append((slot, begin))
+            slot.prefilled = end
+        if batch.n == 0:
+            return []
+        started = time.perf_counter()
+        outcome = engine.decode(batch, "evaluating the prompt" if chunks else "decoding", abortable=bool(chunks))
+        if outcome != "ok":
+            return self._not_decoded(outcome, chunks)
+        now = time.perf_counter()
+        elapsed = now - started
+        kv = engine.kv
+        for slot, begin in chunks:
+            kv.appended(slot.prompt[begin : slot.prefilled], slot.seq)
+            self.totals.prefill_tokens += slot.prefilled - begin
+            if slot.prefilled == len(slot.prompt):
+                slot.clock.prefill_done = now
+            elif slot.prefilled == slot.split_at and slot.seq == 0 and not kv.checkpoint_here():
+                slot.prefilled = slot.cached = 0  # llama.cpp refused its own state: evaluate the prompt again
+        if not chunks:
+            self.speculation.cost.observe_pass(batch.n, elapsed)
+        engine.adapt_threads(now)
+        events: list[Event] = []
+        sampled = sum(self._sample(slot, first, draft, events, elapsed, batch.n, len(decoding))
+                      for slot, first, draft in to_sample)
+        if not chunks:
+            self.totals.decode_steps_s += time.perf_counter() - started
+            self.totals.decode_step_tokens += sampled
+        for slot in active:
+            if slot.answer.finish is not None:
+                events += self.finish(slot, slot.answer.finish)
+        return events
+
+    def _drafts(self, decoding: list[Slot]) -> dict[int, tuple[list[int], int]]:
+        candidates = []
+        for slot in decoding:
+            if slot.drafter is None:
+                continue
+            room = min(slot.options.max_draft, self.cells - slot.pos - 2, self.engine.n_ctx - slot.pos - 2)
+            if slot.options.max_tokens:
+                room = min(room, slot.options.max_tokens - slot.answer.n_out - 1)
+            if room > 0:
+                candidates.append(Candidate(slot.seq, slot.drafter, room))
+        if not candidates:
+            return {}
+        return choose_drafts(candidates, len(decoding), self._batch.capacity, self.speculation)
+
+    def _sample(self, slot: Slot, first: int, draft: list[int], events: list[Event], elapsed: float, n_batch: int,
+                n_decoding: int) -> int:
+        """Sample the slot's logits at `first`, then at each drafted position while the draft was right; the rest of
+        the draft leaves the slot's cells. The number of tokens sampled."""
+        sampler, answer, vocab, drafter = slot.sampler, slot.answer, self.engine.vocab, slot.drafter
+        was_pending, before = slot.pending is not None, slot.pos
+        if was_pending:
+            self.engine.kv.appended([slot.pending or 0, *draft], slot.seq)
+        i = 0
+        while True:
+            token = sampler.sample(first + i)
+            slot.sampled += 1
+            gained = answer.add(token, vocab.is_end_of_generation(token), vocab.piece(token))
+            slot.clock.token(time.perf_counter(), bool(gained))
+            events.extend((slot, event) for event in gained)
+            if drafter is not None:
+                drafter.appended(token)
+            if answer.finish is not None or i == len(draft) or token != draft[i]:
+                break
+            i += 1
+        slot.pending = token if answer.finish is None else None
+        if draft:
+            accepted = min(i, len(draft))
+            slot.drafted += len(draft)
+            slot.accepted += accepted
+            self.totals.draft_tokens += len(draft)
+            self.totals.accepted_tokens += accepted
+            self.speculation.cost.observe_acceptance(slot.draft_source, len(draft), accepted)
+            if accepted < len(draft):  # draft[i:] leaves the cells (positions after the last token kept)
+                self.engine.kv.remove(slot.seq, before + 1 + i, -1)
+        if drafter is not None and was_pending:
+            cost = self.speculation.cost
+            plain_s = cost.seconds(n_decoding) / n_decoding  # a token's share of a plain step of this size
+            share_s = elapsed * (1 + len(draft)) / n_batch
+            drafter.account(slot.draft_source, share_s, plain_s, i + 1, bool(draft), i == len(draft))
+        return i + 1
+
+    def _not_decoded(self, outcome: str, chunks: list[tuple[Slot, int]]) -> list[Event]:
+        """The pass was not evaluated (`full`: nothing of it; `aborted`: what llama.cpp stored stays)."""
+        for slot, begin in chunks:
+            slot.prefilled = begin
+        if outcome == "aborted":
+            for slot, _ in chunks:
+                self.engine.kv.resync(slot.seq)
+                slot.prefilled = max(slot.cached, self.engine.kv.n_held(slot.seq))
+            return self.finish_all("interrupted")
+        if self.cells < self.engine.n_ctx:
+            self.grow()
+            return []
+        return self.finish_all("context_full")
+
+    def grow(self) -> None:
+        """A sequence outgrew its cells: save every sequence's state, make each one's cells twice as many (at most
+        the context), restore them. The states are copied as they are: the answers do not change."""
+        engine = self.engine
+        if self.cells >= engine.n_ctx:
+            raise LlmcliError(f"the KV cache is full ({engine.n_ctx} tokens a sequence)", hint="Use a larger --ctx-size.")
+        sequences = [slot.seq for slot in self.slots if slot is not None] + (
+            [self.prefix_seq] if self.prefix_seq is not None else [])
+        held = {seq: engine.kv.tokens_of(seq) for seq in sequences}
+        states = {seq: engine.kv.state_of(seq) for seq in sequences}
+        n_sequences = self.n_slots + (1 if self.prefix_seq is not None else 0)
+        self.cells = min(2 * self.cells, engine.n_ctx)
+        engine.resize(self.cells * n_sequences, n_sequences)
+        for seq, state in states.items():
+            if not engine.kv.load_state(seq, state):
+                raise LlmcliError("llama.cpp refused a sequence's own state while growing the KV cache")
+            engine.kv.appended(held[seq], seq)
+        for slot in self.slots:
+            if slot is not None:
+                slot.sampler.ctx = engine.llama_context  # the old context, whose logits it read, is freed
+        self.totals.grown += 1
+
+    def prefill_prefix(self, tokens: list[int]) -> None:
+        """Evaluate `tokens` into the prefix sequence, once (prompts that start with them copy it)."""
+        assert self.prefix_seq is not None
+        batch = self._batch
+        for start in range(0, len(tokens), batch.capacity):
+            batch.clear()
+            for pos in range(start, min(len(tokens), start + batch.capacity)):
+                batch.add(tokens[pos], pos, self.prefix_seq, False)
+            outcome = self.engine.decode(batch, "evaluating the shared prefix", abortable=True)
+            if outcome == "full":
+                raise LlmcliError("the KV cache is too small for the prompts' shared prefix", hint="Use a larger --ctx-size.")
+            if outcome == "aborted":
+                return
+            self.engine.kv.appended(tokens[start : start + batch.n], self.prefix_seq)
+        self.totals.prefill_tokens += len(tokens)
+
+    # -- one answer: run, chat ------------------------------------------------------------------
+
+    def answer(self, prompt: list[int], options: GenerationOptions, seed: int, clock: AnswerClock,
+               split_at: int | None = None) -> Iterator[Token | Done]:
+        """Answer one prompt in sequence 0 (reusing what it holds of it), alone: its events as they come. Ctrl-C
+        (the engine's cancellation) ends it between steps, or inside a prompt chunk, as `interrupted`."""
+        engine = self.engine
+        engine.check_budget(len(prompt), options.max_tokens)
+        with engine.sharing_cores():
+            slot = self.start(0, prompt, options, seed, clock, split_at=split_at)
+            try:
+                while not slot.finished:
+                    for _, event in self.step() if not engine.cancel else self.finish(slot, "interrupted"):
+                        yield event
+            finally:
+                if not slot.finished:  # the consumer stopped early: the answer ends here
+                    self.finish(slot, "interrupted")
+
+
+_NO_DRAFT: list[int] = []
+

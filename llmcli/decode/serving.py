@@ -1,0 +1,174 @@
+"""`serve`: the one scheduler fed by a thread-safe queue — requests arrive at any time and share its slots.
+
+`SlotServer.run` is the engine's only thread. It admits waiting requests into free slots and runs the
+scheduler's steps (the pending token of every answering slot and the drafts that pay — speculative
+decoding — then prompt chunks of newly admitted requests in the room left), handing each step's events to
+`deliver` at once. A request whose client went away (`Job.cancelled`) leaves its slot at the next step; when
+every slot is busy, requests wait in a bounded queue (`submit` raises `QueueFull` beyond it).
+
+Each slot is one sequence of a non-unified KV cache of a whole context each, so an answer's numbers do not
+depend on its neighbours, and it never needs more cells than its slot has (at the context it ends with
+context_full, as a single answer does). A slot keeps its sequence's cache after a request ends: the next
+request whose prompt shares a prefix with it (a chat client resending the conversation) evaluates only the
+rest, and is placed in the free slot that shares the most.
+
+It never prints.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmcli.answer.events import Done, Token
+from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.stats import AnswerClock
+from llmcli.decode.scheduler import Scheduler
+from llmcli.decode.speculative import Speculation
+from llmcli.llama.engine import Engine
+from llmcli.shared_prefix import shared_prefix
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the queue is full."""
+
+
+@dataclass
+class Job:
+    """One request: its prompt tokens, how to answer, and where its events go (`emit`, called by `deliver`)."""
+
+    tokens: list[int]
+    generation: GenerationOptions
+    seed: int
+    emit: Callable[[Token | Done], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    clock: AnswerClock = field(default_factory=AnswerClock)  # stamped from its arrival
+    failure: tuple[int, str] | None = None  # set before its Done when it failed: (HTTP-like status, why)
+
+
+Delivery = Callable[[list[tuple["Job", Token | Done]]], None]
+
+
+def deliver_here(events: list[tuple[Job, Token | Done]]) -> None:
+    for job, event in events:
+        job.emit(event)
+
+
+class SlotServer:
+    """`deliver` receives each step's events at once, on the engine's thread: a server hands them to its event
+    loop in one wake-up per step rather than one per token (the default calls each job's `emit` right away)."""
+
+    def __init__(self, engine: Engine, n_slots: int, queue_size: int, deliver: Delivery = deliver_here,
+                 speculation: Speculation | None = None):
+        self.engine, self.n_slots, self.queue_size = engine, n_slots, queue_size
+        self.deliver = deliver
+        self.scheduler = Scheduler(engine, n_slots, speculation or Speculation())
+        self._events: list[tuple[Job, Token | Done]] = []
+        self.waiting: deque[Job] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self.served = 0
+
+    # -- the request side (any thread) --------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        with self._wake:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            busy = sum(1 for slot in self.scheduler.slots if slot is not None)
+            if busy + len(self.waiting) >= self.n_slots + self.queue_size:
+                raise QueueFull(f"all {self.n_slots} slots are busy and {len(self.waiting)} requests wait")
+            self.waiting.append(job)
+            self._wake.notify()
+
+    def stop(self) -> None:
+        """Finish: requests still waiting are cancelled; the loop ends once the slots are empty."""
+        with self._wake:
+            self._stopping = True
+            for job in self.waiting:
+                job.cancelled.set()
+            self._wake.notify()
+
+    def status(self) -> dict[str, int]:
+        with self._wake:
+            busy = sum(1 for slot in self.scheduler.slots if slot is not None)
+            return {"slots": self.n_slots, "busy": busy, "waiting": len(self.waiting), "served": self.served}
+
+    # -- the engine's thread -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until `stop`; between busy periods the thread sleeps and holds no share of the cores."""
+        engine, scheduler = self.engine, self.scheduler
+        with ExitStack() as busy_period:
+            busy_period.callback(scheduler.close)  # last: after the busy period's own exit
+            busy_period = busy_period.enter_context(ExitStack())
+            busy = False
+            while True:
+                with self._wake:
+                    while not self._stopping and not self.waiting and not scheduler.busy:
+                        if busy:
+                            busy_period.close()  # idle: other llmcli processes may use every core
+                            busy = False
+                        self._wake.wait()
+                    if self._stopping and not scheduler.busy:
+                        self.deliver([(job, _cancelled(job)) for job in self.waiting])
+                        self.waiting.clear()
+                        return
+                    self._admit()
+                if not busy:
+                    busy_period.enter_context(engine.sharing_cores())
+                    busy = True
+                self._drop_cancelled()
+                try:
+                    self._take(scheduler.step())
+                except Exception as exc:  # llama.cpp failed a step: those answers fail, the server goes on
+                    self._fail_all(str(exc))
+                if self._events:
+                    events, self._events = self._events, []
+                    self.deliver(events)
+
+    def _admit(self) -> None:
+        """Waiting jobs into free slots: each into the free slot whose cache shares most of its prompt."""
+        scheduler, kv = self.scheduler, self.engine.kv
+        while self.waiting:
+            free = scheduler.free_sequences()
+            if not free:
+                return
+            job = self.waiting.popleft()
+            if job.cancelled.is_set():
+                self._events.append((job, _cancelled(job)))
+                continue
+            if self.engine.n_swa == 0:  # a sliding-window cache holds only its last window: any slot will do
+                free.sort(key=lambda seq: -shared_prefix(kv.tokens_of(seq), job.tokens))
+            try:
+                scheduler.start(free[0], job.tokens, job.generation, job.seed, job.clock, tag=job)
+            except Exception as exc:  # a grammar llama.cpp refuses: the request fails, the server goes on
+                job.failure = (400, str(exc))
+                self._events.append((job, _cancelled(job)))
+
+    def _drop_cancelled(self) -> None:
+        for slot in self.scheduler.slots:
+            if slot is not None and slot.tag.cancelled.is_set():
+                self._take(self.scheduler.finish(slot, "interrupted"))
+
+    def _take(self, events: list[tuple[Any, Token | Done]]) -> None:
+        for slot, event in events:
+            self._events.append((slot.tag, event))
+            if isinstance(event, Done):
+                self.served += 1
+
+    def _fail_all(self, reason: str) -> None:
+        for slot in self.scheduler.slots:
+            if slot is not None:
+                slot.tag.failure = (500, f"the engine failed: {reason}")
+        self._take(self.scheduler.finish_all("interrupted"))
+        self.engine.kv.clear()
+
+
+def _cancelled(job: Job) -> Done:
+    """The Done of a request that never started."""
+    return Done("interrupted", job.clock.stats(prompt_tokens=len(job.tokens)))

@@ -1,0 +1,1 @@
+"""Embeddings: llama.cpp in embedding mode, pooled vectors, cosine ranking."""

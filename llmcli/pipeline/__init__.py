@@ -1,0 +1,167 @@
+"""Assembling the pipeline for one command from what the user asked: settings, model, answerer.
+
+`run`, `chat`, `serve` and `config show` describe the request in a `Request`; `resolve_settings` gives the
+effective settings and the model file (downloading it if it must), reading the config file once;
+`open_answering` opens what answers — the server of --endpoint (llmcli/pipeline/remote.py, no llama.cpp
+loaded) or the local model (llmcli/pipeline/local.py) — as one `Pipeline` whose `session` is an `Answerer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
+
+from llmcli import paths, settings
+from llmcli.answer.constraint import Constraint, build_constraint
+from llmcli.answer.generation import GenerationOptions
+from llmcli.chat.answerer import Answerer
+from llmcli.chat.chat_template import Message
+from llmcli.errors import UsageError
+from llmcli.file_hashes import known_sha256
+from llmcli.interrupt import Cancellation
+from llmcli.store import answer_log, models
+from llmcli.store.cache import Fetch, ProgressCallback, WaitingNotice
+from llmcli.store.gguf_header import read_header
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How many sequences the command decodes: one answer at a time (run, chat), a batch of N decoded together
+    (run --batch: the KV cache is sized once the prompts are known), or N server slots of a whole context each."""
+
+    sequences: int = 1
+    batch: bool = False
+
+    @property
+    def slots(self) -> int:
+        """Sequences with a whole context each, made when the model loads (0: sized later, for a batch)."""
+        return 0 if self.batch else self.sequences
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    settings: Mapping[str, Any] = field(default_factory=dict)  # settings given as flags, by name (None: not given)
+    profile: str | None = None
+    raw: bool = False
+    template_file: Path | None = None
+    logit_bias: tuple[str, ...] = ()
+    grammar: str | None = None
+    grammar_file: Path | None = None
+    json_schema: str | None = None
+    output_format: str | None = None
+    verbose: bool = False
+    offline: bool = False  # never ask the Hub; use only the cache
+    force: bool = False  # skip the memory check
+    shape: Shape = field(default_factory=Shape)
+    api_key: str | None = None  # --endpoint's server (else $LLMCLI_API_KEY)
+
+
+    def constraint(self) -> Constraint:
+        """What the answer must be (--grammar, --json-schema, --format json), checked before anything loads."""
+        if self.output_format not in (None, "json"):
+            raise UsageError(f"--format {self.output_format!r}: the only format is 'json'")
+        return build_constraint(self.grammar, self.grammar_file, self.json_schema, self.output_format == "json")
+
+
+class NamedModel(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def path(self) -> Path | None: ...
+
+
+A = TypeVar("A", bound=Answerer, covariant=True)
+
+
+@dataclass
+class Pipeline(Generic[A]):
+    """What `run`, `chat` and `--batch` need, local or remote alike; `close` releases all of it (an ExitStack)."""
+
+    settings: settings.Settings
+    model: NamedModel
+    session: A
+    generation: GenerationOptions
+    cancel: Cancellation
+    resources: ExitStack = field(default_factory=ExitStack)
+
+    def close(self) -> None:
+        self.resources.close()
+
+    def __enter__(self) -> Pipeline[A]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def resolve_settings(request: Request, on_progress: ProgressCallback | None = None,
+                     on_waiting: WaitingNotice | None = None,
+                     config: settings.ConfigFile | None = None) -> tuple[settings.Settings, models.ResolvedModel]:
+    """The effective settings and model (downloaded if it must be), without loading any weights: the flags, the
+    profile and the config file, then the model's own defaults under them."""
+    config = config or settings.load_config_file()
+    first = settings.resolve(request.settings, request.profile, config=config)
+    model = models.resolve(first["model"], config.aliases, fetch_for(request, first, on_progress, on_waiting))
+    defaults = {**settings.model_defaults(read_header(model.path).metadata), **model.defaults}
+    return settings.resolve(request.settings, request.profile, defaults, config), model
+
+
+def open_answering(request: Request, on_progress: ProgressCallback | None = None, cancel: Cancellation | None = None,
+                   on_waiting: WaitingNotice | None = None) -> Pipeline[Answerer]:
+    """What answers `run`, `chat` and `--batch`: the server of --endpoint, else the local model. The config file is
+    read once, here."""
+    constraint = request.constraint()
+    config = settings.load_config_file()
+    first = settings.resolve(request.settings, request.profile, config=config)
+    cancel = cancel if cancel is not None else Cancellation()
+    if first["endpoint"]:
+        from llmcli.pipeline.remote import open_remote  # speaks HTTP only
+
+        return open_remote(request, first, constraint, cancel)
+    from llmcli.pipeline.local import open_local  # loads llama.cpp
+
+    return open_local(request, on_progress, cancel, on_waiting, config, constraint)
+
+
+def log_entry(pipeline: Pipeline[Answerer], kind: str, prompt: str, record: Mapping[str, Any],
+              conversation_id: str | None = None) -> answer_log.Entry:
+    """One answer (its `--json` record) as the log keeps it: model (and its sha256 when already known: nothing is
+    hashed for the log), system prompt, prompt, answer, reasoning, the settings that shaped it, why it ended, its
+    timings."""
+    generation = pipeline.generation
+    path = pipeline.model.path
+    used = {**generation.sampling.record(), "max_tokens": generation.max_tokens, "stop": list(generation.stops)}
+    return answer_log.Entry(kind, pipeline.model.name, known_sha256(path) if path else None,
+                            pipeline.session.options.system, prompt, record.get("text") or "", record.get("reasoning"),
+                            used, record.get("finish_reason") or "", record.get("timings") or {}, conversation_id)
+
+
+def new_conversation_id() -> str:
+    return answer_log.new_conversation_id()
+
+
+def continued(conversation_id: str | None) -> tuple[str, list[Message]]:
+    """`run --continue` (the latest conversation in the log) or `--cid ID`: its id and its exchanges, in order."""
+    with answer_log.AnswerLog(paths.answer_log_file()) as log:
+        chosen = conversation_id or log.latest_conversation()
+        records = log.find(limit=10_000, conversation_id=chosen) if chosen else []
+    if not chosen or not records:
+        raise UsageError(f"no conversation {conversation_id!r} in the log" if conversation_id else
+                         "nothing to continue: the log holds no conversation yet", hint="llmcli logs lists what it holds.")
+    history: list[Message] = []
+    for record in reversed(records):
+        history += [Message("user", record["prompt"]), Message("assistant", record["answer"])]
+    return chosen, history
+
+
+def fetch_for(request: Request, effective: settings.Settings, on_progress: ProgressCallback | None = None,
+              on_waiting: WaitingNotice | None = None) -> Fetch:
+    """How this request may reach the Hub (--offline, --force, --hub-timeout)."""
+    return Fetch(offline=request.offline, force=request.force, timeout=effective["hub_timeout"],
+                 on_progress=on_progress, on_waiting=on_waiting)
+
+

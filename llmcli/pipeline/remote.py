@@ -1,0 +1,50 @@
+"""The pipeline of `--endpoint URL`: an OpenAI-compatible server answers; nothing of llama.cpp is loaded."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from llmcli import settings
+from llmcli.answer.constraint import Constraint
+from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.sampling_config import SamplingConfig
+from llmcli.chat.answerer import Answerer, PromptOptions
+from llmcli.errors import ModelNotFoundError
+from llmcli.interrupt import Cancellation
+from llmcli.pipeline import Pipeline, Request
+from llmcli.remote.client import Client, Endpoint
+from llmcli.remote.session import RemoteRequest, RemoteSession
+
+
+@dataclass(frozen=True)
+class RemoteModel:
+    name: str  # as the server lists it
+    path: None = None
+    source: str = "endpoint"
+
+
+def open_remote(request: Request, effective: settings.Settings, constraint: Constraint,
+                cancel: Cancellation) -> Pipeline[Answerer]:
+    """The server's pipeline: its model (-m, else the first it lists), the settings it is sent, one connection pool."""
+    endpoint = Endpoint.parse(effective["endpoint"], request.api_key or os.environ.get("LLMCLI_API_KEY") or None,
+                              effective["endpoint_timeout"])
+    client = Client(endpoint, lambda: bool(cancel))
+    try:
+        model = effective["model"] or next(iter(client.models()), None)
+        if model is None:
+            raise ModelNotFoundError(f"{endpoint.url} lists no model", hint="Name one with -m.")
+        defaults = {name: setting.default for name, setting in settings.SETTINGS.items()}
+        remote = RemoteRequest(model, defaults, constraint.grammar if not constraint.json else None,
+                               constraint.schema, constraint.json and constraint.schema is None)
+        sampling = SamplingConfig.from_settings(effective.values)  # checked as for a local model
+        prompt = PromptOptions(effective["system"], request.raw, None, effective["on_overflow"], effective["think"])
+        generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]),
+                                       Constraint(json=constraint.json, schema=constraint.schema))
+    except BaseException:
+        client.close()
+        raise
+    session = RemoteSession(client, remote, prompt)
+    pipeline: Pipeline[Answerer] = Pipeline(effective, RemoteModel(model), session, generation, cancel)
+    pipeline.resources.callback(session.close)
+    return pipeline
