@@ -138,25 +138,33 @@ def test_parallel_slots_are_sized_to_the_work_and_share_the_prompt_prefix():
     assert f"({evaluated} evaluated, a shared prefix of {shared} once)" in summary
 
 
+LONG_GRAMMAR = 'root ::= ([0-9] " "){150}'  # at least 150 tokens on any CPU: more than the cells a sequence starts with
+
+
 def test_a_long_answer_grows_the_kv_cache_without_changing_any_answer():
     code = (
         "import json\n"
-        "from llmcli.pipeline import open_pipeline, Request\n"
-        "from llmcli.inference import batch_input, parallel\n"
+        "from llmcli.answer import batch_jsonl\n"
+        "from llmcli.decode import batch_run\n"
         "from llmcli.interrupt import Cancellation\n"
-        "p = open_pipeline(Request(settings={'temp': 0.0, 'max_tokens': None, 'prompt_cache': False}, parallel=4))\n"
-        f"items = batch_input.parse_items({QUESTIONS[1:4]!r})\n"
+        "from llmcli.pipeline import Request, Shape\n"
+        "from llmcli.pipeline.local import open_pipeline\n"
+        "p = open_pipeline(Request(settings={'temp': 0.0, 'max_tokens': None, 'prompt_cache': False, 'repetition_guard': False},\n"
+        f"                           grammar={LONG_GRAMMAR!r}, shape=Shape(4, batch=True)))\n"
+        "s = p.session\n"
+        f"items = batch_jsonl.parse_items({QUESTIONS[1:4]!r})\n"
         "texts = {}\n"
         "for room in (4096, 1):\n"
-        "    bp = parallel.plan(items, p.prompt_tokens, p.engine, p.generation, 3, answer_room=room)\n"
-        "    p.resize_kv(bp.cells, bp.n_sequences)\n"
+        "    bp = batch_run.plan(items, lambda t: s.render(t, []).tokens, s.engine, p.generation, 3, answer_room=room)\n"
+        "    s.engine.resize(bp.cells, bp.n_sequences)\n"
         "    out = {}\n"
-        "    run = parallel.BatchRun(p.engine, bp, p.generation, Cancellation(), lambda i, r: out.__setitem__(i, r['text']))\n"
+        "    run = batch_run.BatchRun(s.engine, bp, p.generation, Cancellation(), lambda i, r: out.__setitem__(i, r['text']))\n"
         "    texts[room] = (out, run.run().grown)\n"
-        "print(json.dumps({'same': texts[4096][0] == texts[1][0], 'grown': texts[1][1], 'big': texts[4096][1]}))\n"
+        "print(json.dumps({'same': texts[4096][0] == texts[1][0], 'grown': texts[1][1], 'big': texts[4096][1],\n"
+        "                  'long': min(len(t) for t in texts[1][0].values())}))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                             env={**__import__("os").environ, "LLMCLI_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
-    assert outcome == {"same": True, "grown": outcome["grown"], "big": 0} and outcome["grown"] >= 1
+    assert outcome == {"same": True, "grown": outcome["grown"], "big": 0, "long": 300} and outcome["grown"] >= 1

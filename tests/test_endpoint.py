@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -29,6 +30,7 @@ class FakeServer:
     def __init__(self) -> None:
         self.behaviour = "ok"
         self.log: list[tuple[str, dict]] = []
+        self.keys: list[str | None] = []  # the Authorization header of each request
         self.failures_left = 0
         self.in_flight = self.most_in_flight = 0  # requests being answered at once
         self.lock = threading.Lock()
@@ -45,6 +47,7 @@ class FakeServer:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.log.append((self.path, body))
+                outer.keys.append(self.headers.get("Authorization"))
                 if outer.behaviour == "hang":
                     time.sleep(4)  # longer than the client's timeout in the test; bounded
                     return self._json(500, {"error": {"message": "too late"}})
@@ -167,13 +170,25 @@ def test_batch_sends_in_parallel_and_writes_in_input_order(fake, tmp_path):
 def test_config_file_endpoint_and_api_key_from_the_environment(fake, tmp_path):
     config = tmp_path / "config.toml"
     config.write_text(f'endpoint = "{fake.url}"\n')
+    fake.log.clear()
     result = run_cli("run", "hi", env={"LLMCLI_CONFIG": str(config), "LLMCLI_API_KEY": "sekrit"})
     assert result.code == 0, result.stderr
+    assert result.stdout.startswith("You said: hi")  # the fake server answered, not the bundled model
+    assert [path for path, _ in fake.log][-1] == "/v1/chat/completions" and fake.keys[-1] == "Bearer sekrit"
+
+
+def test_run_endpoint_loads_neither_llama_cpp_nor_numpy(fake):
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "llmcli", "run", "--endpoint", fake.url, "hi"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("You said: hi"), result.stderr[-2000:]
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines() if "import time:" in line}
+    assert "llmcli" in imported and "httpx2" in imported
+    assert not {"llama_cpp", "numpy"} & imported
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    proc, url = start_server(tmp_path_factory.mktemp("serve"), "-P", "4", "-c", "512")
+    proc, url = start_server(tmp_path_factory.mktemp("serve"), "-P", "4", "-c", "512", "--speculate", "lookup")
     yield url
     stop_server(proc)
 
@@ -191,9 +206,13 @@ def test_run_batch_and_chat_against_llmcli_serve(served, tmp_path):
     batch = run_cli("run", "--batch", str(prompts), "--endpoint", served, "--temp", "0", "-n", "16", "-P", "2")
     texts = [json.loads(line)["text"] for line in batch.stdout.splitlines()]
     assert texts == [local_greedy("Say hi."), local_greedy("Name a colour.")]
-    chat = run_cli("chat", "--endpoint", served, "--temp", "0", "-n", "12", input="My name is Ada.\nWhat is my name?\n")
+    chat = run_cli("chat", "--endpoint", served, "--temp", "0", "-n", "12",
+                   input="My name is Ada.\nWhat is my name?\n/show\n/stats\n/exit\n")
     assert chat.code == 0, chat.stderr
     assert "(" in chat.stderr and "cached)" in chat.stderr  # the second turn reused the server's KV cache
+    assert f"({served}/v1)" in chat.stderr  # /show: the model and where it answers
+    assert "context  kept by the server" in chat.stderr and "2 exchange(s)" in chat.stderr  # /show: what it can tell
+    assert "total: 2 replies" in chat.stderr and "Error" not in chat.stderr  # /stats
     bench = run_cli("bench", "--endpoint", served, "-n", "8", "-r", "2", "--parallel", "1,2", "--format", "json")
     assert bench.code == 0, bench.stderr
     rows = {(r["test"], r["path"]): r for r in json.loads(bench.stdout)["results"]}
@@ -243,3 +262,22 @@ def test_chat_over_an_endpoint_sends_the_history_and_what_set_changed(fake):
     first, second = fake.posts()
     assert first["temperature"] == 0.3 and second["temperature"] == 0.7
     assert [m["content"] for m in second["messages"]] == ["first", "You said: first Hello world.", "second"]
+
+
+COPY = "The keeper climbed the stairs at dusk, lit the lamp, and wrote the weather in the log."
+
+
+def test_serve_drafts_from_the_prompt_and_answers_as_run_does(served):
+    """A grounded request (a text to repeat, the copy forced by a grammar on any CPU) is decoded speculatively by
+    the server's scheduler — accepted drafts in its timings — and its greedy answer is `run`'s."""
+    prompt = f"{COPY}\n\nRepeat the text above word for word."
+    grammar = f'root ::= "{COPY}"'
+    body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 40, "grammar": grammar}
+    request = urllib.request.Request(f"{served}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        reply = json.loads(response.read())
+    assert reply["timings"]["draft_tokens"] > 0 and reply["timings"]["accepted_tokens"] > 0
+    local = run_cli("run", "--json", "--temp", "0", "-n", "40", "--no-prompt-cache", "-c", "512", "--speculate", "off",
+                    "--grammar", grammar, prompt)
+    assert reply["choices"][0]["message"]["content"] == json.loads(local.stdout)["text"] == COPY

@@ -179,19 +179,24 @@ def test_a_hub_that_never_answers_is_given_up_on():
 
 # 9. runaway answers: a repetition guard, DRY and XTC
 
+LOOP_LINE = "A place where the sea sways."
+LOOP_GRAMMAR = f'root ::= ("{LOOP_LINE}\\n")+'  # forces the loop on any CPU: only the tokenization is the model's
+
+
 def test_an_answer_caught_in_a_loop_stops_with_finish_reason_repetition():
-    poem = "Write a short poem with two stanzas about the sea."  # SmolLM2 at temp 0 repeats one line from ~100 tokens on
-    guarded = run_cli("run", "--json", "--temp", "0", "-n", "240", poem)
+    poem = "Write a short poem with two stanzas about the sea."
+    looping = ("run", "--json", "--temp", "0", "-n", "240", "--grammar", LOOP_GRAMMAR, poem)
+    guarded = run_cli(*looping)
     record = json.loads(guarded.stdout)
     assert guarded.code == 0 and record["finish_reason"] == "repetition"
     assert record["usage"]["completion_tokens"] < 240 and "repeating itself" in guarded.stderr
-    free = json.loads(run_cli("run", "--json", "--temp", "0", "-n", "240", "--no-repetition-guard", poem).stdout)
+    free = json.loads(run_cli(*looping, "--no-repetition-guard").stdout)
     assert free["finish_reason"] == "length" and free["text"].startswith(record["text"])
-    looped_line = "A place where the sea's sway"
-    assert free["text"].count(looped_line) > 5
-    dry = json.loads(run_cli("run", "--json", "--temp", "0", "-n", "120", "--no-repetition-guard", "--dry-multiplier", "0.8",
-                             poem).stdout)  # DRY penalises extending what was said before: the loop never forms
-    assert dry["text"].count(looped_line) <= 1 and dry["finish_reason"] in ("stop", "length")
+    assert free["text"].count(LOOP_LINE) > 5
+    plain, dry = (json.loads(run_cli("run", "--json", "--temp", "0", "-n", "120", "--no-repetition-guard", *extra,
+                                     poem).stdout) for extra in ((), ("--dry-multiplier", "0.8")))
+    assert dry["finish_reason"] in ("stop", "length")  # DRY penalises extending what was said before
+    assert dry["text"] != plain["text"]  # ... so greedy decoding takes another path (the same machine, two runs)
     sampled = ("--temp", "1", "--seed", "4", "-n", "40", "--json", "--no-repetition-guard", poem)
     plain, xtc = (json.loads(run_cli("run", *extra, *sampled).stdout)["text"] for extra in ((), ("--xtc-probability", "1")))
     assert plain != xtc  # XTC excluded the likeliest tokens

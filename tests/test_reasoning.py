@@ -70,12 +70,15 @@ def test_splitting_does_not_depend_on_how_the_text_is_cut(text, cuts, open_at_st
 
 def test_reasoning_is_reported_once_when_one_piece_holds_its_end_and_the_answer():
     from llmcli.answer.generation import Answer, GenerationOptions
+    from llmcli.answer.stats import Stats
 
     answer = Answer(GenerationOptions(), 0, 1000)
     pieces = [b"<think>", b"plan</think>The", b" answer", b"."]
-    texts = [answer.add(i, False, piece) for i, piece in enumerate(pieces)]
-    assert "".join(texts) + answer.close() == "The answer."
-    assert answer.reasoning == "plan" and answer.thought == ["plan"]
+    events = [event for i, piece in enumerate(pieces) for event in answer.add(i, False, piece)] + list(answer.close())
+    assert "".join(e.text for e in events if not e.reasoning) == "The answer."
+    assert [e.text for e in events if e.reasoning] == ["plan"]  # once, from the piece that ends it
+    done = answer.done("stop", Stats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+    assert (done.text, done.reasoning) == ("The answer.", "plan")  # the Done carries the whole answer
 
 
 def test_a_prompt_that_ends_in_an_open_think_block_is_recognised():

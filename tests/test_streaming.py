@@ -136,9 +136,9 @@ def test_answer_applies_one_finish_rule(max_tokens, n_prompt, n_ctx, tokens, fin
     answer = Answer(GenerationOptions(max_tokens=max_tokens, stops=("</s>",)), n_prompt, n_ctx)
     text = ""
     for token, piece in enumerate(tokens):
-        text += answer.add(token, piece is None, piece or b"")
+        text += "".join(event.text for event in answer.add(token, piece is None, piece or b""))
         if answer.finish is not None:
             break
-    text += answer.close()
+    text += "".join(event.text for event in answer.close())
     assert (answer.finish, answer.n_out) == (finish, n_out)
     assert "</s>" not in text
