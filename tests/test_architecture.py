@@ -111,3 +111,10 @@ def test_config_show_and_chat_set_come_from_the_table(tmp_path):
     block = chat_help.stderr.split("/set NAME VALUE", 1)[1].split("/show", 1)[0]
     listed = block.split(":", 1)[1].replace("\n", " ").split(", ")
     assert [name.strip() for name in listed] == [name for name, s in SETTINGS.items() if s.chat]
+
+
+def test_the_readme_lists_every_module():
+    built = (ROOT / "README.md").read_text().split("## How it is built", 1)[1].split("\n## ", 1)[0]
+    missing = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+               if p.name not in ("__init__.py", "__main__.py") and f"{p.name}" not in built]
+    assert missing == []
