@@ -167,6 +167,8 @@ class Scheduler:
         decoding = [slot for slot in active if slot.pending is not None]
         prefilling = [slot for slot in active if slot.prefilled < len(slot.prompt)]
         drafts = self._drafts(decoding) if decoding and not prefilling else {}
+        if not drafts and not prefilling and len(decoding) == 1 and decoding[0].seq == 0 and len(active) == 1:
+            return self._step_one(decoding[0])  # a single answer's plain step: no batch to build
         to_sample: list[tuple[Slot, int, list[int]]] = []  # slot, the batch index of its first logits, its draft
         for slot in decoding:
             draft, slot.draft_source = drafts.get(slot.seq, (_NO_DRAFT, 0))
@@ -216,6 +218,22 @@ class Scheduler:
         for slot in active:
             if slot.answer.finish is not None:
                 events += self.finish(slot, slot.answer.finish)
+        return events
+
+    def _step_one(self, slot: Slot) -> list[Event]:
+        """`step` for one slot in sequence 0 with one pending token and no draft: the same outcome, less work."""
+        started = time.perf_counter()
+        if self.engine.decode_one(slot.pending or 0) != "ok":
+            return self._not_decoded("full", [])
+        now = time.perf_counter()
+        self.speculation.cost.observe_pass(1, now - started)
+        self.engine.adapt_threads(now)
+        events: list[Event] = []
+        self._sample(slot, -1, _NO_DRAFT, events, now - started, 1, 1)
+        self.totals.decode_steps_s += time.perf_counter() - started
+        self.totals.decode_step_tokens += 1
+        if slot.answer.finish is not None:
+            events += self.finish(slot, slot.answer.finish)
         return events
 
     def _drafts(self, decoding: list[Slot]) -> dict[int, tuple[list[int], int]]:

@@ -284,6 +284,17 @@ class Engine:
             return "aborted"
         raise self._decode_error(rc, what)
 
+    def decode_one(self, token: int) -> str:
+        """Evaluate one token appended to sequence 0 (the caller tracks it): a single answer's plain step, without
+        building a batch (positions from the cache itself). `ok`, `full` or, failing, an error."""
+        self._one[0] = token
+        rc = llama_cpp.llama_decode(self._ctx, llama_cpp.llama_batch_get_one(self._one, 1))
+        if rc == 0:
+            return "ok"
+        if rc == 1:
+            return "full"
+        raise self._decode_error(rc, "decoding")
+
     def greedy_token(self) -> int:
         """The most likely next token after the last pass of sequence 0 (a draft model's guess)."""
         if self._greedy is None:
