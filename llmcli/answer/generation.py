@@ -87,13 +87,13 @@ class Answer:
         return events
 
     def _events(self, text: str) -> tuple[Token, ...]:
-        reasoning, stream = self.stream.reasoning, self.stream
+        reasoning = self.stream.reasoning
         if not reasoning:
             if not text:
                 return ()
             self.parts.append(text)
             return (Token(text),)
-        stream.reasoning = ""  # taken: a later piece of pure answer must not bring it again
+        self.stream.reasoning = ""  # taken: a later piece of pure answer must not bring it again
         self.thought.append(reasoning)
         if not text:
             return (Token(reasoning, reasoning=True),)

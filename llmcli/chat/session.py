@@ -123,8 +123,10 @@ class Session:
         return self.template.source if self.template is not None else None
 
     def context(self) -> ContextInfo:
-        used = len(self.render_history().tokens) if self.history or self.options.system else 0
-        return ContextInfo(self.engine.n_ctx, used, self.engine.kv.shared_prefix(self.render("").tokens) if used else 0)
+        if not self.history and not self.options.system:
+            return ContextInfo(self.engine.n_ctx, 0, 0)
+        tokens = self.render_history().tokens
+        return ContextInfo(self.engine.n_ctx, len(tokens), self.engine.kv.shared_prefix(tokens))
 
     def render_history(self) -> RenderedPrompt:
         """The conversation so far (the system prompt and the history), as the model sees it before a new message."""

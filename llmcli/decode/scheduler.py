@@ -161,39 +161,25 @@ class Scheduler:
 
     def step(self) -> list[Event]:
         """One decode of every slot: their pending tokens (and drafts), then prompt chunks; the events it made."""
-        engine, batch = self.engine, self._batch
-        batch.clear()
+        engine = self.engine
         active = [slot for slot in self.slots if slot is not None]
         decoding = [slot for slot in active if slot.pending is not None]
         prefilling = [slot for slot in active if slot.prefilled < len(slot.prompt)]
         drafts = self._drafts(decoding) if decoding and not prefilling else {}
-        if not drafts and not prefilling and len(decoding) == 1 and decoding[0].seq == 0 and len(active) == 1:
-            return self._step_one(decoding[0])  # a single answer's plain step: no batch to build
-        to_sample: list[tuple[Slot, int, list[int]]] = []  # slot, the batch index of its first logits, its draft
-        for slot in decoding:
-            draft, slot.draft_source = drafts.get(slot.seq, (_NO_DRAFT, 0))
-            pos, seq = slot.pos, slot.seq
-            to_sample.append((slot, batch.add(slot.pending or 0, pos, seq, True), draft))
-            for i, token in enumerate(draft):
-                batch.add(token, pos + 1 + i, seq, True)
         chunks: list[tuple[Slot, int]] = []  # slot, where its chunk began
-        for slot in prefilling:
-            if batch.full:
-                break
-            begin, end = slot.prefilled, len(slot.prompt)
-            if slot.split_at is not None and begin < slot.split_at:
-                end = slot.split_at
-            end = min(end, begin + batch.capacity - batch.n)
-            for pos in range(begin, end):
-                batch.add(slot.prompt[pos], pos, slot.seq, pos == len(slot.prompt) - 1)
-            if end == len(slot.prompt):
-                to_sample.append((slot, batch.n - 1, _NO_DRAFT))
-            chunks.append((slot, begin))
-            slot.prefilled = end
-        if batch.n == 0:
-            return []
-        started = time.perf_counter()
-        outcome = engine.decode(batch, "evaluating the prompt" if chunks else "decoding", abortable=bool(chunks))
+        if not drafts and not prefilling and len(active) == 1 and len(decoding) == 1 and decoding[0].seq == 0:
+            # a single answer's plain step: one token, no batch to build (positions from the cache itself)
+            to_sample: list[tuple[Slot, int, list[int]]] = [(decoding[0], -1, _NO_DRAFT)]
+            n_passed = 1
+            started = time.perf_counter()
+            outcome = engine.decode_one(decoding[0].pending or 0)
+        else:
+            to_sample = self._fill(decoding, drafts, prefilling, chunks)
+            n_passed = self._batch.n
+            if n_passed == 0:
+                return []
+            started = time.perf_counter()
+            outcome = engine.decode(self._batch, "evaluating the prompt" if chunks else "decoding", abortable=bool(chunks))
         if outcome != "ok":
             return self._not_decoded(outcome, chunks)
         now = time.perf_counter()
@@ -207,10 +193,10 @@ class Scheduler:
             elif slot.prefilled == slot.split_at and slot.seq == 0 and not kv.checkpoint_here():
                 slot.prefilled = slot.cached = 0  # llama.cpp refused its own state: evaluate the prompt again
         if not chunks:
-            self.speculation.cost.observe_pass(batch.n, elapsed)
+            self.speculation.cost.observe_pass(n_passed, elapsed)
         engine.adapt_threads(now)
         events: list[Event] = []
-        sampled = sum(self._sample(slot, first, draft, events, elapsed, batch.n, len(decoding))
+        sampled = sum(self._sample(slot, first, draft, events, elapsed, n_passed, len(decoding))
                       for slot, first, draft in to_sample)
         if not chunks:
             self.totals.decode_steps_s += time.perf_counter() - started
@@ -220,21 +206,33 @@ class Scheduler:
                 events += self.finish(slot, slot.answer.finish)
         return events
 
-    def _step_one(self, slot: Slot) -> list[Event]:
-        """`step` for one slot in sequence 0 with one pending token and no draft: the same outcome, less work."""
-        started = time.perf_counter()
-        if self.engine.decode_one(slot.pending or 0) != "ok":
-            return self._not_decoded("full", [])
-        now = time.perf_counter()
-        self.speculation.cost.observe_pass(1, now - started)
-        self.engine.adapt_threads(now)
-        events: list[Event] = []
-        self._sample(slot, -1, _NO_DRAFT, events, now - started, 1, 1)
-        self.totals.decode_steps_s += time.perf_counter() - started
-        self.totals.decode_step_tokens += 1
-        if slot.answer.finish is not None:
-            events += self.finish(slot, slot.answer.finish)
-        return events
+    def _fill(self, decoding: list[Slot], drafts: dict[int, tuple[list[int], int]], prefilling: list[Slot],
+              chunks: list[tuple[Slot, int]]) -> list[tuple[Slot, int, list[int]]]:
+        """The step's batch: each decoding slot's pending token and draft, then prompt chunks in the room left (each
+        recorded in `chunks`); what to sample after it: slot, the batch index of its first logits, its draft."""
+        batch = self._batch
+        batch.clear()
+        to_sample: list[tuple[Slot, int, list[int]]] = []
+        for slot in decoding:
+            draft, slot.draft_source = drafts.get(slot.seq, (_NO_DRAFT, 0))
+            pos, seq = slot.pos, slot.seq
+            to_sample.append((slot, batch.add(slot.pending or 0, pos, seq, True), draft))
+            for i, token in enumerate(draft):
+                batch.add(token, pos + 1 + i, seq, True)
+        for slot in prefilling:
+            if batch.full:
+                break
+            begin, end = slot.prefilled, len(slot.prompt)
+            if slot.split_at is not None and begin < slot.split_at:
+                end = slot.split_at
+            end = min(end, begin + batch.capacity - batch.n)
+            for pos in range(begin, end):
+                batch.add(slot.prompt[pos], pos, slot.seq, pos == len(slot.prompt) - 1)
+            if end == len(slot.prompt):
+                to_sample.append((slot, batch.n - 1, _NO_DRAFT))
+            chunks.append((slot, begin))
+            slot.prefilled = end
+        return to_sample
 
     def _drafts(self, decoding: list[Slot]) -> dict[int, tuple[list[int], int]]:
         candidates = []

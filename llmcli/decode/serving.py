@@ -103,33 +103,34 @@ class SlotServer:
     def run(self) -> None:
         """Serve until `stop`; between busy periods the thread sleeps and holds no share of the cores."""
         engine, scheduler = self.engine, self.scheduler
-        with ExitStack() as busy_period:
-            busy_period.callback(scheduler.close)  # last: after the busy period's own exit
-            busy_period = busy_period.enter_context(ExitStack())
-            busy = False
-            while True:
-                with self._wake:
-                    while not self._stopping and not self.waiting and not scheduler.busy:
-                        if busy:
-                            busy_period.close()  # idle: other llmcli processes may use every core
-                            busy = False
-                        self._wake.wait()
-                    if self._stopping and not scheduler.busy:
-                        self.deliver([(job, _cancelled(job)) for job in self.waiting])
-                        self.waiting.clear()
-                        return
-                    self._admit()
-                if not busy:
-                    busy_period.enter_context(engine.sharing_cores())
-                    busy = True
-                self._drop_cancelled()
-                try:
-                    self._take(scheduler.step())
-                except Exception as exc:  # llama.cpp failed a step: those answers fail, the server goes on
-                    self._fail_all(str(exc))
-                if self._events:
-                    events, self._events = self._events, []
-                    self.deliver(events)
+        try:
+            with ExitStack() as busy_period:
+                busy = False
+                while True:
+                    with self._wake:
+                        while not self._stopping and not self.waiting and not scheduler.busy:
+                            if busy:
+                                busy_period.close()  # idle: other llmcli processes may use every core
+                                busy = False
+                            self._wake.wait()
+                        if self._stopping and not scheduler.busy:
+                            self.deliver([(job, _cancelled(job)) for job in self.waiting])
+                            self.waiting.clear()
+                            return
+                        self._admit()
+                    if not busy:
+                        busy_period.enter_context(engine.sharing_cores())
+                        busy = True
+                    self._drop_cancelled()
+                    try:
+                        self._take(scheduler.step())
+                    except Exception as exc:  # llama.cpp failed a step: those answers fail, the server goes on
+                        self._fail_all(str(exc))
+                    if self._events:
+                        events, self._events = self._events, []
+                        self.deliver(events)
+        finally:
+            scheduler.close()
 
     def _admit(self) -> None:
         """Waiting jobs into free slots: each into the free slot whose cache shares most of its prompt."""
