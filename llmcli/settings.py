@@ -350,8 +350,11 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def parse_text(setting: Setting, raw: str, where: str) -> Any:
-    """A setting's value from text (the environment, chat's /set): `none` clears an optional number."""
+    """A setting's value from text (the environment, chat's /set): `none` clears an optional setting (no value)
+    or a list (no items), as /help says."""
     text = raw.strip()
+    if text.lower() in ("none", "null") and (setting.default is None or setting.kind is list):
+        return [] if setting.kind is list else None
     try:
         if setting.kind is bool:
             if text.lower() not in _TRUE + _FALSE:
@@ -362,8 +365,6 @@ def parse_text(setting: Setting, raw: str, where: str) -> Any:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ValueError
             return value
-        if setting.kind in (int, float) and setting.default is None and text.lower() in ("none", "null"):
-            return None
         return setting.kind(text)
     except (ValueError, json.JSONDecodeError):
         raise UsageError(f"{where}={raw!r} is not a valid {setting.kind.__name__} for {setting.flag}") from None

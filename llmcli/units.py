@@ -17,3 +17,12 @@ def human_count(n: int | None) -> str:
     if not n:
         return ""
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """`1 reply`, `2 replies`, `0 exchanges`: a count with its noun in the right number."""
+    if n == 1:
+        return f"1 {noun}"
+    if plural is None:
+        plural = noun[:-1] + "ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else noun + "s"
+    return f"{n} {plural}"

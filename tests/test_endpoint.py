@@ -211,7 +211,7 @@ def test_run_batch_and_chat_against_llmcli_serve(served, tmp_path):
     assert chat.code == 0, chat.stderr
     assert "(" in chat.stderr and "cached)" in chat.stderr  # the second turn reused the server's KV cache
     assert f"({served}/v1)" in chat.stderr  # /show: the model and where it answers
-    assert "context  kept by the server" in chat.stderr and "2 exchange(s)" in chat.stderr  # /show: what it can tell
+    assert "context  kept by the server" in chat.stderr and "2 exchanges" in chat.stderr  # /show: what it can tell
     assert "total: 2 replies" in chat.stderr and "Error" not in chat.stderr  # /stats
     bench = run_cli("bench", "--endpoint", served, "-n", "8", "-r", "2", "--parallel", "1,2", "--format", "json")
     assert bench.code == 0, bench.stderr
@@ -281,3 +281,32 @@ def test_serve_drafts_from_the_prompt_and_answers_as_run_does(served):
     local = run_cli("run", "--json", "--temp", "0", "-n", "40", "--no-prompt-cache", "-c", "512", "--speculate", "off",
                     "--grammar", grammar, prompt)
     assert reply["choices"][0]["message"]["content"] == json.loads(local.stdout)["text"] == COPY
+
+
+def test_endpoint_sends_every_sampling_setting_and_names_what_it_cannot(fake):
+    """Issue 23, defect 4: nothing given is dropped without a word."""
+    result = run_cli("run", "--endpoint", fake.url, "--mirostat", "2", "--mirostat-tau", "3", "--typical-p", "0.9",
+                     "--dry-multiplier", "0.8", "--xtc-probability", "0.5", "--repeat-last-n", "32",
+                     "--no-repetition-guard", "--no-think", "--logit-bias", "15043=-inf", "--logit-bias", "Hello=2",
+                     "-t", "2", "-c", "1024", "hi")
+    assert result.code == 0, result.stderr
+    (sent,) = fake.posts()
+    assert sent["mirostat"] == 2 and sent["mirostat_tau"] == 3 and sent["typical_p"] == 0.9
+    assert sent["dry_multiplier"] == 0.8 and sent["xtc_probability"] == 0.5 and sent["repeat_last_n"] == 32
+    assert sent["repetition_guard"] is False and sent["chat_template_kwargs"] == {"enable_thinking": False}
+    assert sent["logit_bias"] == {"15043": -100}
+    notice = next(line for line in result.stderr.splitlines() if "not used with --endpoint" in line)
+    assert "--logit-bias Hello=2" in notice and "--threads" in notice and "--ctx-size" in notice
+    chat = run_cli("chat", "--endpoint", fake.url, "-q", input="/set mirostat 2\n/set on_overflow truncate\nhi\n")
+    assert fake.posts()[-1]["mirostat"] == 2
+    assert "--on-overflow = truncate (not used:" in chat.stderr
+
+
+def test_a_banned_token_is_banned_by_llmcli_serve_as_by_run(served):
+    plain = local_greedy("Say hi.")
+    first = json.loads(run_cli("tokenize", "--json", plain).stdout)["ids"][0]
+    banned = local_greedy("--logit-bias", f"{first}=-inf", "Say hi.")
+    assert banned != plain
+    remote = run_cli("run", "--endpoint", served, "--json", "--temp", "0", "-n", "16", "--logit-bias", f"{first}=-inf",
+                     "Say hi.")
+    assert json.loads(remote.stdout)["text"] == banned

@@ -230,7 +230,7 @@ def test_prune_removes_orphaned_partial_files_but_not_running_ones(isolated_env)
     locks.mkdir(parents=True)
     with FileLock(str(locks / ("2" * 64 + ".lock"))):
         result = run_cli("prune")
-    assert result.code == 0 and "1 partial file(s) removed" in result.stderr
+    assert result.code == 0 and "1 partial file removed" in result.stderr
     assert not orphan.exists() and running.exists()
 
 

@@ -166,7 +166,7 @@ def test_the_prompt_cache_can_be_turned_off_and_cleared(smollm2, isolated_env, m
     ask("Which city studies herons?", doc, "--prompt-cache")  # a flag outranks the config file
     assert len(entries(isolated_env)) == 1
     cleared = run_cli("cache", "clear")
-    assert cleared.code == 0 and cleared.stdout.startswith("removed 1 saved state(s)")
+    assert cleared.code == 0 and cleared.stdout.startswith("removed 1 saved state,")
     assert entries(isolated_env) == []
     assert json.loads(run_cli("cache", "list", "--json").stdout) == []
 

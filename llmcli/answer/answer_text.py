@@ -16,7 +16,9 @@ class Utf8Assembler:
     """Bytes of token pieces in, complete characters out.
 
     A multi-byte character split across tokens is held until its last byte
-    arrives; bytes that can never form a character become U+FFFD.
+    arrives; bytes that can never form a character become U+FFFD. An answer cut
+    mid-character (-n, a stop, Ctrl-C) drops its incomplete last bytes: they are
+    not text yet, and U+FFFD would print a character the model never wrote.
     """
 
     def __init__(self) -> None:
@@ -26,7 +28,8 @@ class Utf8Assembler:
         return self._decoder.decode(piece)
 
     def finish(self) -> str:
-        return self._decoder.decode(b"", final=True)
+        self._decoder.reset()  # the bytes held are the start of a character that never came
+        return ""
 
 
 class StopMatcher:

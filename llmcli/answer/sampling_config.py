@@ -68,6 +68,12 @@ class SamplingConfig:
 
 SETTING_FIELDS = tuple(f.name for f in fields(SamplingConfig) if f.name in SETTINGS)
 
+# The request fields that carry the sampling settings (and the repetition guard) to a server: OpenAI's names
+# where it has one, llama-server's for the rest (its names are llmcli's). `llmcli serve` reads every one of them;
+# llama-server and vLLM read most; OpenAI itself refuses what it does not know, which says so rather than dropping it.
+WIRE_FIELDS: dict[str, str] = {name: "temperature" if name == "temp" else name
+                               for name in (*SETTING_FIELDS, "repetition_guard")}
+
 
 def greedy_without_end(end_of_generation: tuple[int, ...]) -> SamplingConfig:
     """Greedy with end-of-generation banned: every run yields exactly the tokens asked for (benchmarks)."""

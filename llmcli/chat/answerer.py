@@ -70,6 +70,7 @@ class Answerer(Protocol):
     options: PromptOptions
     history: list[Message]
     notices: list[str]  # for the user, printed by the CLI
+    not_sent: frozenset[str]  # settings this answerer cannot use (a server decides them itself)
 
     @property
     def where(self) -> str:
@@ -79,6 +80,11 @@ class Answerer(Protocol):
     @property
     def template_source(self) -> str | None:
         """The chat template's source (None: raw, or rendered by a server)."""
+        ...
+
+    @property
+    def template_system(self) -> str | None:
+        """The system prompt the chat template adds when none is given (None: it adds none, or a server renders)."""
         ...
 
     def ask(self, user_text: str, options: GenerationOptions, stable_text: str | None = None) -> Iterator[Token | Done | Notice]:

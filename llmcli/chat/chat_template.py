@@ -80,6 +80,22 @@ class ChatTemplate:
         return "".join(chunks)
 
 
+def default_system(template: ChatTemplate, bos_token: str = "", eos_token: str = "") -> str | None:
+    """The system prompt a template writes itself when the messages bring none (SmolLM2's "You are a helpful AI
+    assistant named SmolLM…"), found by rendering with and without one; None when it adds none."""
+    mark, given = "\ue000", "\ue001"  # private-use characters: no template writes them
+    alone = template.render([Message("user", mark)], bos_token, eos_token, add_generation_prompt=False)
+    with_one = template.render([Message("system", given), Message("user", mark)], bos_token, eos_token,
+                               add_generation_prompt=False)
+    if mark not in alone or given not in with_one:
+        return None
+    before, _, after = with_one[: with_one.index(mark)].partition(given)
+    prefix = alone[: alone.index(mark)]
+    if not prefix.startswith(before) or not prefix.endswith(after) or len(prefix) <= len(before) + len(after):
+        return None
+    return prefix[len(before) : len(prefix) - len(after)].strip() or None
+
+
 _HINT = "Use --raw to send the prompt as-is, or --chat-template-file FILE to supply a template."
 
 

@@ -27,7 +27,8 @@ from llmcli.chat.answerer import Answerer
 from llmcli.chat.chat_template import Message
 from llmcli.errors import UsageError
 from llmcli.file_hashes import remembered_sha256
-from llmcli.settings import SETTINGS, check_value, parse_text
+from llmcli.settings import SETTINGS, check_value, parse_text, show_value
+from llmcli.units import counted
 
 # What chat's /set may change: every setting marked for chat in the table.
 CHAT_SETTINGS = tuple(name for name, setting in SETTINGS.items() if setting.chat)
@@ -96,7 +97,8 @@ class Conversation:
             shifted = self.session.shift_for(text)
             how = ("" if shifted is None else "; the rest of the KV cache was shifted, not evaluated again" if shifted
                    else "; this model's KV cache cannot shift: the conversation is evaluated again")
-            yield Notice(f"context nearly full: dropped the {dropped} oldest exchange(s) (the system prompt is kept){how}")
+            yield Notice(f"context nearly full: dropped the {counted(dropped, 'oldest exchange')} "
+                         f"(the system prompt is kept){how}")
         for event in self.session.ask(text, self.generation):
             if isinstance(event, Done):
                 self.turn_stats.append(event)
@@ -171,7 +173,8 @@ class Conversation:
             changes = {"stops": tuple(parsed)} if key == "stop" else {key: parsed}
             self.generation = dataclasses.replace(self.generation, **changes)
         self._write({"type": "set", "name": key, "value": parsed})
-        return f"{setting.flag} = {parsed}"
+        unused = f" (not used: {self.session.where} decides it)" if key in self.session.not_sent else ""
+        return f"{setting.flag} = {show_value(parsed)}{unused}"
 
     # -- save, load, resume ----------------------------------------------------------------
 
@@ -208,21 +211,11 @@ class Conversation:
             if kind == "session":
                 self.system = record.get("system")
                 self.session.options = dataclasses.replace(self.session.options, system=self.system)
-            elif kind == "exchange":
-                reply = record["text"] if "text" in record else record["assistant"]  # older records: "assistant"
-                self.history.extend([Message("user", record["user"]),
-                                     Message("assistant", reply, bool(record.get("interrupted")))])
-            elif kind == "undo":
-                del self.history[-2:]
-            elif kind == "clear":
-                self.history.clear()
-            elif kind == "drop":
-                del self.history[: 2 * int(record.get("exchanges", 1))]
+            elif kind in _HISTORY_RECORDS:
+                apply_to_history(self.history, record)
             elif kind == "system":
                 self.system = record.get("system")
                 self.session.options = dataclasses.replace(self.session.options, system=self.system)
-            elif kind == "load":
-                self.history[:] = [Message(m["role"], m["content"], bool(m.get("interrupted"))) for m in record["messages"]]
             elif kind == "set" and record.get("name") not in self.pinned:
                 try:
                     value = record["value"]
@@ -230,6 +223,26 @@ class Conversation:
                 except UsageError:
                     pass
         self._started = True  # continue appending to the same file, without a second header
+
+
+_HISTORY_RECORDS = ("exchange", "undo", "clear", "drop", "load")
+
+
+def apply_to_history(history: list[Message], record: dict[str, Any]) -> None:
+    """What one record of a conversation file does to its messages: the one reading of the record, for
+    --resume and for the exchange counts --list shows."""
+    kind = record.get("type")
+    if kind == "exchange":
+        reply = record["text"] if "text" in record else record["assistant"]  # older records: "assistant"
+        history.extend([Message("user", record["user"]), Message("assistant", reply, bool(record.get("interrupted")))])
+    elif kind == "undo":
+        del history[-2:]
+    elif kind == "clear":
+        history.clear()
+    elif kind == "drop":
+        del history[: 2 * int(record.get("exchanges", 1))]
+    elif kind == "load":
+        history[:] = [Message(m["role"], m["content"], bool(m.get("interrupted"))) for m in record["messages"]]
 
 
 def find_conversation(which: str) -> Path:
@@ -272,18 +285,17 @@ def saved_conversations() -> list[SavedConversation]:
     folder = paths.conversations_dir()
     found = []
     for path in sorted(folder.glob("*.jsonl"), key=lambda p: p.stat().st_mtime) if folder.exists() else []:
-        model, exchanges, first = "", 0, ""
+        model, first = "", ""
+        history: list[Message] = []
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 record = json.loads(line)
-            except ValueError:
+                if record.get("type") == "session":
+                    model = str(record.get("model", ""))
+                elif record.get("type") in _HISTORY_RECORDS:
+                    apply_to_history(history, record)
+            except (ValueError, AttributeError, KeyError, TypeError):
                 continue
-            if not isinstance(record, dict):
-                continue
-            if record.get("type") == "session":
-                model = str(record.get("model", ""))
-            elif record.get("type") == "exchange":
-                exchanges += 1
-                first = first or str(record.get("user", ""))
-        found.append(SavedConversation(path.stem, path, path.stat().st_mtime, model, exchanges, first))
+            first = first or (history[0].content if history else "")
+        found.append(SavedConversation(path.stem, path, path.stat().st_mtime, model, len(history) // 2, first))
     return found

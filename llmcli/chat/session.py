@@ -122,6 +122,14 @@ class Session:
     def template_source(self) -> str | None:
         return self.template.source if self.template is not None else None
 
+    not_sent: frozenset[str] = frozenset()
+
+    @property
+    def template_system(self) -> str | None:
+        if self.template is None:
+            return None
+        return templates.default_system(self.template, self.engine.vocab.bos_text, self.engine.vocab.eos_text)
+
     def context(self) -> ContextInfo:
         if not self.history and not self.options.system:
             return ContextInfo(self.engine.n_ctx, 0, 0)

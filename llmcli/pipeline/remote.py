@@ -10,7 +10,7 @@ from llmcli.answer.constraint import Constraint
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.chat.answerer import Answerer, PromptOptions
-from llmcli.errors import ModelNotFoundError
+from llmcli.errors import ModelNotFoundError, UsageError
 from llmcli.interrupt import Cancellation
 from llmcli.pipeline import Pipeline, Request
 from llmcli.remote.client import Client, Endpoint
@@ -35,16 +35,42 @@ def open_remote(request: Request, effective: settings.Settings, constraint: Cons
         if model is None:
             raise ModelNotFoundError(f"{endpoint.url} lists no model", hint="Name one with -m.")
         defaults = {name: setting.default for name, setting in settings.SETTINGS.items()}
+        biases, unsent = _logit_bias(request.logit_bias)
         remote = RemoteRequest(model, defaults, constraint.grammar if not constraint.json else None,
-                               constraint.schema, constraint.json and constraint.schema is None)
+                               constraint.schema, constraint.json and constraint.schema is None, biases)
         sampling = SamplingConfig.from_settings(effective.values)  # checked as for a local model
         prompt = PromptOptions(effective["system"], request.raw, None, effective["on_overflow"], effective["think"])
         generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]),
-                                       Constraint(json=constraint.json, schema=constraint.schema))
+                                       Constraint(json=constraint.json, schema=constraint.schema),
+                                       effective["repetition_guard"])
     except BaseException:
         client.close()
         raise
     session = RemoteSession(client, remote, prompt)
+    unsent += [settings.SETTINGS[name].flag for name in sorted(session.not_sent)  # flags: the environment and config
+               if effective.sources[name].startswith("flag")]                   # files serve local runs as well
+    unsent += [flag for flag, given in (("--chat-template-file", request.template_file), ("--force", request.force))
+               if given]
+    if unsent:
+        session.notices.append(f"not used with --endpoint (the server decides): {', '.join(unsent)}")
     pipeline: Pipeline[Answerer] = Pipeline(effective, RemoteModel(model), session, generation, cancel)
     pipeline.resources.callback(session.close)
     return pipeline
+
+
+def _logit_bias(specs: tuple[str, ...]) -> tuple[dict[str, float], list[str]]:
+    """--logit-bias for a server: token ids with their bias in OpenAI's range (-100 bans); a token given as text
+    cannot be sent (the server's vocabulary is not here to find its id): those are returned, to be named."""
+    biases: dict[str, float] = {}
+    unsent: list[str] = []
+    for spec in specs:
+        token, _, bias_text = spec.rpartition("=")
+        try:
+            bias = float(bias_text)
+        except ValueError:
+            raise UsageError(f"--logit-bias {spec!r}: {bias_text!r} is not a number (or -inf)") from None
+        if token.isdigit():
+            biases[token] = max(-100.0, min(100.0, bias))
+        else:
+            unsent.append(f"--logit-bias {spec} (a token's text; give its id, from `llmcli tokenize`)")
+    return biases, unsent

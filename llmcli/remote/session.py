@@ -14,6 +14,7 @@ from typing import Any
 from llmcli.answer.batch_jsonl import BatchItem, Summary
 from llmcli.answer.events import Done, Notice, Token, answer_record
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.sampling_config import WIRE_FIELDS
 from llmcli.chat.answerer import (
     ContextInfo,
     ProgressCallback,
@@ -28,11 +29,11 @@ from llmcli.errors import LlmcliError, UsageError
 from llmcli.interrupt import Cancellation
 from llmcli.remote.client import Client, NetworkError, StreamedAnswer
 
-# llmcli settings -> the request fields OpenAI-compatible servers read (llama-server, vLLM and llmcli serve take
-# top_k, min_p and repeat_penalty too; OpenAI itself ignores what it does not know)
-FIELDS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-          "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-          "repeat_penalty": "repeat_penalty", "seed": "seed"}
+# What a server decides for itself: settings of a local model's engine, cache and context. Given for a run with
+# --endpoint, they are named in a notice, never dropped without a word.
+NOT_SENT = frozenset({"ctx_size", "threads", "batch_size", "mlock", "mmap", "speculate", "draft_model", "draft_max",
+                      "flash_attn", "kv_type", "prompt_cache", "prompt_cache_min", "prompt_cache_size", "hub_timeout",
+                      "on_overflow"})
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,18 @@ class RemoteRequest:
     grammar: str | None = None
     json_schema: Mapping[str, Any] | None = None
     json_object: bool = False
+    logit_bias: Mapping[str, float] = dataclasses.field(default_factory=dict)  # token id (as text) -> bias in [-100, 100]
 
-    def body(self, generation: GenerationOptions) -> dict[str, Any]:
+    def body(self, generation: GenerationOptions, think: bool | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model}
-        for name, field in FIELDS.items():  # from this answer's sampling: chat's /set changes it between turns
-            value = getattr(generation.sampling, name)
+        for name, field in WIRE_FIELDS.items():  # from this answer's options: chat's /set changes them between turns
+            value = generation.repetition_guard if name == "repetition_guard" else getattr(generation.sampling, name)
             if value is not None and (value != self.defaults.get(name) or name == "temp"):
                 body[field] = value
+        if self.logit_bias:
+            body["logit_bias"] = dict(self.logit_bias)
+        if think is not None:  # llama-server, vLLM and llmcli serve pass it to the chat template
+            body["chat_template_kwargs"] = {"enable_thinking": think}
         if generation.max_tokens:
             body["max_tokens"] = generation.max_tokens
         if generation.stops:
@@ -69,6 +75,8 @@ class RemoteSession:
     tell (the context, the template, a KV state to keep) is None or a clear error here."""
 
     template_source = None  # the server renders the prompt
+    template_system = None
+    not_sent = NOT_SENT
 
     def __init__(self, client: Client, request: RemoteRequest, options: PromptOptions):
         self.client, self.request, self.options = client, request, options
@@ -152,7 +160,7 @@ def exchange(session: RemoteSession, user_text: str, options: GenerationOptions,
     """One request and its streamed answer, as events; the Done carries the whole answer."""
     started = time.perf_counter()
     chat = not session.options.raw
-    body = session.request.body(options)
+    body = session.request.body(options, session.options.think if chat else None)
     if chat:
         messages = with_system(session.options.system, [*history, Message("user", user_text)])
         body["messages"] = [{"role": m.role, "content": m.content} for m in messages]

@@ -14,17 +14,15 @@ from llmcli.answer.constraint import build_constraint
 from llmcli.answer.events import Done
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.reasoning import opens_thinking
-from llmcli.answer.sampling_config import SamplingConfig
+from llmcli.answer.sampling_config import WIRE_FIELDS, SamplingConfig
 from llmcli.chat.answerer import RenderedPrompt
 from llmcli.chat.chat_template import Message
 from llmcli.errors import LlmcliError
 from llmcli.llama.schema_grammar import with_grammar
 from llmcli.settings import SETTINGS, check_value
 
-# OpenAI's names -> llmcli settings (llama-cpp-python and llama-server take the llmcli names as they are)
-FIELDS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "typical_p": "typical_p",
-          "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-          "repeat_penalty": "repeat_penalty", "seed": "seed", "mirostat": "mirostat"}
+# request fields -> llmcli settings: OpenAI's names, and llama-server's (llmcli's) for the rest
+FIELDS = {wire: name for name, wire in WIRE_FIELDS.items()}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 16
 # finish reasons as OpenAI clients know them (llmcli's own is in `timings.finish_reason`)
@@ -65,7 +63,7 @@ class Parsed:
 class Prompter:
     """How this server turns messages or a prompt into tokens (the model's template, its vocabulary)."""
 
-    render_chat: Callable[[list[Message]], RenderedPrompt]
+    render_chat: Callable[[list[Message], bool | None], RenderedPrompt]  # messages, --think (None: as the server's)
     tokenize: Callable[[str], list[int]]
     model_names: tuple[str, ...]  # what `model` may say (the first is the name /v1/models lists)
     defaults: Mapping[str, Any]  # the server's effective settings (its flags and config file)
@@ -135,8 +133,13 @@ def _render(body: Mapping[str, Any], chat: bool, prompter: Prompter) -> Rendered
         if role not in ROLES:
             raise ApiError(400, f"messages[{index}].role must be one of {', '.join(ROLES)}", param="messages")
         parsed.append(Message(ROLES[role], _content(message.get("content"), index)))
+    kwargs = body.get("chat_template_kwargs") or {}
+    think = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else None
+    if not isinstance(kwargs, dict) or not isinstance(think, (bool, type(None))):
+        raise ApiError(400, "chat_template_kwargs must be an object; its enable_thinking true or false",
+                       param="chat_template_kwargs")
     try:
-        return prompter.render_chat(parsed)
+        return prompter.render_chat(parsed, think)
     except LlmcliError as exc:  # the template refused the conversation
         raise ApiError(400, exc.message, param="messages") from None
 
@@ -152,6 +155,10 @@ def _content(content: Any, index: int) -> str:
 
 def _checked(setting_name: str, value: Any, param: str) -> Any:
     setting = SETTINGS[setting_name]
+    if setting.kind is bool:
+        if not isinstance(value, bool):
+            raise ApiError(400, f"{param} must be true or false", param=param)
+        return value
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (setting.kind is float or isinstance(value, int))
     if not ok:
         raise ApiError(400, f"{param} must be a number", param=param)

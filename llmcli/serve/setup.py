@@ -23,8 +23,9 @@ def open_server(request: Request, parallel: int, queue: int, max_body: int, max_
     session = pipeline.session
     engine = session.engine
 
-    def render_chat(messages: list[Message]) -> Any:
-        return render_prompt(session.template, engine.vocab, with_system(session.options.system, messages), session.options)
+    def render_chat(messages: list[Message], think: bool | None) -> Any:
+        options = session.options if think is None else dataclasses.replace(session.options, think=think)
+        return render_prompt(session.template, engine.vocab, with_system(options.system, messages), options)
 
     names = tuple(dict.fromkeys((pipeline.model.name, engine.path.stem, engine.path.name)))
     limits = Limits(engine.n_ctx, min(max_answer, engine.n_ctx), max_body, pipeline.generation.max_draft)
