@@ -74,3 +74,65 @@ def test_list_and_resume_count_the_same_exchanges():
     assert second.code == 0
     counts = sorted(c["exchanges"] for c in json.loads(run_cli("chat", "--list", "--json").stdout))
     assert counts == [1, 3]
+
+
+# 5. a context-overflow hint names the real cause and a fix within the trained context (SmolLM2: 8192)
+
+def _hint(result) -> str:
+    assert result.code == 6, result.stderr
+    return result.stderr
+
+
+def test_overflow_hints_name_the_cause_and_a_fix_that_works():
+    import re
+
+    huge = _hint(run_cli("run", "-q", input="word " * 20000))  # more than the model was trained on
+    assert "reads at most 8192" in huge and "--on-overflow truncate" in huge
+    assert all(int(n) <= 8192 for n in re.findall(r"--ctx-size (\d+)", huge)), huge
+    long = _hint(run_cli("run", "-q", "-c", "256", input="word " * 600))  # fits a larger context
+    assert "--ctx-size 1024 (the model was trained on 8192)" in long and "--on-overflow truncate" in long
+    for args in ((), ("--on-overflow", "truncate")):
+        too_many = _hint(run_cli("run", "-q", "-c", "256", "-n", "100000", *args, "hi"))  # -n is the cause
+        assert "-n 100000 does not fit" in too_many and "--on-overflow" not in too_many, too_many
+        assert "even an empty message" not in too_many and "-n 2" in too_many  # "-n 2xx or less"
+    cut = run_cli("run", "-q", "-c", "256", "-n", "4", "--on-overflow", "truncate", input="word " * 200000)
+    assert cut.code == 0 and "input truncated" in cut.stderr, cut.stderr  # 1 MB: cut before the template sees it
+
+
+# 7, 15, 16. each command offers the options that apply to it
+
+def _help(*command: str) -> str:
+    result = run_cli(*command, "--help")
+    assert result.code == 0, result.stderr
+    return result.stdout
+
+
+def test_help_offers_only_what_applies():
+    import socket
+
+    pull = _help("pull")
+    assert "--hub-timeout" in pull and "KV cache" not in pull and "stats line" not in pull
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        pulled = run_cli("pull", "--hub-timeout", "1.2", "someone/x-GGUF",
+                         env={"HF_ENDPOINT": f"http://127.0.0.1:{silent.getsockname()[1]}"})
+    assert pulled.code == 4 and "within 1.2 s" in pulled.stderr
+    serve = _help("serve")
+    assert "--endpoint" not in serve and "--endpoint-timeout" not in serve and "--reasoning" not in serve
+    for command in ("count", "tokenize"):
+        assert "--raw " not in _help(command)  # (the default without --chat)
+    label = run_cli("count", "--chat", "q").stderr
+    assert "chat prompt" in label
+    refused = run_cli("count", "-s", "Be brief.", "q")  # --system shapes only a chat prompt
+    assert refused.code == 2 and "add --chat" in refused.stderr
+
+
+def test_serve_ignores_a_config_file_endpoint(tmp_path):
+    from test_serve import start_server, stop_server
+
+    config = tmp_path / "config" / "llmcli" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text('endpoint = "http://127.0.0.1:9/v1"\n')
+    proc, url = start_server(tmp_path, "-c", "256")  # starts: the config file's endpoint is run's and chat's
+    stop_server(proc)

@@ -27,6 +27,7 @@ from llmcli.chat.answerer import (
     with_system,
 )
 from llmcli.chat.chat_template import ChatTemplate, Message
+from llmcli.context_budget import overflow
 from llmcli.decode import batch_run
 from llmcli.decode.prompt_cache import PromptCache
 from llmcli.decode.scheduler import Scheduler
@@ -84,6 +85,9 @@ def thinking_variables(think: bool | None) -> dict[str, bool]:
     """--think / --no-think as the templates of reasoning models read it: Qwen3's `enable_thinking`, Granite's
     `thinking`; nothing when not given (the template's own default)."""
     return {} if think is None else {"enable_thinking": think, "thinking": think}
+
+
+MAX_CHARS_PER_TOKEN = 64  # no vocabulary's token is longer: a message of more than n_ctx times this cannot fit
 
 
 class Session:
@@ -146,10 +150,10 @@ class Session:
         dropped = 0
         while len(self.render(user_text).tokens) + room > self.engine.n_ctx:
             if len(self.history) < 2:
-                raise ResourceError(
-                    f"this message does not fit the context of {self.engine.n_ctx} tokens even without history",
-                    hint="Use a larger --ctx-size or a shorter message.",
-                )
+                if self.options.on_overflow == "truncate":
+                    return dropped  # ask() truncates the message itself
+                raise overflow(len(self.render(user_text, []).tokens), max_tokens, self.engine.n_ctx,
+                               self.engine.n_ctx_train, reserve=room)
             del self.history[:2]
             dropped += 1
         return dropped
@@ -205,11 +209,12 @@ class Session:
             else:
                 low = drop + 1
         if best is None:
+            empty = len(self.render("").tokens)
+            if max_tokens and empty < self.engine.n_ctx:  # -n leaves no room for the message
+                raise overflow(empty, max_tokens, self.engine.n_ctx, self.engine.n_ctx_train, can_truncate=False)
             raise ResourceError(
-                f"even an empty message does not fit the context of {self.engine.n_ctx} tokens "
-                "(the system prompt and history are too long)",
-                hint="Use a larger --ctx-size or a shorter --system.",
-            )
+                f"the system prompt and history take {empty} tokens: no room is left for the message in the context "
+                f"of {self.engine.n_ctx} tokens", hint="Use a shorter --system, /clear in a chat, or a larger --ctx-size.")
         return best
 
     def ask(self, user_text: str, options: GenerationOptions, stable_text: str | None = None) -> Iterator[Token | Done | Notice]:
@@ -220,10 +225,17 @@ class Session:
         without the prompt cache: a state saved there and a later prompt evaluated from it give the same
         numbers (and greedy answers) as evaluating everything."""
         started = time.perf_counter()
-        prompt = self.render(user_text)
-        if self.options.on_overflow == "truncate" and not self._fits(prompt, options.max_tokens):
-            full = len(prompt.tokens)
-            user_text, prompt = self._truncate(user_text, options.max_tokens)
+        n_ctx, truncate = self.engine.n_ctx, self.options.on_overflow == "truncate"
+        too_long = len(user_text) > n_ctx * MAX_CHARS_PER_TOKEN  # it cannot fit: not given to the template whole
+        if too_long and not truncate:
+            raise overflow(len(self.engine.vocab.tokenize(user_text, add_special=False)), options.max_tokens, n_ctx,
+                           self.engine.n_ctx_train)
+        kept = user_text[-n_ctx * MAX_CHARS_PER_TOKEN :] if too_long else user_text
+        prompt = self.render(kept)
+        if truncate and (too_long or not self._fits(prompt, options.max_tokens)):
+            full = len(self.engine.vocab.tokenize(user_text, add_special=False)) if too_long else len(prompt.tokens)
+            user_text, prompt = self._truncate(kept, options.max_tokens)
+            stable_text = None  # the document's start is gone: the next question cuts it elsewhere
             yield Notice(
                 f"input truncated to fit the context of {self.engine.n_ctx} tokens: "
                 f"dropped {full - len(prompt.tokens)} tokens from the start of the message"

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmcli.cli import options as o
+from llmcli.settings import SETTINGS
 from llmcli.units import counted
 
 ReferenceArg = Annotated[str, typer.Argument(
@@ -22,7 +23,14 @@ def _aliases() -> dict[str, str]:
     return load_config_file().aliases
 
 
-def pull(reference: ReferenceArg, offline: o.OfflineOpt = False, force: o.ForceOpt = False, quiet: o.QuietOpt = False) -> None:
+PullForceOpt = Annotated[bool, typer.Option("--force", help="Download even a model too large for this machine's memory.")]
+PullQuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing when done (errors still).")]
+HubTimeoutOpt = o.setting_option(SETTINGS["hub_timeout"], panel=None)
+PullOfflineOpt = Annotated[bool, typer.Option("--offline", help="Only check the local cache; never contact the Hub.")]
+
+
+def pull(reference: ReferenceArg, offline: PullOfflineOpt = False, force: PullForceOpt = False, quiet: PullQuietOpt = False,
+         hub_timeout: HubTimeoutOpt = None) -> None:
     """Download a model into the cache (or check it is up to date), with progress on stderr."""
     from llmcli import settings
     from llmcli.cli import output
@@ -31,7 +39,8 @@ def pull(reference: ReferenceArg, offline: o.OfflineOpt = False, force: o.ForceO
 
     console = output.stderr_console()
     with output.download_progress() as progress:
-        timeout = settings.resolve({})["hub_timeout"]  # $LLMCLI_HUB_TIMEOUT, the config file, or the default
+        # the flag, else $LLMCLI_HUB_TIMEOUT, the config file, or the default
+        timeout = settings.resolve({"hub_timeout": hub_timeout})["hub_timeout"]
         fetch = Fetch(offline=offline, refresh=True, force=force, timeout=timeout, on_progress=progress,
                       on_waiting=output.waiting_for)
         resolved = models.resolve(reference, _aliases(), fetch)

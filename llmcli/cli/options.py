@@ -39,13 +39,13 @@ def complete_model(incomplete: str) -> list[str]:
 _EXTRAS: dict[str, dict[str, Any]] = {"model": {"autocompletion": complete_model}}
 
 
-def setting_option(setting: Setting) -> Any:
-    """The Typer option of one row of the settings table."""
+def setting_option(setting: Setting, panel: str | None = "") -> Any:
+    """The Typer option of one row of the settings table (in its help panel, or `panel`; None: no panel)."""
     kind: Any = {list: Optional[list[str]], bool: Optional[bool], int: Optional[int], float: Optional[float]}.get(
         setting.kind, Optional[str])
     choices = f" ({'|'.join(setting.choices)})" if setting.choices else ""
     help_text = f"{setting.help}{choices} [default: {setting.shown_default()}; env {setting.env}]"
-    option = typer.Option(*setting.flags, help=help_text, show_default=False, rich_help_panel=setting.panel,
+    option = typer.Option(*setting.flags, help=help_text, show_default=False, rich_help_panel=setting.panel if panel == "" else panel,
                           **_EXTRAS.get(setting.name, {}))
     return Annotated[kind, option]
 
@@ -81,7 +81,7 @@ FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", help="(json) The answer is one JSON value, checked when it ends (exit 8 if not).", show_default=False,
     rich_help_panel=_CONSTRAIN)]
 ApiKeyOpt = Annotated[Optional[str], typer.Option(
-    "--api-key", help="The API key of --endpoint's server, or the one `serve` requires ($LLMCLI_API_KEY).",
+    "--api-key", help="The API key of --endpoint's server ($LLMCLI_API_KEY).",
     show_default=False, rich_help_panel=MODEL)]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's own log on stderr.", rich_help_panel=ENGINE)]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Do not print the stats line on stderr.", rich_help_panel=OUTPUT)]
@@ -105,18 +105,20 @@ REQUEST_OPTIONS: dict[str, tuple[Any, Any]] = {
 }
 
 
-def with_settings(*, request: bool = True, only: tuple[str, ...] | None = None) -> Callable[[F], F]:
-    """Give a command `def cmd(explicit…, **given)` the options of every setting (or of those named in `only`)
-    and, with `request`, REQUEST_OPTIONS: Typer reads a command's options from its signature, so they are
-    added there, generated from the tables instead of written out in each command."""
+def with_settings(*, request: bool = True, only: tuple[str, ...] | None = None,
+                  exclude: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """Give a command `def cmd(explicit…, **given)` the options of every setting (or of those named in `only`, but
+    none in `exclude`: each command offers what applies to it) and, with `request`, REQUEST_OPTIONS (but `exclude`): Typer reads a
+    command's options from its signature, so they are added there, generated from the tables instead of written
+    out in each command. A setting left out is absent from `given`."""
 
     def decorate(command: F) -> F:
         explicit = [p for p in inspect.signature(command, eval_str=True).parameters.values()
                     if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        added = [(name, annotation, default) for name, (annotation, default) in REQUEST_OPTIONS.items()] if request else [
-            ("profile", ProfileOpt, None)]
+        added = [(name, annotation, default) for name, (annotation, default) in REQUEST_OPTIONS.items()
+                 if name not in exclude] if request else [("profile", ProfileOpt, None)]
         added += [(name, setting_option(setting), None) for name, setting in SETTINGS.items()
-                  if only is None or name in only]
+                  if (only is None or name in only) and name not in exclude]
         params = explicit + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
                              for name, annotation, default in added]
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
@@ -146,7 +148,7 @@ def build_request(given: Mapping[str, Any], parallel: int | None = None) -> Requ
         json_schema=given["json_schema"],
         output_format=given["output_format"],
         verbose=given["verbose"],
-        api_key=given["api_key"],
+        api_key=given.get("api_key"),  # (serve's own --api-key is the key requests bring, not this)
         offline=given["offline"],
         force=given["force"],
         shape=Shape(parallel, batch=True) if parallel is not None else Shape(),

@@ -12,6 +12,12 @@ from llmcli.cli import options as o
 from llmcli.errors import UsageError
 
 _SERVER = "Server"
+# settings of a client, not of a server: serve always answers with its local model (a config file's endpoint, which
+# points run and chat at a server, is not serve's), and where thinking goes is the client's to choose
+SERVE_SKIPS = ("endpoint", "endpoint_timeout", "reasoning", "api_key")  # (serve's --api-key is its own)
+ServeKeyOpt = Annotated[Optional[str], typer.Option(
+    "--api-key", help="The key every request must bring as `Authorization: Bearer KEY` ($LLMCLI_API_KEY).",
+    show_default=False, rich_help_panel=_SERVER)]
 HostOpt = Annotated[str, typer.Option("--host", help="Address to listen on; anything but loopback needs --api-key "
                                       "(or --insecure).", rich_help_panel=_SERVER)]
 PortOpt = Annotated[int, typer.Option("--port", min=0, max=65535, help="Port (0: any free one, printed).",
@@ -29,7 +35,7 @@ MaxAnswerOpt = Annotated[int, typer.Option("--max-answer", min=1, help="The most
                                            rich_help_panel=_SERVER)]
 
 
-@o.with_settings()
+@o.with_settings(exclude=SERVE_SKIPS)
 def serve(
     *,
     host: HostOpt = "127.0.0.1",
@@ -39,6 +45,7 @@ def serve(
     insecure: InsecureOpt = False,
     max_body: MaxBodyOpt = 1 << 20,
     max_answer: MaxAnswerOpt = 4096,
+    api_key: ServeKeyOpt = None,
     **given: Any,
 ) -> None:
     """Serve the model over HTTP, as OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models, /health.
@@ -46,7 +53,7 @@ def serve(
     The settings (temperature, -n, stop sequences, …) are the defaults of requests that do not say otherwise;
     --api-key (or $LLMCLI_API_KEY) is the key every request must bring.
     """
-    api_key = given["api_key"] or os.environ.get("LLMCLI_API_KEY") or None
+    api_key = api_key or os.environ.get("LLMCLI_API_KEY") or None
     if not _loopback(host) and api_key is None and not insecure:
         raise UsageError(f"--host {host} is reachable from other machines: give --api-key (or $LLMCLI_API_KEY)",
                          hint="Or --insecure to serve without a key on purpose.")
@@ -62,8 +69,6 @@ def serve(
 
     _check_listen(host, port)  # before the model loads: a taken port is a one-line error, not uvicorn's
     request = o.build_request(given)
-    if settings_endpoint(request):
-        raise UsageError("serve answers with a local model: drop --endpoint (or the config file's endpoint)")
     with output.download_progress() as progress:
         slots, prompter, pipeline = open_server(request, parallel, queue if queue is not None else 4 * parallel,
                                                 max_body, max_answer, progress)
@@ -79,13 +84,6 @@ def serve(
         server.config.callback_notify = None
         _announce(server, console, prompter.model_names[0], parallel, prompter.limits.n_ctx, api_key is not None)
         server.run()
-
-
-def settings_endpoint(request: Any) -> str | None:
-    from llmcli import settings
-
-    endpoint: str | None = settings.resolve(request.settings, request.profile)["endpoint"]
-    return endpoint
 
 
 def _check_listen(host: str, port: int) -> None:

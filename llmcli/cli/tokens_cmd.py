@@ -34,7 +34,6 @@ def count(
     files: FilesArg = None,
     *,
     chat: ChatOpt = False,
-    raw: o.RawOpt = False,
     chat_template_file: o.TemplateFileOpt = None,
     offline: o.OfflineOpt = False,
     as_json: CountJsonOpt = False,
@@ -43,8 +42,9 @@ def count(
     """Count tokens: per file and in total, against the context size; only the vocabulary is loaded."""
     from llmcli.cli import output
 
+    _check_chat_only(given, chat, chat_template_file)
     inputs = _inputs(files, chat)
-    with _tokenizer(given, raw, chat_template_file, offline) as tokenizer:
+    with _tokenizer(given, chat, chat_template_file, offline) as tokenizer:
         counted = [(name, len(tokenizer.chat(text).tokens if chat else tokenizer.raw(text))) for name, text in inputs]
         _notices(tokenizer, chat)
     total = sum(n for _, n in counted)
@@ -62,7 +62,8 @@ def count(
         print(f"{total:>{width}}  total")
     verdict = f"fits ({tokenizer.n_ctx - total} left)" if fits else f"does not fit ({total - tokenizer.n_ctx} over)"
     output.stderr_console().print(f"{total} tokens ({tokenizer.model.name}, "
-                                  f"{'chat prompt' if chat else 'as-is'}), context {tokenizer.n_ctx}: {verdict}",
+                                  f"{'chat prompt' if chat and tokenizer.template else 'as-is'}), "
+                                  f"context {tokenizer.n_ctx}: {verdict}",
                                   style="dim")
 
 
@@ -71,7 +72,6 @@ def tokenize(
     text: TextArg = None,
     *,
     chat: ChatOpt = False,
-    raw: o.RawOpt = False,
     chat_template_file: o.TemplateFileOpt = None,
     offline: o.OfflineOpt = False,
     as_json: TokenizeJsonOpt = False,
@@ -80,8 +80,9 @@ def tokenize(
     """Show the tokens of a text: id and piece (bytes that are not UTF-8 as \\xNN); only the vocabulary is loaded."""
     from llmcli.cli import output
 
+    _check_chat_only(given, chat, chat_template_file)
     ((_, message),) = _inputs([text] if text is not None else None, chat=True)
-    with _tokenizer(given, raw, chat_template_file, offline) as tokenizer:
+    with _tokenizer(given, chat, chat_template_file, offline) as tokenizer:
         ids = tokenizer.chat(message).tokens if chat else tokenizer.raw(message)
         vocab = tokenizer.vocabulary.vocab
         pieces = [show_piece(vocab.piece(token, special=True)) for token in ids]
@@ -99,12 +100,22 @@ def show_piece(piece: bytes) -> str:
     return piece.decode("utf-8", "backslashreplace")
 
 
-def _tokenizer(given: dict[str, Any], raw: bool, template_file: Path | None, offline: bool) -> Tokenizer:
+def _tokenizer(given: dict[str, Any], chat: bool, template_file: Path | None, offline: bool) -> Tokenizer:
+    """The model's vocabulary (and, with --chat, its template)."""
     from llmcli.pipeline import Request
     from llmcli.pipeline.local import open_tokenizer
 
-    return open_tokenizer(Request(settings=o.given_settings(given), profile=given["profile"], raw=raw,
+    return open_tokenizer(Request(settings=o.given_settings(given), profile=given["profile"], raw=not chat,
                                   template_file=template_file, offline=offline))
+
+
+def _check_chat_only(given: dict[str, Any], chat: bool, template_file: Path | None) -> None:
+    """Without --chat the text is counted as-is: what only shapes a chat prompt is refused rather than ignored."""
+    chat_only = [flag for flag, value in (("--system", given["system"]), ("--think/--no-think", given["think"]),
+                                          ("--chat-template-file", template_file)) if value is not None]
+    if chat_only and not chat:
+        raise UsageError(f"{', '.join(chat_only)} shape the chat prompt: add --chat",
+                         hint="Without --chat the text is taken as-is (as `run --raw` sends it).")
 
 
 def _notices(tokenizer: Tokenizer, chat: bool) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import llama_cpp
 
 from llmcli.answer.sampling_config import SamplingConfig
+from llmcli.context_budget import overflow
 from llmcli.core_share import CoreShare
 from llmcli.cpu_topology import physical_cores
 from llmcli.errors import IntegrityError, LlmcliError, ResourceError
@@ -236,14 +237,8 @@ class Engine:
         return Sampler(sampling, self.vocab.handle, seed, self._ctx, self.n_ctx)
 
     def check_budget(self, n_prompt: int, max_tokens: int | None) -> None:
-        needed = n_prompt + (max_tokens or 1)
-        if needed > self.n_ctx:
-            what = f"{n_prompt} prompt tokens" + (f" + {max_tokens} max tokens" if max_tokens else "")
-            raise ResourceError(
-                f"{what} do not fit the context window of {self.n_ctx} tokens",
-                hint=f"Use --ctx-size {1 << max(8, (needed - 1).bit_length())} (the model was trained on {self.n_ctx_train}), "
-                "a shorter input, a smaller -n, or --on-overflow truncate.",
-            )
+        if n_prompt + (max_tokens or 1) > self.n_ctx:
+            raise overflow(n_prompt, max_tokens, self.n_ctx, self.n_ctx_train)
 
     def prefill(self, prompt: Sequence[int], start: int = 0) -> bool:
         """Evaluate prompt[start:] into sequence 0 in batches of n_batch; False when Ctrl-C aborted it

@@ -1,0 +1,37 @@
+"""When a prompt and its answer do not fit the context: the one message that names the real cause (the prompt, or
+-n) and a fix that works within what the model was trained on."""
+
+from __future__ import annotations
+
+from llmcli.errors import ResourceError
+
+
+def _ctx_for(needed: int, n_ctx_train: int) -> int:
+    """The --ctx-size to suggest: a power of two that holds `needed`, never past the trained context."""
+    size = 1 << max(8, (needed - 1).bit_length())
+    return min(size, n_ctx_train) if n_ctx_train else size
+
+
+def overflow(n_prompt: int, max_tokens: int | None, n_ctx: int, n_ctx_train: int, *, reserve: int = 1,
+             can_truncate: bool = True) -> ResourceError:
+    """`n_prompt` tokens plus `max_tokens` (else `reserve`, the room a chat keeps for an answer) do not fit `n_ctx`:
+    why, and what to do. `can_truncate`: --on-overflow truncate would help (it drops the start of the input)."""
+    limit = n_ctx_train or None  # 0: the model does not say
+    if max_tokens and n_prompt < n_ctx:  # the prompt fits: -n is what does not
+        room = n_ctx - n_prompt
+        fixes = [f"-n {room} or less", "no -n (the answer stops when the context is full)"]
+        if limit is None or n_prompt + max_tokens <= limit:
+            fixes.insert(1, f"--ctx-size {_ctx_for(n_prompt + max_tokens, n_ctx_train)}")
+        return ResourceError(f"-n {max_tokens} does not fit: the prompt takes {n_prompt} of the context's {n_ctx} tokens, "
+                             f"leaving {room} for the answer", hint="Use " + ", ".join(fixes[:-1]) + f", or {fixes[-1]}.")
+    needed = n_prompt + (max_tokens or reserve)
+    truncate = ", or --on-overflow truncate (keeps the end of the input)" if can_truncate else ""
+    message = f"the prompt is {n_prompt} tokens; the context holds {n_ctx}" + (
+        f", {reserve} of them kept for the answer" if not max_tokens and reserve > 1 else "")
+    if limit is None or needed <= limit:
+        trained = f" (the model was trained on {limit})" if limit else ""
+        return ResourceError(message, hint=f"Use --ctx-size {_ctx_for(needed, n_ctx_train)}{trained}, a shorter input"
+                             f"{truncate}.")
+    widest = f" --ctx-size {limit} keeps the most of it." if can_truncate and n_ctx < limit else ""
+    return ResourceError(f"{message}, and the model reads at most {limit} (its trained context)",
+                         hint=f"Use a shorter input{truncate}.{widest}")
