@@ -70,8 +70,8 @@ def load(name: str, config: settings.ConfigFile | None = None) -> PromptTemplate
     return parse(name, table)
 
 
-def parse(name: str, table: Mapping[str, Any]) -> PromptTemplate:
-    where = f"config file {paths.config_file()}: [templates.{name}]"
+def parse(name: str, table: Mapping[str, Any], where: str | None = None) -> PromptTemplate:
+    where = where or f"config file {paths.config_file()}: [templates.{name}]"
     texts: dict[str, str | None] = {}
     values: dict[str, Any] = {}
     for key, value in table.items():
@@ -122,3 +122,45 @@ def remove(name: str) -> None:
         del document["templates"][name]
 
     edit_document(change)
+
+
+def as_text(name: str) -> str:
+    """`[templates.NAME]` alone, as TOML to edit (comments and layout as saved); a new template starts as `$input`."""
+    import tomlkit
+
+    config = settings.load_config_file()
+    table = config.templates.get(name)
+    document = tomlkit.document()
+    templates = tomlkit.table(is_super_table=True)
+    if table is None:
+        table = {"prompt": "$input"}
+    else:
+        path = paths.config_file()
+        table = tomlkit.parse(path.read_text(encoding="utf-8"))["templates"][name]  # its comments too
+    templates[name] = table
+    document["templates"] = templates
+    return tomlkit.dumps(document)
+
+
+def replace_from_text(name: str, text: str) -> PromptTemplate:
+    """The edited `[templates.NAME]` back into the config file, checked first: a broken edit changes nothing."""
+    import tomlkit
+    from tomlkit.exceptions import TOMLKitError
+
+    from llmcli.config_edit import check_name, edit_document
+
+    check_name(name, "template")
+    try:
+        edited = tomlkit.parse(text)
+    except TOMLKitError as exc:
+        raise UsageError(f"the edited template {name!r} is not valid TOML ({exc}); the config file is unchanged") from None
+    tables = edited.get("templates")
+    if set(edited) != {"templates"} or not isinstance(tables, dict) or set(tables) != {name}:
+        raise UsageError(f"the edit must hold only [templates.{name}]; the config file is unchanged")
+    template = parse(name, tables[name].unwrap(), f"the edited [templates.{name}] (the config file is unchanged)")
+
+    def change(document: Any) -> None:
+        document.setdefault("templates", tomlkit.table(is_super_table=True))[name] = tables[name]
+
+    edit_document(change)
+    return template

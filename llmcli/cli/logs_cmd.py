@@ -29,9 +29,9 @@ def _since(text: str) -> float:
 def logs(
     ctx: typer.Context,
     count: Annotated[int, typer.Option("--count", "-n", min=1, help="How many, newest first.")] = 10,
-    query: Annotated[Optional[str], typer.Option("--query", "-q", help="Full-text search of prompts, answers and "
-                                                 "reasoning (SQLite FTS5 syntax: words, \"a phrase\", OR, prefix*).",
-                                                 show_default=False)] = None,
+    query: Annotated[Optional[str], typer.Option("--query", "-q", help="Search prompts, answers and reasoning: words "
+                                                 "match as typed (what?, C++, it's); \"a phrase\", a OR b, NOT, prefix* "
+                                                 "are the search syntax (SQLite FTS5).", show_default=False)] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Only this model's answers.",
                                                  show_default=False)] = None,
     since: Annotated[Optional[str], typer.Option("--since", help="Only answers since a date or an age (7d).",
@@ -47,17 +47,20 @@ def logs(
     from llmcli.cli import output
     from llmcli.store.answer_log import AnswerLog
 
-    if not paths.answer_log_file().exists():
-        if as_json:
-            output.print_json([])
-        return
-    try:
-        with AnswerLog(paths.answer_log_file()) as log:
-            found = log.find(count, query, model, _since(since) if since else None)
-    except sqlite3.OperationalError as exc:
-        raise UsageError(f"cannot search the log: {exc}", hint='FTS5 syntax: words, "a phrase", a OR b, prefix*') from None
+    found = []
+    if paths.answer_log_file().exists():
+        try:
+            with AnswerLog(paths.answer_log_file()) as log:
+                found = log.find(count, query, model, _since(since) if since else None)
+        except sqlite3.OperationalError as exc:  # a damaged log: SQLite's own words are all there is to say
+            raise UsageError(f"cannot read the log {paths.answer_log_file()}: {exc}") from None
     if as_json:
         output.print_json(found)
+        return
+    if not found:
+        filtered = query or model or since
+        output.stderr_console().print("no answer matches" if filtered else "the log is empty" + (
+            "" if paths.answer_log_file().exists() else f" (nothing logged yet at {paths.answer_log_file()})"))
         return
     for record in reversed(found):
         print(f"# {record['time']} · {record['model']} · {record['kind']} · id {record['id']}"

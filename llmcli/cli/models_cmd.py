@@ -25,7 +25,9 @@ def _aliases() -> dict[str, str]:
 
 PullForceOpt = Annotated[bool, typer.Option("--force", help="Download even a model too large for this machine's memory.")]
 PullQuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing when done (errors still).")]
-HubTimeoutOpt = o.setting_option(SETTINGS["hub_timeout"], panel=None)
+HubTimeoutOpt = Annotated[Optional[float], typer.Option(
+    "--hub-timeout", help=f"{SETTINGS['hub_timeout'].help} [default: {SETTINGS['hub_timeout'].shown_default()}; env "
+    f"{SETTINGS['hub_timeout'].env}]", show_default=False)]
 PullOfflineOpt = Annotated[bool, typer.Option("--offline", help="Only check the local cache; never contact the Hub.")]
 
 

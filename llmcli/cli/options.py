@@ -39,14 +39,14 @@ def complete_model(incomplete: str) -> list[str]:
 _EXTRAS: dict[str, dict[str, Any]] = {"model": {"autocompletion": complete_model}}
 
 
-def setting_option(setting: Setting, panel: str | None = "") -> Any:
-    """The Typer option of one row of the settings table (in its help panel, or `panel`; None: no panel)."""
+def setting_option(setting: Setting) -> Any:
+    """The Typer option of one row of the settings table."""
     kind: Any = {list: Optional[list[str]], bool: Optional[bool], int: Optional[int], float: Optional[float]}.get(
         setting.kind, Optional[str])
     choices = f" ({'|'.join(setting.choices)})" if setting.choices else ""
     help_text = f"{setting.help}{choices} [default: {setting.shown_default()}; env {setting.env}]"
-    option = typer.Option(*setting.flags, help=help_text, show_default=False, rich_help_panel=setting.panel if panel == "" else panel,
-                          **_EXTRAS.get(setting.name, {}))
+    option = typer.Option(*setting.flags, help=help_text, show_default=False,
+                          rich_help_panel=setting.panel, **_EXTRAS.get(setting.name, {}))
     return Annotated[kind, option]
 
 

@@ -21,7 +21,12 @@ def list_templates() -> None:
     """Every template: its name and the start of its prompt or system prompt."""
     from llmcli.saved_templates import all_templates
 
-    for template in all_templates():
+    templates = all_templates()
+    if not templates:
+        from llmcli.cli import output
+
+        output.stderr_console().print('no templates saved yet (llmcli run --save NAME -s "…" "… $input …")')
+    for template in templates:
         text = (template.prompt or template.system or "").replace("\n", " ")
         print(f"{template.name:<20} {text[:70]}{'…' if len(text) > 70 else ''}")
 
@@ -43,17 +48,23 @@ def show(name: NameArg) -> None:
 
 @app.command("edit")
 def edit(name: NameArg) -> None:
-    """Open the config file in $EDITOR (the template is added first if it is new), then check it."""
-    from llmcli import paths
-    from llmcli.saved_templates import PromptTemplate, load, save
-    from llmcli.settings import load_config_file
+    """Open the template (a new one starts as `prompt = "$input"`) in $VISUAL or $EDITOR; it is checked and saved
+    back into the config file when the editor exits, the rest of the file untouched."""
+    import tempfile
+    from pathlib import Path
 
-    if name not in load_config_file().templates:
-        save(PromptTemplate(name, None, "$input"))
+    from llmcli.config_edit import check_name
+    from llmcli.saved_templates import as_text, replace_from_text
+
+    check_name(name, "template")
     editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
-    if subprocess.call([*shlex.split(editor), str(paths.config_file())]) != 0:
-        raise UsageError(f"{editor} exited with an error; the config file may not be saved")
-    load(name)  # one-line error if the edit broke it
+    with tempfile.TemporaryDirectory(prefix="llmcli-template-") as folder:
+        path = Path(folder) / f"{name}.toml"
+        path.write_text(as_text(name), encoding="utf-8")
+        if subprocess.call([*shlex.split(editor), str(path)]) != 0:
+            raise UsageError(f"{editor} exited with an error; the template is unchanged")
+        template = replace_from_text(name, path.read_text(encoding="utf-8"))
+    print(f"saved template {template.name}")
 
 
 @app.command("rm")

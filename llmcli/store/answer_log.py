@@ -8,12 +8,15 @@ one warning. The schema carries its version (`PRAGMA user_version`) and `MIGRATI
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from llmcli.errors import UsageError
 
 BUSY_TIMEOUT_S = 10.0
 MIGRATIONS = (  # MIGRATIONS[n] takes a database from version n to n + 1 (idempotent: two processes may both run it)
@@ -105,7 +108,7 @@ class AnswerLog:
         args: list[Any] = []
         if text:
             where.append("a.id IN (SELECT rowid FROM answers_fts WHERE answers_fts MATCH ?)")
-            args.append(text)
+            args.append(fts_query(text))
         if model:
             where.append("a.model = ?")
             args.append(model)
@@ -116,7 +119,12 @@ class AnswerLog:
             where.append("a.conversation_id = ?")
             args.append(conversation_id)
         sql = "SELECT * FROM answers a" + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY a.id DESC LIMIT ?"
-        rows = self.db.execute(sql, [*args, limit]).fetchall()
+        try:
+            rows = self.db.execute(sql, [*args, limit]).fetchall()
+        except sqlite3.OperationalError as exc:
+            if not text or "fts5" not in str(exc) and "syntax" not in str(exc):
+                raise
+            raise UsageError(f"cannot search for {text!r}: {QUERY_HELP}") from None
         return [_record(row) for row in rows]
 
     def latest_conversation(self) -> str | None:
@@ -131,6 +139,28 @@ class AnswerLog:
 
     def count(self) -> int:
         return int(self.db.execute("SELECT count(*) FROM answers").fetchone()[0])
+
+
+QUERY_HELP = 'words match as typed; "a phrase", OR, AND, NOT and pre* are the search syntax'
+_QUERY_PART = re.compile(r'"[^"]*"|\S+')
+_OPERATORS = ("OR", "AND", "NOT")
+_PREFIX = re.compile(r"\w+\*", re.UNICODE)
+
+
+def fts_query(text: str) -> str:
+    """Everyday text as an FTS5 query: every word is searched for literally (`what?`, `a-b`, `it's`, `C++` are no
+    syntax); quoted phrases, OR/AND/NOT and `pre*` keep their FTS5 meaning. UsageError on an unbalanced quote."""
+    if text.count('"') % 2:
+        raise UsageError(f"cannot search for {text!r}: a quote is not closed; {QUERY_HELP}")
+    parts = []
+    for part in _QUERY_PART.findall(text):
+        if part.startswith('"') or part in _OPERATORS:
+            parts.append(part)
+        elif _PREFIX.fullmatch(part):
+            parts.append(f'"{part[:-1]}"*')
+        else:
+            parts.append('"' + part.replace('"', '""') + '"')
+    return " ".join(parts)
 
 
 def _record(row: sqlite3.Row) -> dict[str, Any]:
