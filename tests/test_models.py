@@ -28,6 +28,7 @@ def hub(smollm2: Path, shards: list[Path], serve_hub) -> FakeHub:
         "someone/no-preferred-GGUF": {"model-Q3_K_XL.gguf": smollm2, "model-IQ2_M.gguf": smollm2},
         "someone/split-GGUF": {p.name: p for p in shards},
         "meta/gated-GGUF": {"gated-Q4_K_M.gguf": smollm2},
+        "bartowski/SmolLM2-360M-Instruct-GGUF": {"SmolLM2-360M-Instruct-Q4_K_M.gguf": smollm2},  # (a stand-in)
     }, gated=("meta/gated-GGUF",))
 
 
@@ -232,8 +233,10 @@ def test_aliases_from_config_and_built_in(hub, cli, tmp_path):
     result = cli("pull", "tiny", env={"LLMCLI_CONFIG": str(config)})
     assert result.code == 0, result.stderr
     assert result.stderr.startswith(f"{REPO}:Q2_K ready")
-    builtin = cli("pull", "smollm2-135m")  # bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M
-    assert builtin.code == 0 and builtin.stderr.startswith(f"{REPO}:Q4_K_M ready")
+    builtin = cli("pull", "smollm2-360m")  # bartowski/SmolLM2-360M-Instruct-GGUF:Q4_K_M
+    assert builtin.code == 0 and builtin.stderr.startswith("bartowski/SmolLM2-360M-Instruct-GGUF:Q4_K_M ready")
+    packaged = cli("pull", "smollm2-135m")  # the installed starter model answers to its alias: nothing to download
+    assert packaged.code == 0 and packaged.stderr.startswith("smollm2 ready")
 
 
 def test_cache_dir_option(hub, cli, tmp_path):

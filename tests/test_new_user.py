@@ -88,7 +88,9 @@ def test_a_packaged_model_that_is_not_installed_names_its_extra():
             "import sys; sys.argv = ['llmcli', 'run', '-m', 'gemma3-270m', 'hi']; from llmcli.cli import main; main()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
     assert proc.returncode == 3
-    assert "gemma3-270m is not installed" in proc.stderr and 'pip install "llmcli[gemma]"' in proc.stderr
+    from llmcli.install_hint import install_hint
+
+    assert "gemma3-270m is not installed" in proc.stderr and f"Hint: {install_hint('gemma')}" in proc.stderr
 
 
 def test_gemma_is_listed_before_first_use_and_its_assembled_copy_can_be_removed(isolated_env):

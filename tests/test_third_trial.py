@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from conftest import run_cli
@@ -173,3 +174,33 @@ def test_templates_edit_opens_the_template_and_keeps_the_rest(isolated_env, tmp_
     broken = run_cli("templates", "edit", "sum", env={"EDITOR": "sh -c 'echo \"bogus = 1\" >> \"$0\"'", "VISUAL": ""})
     assert broken.code == 2 and "unchanged" in broken.stderr
     assert config.read_text().endswith("temp = 0.3\n")
+
+
+# 9. an extra's hint installs into this llmcli's own environment
+
+def test_extra_hints_follow_how_llmcli_was_installed(monkeypatch, tmp_path):
+    from llmcli import install_hint as hints
+
+    root = str(Path(__file__).resolve().parents[1])
+    hint = hints.install_hint("serve")
+    assert "'llmcli[serve]'" not in hint or root not in hint
+    if hints._source()[0] is not None:  # installed from this clone (CI: pip install -e ".[dev]")
+        assert f"{root}[serve]" in hint and "-e " in hint
+    assert hint.split(" install ")[0] in ("pip", f"{sys.executable} -m pip")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    (tmp_path / "pipx_metadata.json").write_text("{}")  # what pipx writes beside each app's venv
+    assert hints.install_hint("serve").startswith("pipx inject llmcli 'starlette>=")
+    assert "uvicorn" in hints.install_hint("serve")
+
+
+# friction: one name, one model; the README lists every built-in alias
+
+def test_the_builtin_alias_of_the_installed_model_needs_no_download():
+    from llmcli.store.models import ALIASES
+
+    by_alias = run_cli("run", "-m", "smollm2-135m", "--temp", "0", "-n", "4", "--json", "hi", env={"HF_HUB_OFFLINE": "1"})
+    by_package = run_cli("run", "-m", "smollm2", "--temp", "0", "-n", "4", "--json", "hi")
+    assert by_alias.code == 0, by_alias.stderr
+    assert json.loads(by_alias.stdout)["text"] == json.loads(by_package.stdout)["text"]
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert all(f"`{alias}`" in readme for alias in ALIASES)

