@@ -204,3 +204,17 @@ def test_the_builtin_alias_of_the_installed_model_needs_no_download():
     assert json.loads(by_alias.stdout)["text"] == json.loads(by_package.stdout)["text"]
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert all(f"`{alias}`" in readme for alias in ALIASES)
+
+
+# 10. completion offers an option's choices, not files
+
+def test_completion_offers_the_choices_of_an_option():
+    def complete(words: str) -> list[str]:
+        cword = str(len(words.split()) - (0 if words.endswith(" ") else 1))
+        return run_cli(env={"_LLMCLI_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": cword}).stdout.split()
+
+    assert complete("llmcli run --speculate ") == ["auto", "lookup", "draft", "off"]
+    assert complete("llmcli chat --kv-type q") == ["q8_0", "q4_0"]
+    assert complete("llmcli run --reasoning s") == ["show", "stderr", "stdout"]
+    assert complete("llmcli bench --format ") == ["md", "json", "csv"]
+    assert complete("llmcli embed --format ") == ["jsonl", "npy"]

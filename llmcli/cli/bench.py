@@ -11,6 +11,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmcli.bench.plan import BenchPlan
+from llmcli.cli.options import complete_choices
 from llmcli.errors import UsageError
 
 app = typer.Typer(help="Measure prefill/decode speed, TTFT and the Python layer's overhead.")
@@ -69,7 +70,8 @@ def bench(
         "--parallel N: the aggregate rate of N answers at once).", show_default=False)] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="The --endpoint's API key ($LLMCLI_API_KEY).",
                                                    show_default=False)] = None,
-    output_format: Annotated[str, typer.Option("--format", "-o", help="md, json or csv.")] = "md",
+    output_format: Annotated[str, typer.Option("--format", "-o", help="md, json or csv.",
+                                               autocompletion=complete_choices(("md", "json", "csv")))] = "md",
 ) -> None:
     """Run the benchmark (the default when no subcommand is given)."""
     if ctx.invoked_subcommand is not None:

@@ -21,7 +21,8 @@ InputOpt = Annotated[Optional[Path], typer.Option(
     "--input", "-i", help="JSONL in (`-`: stdin): each object gets an `embedding` (or an `error`), in input order.",
     show_default=False)]
 FieldOpt = Annotated[str, typer.Option("--field", help="The field of each JSONL object that holds its text.")]
-FormatOpt = Annotated[str, typer.Option("--format", help="jsonl (one object per text) or npy (one float32 array).")]
+FormatOpt = Annotated[str, typer.Option("--format", help="jsonl (one object per text) or npy (one float32 array).",
+                                        autocompletion=o.complete_choices(("jsonl", "npy")))]
 PoolingOpt = Annotated[str, typer.Option(
     "--pooling", help="model (its own pooling, else mean), mean, cls or last.")]
 NormalizeOpt = Annotated[bool, typer.Option("--normalize/--no-normalize", help="Scale each vector to length 1.")]

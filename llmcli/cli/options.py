@@ -35,6 +35,11 @@ def complete_model(incomplete: str) -> list[str]:
     return [name for name in catalog.known_names(aliases) if name.lower().startswith(incomplete.lower())]
 
 
+def complete_choices(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """Shell completion for an option that takes one of `choices` (not the files a shell offers by default)."""
+    return lambda incomplete: [choice for choice in choices if choice.startswith(incomplete)]
+
+
 # What the table cannot say about a setting's option: the CLI-only extras.
 _EXTRAS: dict[str, dict[str, Any]] = {"model": {"autocompletion": complete_model}}
 
@@ -45,8 +50,8 @@ def setting_option(setting: Setting) -> Any:
         setting.kind, Optional[str])
     choices = f" ({'|'.join(setting.choices)})" if setting.choices else ""
     help_text = f"{setting.help}{choices} [default: {setting.shown_default()}; env {setting.env}]"
-    option = typer.Option(*setting.flags, help=help_text, show_default=False,
-                          rich_help_panel=setting.panel, **_EXTRAS.get(setting.name, {}))
+    extras = _EXTRAS.get(setting.name) or ({"autocompletion": complete_choices(setting.choices)} if setting.choices else {})
+    option = typer.Option(*setting.flags, help=help_text, show_default=False, rich_help_panel=setting.panel, **extras)
     return Annotated[kind, option]
 
 
@@ -79,7 +84,7 @@ JsonSchemaOpt = Annotated[Optional[str], typer.Option(
     "ends (exit 8 if not).", show_default=False, rich_help_panel=_CONSTRAIN)]
 FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", help="(json) The answer is one JSON value, checked when it ends (exit 8 if not).", show_default=False,
-    rich_help_panel=_CONSTRAIN)]
+    rich_help_panel=_CONSTRAIN, autocompletion=complete_choices(("json",)))]
 ApiKeyOpt = Annotated[Optional[str], typer.Option(
     "--api-key", help="The API key of --endpoint's server ($LLMCLI_API_KEY).",
     show_default=False, rich_help_panel=MODEL)]
