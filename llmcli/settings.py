@@ -178,6 +178,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "(--kv-type q8_0, q4_0) needs it.", choices=("auto", "on", "off"), panel=ENGINE),
     _s("kv_type", str, "f16", "Type of the KV cache's keys and values: q8_0 halves its memory, q4_0 quarters it "
        "(with flash attention).", choices=("f16", "q8_0", "q4_0"), panel=ENGINE),
+    _s("special", bool, False, "Keep the text of control tokens in the answer (<|im_end|>, <start_of_image>); "
+       "without it they are left out.", "--special/--no-special", panel=OUTPUT),
     _s("log", bool, True, "Record every answer in the log (llmcli logs: search, list, remove).", "--log/--no-log",
        panel=OUTPUT),
     _s("prompt_cache", bool, True, "Save the KV state of long prompts on disk and start later prompts that share "

@@ -218,3 +218,24 @@ def test_completion_offers_the_choices_of_an_option():
     assert complete("llmcli run --reasoning s") == ["show", "stderr", "stdout"]
     assert complete("llmcli bench --format ") == ["md", "json", "csv"]
     assert complete("llmcli embed --format ") == ["jsonl", "npy"]
+
+
+# 11. more threads than cores is said
+
+def test_more_threads_than_cores_is_a_notice():
+    from llmcli.cpu_topology import physical_cores
+
+    cores = physical_cores()
+    over = run_cli("run", "-t", str(cores + 1), "-n", "1", "-q", "hi")
+    assert over.code == 0 and f"--threads {cores + 1} is more than the {cores} physical core" in over.stderr
+    assert "--threads" not in run_cli("run", "-t", str(cores), "-n", "1", "-q", "hi").stderr
+
+
+# 13. a control token (here an image marker, forced by a grammar) is not answer text unless --special
+
+def test_control_tokens_are_left_out_of_the_answer_unless_special():
+    args = ("run", "-m", "gemma3-270m", "--raw", "--temp", "0", "-n", "5", "--grammar",
+            'root ::= "<start_of_image><strong>Paris"', "The capital of France:")
+    plain = json.loads(run_cli(*args, "--json").stdout)
+    assert plain["text"] == "<strong>Paris" and plain["usage"]["completion_tokens"] == 3  # (<strong> is text: HTML)
+    assert run_cli(*args, "-q", "--special").stdout == "<start_of_image><strong>Paris\n"

@@ -32,6 +32,7 @@ class GenerationOptions:
     max_draft: int = 16  # tokens a draft may have
     reasoning: bool = True  # tell a leading <think> block apart from the answer (False: all of it is the answer)
     thinking_open: bool = False  # the prompt opened a think block: the output starts inside it
+    special: bool = default("special")  # control tokens' text is answer text (--special)
 
 
 # The repetition guard: an answer is caught in a loop when its last LOOP_SPAN tokens (or LOOP_REPEATS

@@ -260,7 +260,7 @@ class Scheduler:
         while True:
             token = sampler.sample(first + i)
             slot.sampled += 1
-            gained = answer.add(token, vocab.is_end_of_generation(token), vocab.piece(token))
+            gained = answer.add(token, vocab.is_end_of_generation(token), vocab.answer_piece(token, slot.options.special))
             slot.clock.token(time.perf_counter(), bool(gained))
             events.extend((slot, event) for event in gained)
             if drafter is not None:

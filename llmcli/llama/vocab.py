@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,9 @@ import llama_cpp
 from llmcli.errors import IntegrityError
 from llmcli.llama.llama_log import llama_backend
 from llmcli.store.gguf_header import read_header
+
+# `<start_of_image>`, `<end_of_image>`, `[multimodal]`, `<image_soft_token>`, `<|vision_start|>`, `<|audio_bos|>`, …
+_MODALITY_MARKER = re.compile(rb"[<\[]\|?[A-Za-z_|]*(image|img|audio|video|vision|multimodal)[A-Za-z_|]*\|?[>\]]")
 
 
 class Vocabulary:
@@ -39,6 +43,15 @@ class Vocabulary:
             self._piece_buf = ctypes.create_string_buffer(-n)
             n = llama_cpp.llama_token_to_piece(self.handle, token, self._piece_buf, -n, 0, special)
         return ctypes.string_at(self._piece_buf, n)
+
+    def answer_piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes a token adds to an answer: control tokens and the markers of images, audio or video (which a
+        text answer never holds: Gemma 3's `<start_of_image>` is a "user-defined" token, shown by llama.cpp) give
+        b''; with `special` (--special) the text of both."""
+        piece = self.piece(token, special)
+        if not special and piece[:1] in (b"<", b"[") and _MODALITY_MARKER.fullmatch(piece):
+            return b""
+        return piece
 
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.handle, token))

@@ -14,6 +14,7 @@ from llmcli.answer.sampling_config import SamplingConfig, parse_logit_bias
 from llmcli.chat.answerer import PromptOptions, RenderedPrompt, with_system
 from llmcli.chat.chat_template import ChatTemplate, Message
 from llmcli.chat.session import Session, find_template, render_prompt
+from llmcli.cpu_topology import physical_cores
 from llmcli.decode.prompt_cache import GIB, PromptCache, PromptCacheConfig
 from llmcli.decode.speculative import DraftModel, Speculation
 from llmcli.embed.embedding import Embedder, pooling_of
@@ -26,6 +27,7 @@ from llmcli.pipeline import Pipeline, Request, fetch_for, resolve_settings
 from llmcli.store import memory, models
 from llmcli.store.cache import Fetch, ProgressCallback, WaitingNotice
 from llmcli.store.gguf_header import GGUFHeader, read_header
+from llmcli.units import counted
 
 
 def check_memory(model: models.ResolvedModel, header: GGUFHeader, cells: int, kv_type: str, force: bool) -> None:
@@ -89,12 +91,17 @@ def open_local(request: Request, on_progress: ProgressCallback | None, cancel: C
         if engine.n_ctx > engine.n_ctx_train > 0:
             session.notices.append(f"the context of {engine.n_ctx} tokens exceeds the {engine.n_ctx_train} this model was "
                                    "trained on: answers that reach past it may lose coherence")
+        cores = physical_cores()
+        if effective["threads"] and effective["threads"] > cores:
+            session.notices.append(f"--threads {effective['threads']} is more than the {counted(cores, 'physical core')} "
+                                   "this process may use: the extra threads only wait on each other (one per core is "
+                                   "fastest, as without -t)")
         mode = effective["speculate"]
         if effective["draft_model"] and effective.sources["speculate"] == "default":
             mode = "auto"  # a draft model given is a draft model to use
         generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]), constraint,
                                        effective["repetition_guard"], mode, draft_max,
-                                       reasoning=effective["reasoning"] != "stdout")
+                                       reasoning=effective["reasoning"] != "stdout", special=effective["special"])
         pipeline: Pipeline[Session] = Pipeline(effective, model, session, generation, cancel, resources.pop_all())
     return pipeline
 
