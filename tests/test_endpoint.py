@@ -310,3 +310,14 @@ def test_a_banned_token_is_banned_by_llmcli_serve_as_by_run(served):
     remote = run_cli("run", "--endpoint", served, "--json", "--temp", "0", "-n", "16", "--logit-bias", f"{first}=-inf",
                      "Say hi.")
     assert json.loads(remote.stdout)["text"] == banned
+
+
+def test_bench_endpoint_prints_what_is_known_and_no_made_up_values(fake):
+    """Issue 23, defect 14: a server's model size and threads are unknown here, not 0 B and 0."""
+    table = run_cli("bench", "--endpoint", fake.url, "-n", "4", "-r", "1")
+    assert table.code == 0, table.stderr
+    rows = [line for line in table.stdout.splitlines() if line.startswith("| fake-model")]
+    assert rows and all("| ? | ? | ? | ? |" in line for line in rows), table.stdout
+    assert "0 B" not in table.stdout and f"against {fake.url}" in table.stdout
+    record = json.loads(run_cli("bench", "--endpoint", fake.url, "-n", "4", "-r", "1", "--format", "json").stdout)
+    assert all(r["size_bytes"] is None and r["threads"] is None for r in record["results"])

@@ -9,10 +9,10 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class Row:
     model: str
-    size_bytes: int
-    params: int
+    size_bytes: int | None  # None: not known here (a server's model)
+    params: int | None
     quant: str
-    threads: int
+    threads: int | None
     test: str  # pp512, tg128, pp512 @ d512, ttft, overhead tg128, roofline tg128, ...
     path: str  # raw | llmcli | ratio | roofline
     unit: str  # t/s, s, x, %

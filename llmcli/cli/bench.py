@@ -136,7 +136,7 @@ def _bench_endpoint(url: str, api_key: str | None, model: list[str] | None, n_ge
     rows: list[Row] = []
 
     def row(test: str, path: str, unit: str) -> Row:
-        rows.append(Row(pipeline.model.name, 0, 0, "", 0, test, path, unit))
+        rows.append(Row(pipeline.model.name, None, None, "", None, test, path, unit))  # what a server does not say
         return rows[-1]
 
     with pipeline, output.progress_bar("benchmark") as advance:
@@ -144,9 +144,8 @@ def _bench_endpoint(url: str, api_key: str | None, model: list[str] | None, n_ge
         for done, what in enumerate(endpoint_rows(session, pipeline.generation, n_gen, repetitions, parallel,
                                                   row), 1):
             advance(done, total, what)
-    environment = {"endpoint": session.where, "cpu": f"remote: {session.where}",
-                   "physical_cores": "?", "llama_cpp_python": "n/a (remote)", "models": [],
-                   "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    environment: dict[str, Any] = {"endpoint": session.where, "cpu": None, "physical_cores": None,
+                                   "llama_cpp_python": None, "models": [], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     print(_format(rows, environment, BenchPlan(gen_tokens=n_gen, repetitions=repetitions, parallel=parallel),
                   output_format), end="")
 
@@ -273,12 +272,18 @@ def _format(rows: list[Any], environment: dict[str, Any], plan: Any, fmt: str) -
         "| model | size | params | quant | threads | test | path | t/s |",
         "| --- | ---: | ---: | --- | ---: | --- | --- | ---: |",
     ]
+    unknown = "?"  # a server's model: its size, parameters, quant and threads are not known from here
     for r in rows:
-        lines.append(f"| {r.model} | {human_size(r.size_bytes)} | {human_count(r.params)} | {r.quant} | {r.threads} "
-                     f"| {r.test} | {r.path} | {_result(r)} |")
+        lines.append(f"| {r.model} | {unknown if r.size_bytes is None else human_size(r.size_bytes)} "
+                     f"| {unknown if r.params is None else human_count(r.params)} | {r.quant or unknown} "
+                     f"| {unknown if r.threads is None else r.threads} | {r.test} | {r.path} | {_result(r)} |")
     lines.append("")
-    lines.append(f"{environment['cpu']} · {environment['physical_cores']} cores · "
-                 f"llama-cpp-python {environment['llama_cpp_python']}")
+    if environment.get("endpoint"):
+        lines.append(f"measured from here against {environment['endpoint']} (TTFT and rates include the network; "
+                     "the server's hardware and model file are not known here)")
+    else:
+        lines.append(f"{environment['cpu']} · {environment['physical_cores']} cores · "
+                     f"llama-cpp-python {environment['llama_cpp_python']}")
     return "\n".join(lines) + "\n"
 
 
