@@ -201,13 +201,18 @@ def cli():
     return run_cli
 
 
-def run_in_terminal(args: list[str], env: dict[str, str]) -> bytes:
-    """Run `python -m llmcli ARGS` with stdout on a pseudo-terminal; return what it printed there."""
+def run_in_terminal(args: list[str], env: dict[str, str], stdin: str | None = None, stderr: bool = False) -> bytes:
+    """Run `python -m llmcli ARGS` with stdout (and, with `stderr`, stderr) on a pseudo-terminal, `stdin` piped in;
+    return what it printed there."""
     leader, follower = pty.openpty()
+    feed = tempfile.TemporaryFile()
+    feed.write((stdin or "").encode())
+    feed.seek(0)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmcli", *args], stdin=subprocess.DEVNULL, stdout=follower, stderr=subprocess.DEVNULL,
-        env={**os.environ, **env},
+        [sys.executable, "-m", "llmcli", *args], stdin=feed if stdin is not None else subprocess.DEVNULL,
+        stdout=follower, stderr=follower if stderr else subprocess.DEVNULL, env={**os.environ, **env},
     )
+    feed.close()
     os.close(follower)
     output = b""
     while True:

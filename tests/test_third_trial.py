@@ -239,3 +239,19 @@ def test_control_tokens_are_left_out_of_the_answer_unless_special():
     plain = json.loads(run_cli(*args, "--json").stdout)
     assert plain["text"] == "<strong>Paris" and plain["usage"]["completion_tokens"] == 3  # (<strong> is text: HTML)
     assert run_cli(*args, "-q", "--special").stdout == "<start_of_image><strong>Paris\n"
+
+
+# friction: a sign of life during a long prefill, on a terminal only
+
+def test_prefill_progress_shows_on_a_terminal_and_is_gone_before_the_answer():
+    from conftest import run_in_terminal
+
+    document = " ".join(f"item{i}" for i in range(150))  # ~470 tokens in chunks of 64: some seconds on one thread
+    args = ["run", "--no-prompt-cache", "-t", "1", "-b", "64", "--temp", "0", "-n", "4", "--grammar", 'root ::= "DONE"',
+            "Summarise."]
+    shown = run_in_terminal(args, {"NO_COLOR": "1"}, stdin=document, stderr=True).decode()
+    assert "evaluating the prompt · " in shown and " tokens · " in shown and "tok/s" in shown, shown[-2000:]
+    assert shown.rindex("evaluating the prompt") < shown.index("DONE")  # erased before the first token
+    assert "evaluating" not in shown[shown.index("DONE"):]
+    piped = run_cli(*args, input=document)
+    assert piped.code == 0 and piped.stdout == "DONE\n" and "evaluating" not in piped.stderr

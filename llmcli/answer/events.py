@@ -38,10 +38,23 @@ class Done:
 
 
 @dataclass(frozen=True)
+class Prefill:
+    """The prompt is being evaluated: `evaluated` of the `total` tokens it needs (the cached ones not counted).
+    Yielded once before the first chunk and after each one (run and chat show it on a terminal)."""
+
+    evaluated: int
+    total: int
+
+
+@dataclass(frozen=True)
 class Notice:
     """Something the user should know about this answer (printed on stderr, not part of it)."""
 
     text: str
+
+
+# Everything answering yields, in order: Prefill while the prompt is evaluated, Notices, Tokens, then one Done.
+AnswerEvent = Token | Done | Notice | Prefill
 
 
 def answer_record(done: Done, notices: Sequence[str] = ()) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Protocol
 
 from llmcli.answer.batch_jsonl import BatchItem, Record, Summary
-from llmcli.answer.events import Done, Notice, Token
+from llmcli.answer.events import AnswerEvent
 from llmcli.answer.generation import GenerationOptions
 from llmcli.chat.chat_template import Message
 from llmcli.interrupt import Cancellation
@@ -87,7 +87,7 @@ class Answerer(Protocol):
         """The system prompt the chat template adds when none is given (None: it adds none, or a server renders)."""
         ...
 
-    def ask(self, user_text: str, options: GenerationOptions, stable_text: str | None = None) -> Iterator[Token | Done | Notice]:
+    def ask(self, user_text: str, options: GenerationOptions, stable_text: str | None = None) -> Iterator[AnswerEvent]:
         """Answer `user_text` after the history; the exchange joins the history when the answer is done."""
         ...
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcli import paths
-from llmcli.answer.events import Done, Notice, Token, answer_record
+from llmcli.answer.events import AnswerEvent, Done, Notice, answer_record
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.sampling_config import SETTING_FIELDS
 from llmcli.chat.answerer import Answerer
@@ -90,7 +90,7 @@ class Conversation:
     def history(self) -> list[Message]:
         return self.session.history
 
-    def ask(self, text: str) -> Iterator[Token | Done | Notice]:
+    def ask(self, text: str) -> Iterator[AnswerEvent]:
         """Answer `text`: fit the context first (dropping the oldest exchanges), then stream."""
         dropped = self._fit(text)
         if dropped:
@@ -135,7 +135,7 @@ class Conversation:
         self._write({"type": "undo"})
         return True
 
-    def retry(self) -> Iterator[Token | Done | Notice]:
+    def retry(self) -> Iterator[AnswerEvent]:
         """Sample the last reply again (the same question, a new answer)."""
         if len(self.history) < 2:
             raise UsageError("nothing to retry yet")

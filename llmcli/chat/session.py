@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from llmcli.answer.batch_jsonl import BatchItem, Summary
-from llmcli.answer.events import Done, Notice, Token
+from llmcli.answer.events import AnswerEvent, Done, Notice
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.reasoning import opens_thinking
 from llmcli.answer.stats import AnswerClock
@@ -217,7 +217,7 @@ class Session:
                 f"of {self.engine.n_ctx} tokens", hint="Use a shorter --system, /clear in a chat, or a larger --ctx-size.")
         return best
 
-    def ask(self, user_text: str, options: GenerationOptions, stable_text: str | None = None) -> Iterator[Token | Done | Notice]:
+    def ask(self, user_text: str, options: GenerationOptions, stable_text: str | None = None) -> Iterator[AnswerEvent]:
         """Answer `user_text`; the exchange joins the history when the answer is done.
 
         `stable_text`: the start of `user_text` that later messages are likely to share (a piped document),

@@ -123,3 +123,68 @@ def download_progress() -> Iterator[Callable[[str, int, int | None], None]]:
             progress.update(tasks[name], completed=done, total=total)
 
         yield update
+
+
+class PrefillStatus:
+    """A sign of life while a long prompt is evaluated: `evaluating the prompt · 1,024 / 3,142 tokens · 410 tok/s ·
+    about 5 s left` on a terminal's stderr, shown once the prompt has taken `after_s`, gone (erased) before the first
+    token. rich's refresh thread redraws it, so its clock moves while llama.cpp computes a chunk (ctypes calls
+    release the GIL); the decode loop never waits for it."""
+
+    def __init__(self, console: Console, after_s: float = 1.0):
+        import threading
+
+        self.console, self.after_s = console, after_s
+        self.started: float | None = None
+        self.evaluated = self.total = 0
+        self.rate: float | None = None  # tokens a second, from the chunks done so far
+        self._lock = threading.Lock()
+        self._live: Any = None
+        self._timer: Any = None
+        self._stopped = False
+
+    def update(self, evaluated: int, total: int) -> None:
+        import threading
+        import time
+
+        now = time.perf_counter()
+        if self.started is None:
+            self.started = now
+            self._timer = threading.Timer(self.after_s, self._show)
+            self._timer.daemon = True
+            self._timer.start()
+        elif evaluated > 0 and now > self.started:
+            self.rate = evaluated / (now - self.started)
+        self.evaluated, self.total = evaluated, total
+
+    def _show(self) -> None:
+        from rich.live import Live
+
+        with self._lock:
+            if self._stopped:
+                return
+            self._live = Live(self, console=self.console, transient=True, refresh_per_second=4, redirect_stdout=False,
+                              redirect_stderr=False)
+            self._live.start()
+
+    def __rich__(self) -> Text:
+        import time
+
+        elapsed = time.perf_counter() - (self.started or time.perf_counter())
+        parts = [f"evaluating the prompt · {self.evaluated:,} / {self.total:,} tokens"]
+        if self.rate:
+            left = (self.total - self.evaluated) / self.rate - (elapsed - self.evaluated / self.rate)
+            parts += [f"{self.rate:,.0f} tok/s", f"about {max(1, round(left))} s left"]
+        else:
+            parts.append(f"{elapsed:.0f} s")
+        return Text(" · ".join(parts), style="dim")
+
+    def stop(self) -> None:
+        """The prompt is evaluated (or the answer ended): erase the status, for good."""
+        with self._lock:
+            self._stopped = True
+            if self._timer is not None:
+                self._timer.cancel()
+            if self._live is not None:
+                self._live.stop()
+                self._live = None

@@ -14,7 +14,7 @@ from typing import IO, Any
 from rich.console import COLOR_SYSTEMS, Console
 from rich.style import Style
 
-from llmcli.answer.events import Done, Notice, Token, answer_record
+from llmcli.answer.events import AnswerEvent, Done, Notice, Prefill, Token, answer_record
 from llmcli.errors import StdoutClosed
 
 ANSWER_STYLE = Style(color="cyan")
@@ -114,25 +114,36 @@ def _write_to(stream: IO[str], text: str) -> None:
         stream.flush()
 
 
-def show_answer(events: Iterable[Token | Done | Notice], sink: AnswerSink, console: Console, quiet: bool,
+def show_answer(events: Iterable[AnswerEvent], sink: AnswerSink, console: Console, quiet: bool,
                 on_done: Callable[[Done], None] | None = None) -> Done | None:
     """The one event loop of `run` and `chat`: the answer to the sink (stdout), notices to stderr (and into the
     --json record), then `on_done` and the stats line. The Done, or None when the events stopped before it."""
-    from llmcli.cli.output import print_notice, print_stats
+    from llmcli.cli.output import PrefillStatus, print_notice, print_stats
 
     done = None
-    for event in events:
-        if isinstance(event, Notice):
-            sink.notices.append(event.text)
-            print_notice(console, event.text)
-            continue
-        sink.handle(event)
-        if isinstance(event, Done):
-            done = event
-            if on_done is not None:
-                on_done(event)
-            if not quiet:
-                print_stats(console, event)
+    status = PrefillStatus(console) if console.is_terminal and not quiet else None  # (nothing when piped)
+    try:
+        for event in events:
+            if isinstance(event, Prefill):
+                if status is not None:
+                    status.update(event.evaluated, event.total)
+                continue
+            if status is not None:
+                status.stop()
+            if isinstance(event, Notice):
+                sink.notices.append(event.text)
+                print_notice(console, event.text)
+                continue
+            sink.handle(event)
+            if isinstance(event, Done):
+                done = event
+                if on_done is not None:
+                    on_done(event)
+                if not quiet:
+                    print_stats(console, event)
+    finally:
+        if status is not None:
+            status.stop()
     return done
 
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcli.answer.events import Done, Token
+from llmcli.answer.events import Done, Prefill, Token
 from llmcli.answer.generation import Answer, GenerationOptions
 from llmcli.answer.stats import AnswerClock
 from llmcli.decode.speculative import Candidate, Drafter, Speculation, choose_drafts
@@ -340,7 +340,7 @@ class Scheduler:
     # -- one answer: run, chat ------------------------------------------------------------------
 
     def answer(self, prompt: list[int], options: GenerationOptions, seed: int, clock: AnswerClock,
-               split_at: int | None = None) -> Iterator[Token | Done]:
+               split_at: int | None = None) -> Iterator[Token | Done | Prefill]:
         """Answer one prompt in sequence 0 (reusing what it holds of it), alone: its events as they come. Ctrl-C
         (the engine's cancellation) ends it between steps, or inside a prompt chunk, as `interrupted`."""
         engine = self.engine
@@ -348,9 +348,14 @@ class Scheduler:
         with engine.sharing_cores():
             slot = self.start(0, prompt, options, seed, clock, split_at=split_at)
             try:
+                total = len(prompt) - slot.cached
+                if total > 0:
+                    yield Prefill(0, total)
                 while not slot.finished:
                     for _, event in self.step() if not engine.cancel else self.finish(slot, "interrupted"):
                         yield event
+                    if slot.cached < slot.prefilled < len(prompt):  # a chunk is done, more are to come
+                        yield Prefill(slot.prefilled - slot.cached, total)
             finally:
                 if not slot.finished:  # the consumer stopped early: the answer ends here
                     self.finish(slot, "interrupted")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmcli.answer.batch_jsonl import BatchItem, Summary
-from llmcli.answer.events import Done, Notice, Token, answer_record
+from llmcli.answer.events import AnswerEvent, Done, Token, answer_record
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.sampling_config import WIRE_FIELDS
 from llmcli.chat.answerer import (
@@ -87,7 +87,7 @@ class RemoteSession:
     def where(self) -> str:
         return self.client.endpoint.url
 
-    def ask(self, user_text: str, options: GenerationOptions, stable_text: str | None = None) -> Iterator[Token | Done | Notice]:
+    def ask(self, user_text: str, options: GenerationOptions, stable_text: str | None = None) -> Iterator[AnswerEvent]:
         """Answer `user_text` after the history; the exchange joins the history when the answer is done."""
         for event in exchange(self, user_text, options, self.history):
             if isinstance(event, Done):
