@@ -51,6 +51,7 @@ class Setting:
     default_text: str | None = None  # the default as help shows it, where the value alone says too little
     chat: bool = False  # can be changed in a chat with /set
     escapes: bool = False  # backslash escapes in text typed as a flag, env value or /set are interpreted
+    unset_by: Any = None  # a value that means "not set" (-n -1, as llama.cpp's tools read it), held as None
 
     @property
     def env(self) -> str:
@@ -64,9 +65,13 @@ class Setting:
     def shown_default(self) -> str:
         return self.default_text if self.default_text is not None else show_value(self.default)
 
+    def normalised(self, value: Any) -> Any:
+        """The value as held: None for the one that means "not set"."""
+        return None if self.unset_by is not None and value == self.unset_by else value
+
     def problem(self, value: Any) -> str | None:
         """Why `value` is not allowed, or None."""
-        if value is None:
+        if value is None or (self.unset_by is not None and value == self.unset_by):
             return None
         if self.choices and value not in self.choices:
             return f"must be one of {', '.join(self.choices)}"
@@ -145,8 +150,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        check=lambda v: 0 <= v <= 1, rule="must be in [0, 1]", chat=True),
     _s("seed", int, None, "Random seed; the same seed repeats a sampled answer.",
        check=lambda v: 0 <= v < 2**32 - 1, rule="must be in [0, 2^32 - 1)", default_text="random", chat=True),
-    _s("max_tokens", int, None, "Stop after this many tokens.", "--max-tokens", "-n",
-       default_text="until the model stops or the context is full", chat=True, **_at_least(1)),
+    _s("max_tokens", int, None, "Stop after this many tokens (-1: no limit).", "--max-tokens", "-n",
+       default_text="until the model stops or the context is full", chat=True, unset_by=-1,
+       check=lambda v: v >= 1, rule="must be >= 1 (or -1, or no -n: until the model stops or the context is full)"),
     _s("stop", list, [], "Stop when the answer contains this text (never printed; \\n, \\t, \\uHHHH are interpreted). "
        "Repeatable.", chat=True, escapes=True),
     _s("repetition_guard", bool, True, "Stop an answer caught in a loop (the same run of tokens over and over), "
@@ -307,6 +313,7 @@ def resolve(
         else:
             values[setting.name], sources[setting.name] = setting.default, "default"
         check_value(setting, values[setting.name], sources[setting.name])
+        values[setting.name] = setting.normalised(values[setting.name])
     return Settings(values, sources, profile)
 
 
@@ -367,7 +374,7 @@ def parse_text(setting: Setting, raw: str, where: str) -> Any:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ValueError
             return value
-        return setting.kind(text)
+        return setting.normalised(setting.kind(text))
     except (ValueError, json.JSONDecodeError):
         raise UsageError(f"{where}={raw!r} is not a valid {setting.kind.__name__} for {setting.flag}") from None
 

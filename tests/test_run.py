@@ -254,6 +254,9 @@ def test_ctrl_c_during_a_long_prefill_stops_at_once(tmp_path):
     assert record["finish_reason"] == "interrupted"
     assert record["usage"]["completion_tokens"] == 0
     assert record["timings"]["prefill_tokens"] < record["usage"]["prompt_tokens"]
+    stats = next(line for line in err.decode().splitlines() if "stop: interrupted" in line)  # issue 23: what is known
+    assert f"of {record['usage']['prompt_tokens'] - record['usage']['cached_tokens']} evaluated)" in stats, stats
+    assert "TTFT" not in stats and ") (" not in stats and "stop: interrupted" in stats
 
 
 def test_sigterm_ends_generation_gracefully():

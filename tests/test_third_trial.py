@@ -255,3 +255,15 @@ def test_prefill_progress_shows_on_a_terminal_and_is_gone_before_the_answer():
     assert "evaluating" not in shown[shown.index("DONE"):]
     piped = run_cli(*args, input=document)
     assert piped.code == 0 and piped.stdout == "DONE\n" and "evaluating" not in piped.stderr
+
+
+# friction: -n -1 is "no limit", as in llama.cpp's tools; -n 0 says what to do
+
+def test_n_minus_one_means_until_the_context_is_full():
+    full = json.loads(run_cli("run", "-c", "64", "-n", "-1", "--no-repetition-guard", "--temp", "0", "--json", "--grammar", 'root ::= ("a "){400}',
+                              "hi").stdout)
+    assert full["finish_reason"] == "context_full"
+    zero = run_cli("run", "-n", "0", "hi")
+    assert zero.code == 2 and "or -1, or no -n" in zero.stderr
+    _, err = chat_lines("/set max_tokens -1", "/show", args=("-n", "5"))
+    assert "--max-tokens = none" in err and "max_tokens=none" in err

@@ -91,15 +91,16 @@ def summary_line(stats: Stats, finish_reason: str, stop_sequence: str | None = N
     parts = []
     if stats.load_s > 0:
         parts.append(f"load {stats.load_s:.2f} s")
-    prompt = f"prompt {stats.prompt_tokens} tok"
-    if stats.cached_tokens:
-        prompt += f" ({stats.cached_tokens} cached)"
-    if stats.cached_tokens + stats.prefill_tokens < stats.prompt_tokens:
-        prompt += f" ({stats.prefill_tokens} evaluated)"
-    if stats.prefill_tokens:
-        prompt += f" @ {stats.prefill_tps:.0f} tok/s"
-    parts.append(prompt)
-    parts.append(f"TTFT {stats.ttft_s:.2f} s")
+    if stats.prompt_tokens:  # (0: a server that was cut off before it said)
+        notes = [f"{stats.cached_tokens} cached"] if stats.cached_tokens else []
+        if stats.cached_tokens + stats.prefill_tokens < stats.prompt_tokens:  # stopped while it was evaluated
+            notes.append(f"{stats.prefill_tokens} of {stats.prompt_tokens - stats.cached_tokens} evaluated")
+        prompt = f"prompt {stats.prompt_tokens} tok" + (f" ({', '.join(notes)})" if notes else "")
+        if stats.prefill_tokens:
+            prompt += f" @ {stats.prefill_tps:.0f} tok/s"
+        parts.append(prompt)
+    if stats.completion_tokens:  # a time to the first token needs one
+        parts.append(f"TTFT {stats.ttft_s:.2f} s")
     answer = f"{stats.completion_tokens} tok"
     if stats.decode_steps:
         answer += f" @ {stats.decode_tps:.1f} tok/s"

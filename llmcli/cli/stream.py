@@ -139,6 +139,8 @@ def show_answer(events: Iterable[AnswerEvent], sink: AnswerSink, console: Consol
                 done = event
                 if on_done is not None:
                     on_done(event)
+                if event.finish_reason == "interrupted" and console.is_terminal and not (sink.terminal and sink.parts):
+                    console.print()  # off the line where the terminal echoed ^C
                 if not quiet:
                     print_stats(console, event)
     finally:

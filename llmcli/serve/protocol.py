@@ -167,7 +167,7 @@ def _checked(setting_name: str, value: Any, param: str) -> Any:
         check_value(setting, value, "request")
     except LlmcliError as exc:
         raise ApiError(400, exc.message.replace(setting.flag, param, 1), param=param) from None
-    return value
+    return setting.normalised(value)
 
 
 def _constraint(response_format: Any, grammar: Any) -> Any:
