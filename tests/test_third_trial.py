@@ -267,3 +267,12 @@ def test_n_minus_one_means_until_the_context_is_full():
     assert zero.code == 2 and "or -1, or no -n" in zero.stderr
     _, err = chat_lines("/set max_tokens -1", "/show", args=("-n", "5"))
     assert "--max-tokens = none" in err and "max_tokens=none" in err
+
+
+# friction: a piped text that cannot be embedded is a failure, not exit 0
+
+def test_embedding_nothing_is_an_error():
+    too_long = run_cli("embed", "-c", "64", input="word " * 300)
+    assert too_long.code == 6 and "do not fit" in too_long.stderr
+    some = run_cli("embed", "-c", "64", input="short\n" + "word " * 300 + "\n")
+    assert some.code == 0 and "1 of 2 texts have an error record" in some.stderr

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmcli.cli import options as o
-from llmcli.errors import ExitCode, StdoutClosed, UsageError
+from llmcli.errors import ExitCode, ResourceError, StdoutClosed, UsageError
 
 SETTINGS_TAKEN = ("model", "ctx_size", "threads", "mmap", "mlock")
 TextArg = Annotated[Optional[str], typer.Argument(
@@ -61,7 +61,7 @@ def embed(
     if text is not None:
         (result,) = results
         if result.vector is None:
-            raise UsageError(result.error or "no vector")
+            raise _failure(result)
         output.print_json(result.vector)
         return
     if output_format == "npy":
@@ -74,8 +74,18 @@ def embed(
             write_json_line({**record, "index": index, "error": record.get("error") or result.error})
         else:
             write_json_line({**record, "index": index, "embedding": result.vector, "tokens": result.tokens})
-    if failed:
+    if failed and failed == len(records):  # nothing embedded: a failure (the records say why, one by one)
+        first = next((r for r in results if r.vector is None), None)
+        raise _failure(first) if first is not None else UsageError(records[0]["error"])
+    if failed:  # some embedded: as --batch, the error records say which did not, and the exit code is 0
         output.print_notice(output.stderr_console(), f"{failed} of {len(records)} texts have an error record")
+
+
+def _failure(result: Any) -> UsageError | ResourceError:
+    """A text with no vector, as the command's error: too long is a resource (exit 6), anything else bad input."""
+    message = result.error or "no vector"
+    return ResourceError(message, hint="Or a larger -c (--ctx-size).") if result.too_long \
+        else UsageError(message)
 
 
 @o.with_settings(request=False, only=SETTINGS_TAKEN)

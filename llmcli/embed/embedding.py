@@ -37,6 +37,7 @@ class Embedded:
     vector: list[float] | None
     tokens: int
     error: str | None = None
+    too_long: bool = False  # the error is that it does not fit (a resource, not bad input)
 
 
 class Embedder:
@@ -68,7 +69,7 @@ class Embedder:
                 yield from flush()
             if error is not None:
                 done += 1
-                yield Embedded(None, len(tokens), error)
+                yield Embedded(None, len(tokens), error, too_long=len(tokens) > self.cells)
             else:
                 pending.append(tokens)
         yield from flush()
