@@ -110,6 +110,8 @@ def test_download_that_keeps_failing_fails_cleanly_and_restarts_later(hub, cli, 
     listed = json.loads(cli("list", "--json").stdout)
     assert all(not e["source"].startswith("hf:") for e in listed)
     assert cli("run", "--offline", "-m", REPO, "hi").code == 3
+    during_run = cli("run", "-m", REPO, "hi")  # a run fetches too: its hint asks for no pull (issue 23)
+    assert during_run.code == 4 and "try again" in during_run.stderr and "pull" not in during_run.stderr
     hub.faults.clear()
     resumed = cli("pull", REPO)
     assert resumed.code == 0, resumed.stderr

@@ -167,7 +167,7 @@ def _download(reference: HubReference, file: RemoteFile, policy: Fetch) -> Path:
             raise IntegrityError(
                 f"{file.name} from {reference.repo_id} failed its checksum: sha256 {actual[:16]}… "
                 f"instead of {file.sha256[:16]}…; the download was removed",
-                hint="Pull again; if it keeps failing, the server or a proxy is corrupting the file.",
+                hint="Try again; if it keeps failing, the server or a proxy is corrupting the file.",
             )
     return path
 
@@ -293,7 +293,7 @@ def translated(reference: HubReference | None, timeout: float | None = None) -> 
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise ResourceError(f"the disk filled up while downloading {name}",
-                                hint="Free some space and pull again; nothing partial was kept.") from None
+                                hint="Free some space and try again; nothing partial was kept.") from None
         raise _network_error(name, exc) from None
     except Exception as exc:  # the HTTP library's transport errors (connect, read, truncated body)
         raise _network_error(name, exc, timeout) from None
@@ -310,5 +310,5 @@ def _network_error(name: str, exc: BaseException, timeout: float | None = None) 
     return LlmcliError(
         f"download of {name} from {endpoint()} failed: {type(exc).__name__}: {str(exc)[:200]}",
         exit_code=ExitCode.NETWORK,
-        hint="Check the connection and pull again; --offline uses only the cache.",
+        hint="Check the connection and try again (nothing partial was kept); --offline uses only the cache.",
     )
