@@ -34,6 +34,7 @@ from llmcli.errors import UsageError
 
 # Help panels
 MODEL, SAMPLING, ENGINE, CACHE, OUTPUT = "Model and prompt", "Sampling and stopping", "Engine", "Prompt cache", "Output"
+REMOTE, DOWNLOADS = "A server instead (--endpoint)", "Downloads (Hugging Face Hub)"
 
 
 @dataclass(frozen=True)
@@ -160,11 +161,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _s("on_overflow", str, "error", "When the prompt does not fit the context: error, or truncate "
        "(keep the system prompt and the end of the input).", choices=("error", "truncate"), chat=True),
     _s("endpoint", str, None, "Use an OpenAI-compatible server (vLLM, llama-server, Ollama, llmcli serve) at this URL "
-       "(…/v1) instead of a local model; -m names its model.", panel=MODEL, default_text="none: a local model"),
+       "(…/v1) instead of a local model; -m names its model.", panel=REMOTE, default_text="none: a local model"),
     _s("endpoint_timeout", float, 60.0, "With --endpoint: seconds to wait for the server to connect or to send the "
-       "next bytes.", panel=MODEL, check=lambda v: v > 0, rule="must be > 0"),
+       "next bytes.", panel=REMOTE, check=lambda v: v > 0, rule="must be > 0"),
     _s("hub_timeout", float, 10.0, "Seconds to wait for the Hub to connect or to send the next bytes before giving up.",
-       panel=MODEL, check=lambda v: v > 0, rule="must be > 0"),
+       panel=DOWNLOADS, check=lambda v: v > 0, rule="must be > 0"),
     _s("ctx_size", int, None, "Context window in tokens.", "--ctx-size", "-c", panel=ENGINE,
        default_text="the model's, capped at 4096", **_at_least(16)),
     _s("threads", int, None, "CPU threads.", "--threads", "-t", panel=ENGINE,

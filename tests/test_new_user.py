@@ -221,8 +221,12 @@ def test_the_loop_detector_needs_an_exact_repeat_over_a_long_enough_span():
 def test_help_groups_options_in_panels_and_ends_with_examples():
     shown = run_cli("run", "--help").stdout
     panels = [line for line in shown.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
-    assert panels[:7] == ["Arguments:", "Model and prompt:", "Sampling and stopping:", "Constrained output:", "Engine:",
-                          "Prompt cache:", "Output:"]
+    assert panels == ["Arguments:", "Model and prompt:", "Input and conversation:", "Sampling and stopping:",
+                      "Constrained output:", "Output:", "Batch:", "Saved templates:", "Engine:", "Prompt cache:",
+                      "A server instead (--endpoint):", "Downloads (Hugging Face Hub):", "Options:"]
+    assert shown.split("\nOptions:\n", 1)[1].split("\n\n")[0].count("\n  -") == 0  # only -h/--help left ungrouped
+    short = run_cli("run", "-h").stdout  # issue 23: the main options, scannable; --help has them all
+    assert len(short.splitlines()) < len(shown.splitlines()) // 2 and "more options" in short and "--mirostat" not in short
     assert "Examples:" in shown and 'llmcli run "Why is the sky blue?"' in shown
     assert "(error|truncate)" in " ".join(shown.split())
     top = run_cli("--help").stdout

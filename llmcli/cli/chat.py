@@ -11,10 +11,13 @@ import typer
 from llmcli.cli import options as o
 from llmcli.units import counted
 
+_SAVED = "Saved conversations"
 ResumeOpt = Annotated[Optional[str], typer.Option("--resume", help="Continue a saved conversation: its id, or `last`.",
-                                                  show_default=False)]
-NoSaveOpt = Annotated[bool, typer.Option("--no-save", help="Do not save this conversation under the data dir.")]
-ListOpt = Annotated[bool, typer.Option("--list", help="List the saved conversations (ids for --resume), then exit.")]
+                                                  show_default=False, rich_help_panel=_SAVED)]
+NoSaveOpt = Annotated[bool, typer.Option("--no-save", help="Do not save this conversation under the data dir.",
+                                         rich_help_panel=_SAVED)]
+ListOpt = Annotated[bool, typer.Option("--list", help="List the saved conversations (ids for --resume), then exit.",
+                                       rich_help_panel=_SAVED)]
 
 
 def help_text() -> str:

@@ -28,8 +28,9 @@ PoolingOpt = Annotated[str, typer.Option(
 NormalizeOpt = Annotated[bool, typer.Option("--normalize/--no-normalize", help="Scale each vector to length 1.")]
 TruncateOpt = Annotated[bool, typer.Option(
     "--truncate", help="Embed the first tokens of a text longer than the context (else: an error record).")]
-PerBatchOpt = Annotated[int, typer.Option("--batch-size", "-b", min=1, max=256,
-                                          help="Texts evaluated together in one pass.")]
+PerBatchOpt = Annotated[int, typer.Option("--texts-per-pass", min=1, max=256,
+                                          help="Texts evaluated together in one pass (-b, --batch-size elsewhere: "
+                                          "prompt tokens per step).")]
 
 
 @o.with_settings(request=False, only=SETTINGS_TAKEN)

@@ -10,24 +10,48 @@ from typing import Any
 
 from typer.core import TyperCommand
 
-from llmcli.settings import CACHE, ENGINE, MODEL, SAMPLING
+from llmcli.settings import CACHE, DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SAMPLING
 
 # Panels in the order a reader looks for them; any other panel follows, in the order it appears.
-PANEL_ORDER = (MODEL, SAMPLING, "Constrained output", ENGINE, CACHE, "Output", "Batch", "Options")
+PANEL_ORDER = (MODEL, "Input and conversation", "Saved conversations", SAMPLING, "Constrained output", OUTPUT, "Batch",
+               "Saved templates", ENGINE, CACHE, REMOTE, DOWNLOADS, "Server", "Options")
+
+# What `-h` shows (`--help` shows everything): the options most command lines use.
+ESSENTIAL = frozenset({
+    "--model", "--system", "--temp", "--max-tokens", "--stop", "--seed", "--json-schema", "--format", "--json",
+    "--quiet", "--show-prompt", "--batch", "--parallel", "--continue", "--template", "--resume", "--ctx-size",
+    "--threads", "--endpoint", "--host", "--port", "--api-key", "--help",
+})
 
 
 class PanelledCommand(TyperCommand):
-    """Arguments, then the options panel by panel, in the order the command declares them."""
+    """Arguments, then the options panel by panel, in the order the command declares them. `-h` shows the
+    essential ones (and how many more `--help` shows), `--help` every one."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        before = args[: args.index("--")] if "--" in args else args
+        ctx.meta["llmcli.short_help"] = "-h" in before and "--help" not in before
+        return list(super().parse_args(ctx, args))
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.help = "-h: the main options; --help: all of them."
+        return option
 
     def format_options(self, ctx: Any, formatter: Any) -> None:
+        short = bool(ctx.meta.get("llmcli.short_help"))
         arguments: list[tuple[str, str]] = []
         panels: dict[str, list[tuple[str, str]]] = {}
+        left_out = 0
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
             if record is None:
                 continue
             if param.param_type_name == "argument":
                 arguments.append(record)
+            elif short and not ESSENTIAL & set(param.opts):
+                left_out += 1
             else:
                 panels.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
         if arguments:
@@ -38,6 +62,10 @@ class PanelledCommand(TyperCommand):
             records = panels[panel]
             with formatter.section(panel):
                 formatter.write_dl(records)
+        if left_out:
+            formatter.write_paragraph()
+            formatter.write_text(f"{left_out} more options (sampling, engine, cache, output): "
+                                 f"llmcli {ctx.info_name} --help")
 
 
 def examples(*lines: str) -> str:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar
 
 import typer
 
-from llmcli.settings import ENGINE, MODEL, OUTPUT, SETTINGS, Setting
+from llmcli.settings import DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SETTINGS, Setting
 
 if TYPE_CHECKING:
     from llmcli.pipeline import Request
@@ -61,7 +61,7 @@ ProfileOpt = Annotated[Optional[str], typer.Option(
     "--profile", "-p", help="Use a [profiles.NAME] table of the config file ($LLMCLI_PROFILE).", show_default=False,
     rich_help_panel=MODEL)]
 OfflineOpt = Annotated[bool, typer.Option(
-    "--offline", help="Use only the local cache; never contact the Hub ($HF_HUB_OFFLINE=1).", rich_help_panel=MODEL)]
+    "--offline", help="Use only the local cache; never contact the Hub ($HF_HUB_OFFLINE=1).", rich_help_panel=DOWNLOADS)]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Skip the check that the model and its KV cache fit in memory.",
                                         rich_help_panel=ENGINE)]
 RawOpt = Annotated[bool, typer.Option("--raw", help="Send the prompt as-is, without the chat template (base models).",
@@ -87,7 +87,7 @@ FormatOpt = Annotated[Optional[str], typer.Option(
     rich_help_panel=_CONSTRAIN, autocompletion=complete_choices(("json",)))]
 ApiKeyOpt = Annotated[Optional[str], typer.Option(
     "--api-key", help="The API key of --endpoint's server ($LLMCLI_API_KEY).",
-    show_default=False, rich_help_panel=MODEL)]
+    show_default=False, rich_help_panel=REMOTE)]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's own log on stderr.", rich_help_panel=ENGINE)]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Do not print the stats line on stderr.", rich_help_panel=OUTPUT)]
 JsonOpt = Annotated[bool, typer.Option(

@@ -15,9 +15,12 @@ PromptArg = Annotated[Optional[str], typer.Argument(
     "(--prompt-first reverses it). `-` or no prompt: stdin alone.", show_default=False)]
 ShowPromptOpt = Annotated[bool, typer.Option("--show-prompt", help="Print the rendered prompt and its token count, then exit.",
                                              rich_help_panel=o.OUTPUT)]
+INPUT, TEMPLATES = "Input and conversation", "Saved templates"
 PromptFirstOpt = Annotated[bool, typer.Option("--prompt-first", help="Put the prompt argument before piped stdin "
-                                              "(the order of earlier releases; a cached document is then not reused).")]
-WaitStdinOpt = Annotated[bool, typer.Option("--stdin", help="Wait for piped stdin however long it takes to start.")]
+                                              "(the order of earlier releases; a cached document is then not reused).",
+                                              rich_help_panel=INPUT)]
+WaitStdinOpt = Annotated[bool, typer.Option("--stdin", help="Wait for piped stdin however long it takes to start.",
+                                            rich_help_panel=INPUT)]
 BatchOpt = Annotated[Optional[str], typer.Option(
     "--batch", help='Answer many prompts: a file or `-`, one prompt per line or JSONL objects with a "prompt" field; '
     "JSONL out, in input order.", show_default=False, rich_help_panel="Batch")]
@@ -26,17 +29,18 @@ ParallelOpt = Annotated[Optional[int], typer.Option(
     help="With --batch: sequences decoded together in one context. [default: 4]")]
 ContinueOpt = Annotated[bool, typer.Option(
     "--continue", "-C", help="Continue the most recent conversation in the log (a run's or a chat's): its exchanges "
-    "come before the prompt. (-c is --ctx-size.)")]
+    "come before the prompt. (-c is --ctx-size.)", rich_help_panel=INPUT)]
 CidOpt = Annotated[Optional[str], typer.Option(
-    "--cid", help="Continue this conversation (its id: llmcli logs --json).", show_default=False)]
+    "--cid", help="Continue this conversation (its id: llmcli logs --json).", show_default=False, rich_help_panel=INPUT)]
 TemplateOpt = Annotated[Optional[str], typer.Option(
     "--template", "-T", help="Use a saved template: its system prompt, its prompt ($input: stdin and the prompt "
-    "argument) and its settings (flags given still win). (-t is --threads.)", show_default=False)]
+    "argument) and its settings (flags given still win). (-t is --threads.)", show_default=False,
+    rich_help_panel=TEMPLATES)]
 SaveOpt = Annotated[Optional[str], typer.Option(
     "--save", help="Save this command line as a template instead of running it: -s, the prompt (with $input and "
-    "other $placeholders) and the settings given.", show_default=False)]
+    "other $placeholders) and the settings given.", show_default=False, rich_help_panel=TEMPLATES)]
 VarOpt = Annotated[Optional[list[str]], typer.Option(
-    "--var", help="NAME=VALUE for a template's $NAME. Repeatable.", show_default=False)]
+    "--var", help="NAME=VALUE for a template's $NAME. Repeatable.", show_default=False, rich_help_panel=TEMPLATES)]
 DEFAULT_PARALLEL = 4
 
 
