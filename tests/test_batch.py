@@ -53,7 +53,7 @@ def test_jsonl_fields_are_carried_through_and_bad_lines_are_error_records():
     assert records[2]["error"].startswith("malformed JSON")
     assert records[3] == {"id": "no-prompt", "index": 3, "error": 'no "prompt" string in the object'}
     assert records[4]["text"]
-    assert records[5]["id"] == "too-long" and "do not fit the context window of 512 tokens" in records[5]["error"]
+    assert records[5]["id"] == "too-long" and "the context holds 512" in records[5]["error"]
     assert records[6]["id"] == "last" and records[6]["text"]
     assert "(4 errors)" in stderr
 

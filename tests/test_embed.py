@@ -21,8 +21,8 @@ def embed_lines(*args: str, texts: list[str] = TEXTS) -> list[dict]:
 def test_vectors_are_the_same_across_runs_and_batch_sizes():
     one = json.loads(run_cli("embed", TEXTS[0]).stdout)
     assert isinstance(one, list) and len(one) == 576 and all(isinstance(v, float) for v in one)
-    together = embed_lines("-b", "32")
-    alone = embed_lines("-b", "1")
+    together = embed_lines("--texts-per-pass", "32")
+    alone = embed_lines("--texts-per-pass", "1")
     assert [r["index"] for r in together] == list(range(5)) and [r["text"] for r in together] == TEXTS
     for a, b in zip(together, alone, strict=True):
         assert max(abs(x - y) for x, y in zip(a["embedding"], b["embedding"], strict=True)) < 1e-4

@@ -93,7 +93,7 @@ def test_prompt_larger_than_the_context_is_refused_before_prefill(tmp_path):
     result = run_cli("run", "-c", "256", "Summarize:", input=long_input)
     assert result.code == 6
     line = result.stderr.splitlines()[0]
-    assert line.startswith("Error: ") and "do not fit the context window of 256 tokens" in line
+    assert line.startswith("Error: the prompt is ") and "the context holds 256" in line
     assert "--ctx-size" in result.stderr and "--on-overflow truncate" in result.stderr
 
 

@@ -276,3 +276,13 @@ def test_embedding_nothing_is_an_error():
     assert too_long.code == 6 and "do not fit" in too_long.stderr
     some = run_cli("embed", "-c", "64", input="short\n" + "word " * 300 + "\n")
     assert some.code == 0 and "1 of 2 texts have an error record" in some.stderr
+
+
+# friction: /show and /stats read as a person would say them
+
+def test_show_names_the_template_s_own_system_prompt_and_stats_count_in_words():
+    _, err = chat_lines("hi", "/show", "/stats")
+    assert "system   (none given; the chat template adds its own: You are a helpful" in err  # SmolLM2's template
+    assert "total: 1 reply · " in err and "1 replies" not in err
+    settings = err.split("settings ", 1)[1].split("\n(", 1)[0]
+    assert all(len(line) <= 120 for line in settings.splitlines()) and "temp=0*" in settings
