@@ -45,3 +45,22 @@ class Cancellation:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+    @contextmanager
+    def raising(self, signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+        """While active (a tool's Python code runs: no decode loop looks at the flag), a signal is recorded and
+        raised at once as KeyboardInterrupt."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: object) -> None:
+            self.request(signum)
+            raise KeyboardInterrupt
+
+        previous = {s: signal.signal(s, handler) for s in signums}
+        try:
+            yield
+        finally:
+            for s, handler_before in previous.items():
+                signal.signal(s, handler_before)

@@ -34,7 +34,7 @@ from llmcli.errors import UsageError
 
 # Help panels
 MODEL, SAMPLING, ENGINE, CACHE, OUTPUT = "Model and prompt", "Sampling and stopping", "Engine", "Prompt cache", "Output"
-REMOTE, DOWNLOADS = "A server instead (--endpoint)", "Downloads (Hugging Face Hub)"
+REMOTE, DOWNLOADS, TOOLS = "A server instead (--endpoint)", "Downloads (Hugging Face Hub)", "Tools"
 
 
 @dataclass(frozen=True)
@@ -166,6 +166,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "next bytes.", panel=REMOTE, check=lambda v: v > 0, rule="must be > 0"),
     _s("hub_timeout", float, 10.0, "Seconds to wait for the Hub to connect or to send the next bytes before giving up.",
        panel=DOWNLOADS, check=lambda v: v > 0, rule="must be > 0"),
+    _s("tool_format", str, "auto", "How the model writes a tool call: auto (recognised from its chat template, as "
+       "llama-server does; generic when the template knows no tools), hermes (<tool_call>), mistral ([TOOL_CALLS]), "
+       "llama3, or generic (llmcli describes the tools in the system prompt).",
+       choices=("auto", "hermes", "generic", "mistral", "llama3"), panel=TOOLS),
     _s("ctx_size", int, None, "Context window in tokens.", "--ctx-size", "-c", panel=ENGINE,
        default_text="the model's, capped at 4096", **_at_least(16)),
     _s("threads", int, None, "CPU threads.", "--threads", "-t", panel=ENGINE,

@@ -10,6 +10,7 @@ import codecs
 from collections.abc import Iterable
 
 from llmcli.answer.reasoning import ReasoningSplitter
+from llmcli.answer.tool_calls import CallEvent, ToolCallParser
 
 
 class Utf8Assembler:
@@ -82,12 +83,15 @@ class AnswerText:
     the reasoning text the last `feed` or `finish` completed.
     """
 
-    def __init__(self, stops: Iterable[str], splitter: ReasoningSplitter | None = None):
+    def __init__(self, stops: Iterable[str], splitter: ReasoningSplitter | None = None,
+                 tools: ToolCallParser | None = None):
         self._utf8 = Utf8Assembler()
         self._stops = StopMatcher(stops)
         self._splitter = splitter
+        self._tools = tools  # the calls are taken out of the answer's text before stop sequences are looked for
         self.stop: str | None = None
         self.reasoning = ""
+        self.call_events: list[CallEvent] = []  # what the last `feed` or `finish` decoded of tool calls
 
     def feed(self, piece: bytes) -> str:
         text = self._utf8.feed(piece)
@@ -98,6 +102,9 @@ class AnswerText:
             self.reasoning, text = splitter.feed(text)
             if splitter.answering:
                 self._splitter = None  # the answer has begun: the rest is answer, no need to look
+        if self._tools is not None and text:
+            text, events = self._tools.feed(text)
+            self.call_events += events
         text, self.stop = self._stops.feed(text)
         return text
 
@@ -111,6 +118,11 @@ class AnswerText:
             reasoning, text = self._splitter.feed(text)
             held_reasoning, held = self._splitter.finish()
             self.reasoning, text = reasoning + held_reasoning, text + held
+        if self._tools is not None:
+            text, events = self._tools.feed(text)
+            tail, more = self._tools.finish()
+            text += tail
+            self.call_events += events + more
         text, self.stop = self._stops.feed(text)
         if self.stop is None:
             tail, self.stop = self._stops.finish()

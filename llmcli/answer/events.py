@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmcli.answer.stats import Stats
+from llmcli.answer.tool_calls import CallArguments, CallStarted, ToolCall, ToolResult
 
 # Why an answer ended: the model's end of generation, -n, a stop sequence, a full context, Ctrl-C/SIGTERM.
-FINISH_REASONS = ("stop", "length", "stop_sequence", "context_full", "repetition", "interrupted")
+FINISH_REASONS = ("stop", "length", "stop_sequence", "context_full", "repetition", "interrupted", "tool_calls")
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,10 @@ class Done:
     stats: Stats
     stop_sequence: str | None = None
     format_error: str | None = None  # why the answer is not the JSON --format json / --json-schema asked for
-    text: str = ""  # the whole answer: every Token's text (no stop sequence, no reasoning)
+    text: str = ""  # the whole answer: every Token's text (no stop sequence, no reasoning, no tool call)
     reasoning: str | None = None  # the model's think block, or None when it wrote none
+    tool_calls: tuple[ToolCall, ...] = ()  # the calls the answer made (finish_reason "tool_calls")
+    tool_results: tuple[ToolResult, ...] = ()  # what running them gave (run and chat's tool loop)
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,12 @@ class Notice:
     text: str
 
 
-# Everything answering yields, in order: Prefill while the prompt is evaluated, Notices, Tokens, then one Done.
-AnswerEvent = Token | Done | Notice | Prefill
+# What decoding one answer yields (a slot's events): text, the calls' events, then its Done.
+DecodeEvent = Token | Done | CallStarted | CallArguments
+
+# Everything answering yields, in order: Prefill while the prompt is evaluated, Notices, Tokens and the calls' events,
+# then one Done.
+AnswerEvent = Token | Done | Notice | Prefill | CallStarted | CallArguments
 
 
 def answer_record(done: Done, notices: Sequence[str] = ()) -> dict[str, Any]:
@@ -75,4 +82,11 @@ def answer_record(done: Done, notices: Sequence[str] = ()) -> dict[str, Any]:
             "total_tokens": stats.prompt_tokens + stats.completion_tokens,
         },
         "timings": stats.to_dict(),
+        **({"tool_calls": [_call_record(call, done.tool_results) for call in done.tool_calls]} if done.tool_calls else {}),
     }
+
+
+def _call_record(call: ToolCall, results: Sequence[ToolResult]) -> dict[str, Any]:
+    result = next((r for r in results if r.call_id == call.id), None)
+    return {"id": call.id, "name": call.name, "arguments": call.arguments, "error": call.error,
+            **({"result": result.content, "result_is_error": result.error} if result is not None else {})}

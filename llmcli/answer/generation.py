@@ -16,6 +16,7 @@ from llmcli.answer.events import Done, Token
 from llmcli.answer.reasoning import ReasoningSplitter
 from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.answer.stats import Stats
+from llmcli.answer.tool_calls import CallEvent, ToolCallParser, ToolSpec
 from llmcli.settings import default
 
 SPECULATE_MODES = ("auto", "lookup", "draft", "off")
@@ -33,6 +34,7 @@ class GenerationOptions:
     reasoning: bool = True  # tell a leading <think> block apart from the answer (False: all of it is the answer)
     thinking_open: bool = False  # the prompt opened a think block: the output starts inside it
     special: bool = default("special")  # control tokens' text is answer text (--special)
+    tools: ToolSpec | None = None  # what the answer may call, and how (tool calls are parsed out of its text)
 
 
 # The repetition guard: an answer is caught in a loop when its last LOOP_SPAN tokens (or LOOP_REPEATS
@@ -50,7 +52,8 @@ class Answer:
 
     def __init__(self, options: GenerationOptions, n_prompt: int, n_ctx: int):
         splitter = ReasoningSplitter(options.thinking_open) if options.reasoning else None
-        self.stream = AnswerText(options.stops, splitter)  # token bytes -> printable text
+        self.calls = ToolCallParser(options.tools) if options.tools is not None and options.tools.active else None
+        self.stream = AnswerText(options.stops, splitter, self.calls)  # token bytes -> printable text and calls
         self.limit = options.max_tokens if options.max_tokens is not None else sys.maxsize
         self.room = n_ctx - n_prompt  # tokens of answer that fit after the prompt
         self.n_out = 0  # tokens of the answer (an end-of-generation token is not counted)
@@ -60,7 +63,7 @@ class Answer:
         self.thought: list[str] = []  # the reasoning so far
         self.tokens: list[int] | None = [] if options.repetition_guard else None
 
-    def add(self, token: int, end_of_generation: bool, piece: bytes) -> tuple[Token, ...]:
+    def add(self, token: int, end_of_generation: bool, piece: bytes) -> tuple[Token | CallEvent, ...]:
         """One sampled token (its id, and its bytes): the text it completes, as events (none while held back)."""
         if end_of_generation:
             self.finish = "stop"
@@ -80,14 +83,21 @@ class Answer:
             self.finish = "repetition"
         return events
 
-    def close(self) -> tuple[Token, ...]:
+    def close(self) -> tuple[Token | CallEvent, ...]:
         """No more tokens: release what was held back (a stop sequence completing now ends it there)."""
         events = self._events(self.stream.finish())
         if self.stream.stop is not None:
             self.finish = "stop_sequence"
         return events
 
-    def _events(self, text: str) -> tuple[Token, ...]:
+    def _events(self, text: str) -> tuple[Token | CallEvent, ...]:
+        events: tuple[Token | CallEvent, ...] = self._text_events(text)
+        if self.stream.call_events:
+            events += tuple(self.stream.call_events)
+            self.stream.call_events = []
+        return events
+
+    def _text_events(self, text: str) -> tuple[Token, ...]:
         reasoning = self.stream.reasoning
         if not reasoning:
             if not text:
@@ -104,8 +114,11 @@ class Answer:
     def done(self, finish: str, stats: Stats) -> Done:
         """The Done of this answer: why it ended (its own finish rule first, else `finish`), and the answer."""
         reason = self.finish or finish
+        calls = tuple(self.calls.calls) if self.calls is not None else ()
+        if calls and reason == "stop":
+            reason = "tool_calls"
         return Done(reason, stats, self.stream.stop, self.constraint.problem(self.content, reason), self.content,
-                    self.reasoning)
+                    self.reasoning, calls)
 
     @property
     def content(self) -> str:

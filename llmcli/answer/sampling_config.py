@@ -40,6 +40,7 @@ class SamplingConfig:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); -inf bans the token
     grammar: str | None = field(default=None, repr=False)  # GBNF, root rule "root"
     grammar_origin: str = "--grammar"  # the flag the grammar came from, for error messages
+    grammar_triggers: tuple[str, ...] = ()  # regexes: the grammar applies once one matches the answer (lazy; tools)
 
     def __post_init__(self) -> None:
         for name in SETTING_FIELDS:

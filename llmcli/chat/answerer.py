@@ -16,6 +16,7 @@ from typing import Protocol
 from llmcli.answer.batch_jsonl import BatchItem, Record, Summary
 from llmcli.answer.events import AnswerEvent
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.tool_calls import ToolSpec
 from llmcli.chat.chat_template import Message
 from llmcli.interrupt import Cancellation
 from llmcli.settings import default
@@ -60,6 +61,24 @@ def with_system(system: str | None, messages: list[Message]) -> list[Message]:
     return [Message("system", system), *messages]
 
 
+def exchange_starts(history: list[Message]) -> list[int]:
+    """Where each exchange of a history begins: at each user message (an exchange is the message, the replies, and
+    the tool calls and results between them)."""
+    return [index for index, message in enumerate(history) if message.role == "user"]
+
+
+def oldest_exchange_end(history: list[Message]) -> int:
+    """How many messages the oldest exchange takes (what dropping it removes)."""
+    starts = exchange_starts(history)
+    return starts[1] if len(starts) > 1 else len(history)
+
+
+def last_exchange_start(history: list[Message]) -> int | None:
+    """Where the last exchange begins (what /undo removes); None for no exchange."""
+    starts = exchange_starts(history)
+    return starts[-1] if starts else None
+
+
 ResultCallback = Callable[[int, Record], None]
 ProgressCallback = Callable[[int, int, float], None]
 
@@ -87,12 +106,20 @@ class Answerer(Protocol):
         """The system prompt the chat template adds when none is given (None: it adds none, or a server renders)."""
         ...
 
-    def ask(self, user_text: str, options: GenerationOptions, stable_text: str | None = None) -> Iterator[AnswerEvent]:
-        """Answer `user_text` after the history; the exchange joins the history when the answer is done."""
+    def ask(self, user_text: str | None, options: GenerationOptions,
+            stable_text: str | None = None) -> Iterator[AnswerEvent]:
+        """Answer `user_text` after the history (None: the history ends with tool results and the model goes on);
+        the exchange joins the history when the answer is done."""
         ...
 
-    def render(self, user_text: str) -> RenderedPrompt:
-        """The exact prompt of this new message (a UsageError where a server renders it)."""
+    def tool_format(self, setting: str = "auto") -> str:
+        """How this model writes a tool call (a server parses its own model's calls: `generic` here)."""
+        ...
+
+    def render(self, user_text: str | None, history: list[Message] | None = None,
+               tools: ToolSpec | None = None) -> RenderedPrompt:
+        """The exact prompt of this new message (None: of the history as it is; a UsageError where a server renders
+        it)."""
         ...
 
     def context(self) -> ContextInfo | None:

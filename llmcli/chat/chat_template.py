@@ -21,6 +21,7 @@ import jinja2
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from llmcli.answer.tool_calls import ToolCall, ToolSpec, call_markup, describe_tools, template_reads_tools
 from llmcli.errors import TemplateError
 
 MAX_TEMPLATE_CHARS = 64 * 1024
@@ -34,6 +35,37 @@ class Message:
     role: str
     content: str
     interrupted: bool = False  # a reply cut short by Ctrl-C (kept in the history, marked in records)
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str | None = None  # a `tool` message: the call it answers
+    name: str | None = None  # ... and the tool's name
+
+    def openai_dict(self) -> dict[str, Any]:
+        """As OpenAI's chat API takes a message (a call's arguments as JSON text)."""
+        found = self.template_dict()
+        if self.tool_calls:
+            found["tool_calls"] = [call.openai() for call in self.tool_calls]
+            found["content"] = self.content or None
+        return found
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Message:
+        """A message saved with dataclasses.asdict (/save, conversation records)."""
+        calls = tuple(ToolCall(str(c["id"]), str(c["name"]), str(c.get("arguments") or "{}"), c.get("error"))
+                      for c in record.get("tool_calls") or ())
+        return cls(record["role"], record["content"], bool(record.get("interrupted")), calls,
+                   record.get("tool_call_id"), record.get("name"))
+
+    def template_dict(self) -> dict[str, Any]:
+        """As chat templates read a message (OpenAI's shape: a call's arguments as an object, as templates expect)."""
+        found: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            found["tool_calls"] = [{"id": c.id, "type": "function",
+                                    "function": {"name": c.name, "arguments": c.arguments_value()}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            found["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            found["name"] = self.name
+        return found
 
 
 @dataclass(frozen=True)
@@ -53,7 +85,7 @@ class ChatTemplate:
         template = _compile(self.source, self.origin)
         context = {
             **(variables or {}),
-            "messages": [{"role": m.role, "content": m.content} for m in messages],
+            "messages": [m.template_dict() for m in messages],
             "bos_token": bos_token,
             "eos_token": eos_token,
             "add_generation_prompt": add_generation_prompt,
@@ -78,6 +110,33 @@ class ChatTemplate:
                 f"chat template ({self.origin}) failed: {type(exc).__name__}: {exc}", hint=_HINT
             ) from None
         return "".join(chunks)
+
+
+def tools_in_prompt(messages: Sequence[Message], spec: ToolSpec | None,
+                    template_source: str | None) -> tuple[list[Message], dict[str, Any]]:
+    """The messages and template variables of a conversation with tools. A template that reads `tools` gets them,
+    and the calls and `tool` messages as they are; for one that knows no tools, the tools are described in the system
+    prompt, a call is written in its format's markup and a result is a user message in a <tool_response> block."""
+    if spec is None or not spec.tools:
+        return list(messages), {}
+    if template_reads_tools(template_source):
+        return list(messages), {"tools": [tool.openai() for tool in spec.tools]}
+    description = describe_tools(spec.tools) if spec.active else ""
+    shown: list[Message] = []
+    for message in messages:
+        if message.role == "assistant" and message.tool_calls:
+            markup = "\n".join(call_markup(call, spec.format) for call in message.tool_calls)
+            shown.append(Message("assistant", (message.content + "\n" if message.content else "") + markup))
+        elif message.role == "tool":
+            shown.append(Message("user", f"<tool_response>\n{message.content}\n</tool_response>"))
+        else:
+            shown.append(message)
+    if description:
+        if shown and shown[0].role == "system":
+            shown[0] = Message("system", f"{shown[0].content}\n\n{description}")
+        else:
+            shown.insert(0, Message("system", description))
+    return shown, {}
 
 
 def default_system(template: ChatTemplate, bos_token: str = "", eos_token: str = "") -> str | None:

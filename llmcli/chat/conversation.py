@@ -23,10 +23,12 @@ from llmcli import paths
 from llmcli.answer.events import AnswerEvent, Done, Notice, answer_record
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.sampling_config import SETTING_FIELDS
-from llmcli.chat.answerer import Answerer
+from llmcli.chat.answerer import Answerer, exchange_starts, last_exchange_start, oldest_exchange_end
 from llmcli.chat.chat_template import Message
+from llmcli.chat.tool_loop import ToolRunner, answer_with_tools
 from llmcli.errors import UsageError
 from llmcli.file_hashes import remembered_sha256
+from llmcli.interrupt import Cancellation
 from llmcli.settings import SETTINGS, check_value, parse_text, show_value
 from llmcli.units import counted
 
@@ -38,7 +40,8 @@ class Conversation:
     def __init__(self, session: Answerer, generation: GenerationOptions, model_name: str,
                  model_path: Path | None,
                  save: bool = True, conversation_id: str | None = None, pinned: frozenset[str] = frozenset(),
-                 log: Callable[[str, dict[str, Any]], str | None] | None = None):
+                 log: Callable[[str, dict[str, Any]], str | None] | None = None, tools: ToolRunner | None = None,
+                 cancel: Cancellation | None = None):
         self.session = session
         self.generation = generation
         self.model_name = model_name
@@ -51,6 +54,8 @@ class Conversation:
         self.save_failure: str | None = None  # why the record could not be written, until it is reported
         self.log = log  # each exchange to the answer log: (user text, its --json record) -> a warning or None
         self._started = False
+        self.tools = tools  # --functions: the calls run between a message and its reply
+        self.cancel = cancel or Cancellation()
 
     # -- the record ------------------------------------------------------------------------
 
@@ -99,7 +104,10 @@ class Conversation:
                    else "; this model's KV cache cannot shift: the conversation is evaluated again")
             yield Notice(f"context nearly full: dropped the {counted(dropped, 'oldest exchange')} "
                          f"(the system prompt is kept){how}")
-        for event in self.session.ask(text, self.generation):
+        start = len(self.history)
+        events = answer_with_tools(self.session, text, self.generation, self.tools, self.cancel) \
+            if self.tools is not None else self.session.ask(text, self.generation)
+        for event in events:
             if isinstance(event, Done):
                 self.turn_stats.append(event)
                 interrupted = event.finish_reason == "interrupted"
@@ -109,8 +117,9 @@ class Conversation:
                 warning = self.log(text, record) if self.log is not None and not interrupted else None
                 if warning:
                     yield Notice(warning)
+                calls = {"messages": [dataclasses.asdict(m) for m in self.history[start:]]} if event.tool_calls else {}
                 self._write({"type": "exchange", "user": text, **record, "interrupted": interrupted,
-                             "sampling": self.settings_record()})
+                             "sampling": self.settings_record(), **calls})
             yield event
         if self.save_failure is not None:
             yield Notice(self.take_save_failure() or "")
@@ -129,17 +138,19 @@ class Conversation:
         return dropped
 
     def undo(self) -> bool:
-        if len(self.history) < 2:
+        start = last_exchange_start(self.history)
+        if start is None:
             return False
-        del self.history[-2:]
+        del self.history[start:]
         self._write({"type": "undo"})
         return True
 
     def retry(self) -> Iterator[AnswerEvent]:
         """Sample the last reply again (the same question, a new answer)."""
-        if len(self.history) < 2:
+        start = last_exchange_start(self.history)
+        if start is None:
             raise UsageError("nothing to retry yet")
-        question = self.history[-2].content
+        question = self.history[start].content
         self.undo()
         yield from self.ask(question)
 
@@ -189,7 +200,7 @@ class Conversation:
     def load(self, path: Path) -> int:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            messages = [Message(m["role"], m["content"], bool(m.get("interrupted"))) for m in data["messages"]]
+            messages = [Message.from_record(m) for m in data["messages"]]
         except OSError as exc:
             raise UsageError(f"cannot load {path}: {exc.strerror or exc}") from None
         except (ValueError, KeyError, TypeError) as exc:
@@ -232,17 +243,20 @@ def apply_to_history(history: list[Message], record: dict[str, Any]) -> None:
     """What one record of a conversation file does to its messages: the one reading of the record, for
     --resume and for the exchange counts --list shows."""
     kind = record.get("type")
-    if kind == "exchange":
+    if kind == "exchange" and isinstance(record.get("messages"), list):  # with tool calls: every message of it
+        history.extend(Message.from_record(m) for m in record["messages"])
+    elif kind == "exchange":
         reply = record["text"] if "text" in record else record["assistant"]  # older records: "assistant"
         history.extend([Message("user", record["user"]), Message("assistant", reply, bool(record.get("interrupted")))])
     elif kind == "undo":
-        del history[-2:]
+        del history[last_exchange_start(history) or 0 :]
     elif kind == "clear":
         history.clear()
     elif kind == "drop":
-        del history[: 2 * int(record.get("exchanges", 1))]
+        for _ in range(int(record.get("exchanges", 1))):
+            del history[: oldest_exchange_end(history)]
     elif kind == "load":
-        history[:] = [Message(m["role"], m["content"], bool(m.get("interrupted"))) for m in record["messages"]]
+        history[:] = [Message.from_record(m) for m in record["messages"]]
 
 
 def find_conversation(which: str) -> Path:
@@ -297,5 +311,6 @@ def saved_conversations() -> list[SavedConversation]:
             except (ValueError, AttributeError, KeyError, TypeError):
                 continue
             first = first or (history[0].content if history else "")
-        found.append(SavedConversation(path.stem, path, path.stat().st_mtime, model, len(history) // 2, first))
+        found.append(SavedConversation(path.stem, path, path.stat().st_mtime, model, len(exchange_starts(history)),
+                                       first))
     return found

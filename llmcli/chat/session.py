@@ -16,6 +16,7 @@ from llmcli.answer.events import AnswerEvent, Done, Notice
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.reasoning import opens_thinking
 from llmcli.answer.stats import AnswerClock
+from llmcli.answer.tool_calls import ToolSpec, detect_format
 from llmcli.chat import chat_template as templates
 from llmcli.chat.answerer import (
     ContextInfo,
@@ -24,6 +25,8 @@ from llmcli.chat.answerer import (
     RenderedPrompt,
     ResultCallback,
     Resumed,
+    exchange_starts,
+    oldest_exchange_end,
     with_system,
 )
 from llmcli.chat.chat_template import ChatTemplate, Message
@@ -69,14 +72,16 @@ def find_template(header: GGUFHeader, options: PromptOptions) -> tuple[ChatTempl
 
 
 def render_prompt(template: ChatTemplate | None, vocab: Vocabulary, messages: list[Message],
-                  options: PromptOptions) -> RenderedPrompt:
-    """Messages -> the exact text and tokens the model sees: the chat template (with --think/--no-think), or
-    without one the contents joined by blank lines."""
+                  options: PromptOptions, tools: ToolSpec | None = None) -> RenderedPrompt:
+    """Messages -> the exact text and tokens the model sees: the chat template (with --think/--no-think and the
+    tools), or without one the contents joined by blank lines."""
+    messages, variables = templates.tools_in_prompt(messages, tools, template.source if template else None)
     if template is None:
         text = "\n\n".join(m.content for m in messages)
         return RenderedPrompt(text, vocab.tokenize(text, add_special=True))
     bos = vocab.bos_text
-    text = template.render(messages, bos_token=bos, eos_token=vocab.eos_text, variables=thinking_variables(options.think))
+    text = template.render(messages, bos_token=bos, eos_token=vocab.eos_text,
+                           variables={**thinking_variables(options.think), **variables})
     # A template that writes the BOS token itself must not get a second one from the tokenizer.
     return RenderedPrompt(text, vocab.tokenize(text, add_special=not (bos and text.startswith(bos))))
 
@@ -128,6 +133,10 @@ class Session:
 
     not_sent: frozenset[str] = frozenset()
 
+    def tool_format(self, setting: str = "auto") -> str:
+        """How this model writes a tool call: --tool-format, else what its chat template shows."""
+        return detect_format(self.template_source) if setting == "auto" else setting
+
     @property
     def template_system(self) -> str | None:
         if self.template is None:
@@ -149,12 +158,12 @@ class Session:
         room = self.answer_room(max_tokens)
         dropped = 0
         while len(self.render(user_text).tokens) + room > self.engine.n_ctx:
-            if len(self.history) < 2:
+            if not exchange_starts(self.history):  # nothing older to drop
                 if self.options.on_overflow == "truncate":
                     return dropped  # ask() truncates the message itself
                 raise overflow(len(self.render(user_text, []).tokens), max_tokens, self.engine.n_ctx,
                                self.engine.n_ctx_train, reserve=room)
-            del self.history[:2]
+            del self.history[: oldest_exchange_end(self.history)]
             dropped += 1
         return dropped
 
@@ -182,12 +191,16 @@ class Session:
         summary.parallel = parallel
         return summary
 
-    def messages_with(self, user_text: str, history: list[Message] | None = None) -> list[Message]:
-        return with_system(self.options.system, [*(self.history if history is None else history), Message("user", user_text)])
+    def messages_with(self, user_text: str | None, history: list[Message] | None = None) -> list[Message]:
+        """The conversation and the new message (None: the history ends with tool results; the model goes on)."""
+        new = [Message("user", user_text)] if user_text is not None else []
+        return with_system(self.options.system, [*(self.history if history is None else history), *new])
 
-    def render(self, user_text: str, history: list[Message] | None = None) -> RenderedPrompt:
+    def render(self, user_text: str | None, history: list[Message] | None = None,
+               tools: ToolSpec | None = None) -> RenderedPrompt:
         """The exact text and tokens the model will see for this new message (after `history`, else the session's)."""
-        return render_prompt(self.template, self.engine.vocab, self.messages_with(user_text, history), self.options)
+        return render_prompt(self.template, self.engine.vocab, self.messages_with(user_text, history), self.options,
+                             tools)
 
     def answer_room(self, max_tokens: int | None) -> int:
         """Tokens kept free for the answer: -n, else a quarter of the context (at most 256)."""
@@ -196,14 +209,15 @@ class Session:
     def _fits(self, prompt: RenderedPrompt, max_tokens: int | None) -> bool:
         return len(prompt.tokens) + (max_tokens or 1) <= self.engine.n_ctx
 
-    def _truncate(self, user_text: str, max_tokens: int | None) -> tuple[str, RenderedPrompt]:
+    def _truncate(self, user_text: str, max_tokens: int | None,
+                  tools: ToolSpec | None = None) -> tuple[str, RenderedPrompt]:
         """Keep the system prompt and the end of the message: the fewest leading characters dropped that fit."""
         budget = self.engine.n_ctx - self.answer_room(max_tokens)
         low, high = 0, len(user_text)
         best = None
         while low <= high:
             drop = (low + high) // 2
-            candidate = self.render(user_text[drop:])
+            candidate = self.render(user_text[drop:], tools=tools)
             if len(candidate.tokens) <= budget:
                 best, high = (user_text[drop:], candidate), drop - 1
             else:
@@ -217,8 +231,10 @@ class Session:
                 f"of {self.engine.n_ctx} tokens", hint="Use a shorter --system, /clear in a chat, or a larger --ctx-size.")
         return best
 
-    def ask(self, user_text: str, options: GenerationOptions, stable_text: str | None = None) -> Iterator[AnswerEvent]:
-        """Answer `user_text`; the exchange joins the history when the answer is done.
+    def ask(self, user_text: str | None, options: GenerationOptions,
+            stable_text: str | None = None) -> Iterator[AnswerEvent]:
+        """Answer `user_text` (None: the history ends with tool results, the model goes on); the exchange joins the
+        history when the answer is done (the reply with its tool calls).
 
         `stable_text`: the start of `user_text` that later messages are likely to share (a piped document),
         given by a one-shot run. The prompt is evaluated in two parts, split where that text ends, with or
@@ -226,15 +242,16 @@ class Session:
         numbers (and greedy answers) as evaluating everything."""
         started = time.perf_counter()
         n_ctx, truncate = self.engine.n_ctx, self.options.on_overflow == "truncate"
-        too_long = len(user_text) > n_ctx * MAX_CHARS_PER_TOKEN  # it cannot fit: not given to the template whole
-        if too_long and not truncate:
+        tools = options.tools
+        too_long = user_text is not None and len(user_text) > n_ctx * MAX_CHARS_PER_TOKEN  # cannot fit: cut first
+        if user_text is not None and too_long and not truncate:
             raise overflow(len(self.engine.vocab.tokenize(user_text, add_special=False)), options.max_tokens, n_ctx,
                            self.engine.n_ctx_train)
-        kept = user_text[-n_ctx * MAX_CHARS_PER_TOKEN :] if too_long else user_text
-        prompt = self.render(kept)
-        if truncate and (too_long or not self._fits(prompt, options.max_tokens)):
-            full = len(self.engine.vocab.tokenize(user_text, add_special=False)) if too_long else len(prompt.tokens)
-            user_text, prompt = self._truncate(kept, options.max_tokens)
+        kept = user_text[-n_ctx * MAX_CHARS_PER_TOKEN :] if user_text is not None and too_long else user_text
+        prompt = self.render(kept, tools=tools)
+        if kept is not None and truncate and (too_long or not self._fits(prompt, options.max_tokens)):
+            full = len(self.engine.vocab.tokenize(kept, add_special=False)) if too_long else len(prompt.tokens)
+            user_text, prompt = self._truncate(kept, options.max_tokens, tools)
             stable_text = None  # the document's start is gone: the next question cuts it elsewhere
             yield Notice(
                 f"input truncated to fit the context of {self.engine.n_ctx} tokens: "
@@ -254,7 +271,8 @@ class Session:
         clock = AnswerClock(started, load_s, prompt_s)
         for event in self.scheduler.answer(prompt.tokens, options, seed, clock, split_at=stable):
             if isinstance(event, Done):
-                self.history += [Message("user", user_text), Message("assistant", event.text)]
+                self.history += [*([Message("user", user_text)] if user_text is not None else []),
+                                 Message("assistant", event.text, tool_calls=event.tool_calls)]
                 if restored:
                     event = dataclasses.replace(event, stats=dataclasses.replace(
                         event.stats, restored_tokens=min(restored, event.stats.cached_tokens), restore_s=restore_s))

@@ -52,6 +52,11 @@ def chat(
     list_saved: ListOpt = False,
     as_json: o.JsonOpt = False,
     quiet: o.QuietOpt = False,
+    functions: o.FunctionsOpt = None,
+    tool_choice: o.ToolChoiceOpt = "auto",
+    chain_limit: o.ChainLimitOpt = 5,
+    tools_debug: o.ToolsDebugOpt = False,
+    tools_approve: o.ToolsApproveOpt = False,
     **given: Any,
 ) -> None:
     """Talk with a model: the KV cache is reused, so only each new turn is prefilled."""
@@ -64,6 +69,7 @@ def chat(
         _list_saved(as_json)
         return
     console = output.stderr_console()
+    runner = o.tool_runner(functions, tool_choice, chain_limit, tools_debug, tools_approve, "generic", console)
     resume_path = find_conversation(resume) if resume else None
     with output.download_progress() as progress:
         pipeline = open_answering(o.build_request(given), progress, on_waiting=output.waiting_for)
@@ -73,8 +79,10 @@ def chat(
             save=not no_save, conversation_id=resume_path.stem if resume_path else None,
             pinned=pipeline.settings.chosen_now(),
             log=(lambda text, answer: record([log_entry(pipeline, "chat", text, answer, conversation.id)]))
-            if pipeline.settings["log"] else None,
+            if pipeline.settings["log"] else None, tools=runner, cancel=pipeline.cancel,
         )
+        if runner is not None:
+            runner.format = pipeline.session.tool_format(pipeline.settings["tool_format"])
         if resume_path is not None:
             conversation.replay(read_records(resume_path))
             _restore_state(pipeline.session, conversation, console)
@@ -91,9 +99,10 @@ def chat(
 
 def _restore_state(session: Any, conversation: Any, console: Any) -> None:
     """A resumed conversation: its KV state from the prompt cache, or a notice that it is evaluated again."""
+    from llmcli.chat.answerer import exchange_starts
     from llmcli.cli import output
 
-    exchanges = len(conversation.history) // 2
+    exchanges = len(exchange_starts(conversation.history))
     resumed = session.resume()
     for notice in session.take_notices():
         output.print_notice(console, notice)
@@ -247,7 +256,9 @@ def _show(repl: Repl, argument: str) -> None:
     conversation = repl.conversation
     session = conversation.session
     repl.console.print(f"model    {conversation.model_name} ({session.where})")
-    exchanges = len(conversation.history) // 2
+    from llmcli.chat.answerer import exchange_starts
+
+    exchanges = len(exchange_starts(conversation.history))
     context = session.context()
     if context is None:
         repl.console.print(f"context  kept by the server (it does not say how much is used), {counted(exchanges, 'exchange')}")
@@ -325,7 +336,9 @@ def _history(repl: Repl, argument: str) -> None:
         repl.console.print(f"[system] {conversation.system}")
     for message in conversation.history:
         mark = " (interrupted)" if message.interrupted else ""
-        repl.console.print(f"[{message.role}{mark}] {message.content}")
+        calls = "".join(f" → {call.name}({call.arguments})" for call in message.tool_calls)
+        text = message.content + calls if message.content else calls.lstrip(" ")
+        repl.console.print(f"[{message.role}{mark}] {text}")
     if not conversation.history:
         repl.console.print("(no messages yet)")
 

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar
 
 import typer
 
-from llmcli.settings import DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SETTINGS, Setting
+from llmcli.errors import UsageError
+from llmcli.settings import DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SETTINGS, TOOLS, Setting
 
 if TYPE_CHECKING:
     from llmcli.pipeline import Request
@@ -92,6 +93,71 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cp
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Do not print the stats line on stderr.", rich_help_panel=OUTPUT)]
 JsonOpt = Annotated[bool, typer.Option(
     "--json", help="Print one JSON object (text, finish reason, token counts, timings) on stdout.", rich_help_panel=OUTPUT)]
+
+FunctionsOpt = Annotated[Optional[list[str]], typer.Option(
+    "--functions", help="Python functions the model may call: a .py file or code (repeatable); each public function's "
+    "signature and docstring are its tool's schema.", show_default=False, rich_help_panel=TOOLS)]
+ToolChoiceOpt = Annotated[str, typer.Option(
+    "--tool-choice", help="auto (the model decides), required (it calls one), none, or a function's name; a forced "
+    "choice applies to the first call.", rich_help_panel=TOOLS)]
+ChainLimitOpt = Annotated[int, typer.Option(
+    "--chain-limit", min=0, help="The most rounds of calls before llmcli stops running them.", rich_help_panel=TOOLS)]
+ToolsDebugOpt = Annotated[bool, typer.Option(
+    "--tools-debug", help="Show each call and its result on stderr.", rich_help_panel=TOOLS)]
+ToolsApproveOpt = Annotated[bool, typer.Option(
+    "--tools-approve", help="Ask before each call (on a terminal; refused without one).", rich_help_panel=TOOLS)]
+
+
+def tool_runner(functions: list[str] | None, choice: str, chain_limit: int, debug: bool, approve: bool,
+                tool_format: str, console: Any) -> Any:
+    """The ToolRunner of --functions and its flags (None without --functions); the approval prompt and the debug
+    lines are the CLI's. Checked before the model loads: a bad file, or --tools-approve without a terminal."""
+    if not functions:
+        if approve or debug or choice != "auto":
+            raise UsageError("--tool-choice, --tools-debug and --tools-approve apply to --functions")
+        return None
+    from rich.text import Text
+
+    from llmcli.answer.tool_calls import ToolChoice
+    from llmcli.chat.functions import load_functions
+    from llmcli.chat.tool_loop import ToolRunner
+
+    loaded = load_functions(functions)
+    runner = ToolRunner(loaded, ToolChoice.parse(choice, loaded.tools, "--tool-choice"), tool_format, chain_limit)
+    if approve:
+        runner.approve = _approver(console)
+    if debug:
+        def show(call: Any, result: Any) -> None:
+            console.print(Text(f"tool call {call.name}({call.arguments})", style="dim"))
+            shown = result.content if len(result.content) <= 500 else result.content[:500] + "…"
+            console.print(Text(f"tool result {call.name}: {shown}", style="red" if result.error else "dim"))
+
+        def prompt(text: str) -> None:
+            console.print(Text(f"next prompt ends: …{text[-300:]}", style="dim"))
+
+        runner.on_result, runner.on_prompt = show, prompt
+    return runner
+
+
+def _approver(console: Any) -> Callable[[Any], bool]:
+    """Ask on the terminal (not stdin, which may carry the prompt) before each call; no terminal: refused."""
+    import os
+
+    try:
+        terminal = open("/dev/tty", "r+", encoding="utf-8") if os.isatty(2) else None  # noqa: SIM115 (kept for the run)
+    except OSError:
+        terminal = None
+    if terminal is None:
+        raise UsageError("--tools-approve asks before each call on a terminal, and there is none",
+                         hint="Run it on a terminal, or drop --tools-approve.")
+
+    def approve(call: Any) -> bool:
+        terminal.write(f"run {call.name}({call.arguments})? [y/N] ")
+        terminal.flush()
+        return terminal.readline().strip().lower() in ("y", "yes")
+
+    return approve
+
 
 # The options every command that answers prompts takes, besides the settings: name -> (annotation, default).
 REQUEST_OPTIONS: dict[str, tuple[Any, Any]] = {

@@ -81,6 +81,11 @@ def run(
     template: TemplateOpt = None,
     save: SaveOpt = None,
     var: VarOpt = None,
+    functions: o.FunctionsOpt = None,
+    tool_choice: o.ToolChoiceOpt = "auto",
+    chain_limit: o.ChainLimitOpt = 5,
+    tools_debug: o.ToolsDebugOpt = False,
+    tools_approve: o.ToolsApproveOpt = False,
     **given: Any,
 ) -> None:
     """Answer one prompt, streamed to stdout; stats on stderr."""
@@ -119,10 +124,16 @@ def run(
         message = combine_input(prompt_arg, stdin_text, prompt_first)
         if chosen is not None:
             message = chosen.render(message, _variables(var))
+    if functions and (given.get("grammar") or given.get("grammar_file") or given.get("json_schema")
+                      or given.get("output_format") or batch is not None):
+        raise UsageError("--functions constrains the answer itself: drop --grammar, --json-schema, --format, --batch")
+    runner = o.tool_runner(functions, tool_choice, chain_limit, tools_debug, tools_approve, "generic", console)
     with output.download_progress() as progress:  # shown only if the model must be downloaded first
         pipeline = open_answering(o.build_request(given), progress, on_waiting=output.waiting_for)
     with pipeline:
         session = pipeline.session
+        if runner is not None:
+            runner.format = session.tool_format(pipeline.settings["tool_format"])
         for text in session.notices:
             output.print_notice(console, text)
         conversation_id = new_conversation_id()
@@ -147,7 +158,13 @@ def run(
         with pipeline.cancel.on_signals():
             # What a later run likely shares: the piped document (before the question), else the whole message.
             stable = stdin_text if stdin_text and prompt_arg and not prompt_first else message
-            done = show_answer(session.ask(message, pipeline.generation, stable_text=stable), sink, console, quiet, logged)
+            if runner is not None:
+                from llmcli.chat.tool_loop import answer_with_tools
+
+                events = answer_with_tools(session, message, pipeline.generation, runner, pipeline.cancel, stable)
+            else:
+                events = session.ask(message, pipeline.generation, stable_text=stable)
+            done = show_answer(events, sink, console, quiet, logged)
         format_error = done.format_error if done is not None else None
         signum = pipeline.cancel.signum
     if signum is not None:

@@ -15,6 +15,7 @@ from rich.console import COLOR_SYSTEMS, Console
 from rich.style import Style
 
 from llmcli.answer.events import AnswerEvent, Done, Notice, Prefill, Token, answer_record
+from llmcli.answer.tool_calls import CallArguments, CallStarted
 from llmcli.errors import StdoutClosed
 
 ANSWER_STYLE = Style(color="cyan")
@@ -128,6 +129,8 @@ def show_answer(events: Iterable[AnswerEvent], sink: AnswerSink, console: Consol
                 if status is not None:
                     status.update(event.evaluated, event.total)
                 continue
+            if isinstance(event, (CallStarted, CallArguments)):
+                continue  # a call is shown when it runs (--tools-debug), and kept in the Done
             if status is not None:
                 status.stop()
             if isinstance(event, Notice):

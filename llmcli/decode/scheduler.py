@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcli.answer.events import Done, Prefill, Token
+from llmcli.answer.events import DecodeEvent, Prefill
 from llmcli.answer.generation import Answer, GenerationOptions
 from llmcli.answer.stats import AnswerClock
 from llmcli.decode.speculative import Candidate, Drafter, Speculation, choose_drafts
@@ -32,8 +32,9 @@ from llmcli.errors import LlmcliError
 from llmcli.llama.batch import Batch
 from llmcli.llama.engine import Engine
 from llmcli.llama.sampler_chain import Sampler
+from llmcli.llama.schema_grammar import with_tool_grammar
 
-Event = tuple["Slot", Token | Done]
+Event = tuple["Slot", DecodeEvent]
 
 
 @dataclass(eq=False)
@@ -115,7 +116,7 @@ class Scheduler:
         rest evaluated by the next steps. `shared`: the prefix sequence's tokens to copy in first (--batch). Raises
         what the sampler chain raises (a grammar llama.cpp refuses); nothing is started then."""
         engine = self.engine
-        sampler = engine.sampler(options.sampling, seed)
+        sampler = engine.sampler(with_tool_grammar(options.sampling, options.tools, options.thinking_open), seed)
         kv = engine.kv
         if shared and self.prefix_seq is not None:
             kv.remove(seq)
@@ -340,7 +341,7 @@ class Scheduler:
     # -- one answer: run, chat ------------------------------------------------------------------
 
     def answer(self, prompt: list[int], options: GenerationOptions, seed: int, clock: AnswerClock,
-               split_at: int | None = None) -> Iterator[Token | Done | Prefill]:
+               split_at: int | None = None) -> Iterator[DecodeEvent | Prefill]:
         """Answer one prompt in sequence 0 (reusing what it holds of it), alone: its events as they come. Ctrl-C
         (the engine's cancellation) ends it between steps, or inside a prompt chunk, as `interrupted`."""
         engine = self.engine

@@ -24,7 +24,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcli.answer.events import Done, Token
+from llmcli.answer.events import DecodeEvent, Done
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.stats import AnswerClock
 from llmcli.decode.scheduler import Scheduler
@@ -44,16 +44,16 @@ class Job:
     tokens: list[int]
     generation: GenerationOptions
     seed: int
-    emit: Callable[[Token | Done], None]
+    emit: Callable[[DecodeEvent], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     clock: AnswerClock = field(default_factory=AnswerClock)  # stamped from its arrival
     failure: tuple[int, str] | None = None  # set before its Done when it failed: (HTTP-like status, why)
 
 
-Delivery = Callable[[list[tuple["Job", Token | Done]]], None]
+Delivery = Callable[[list[tuple["Job", DecodeEvent]]], None]
 
 
-def deliver_here(events: list[tuple[Job, Token | Done]]) -> None:
+def deliver_here(events: list[tuple[Job, DecodeEvent]]) -> None:
     for job, event in events:
         job.emit(event)
 
@@ -67,7 +67,7 @@ class SlotServer:
         self.engine, self.n_slots, self.queue_size = engine, n_slots, queue_size
         self.deliver = deliver
         self.scheduler = Scheduler(engine, n_slots, speculation or Speculation())
-        self._events: list[tuple[Job, Token | Done]] = []
+        self._events: list[tuple[Job, DecodeEvent]] = []
         self.waiting: deque[Job] = deque()
         self._wake = threading.Condition()
         self._stopping = False
@@ -156,7 +156,7 @@ class SlotServer:
             if slot is not None and slot.tag.cancelled.is_set():
                 self._take(self.scheduler.finish(slot, "interrupted"))
 
-    def _take(self, events: list[tuple[Any, Token | Done]]) -> None:
+    def _take(self, events: list[tuple[Any, DecodeEvent]]) -> None:
         for slot, event in events:
             self._events.append((slot.tag, event))
             if isinstance(event, Done):

@@ -96,9 +96,18 @@ class Sampler:
         self.close()
 
 
-def _grammar_sampler(config: SamplingConfig, vocab: Any) -> Any:
+def _new_grammar(config: SamplingConfig, vocab: Any) -> Any:
+    """llama.cpp's grammar sampler: lazy (waiting for one of the trigger patterns) when the config has triggers."""
     assert config.grammar is not None
-    grammar = llama_cpp.llama_sampler_init_grammar(vocab, config.grammar.encode(), b"root")
+    if not config.grammar_triggers:
+        return llama_cpp.llama_sampler_init_grammar(vocab, config.grammar.encode(), b"root")
+    patterns = (ctypes.c_char_p * len(config.grammar_triggers))(*(p.encode() for p in config.grammar_triggers))
+    return llama_cpp.llama_sampler_init_grammar_lazy_patterns(vocab, config.grammar.encode(), b"root", patterns,
+                                                               len(config.grammar_triggers), None, 0)
+
+
+def _grammar_sampler(config: SamplingConfig, vocab: Any) -> Any:
+    grammar = _new_grammar(config, vocab)
     if not grammar:
         raise UsageError(f"llama.cpp rejected the grammar from {config.grammar_origin}")
     return grammar
@@ -121,8 +130,7 @@ def _build_chain(config: SamplingConfig, vocab: Any, seed: int, n_ctx: int, with
             *(llama_cpp.llama_logit_bias(token, bias) for token, bias in config.logit_bias))
         add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(config.logit_bias), biases))
     if config.grammar is not None and with_grammar:
-        add(llama_cpp.llama_sampler_init_grammar(vocab, config.grammar.encode(), b"root"),
-            f"grammar from {config.grammar_origin}")
+        add(_new_grammar(config, vocab), f"grammar from {config.grammar_origin}")
     if config.repeat_penalty != 1.0 or config.presence_penalty or config.frequency_penalty:
         add(llama_cpp.llama_sampler_init_penalties(
             n_vocab, config.repeat_last_n, config.repeat_penalty, config.frequency_penalty, config.presence_penalty

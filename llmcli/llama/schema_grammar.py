@@ -9,12 +9,17 @@ in range, as llama.cpp's own converter writes them (the patterns are this module
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
+import re
 from typing import Any
 
 from llama_cpp import llama_grammar
 
 from llmcli.answer.constraint import Constraint
+from llmcli.answer.sampling_config import SamplingConfig
+from llmcli.answer.tool_calls import FORMATS, ToolSpec
 from llmcli.errors import UsageError
 
 DIGIT = "[0-9]"
@@ -116,3 +121,53 @@ def _same_length(low: str, high: str) -> list[str]:
         alternatives.append(" ".join([f"[{int(low[0]) + 1}-{int(high[0]) - 1}]", *[DIGIT] * rest]))
     alternatives.append(f'"{high[0]}" ({" | ".join(_same_length("0" * rest, high[1:]))})')
     return alternatives
+
+
+# -- tool calls ------------------------------------------------------------------------------------------------
+
+_THINK = r'think ::= ([^<] | "<" [^/] | "</" [^t])* "</think>" space'
+
+
+@functools.lru_cache(maxsize=64)
+def tool_grammar(spec: ToolSpec, thinking_open: bool = False) -> tuple[str, tuple[str, ...]]:
+    """The GBNF that makes every call of `spec` parse — one of the offered tools' names, then arguments that match
+    its `parameters` — and the trigger patterns that start it: none for `required` or a named tool (the answer is
+    the calls, from its first token; a reasoning model may close its open think block first), the format's opening
+    for `auto` (free text until the model opens a call: a lazy grammar)."""
+    fmt = FORMATS[spec.format]
+    alternatives = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.args_key: t.parameters},
+                     "required": ["name", fmt.args_key], "additionalProperties": False} for t in spec.offered]
+    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    converter = _Converter(prop_order={"name": 0, fmt.args_key: 1}, allow_fetch=False, dotall=False, raw_pattern=False)
+    converter.visit(converter.resolve_refs(schema, "tools"), "call")
+    rules = str(converter.format_grammar()).replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR)
+    one = f"{_literal(fmt.start)} space call space {_literal(fmt.end)}" if fmt.end else "call"
+    if fmt.listed:
+        more = '(space "," space call)*' if spec.parallel else ""
+        calls = f'{_literal(fmt.start)} space "[" space call {more} space "]"'
+    elif fmt.separator:
+        more = f"(space {_literal(fmt.separator)}? space call)*" if spec.parallel else ""
+        calls = f"call {more}"
+    else:
+        calls = "one (space one)*" if spec.parallel else "one"
+    lazy = spec.choice.mode == "auto"
+    prefix = "think " if thinking_open and not lazy else ""
+    root = f"root ::= {prefix}calls\ncalls ::= {calls}\none ::= {one}\n" + (_THINK + "\n" if prefix else "")
+    triggers: tuple[str, ...] = ()
+    if lazy:
+        opening = re.escape(fmt.start) if fmt.start else r"\{"
+        triggers = (r"[\s\S]*?(" + opening + r")[\s\S]*",) if fmt.start else (r"\s*(" + opening + r")[\s\S]*",)
+    return root + rules, triggers
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text) if text else '""'
+
+
+def with_tool_grammar(sampling: SamplingConfig, spec: ToolSpec | None, thinking_open: bool = False) -> SamplingConfig:
+    """The sampling of an answer that may call tools: its grammar is the tools' (a --grammar and tools cannot be
+    combined: the request is refused before this)."""
+    if spec is None or not spec.active:
+        return sampling
+    grammar, triggers = tool_grammar(spec, thinking_open)
+    return dataclasses.replace(sampling, grammar=grammar, grammar_triggers=triggers, grammar_origin="the tools")

@@ -19,11 +19,12 @@ import httpx2
 from llmcli.answer.answer_text import StopMatcher
 from llmcli.answer.events import Done, Token
 from llmcli.answer.stats import AnswerClock
+from llmcli.answer.tool_calls import CallArguments, CallStarted, ToolCall, ToolSpec, new_call_id
 from llmcli.errors import ExitCode, LlmcliError, ModelNotFoundError, UsageError
 
 RETRIES = 3  # after the first try, for 429 and 5xx
 BACKOFF_S = 0.5  # doubled each retry; a Retry-After the server sends is honoured (up to 10 s)
-FINISH = {"stop": "stop", "length": "length", "content_filter": "stop", "tool_calls": "stop"}
+FINISH = {"stop": "stop", "length": "length", "content_filter": "stop", "tool_calls": "tool_calls"}
 
 
 class NetworkError(LlmcliError):
@@ -165,8 +166,10 @@ class StreamedAnswer:
     """Chunks in, the events of a local answer out: text (never a stop sequence), reasoning, then Done with
     timings measured here (TTFT, decode rate) and the server's token counts when it sends them."""
 
-    def __init__(self, stops: tuple[str, ...], started: float):
+    def __init__(self, stops: tuple[str, ...], started: float, tools: ToolSpec | None = None):
         self.stops = StopMatcher(stops)
+        self.tools = tools  # to check the calls the server sends against (it is not trusted to have)
+        self.calls: dict[int, list[str]] = {}  # index -> [id, name, arguments so far]
         self.clock = AnswerClock(started)
         self.clock.prefill_started = started  # the server's prefill is what the first chunk waits for
         self.text: list[str] = []
@@ -177,7 +180,7 @@ class StreamedAnswer:
         self.usage: dict[str, Any] = {}
         self.server_timings: dict[str, Any] = {}
 
-    def events(self, chunk: dict[str, Any], chat: bool) -> Iterator[Token]:
+    def events(self, chunk: dict[str, Any], chat: bool) -> Iterator[Token | CallStarted | CallArguments]:
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
         if isinstance(chunk.get("timings"), dict):
@@ -191,6 +194,7 @@ class StreamedAnswer:
                 self._arrived()
                 self.thought.append(reasoning)
                 yield Token(reasoning, reasoning=True)
+            yield from self._call_events(delta.get("tool_calls") if chat else None)
             text = delta.get("content") if chat else delta.get("text")
             if isinstance(text, str) and text and self.stop is None:
                 self._arrived()
@@ -198,6 +202,23 @@ class StreamedAnswer:
                 if shown:
                     self.text.append(shown)
                     yield Token(shown)
+
+    def _call_events(self, deltas: Any) -> Iterator[CallStarted | CallArguments]:
+        """OpenAI's streamed tool calls: index, id and name once, then pieces of the arguments."""
+        for delta in deltas if isinstance(deltas, list) else ():
+            if not isinstance(delta, dict) or not isinstance(delta.get("index", 0), int):
+                continue
+            index = delta.get("index", 0)
+            found = delta.get("function")
+            function: dict[str, Any] = found if isinstance(found, dict) else {}
+            if index not in self.calls:
+                self._arrived()
+                self.calls[index] = [str(delta.get("id") or new_call_id()), str(function.get("name") or ""), ""]
+                yield CallStarted(index, self.calls[index][0], self.calls[index][1])
+            piece = function.get("arguments")
+            if isinstance(piece, str) and piece:
+                self.calls[index][2] += piece
+                yield CallArguments(index, piece)
 
     def _arrived(self) -> None:
         self.clock.token(time.perf_counter(), True)
@@ -221,5 +242,10 @@ class StreamedAnswer:
         finish = ("interrupted" if interrupted else "stop_sequence" if self.stop is not None
                   else own if isinstance(own, str) and own else self.finish or "stop")
         stop = self.stop if self.stop is not None else self.server_timings.get("stop_sequence")
+        calls = tuple(ToolCall(call_id, name, arguments or "{}",
+                               self.tools.check(name, arguments or "{}") if self.tools is not None else None)
+                      for _, (call_id, name, arguments) in sorted(self.calls.items()))
+        if calls and finish in ("stop", "tool_calls"):
+            finish = "tool_calls"
         return tail, Done(finish, stats, stop if isinstance(stop, str) else None, text="".join(self.text),
-                          reasoning="".join(self.thought).strip() or None)
+                          reasoning="".join(self.thought).strip() or None, tool_calls=calls)

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmcli.answer.batch_jsonl import BatchItem, Summary
-from llmcli.answer.events import AnswerEvent, Done, Token, answer_record
+from llmcli.answer.events import AnswerEvent, DecodeEvent, Done, Token, answer_record
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.sampling_config import WIRE_FIELDS
+from llmcli.answer.tool_calls import ToolSpec
 from llmcli.chat.answerer import (
     ContextInfo,
     ProgressCallback,
@@ -55,6 +56,13 @@ class RemoteRequest:
                 body[field] = value
         if self.logit_bias:
             body["logit_bias"] = dict(self.logit_bias)
+        spec = generation.tools
+        if spec is not None and spec.tools:  # the server renders them and constrains the calls itself
+            body["tools"] = [tool.openai() for tool in spec.tools]
+            choice = spec.choice
+            body["tool_choice"] = {"type": "function", "function": {"name": choice.name}} if choice.mode == "function" \
+                else choice.mode
+            body["parallel_tool_calls"] = spec.parallel
         if think is not None:  # llama-server, vLLM and llmcli serve pass it to the chat template
             body["chat_template_kwargs"] = {"enable_thinking": think}
         if generation.max_tokens:
@@ -87,14 +95,20 @@ class RemoteSession:
     def where(self) -> str:
         return self.client.endpoint.url
 
-    def ask(self, user_text: str, options: GenerationOptions, stable_text: str | None = None) -> Iterator[AnswerEvent]:
+    def ask(self, user_text: str | None, options: GenerationOptions,
+            stable_text: str | None = None) -> Iterator[AnswerEvent]:
         """Answer `user_text` after the history; the exchange joins the history when the answer is done."""
         for event in exchange(self, user_text, options, self.history):
             if isinstance(event, Done):
-                self.history += [Message("user", user_text), Message("assistant", event.text)]
+                self.history += [*([Message("user", user_text)] if user_text is not None else []),
+                                 Message("assistant", event.text, tool_calls=event.tool_calls)]
             yield event
 
-    def render(self, user_text: str) -> RenderedPrompt:
+    def tool_format(self, setting: str = "auto") -> str:
+        return "generic"  # the server renders the tools and parses its model's calls
+
+    def render(self, user_text: str | None, history: list[Message] | None = None,
+               tools: ToolSpec | None = None) -> RenderedPrompt:
         raise UsageError("the server renders the prompt with --endpoint: --show-prompt is not available")
 
     def context(self) -> ContextInfo | None:
@@ -155,18 +169,19 @@ class RemoteSession:
         return summary
 
 
-def exchange(session: RemoteSession, user_text: str, options: GenerationOptions,
-             history: list[Message]) -> Iterator[Token | Done]:
+def exchange(session: RemoteSession, user_text: str | None, options: GenerationOptions,
+             history: list[Message]) -> Iterator[DecodeEvent]:
     """One request and its streamed answer, as events; the Done carries the whole answer."""
     started = time.perf_counter()
     chat = not session.options.raw
     body = session.request.body(options, session.options.think if chat else None)
     if chat:
-        messages = with_system(session.options.system, [*history, Message("user", user_text)])
-        body["messages"] = [{"role": m.role, "content": m.content} for m in messages]
+        new = [Message("user", user_text)] if user_text is not None else []
+        messages = with_system(session.options.system, [*history, *new])
+        body["messages"] = [m.openai_dict() for m in messages]
     else:
-        body["prompt"] = user_text
-    answer = StreamedAnswer(options.stops, started)
+        body["prompt"] = user_text or ""
+    answer = StreamedAnswer(options.stops, started, options.tools)
     for chunk in session.client.stream("chat/completions" if chat else "completions", body):
         yield from answer.events(chunk, chat)
         if answer.stop is not None:

@@ -27,7 +27,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llmcli.answer.events import Done, Token
+from llmcli.answer.events import DecodeEvent, Token
+from llmcli.answer.tool_calls import CallArguments, CallStarted
 from llmcli.decode.serving import Job, QueueFull, SlotServer, deliver_here
 from llmcli.serve.protocol import ApiError, Parsed, Prompter, Reply, parse
 
@@ -52,7 +53,7 @@ def create_app(state: ServerState) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
 
-        def deliver(events: list[tuple[Job, Token | Done]]) -> None:  # on the engine's thread: one wake-up a step
+        def deliver(events: list[tuple[Job, DecodeEvent]]) -> None:  # on the engine's thread: one wake-up a step
             loop.call_soon_threadsafe(deliver_here, events)
 
         state.slots.deliver = deliver
@@ -133,7 +134,7 @@ async def _complete(request: Request, state: ServerState, chat: bool) -> Respons
         parsed = await asyncio.to_thread(parse, body, chat, state.prompter)  # templates and tokenizing: off the loop
     except ApiError as error:
         return _error(error)
-    events: asyncio.Queue[Token | Done] = asyncio.Queue()
+    events: asyncio.Queue[DecodeEvent] = asyncio.Queue()
     job = Job(parsed.tokens, parsed.generation, parsed.seed, events.put_nowait)  # called on this loop (deliver)
     try:
         state.slots.submit(job)
@@ -148,7 +149,7 @@ async def _complete(request: Request, state: ServerState, chat: bool) -> Respons
     return await _whole(request, events, job, reply)
 
 
-async def _stream(events: asyncio.Queue[Token | Done], job: Job, reply: Reply, parsed: Parsed,
+async def _stream(events: asyncio.Queue[DecodeEvent], job: Job, reply: Reply, parsed: Parsed,
                   shutdown: anyio.Event) -> AsyncIterator[str]:
     """Chunks as the engine produces them; the client gone (the task cancelled): the job is cancelled. The server
     stopping: the job is cancelled too, and the stream still ends as a stream should (last chunk, [DONE])."""
@@ -166,6 +167,12 @@ async def _stream(events: asyncio.Queue[Token | Done], job: Job, reply: Reply, p
                 yield json.dumps(reply.chunk(event.text, event.reasoning, first), ensure_ascii=False)
                 first = False
                 continue
+            if isinstance(event, (CallStarted, CallArguments)):
+                if first:  # the role comes first, as OpenAI sends it
+                    yield json.dumps(reply.chunk("", False, True))
+                    first = False
+                yield json.dumps(reply.call_chunk(event), ensure_ascii=False)
+                continue
             if job.failure is not None:
                 yield json.dumps(ApiError(job.failure[0], job.failure[1], "server_error").body())
             else:
@@ -179,7 +186,7 @@ async def _stream(events: asyncio.Queue[Token | Done], job: Job, reply: Reply, p
         job.cancelled.set()  # a no-op once the answer is done
 
 
-async def _whole(request: Request, events: asyncio.Queue[Token | Done], job: Job, reply: Reply) -> Response:
+async def _whole(request: Request, events: asyncio.Queue[DecodeEvent], job: Job, reply: Reply) -> Response:
     """Wait for the whole answer, watching for the client going away meanwhile."""
     text: list[str] = []
     reasoning: list[str] = []
@@ -195,6 +202,8 @@ async def _whole(request: Request, events: asyncio.Queue[Token | Done], job: Job
             if isinstance(event, Token):
                 (reasoning if event.reasoning else text).append(event.text)
                 continue
+            if isinstance(event, (CallStarted, CallArguments)):
+                continue  # the Done holds the calls
             if job.failure is not None:
                 status, reason = job.failure
                 return _error(ApiError(status, reason, "invalid_request_error" if status < 500 else "server_error"))

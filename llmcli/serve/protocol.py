@@ -15,6 +15,7 @@ from llmcli.answer.events import Done
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.reasoning import opens_thinking
 from llmcli.answer.sampling_config import WIRE_FIELDS, SamplingConfig
+from llmcli.answer.tool_calls import CallArguments, CallStarted, ToolCall, ToolSpec, new_call_id, tool_spec
 from llmcli.chat.answerer import RenderedPrompt
 from llmcli.chat.chat_template import Message
 from llmcli.errors import LlmcliError
@@ -23,11 +24,11 @@ from llmcli.settings import SETTINGS, check_value
 
 # request fields -> llmcli settings: OpenAI's names, and llama-server's (llmcli's) for the rest
 FIELDS = {wire: name for name, wire in WIRE_FIELDS.items()}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOPS = 16
 # finish reasons as OpenAI clients know them (llmcli's own is in `timings.finish_reason`)
 FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "context_full": "length",
-          "repetition": "stop", "interrupted": "stop"}
+          "repetition": "stop", "interrupted": "stop", "tool_calls": "tool_calls"}
 
 
 class ApiError(Exception):
@@ -63,11 +64,13 @@ class Parsed:
 class Prompter:
     """How this server turns messages or a prompt into tokens (the model's template, its vocabulary)."""
 
-    render_chat: Callable[[list[Message], bool | None], RenderedPrompt]  # messages, --think (None: as the server's)
+    # messages, --think (None: as the server's), the tools
+    render_chat: Callable[[list[Message], bool | None, ToolSpec | None], RenderedPrompt]
     tokenize: Callable[[str], list[int]]
     model_names: tuple[str, ...]  # what `model` may say (the first is the name /v1/models lists)
     defaults: Mapping[str, Any]  # the server's effective settings (its flags and config file)
     limits: Limits
+    tool_format: str = "generic"  # how this model writes a call (its template's, or --tool-format)
 
 
 def parse(body: Any, chat: bool, prompter: Prompter) -> Parsed:
@@ -80,7 +83,8 @@ def parse(body: Any, chat: bool, prompter: Prompter) -> Parsed:
                        param="model", code="model_not_found")
     if body.get("n", 1) != 1:
         raise ApiError(400, "n must be 1: one answer per request", param="n")
-    rendered = _render(body, chat, prompter)
+    tools = _tools(body, prompter.tool_format) if chat else None
+    rendered = _render(body, chat, prompter, tools)
     values = dict(prompter.defaults)
     for name, setting_name in FIELDS.items():
         if body.get(name) is not None:
@@ -100,6 +104,9 @@ def parse(body: Any, chat: bool, prompter: Prompter) -> Parsed:
     stops = [stops] if isinstance(stops, str) else stops if stops is not None else values["stop"]
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOPS:
         raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOPS} strings", param="stop")
+    if tools is not None and tools.active and (body.get("grammar") is not None or body.get("response_format") not in (
+            None, "text", {"type": "text"})):
+        raise ApiError(400, "tools cannot be combined with grammar or response_format", param="tools")
     try:
         constraint = _constraint(body.get("response_format"), body.get("grammar"))
         sampling = SamplingConfig.from_settings(values, logit_bias=_logit_bias(body.get("logit_bias")),
@@ -111,12 +118,30 @@ def parse(body: Any, chat: bool, prompter: Prompter) -> Parsed:
         raise ApiError(400, "stream_options must be an object", param="stream_options")
     generation = GenerationOptions(sampling, max_tokens, tuple(stops), constraint, values["repetition_guard"],
                                    speculate=values["speculate"], max_draft=prompter.limits.max_draft,
-                                   thinking_open=opens_thinking(rendered.text))
+                                   thinking_open=opens_thinking(rendered.text), tools=tools)
     return Parsed(rendered.tokens, generation, sampling.effective_seed(), bool(body.get("stream")),
                   bool(stream_options.get("include_usage")))
 
 
-def _render(body: Mapping[str, Any], chat: bool, prompter: Prompter) -> RenderedPrompt:
+def _tools(body: Mapping[str, Any], tool_format: str) -> ToolSpec | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls` as one spec (None without tools); 400 naming what is wrong."""
+    tools = body.get("tools")
+    if tools is None:
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise ApiError(400, "tools must be a list of function tools", param="tools")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
+    try:
+        return tool_spec(tools, body.get("tool_choice"), tool_format, parallel)
+    except LlmcliError as exc:
+        raise ApiError(400, exc.message, param="tool_choice" if "tool_choice" in exc.message else "tools") from None
+
+
+def _render(body: Mapping[str, Any], chat: bool, prompter: Prompter, tools: ToolSpec | None = None) -> RenderedPrompt:
     if not chat:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
@@ -127,21 +152,45 @@ def _render(body: Mapping[str, Any], chat: bool, prompter: Prompter) -> Rendered
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
-    parsed = []
-    for index, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role not in ROLES:
-            raise ApiError(400, f"messages[{index}].role must be one of {', '.join(ROLES)}", param="messages")
-        parsed.append(Message(ROLES[role], _content(message.get("content"), index)))
+    parsed = [_message(message, index) for index, message in enumerate(messages)]
     kwargs = body.get("chat_template_kwargs") or {}
     think = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else None
     if not isinstance(kwargs, dict) or not isinstance(think, (bool, type(None))):
         raise ApiError(400, "chat_template_kwargs must be an object; its enable_thinking true or false",
                        param="chat_template_kwargs")
     try:
-        return prompter.render_chat(parsed, think)
+        return prompter.render_chat(parsed, think, tools)
     except LlmcliError as exc:  # the template refused the conversation
         raise ApiError(400, exc.message, param="messages") from None
+
+
+def _message(message: Any, index: int) -> Message:
+    """One message of a chat request: a role, its text; an assistant's `tool_calls`, a tool's `tool_call_id`."""
+    role = message.get("role") if isinstance(message, dict) else None
+    if role not in ROLES:
+        raise ApiError(400, f"messages[{index}].role must be one of {', '.join(ROLES)}", param="messages")
+    calls = (message.get("tool_calls") or []) if role == "assistant" else []
+    if not isinstance(calls, list):
+        raise ApiError(400, f"messages[{index}].tool_calls must be a list", param="messages")
+    parsed_calls = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not isinstance(arguments, (str, dict)):
+            raise ApiError(400, f"messages[{index}].tool_calls: each is {{id, type, function: {{name, arguments}}}}",
+                           param="messages")
+        parsed_calls.append(ToolCall(str(call.get("id") or new_call_id()), name,
+                                     arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    content = message.get("content")
+    text = "" if content is None and role == "assistant" else _content(content, index)
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise ApiError(400, f"messages[{index}]: a tool message needs its tool_call_id", param="messages")
+        name = message.get("name")
+        return Message("tool", text, tool_call_id=call_id, name=name if isinstance(name, str) else None)
+    return Message(ROLES[role], text, tool_calls=tuple(parsed_calls))
 
 
 def _content(content: Any, index: int) -> str:
@@ -230,6 +279,16 @@ class Reply:
         delta["reasoning_content" if reasoning else "content"] = text
         return {**self._head(True), "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
 
+    def call_chunk(self, event: CallStarted | CallArguments) -> dict[str, Any]:
+        """A tool call's delta, as OpenAI streams it: index, id, type and name once, then pieces of the arguments."""
+        call: dict[str, Any]
+        if isinstance(event, CallStarted):
+            call = {"index": event.index, "id": event.id, "type": "function",
+                    "function": {"name": event.name, "arguments": ""}}
+        else:
+            call = {"index": event.index, "function": {"arguments": event.text}}
+        return {**self._head(True), "choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}]}
+
     def last_chunk(self, done: Done) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH.get(done.finish_reason, "stop")}
         if self.chat:
@@ -244,9 +303,11 @@ class Reply:
     def whole(self, text: str, reasoning: str | None, done: Done) -> dict[str, Any]:
         finish = FINISH.get(done.finish_reason, "stop")
         if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text or (None if done.tool_calls else "")}
             if reasoning:
                 message["reasoning_content"] = reasoning
+            if done.tool_calls:
+                message["tool_calls"] = [call.openai() for call in done.tool_calls]
             choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
@@ -262,5 +323,6 @@ def usage(done: Done) -> dict[str, Any]:
 
 def timings(done: Done) -> dict[str, Any]:
     """llmcli's own record: every phase, the rates, and why the answer ended in llmcli's words."""
+    invalid = [{"index": i, "id": c.id, "error": c.error} for i, c in enumerate(done.tool_calls) if c.error]
     return {**done.stats.to_dict(), "finish_reason": done.finish_reason, "stop_sequence": done.stop_sequence,
-            "format_error": done.format_error}
+            "format_error": done.format_error, **({"tool_call_errors": invalid} if invalid else {})}

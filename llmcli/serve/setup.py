@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmcli.answer.tool_calls import ToolSpec
 from llmcli.chat.answerer import with_system
 from llmcli.chat.chat_template import Message
 from llmcli.chat.session import Session, render_prompt
@@ -23,12 +24,12 @@ def open_server(request: Request, parallel: int, queue: int, max_body: int, max_
     session = pipeline.session
     engine = session.engine
 
-    def render_chat(messages: list[Message], think: bool | None) -> Any:
+    def render_chat(messages: list[Message], think: bool | None, tools: ToolSpec | None) -> Any:
         options = session.options if think is None else dataclasses.replace(session.options, think=think)
-        return render_prompt(session.template, engine.vocab, with_system(options.system, messages), options)
+        return render_prompt(session.template, engine.vocab, with_system(options.system, messages), options, tools)
 
     names = tuple(dict.fromkeys((pipeline.model.name, engine.path.stem, engine.path.name)))
     limits = Limits(engine.n_ctx, min(max_answer, engine.n_ctx), max_body, pipeline.generation.max_draft)
     prompter = Prompter(render_chat, lambda text: engine.vocab.tokenize(text, add_special=True), names,
-                        dict(pipeline.settings.values), limits)
+                        dict(pipeline.settings.values), limits, session.tool_format(pipeline.settings["tool_format"]))
     return SlotServer(engine, parallel, queue, speculation=session.speculation), prompter, pipeline

@@ -1,0 +1,93 @@
+"""The tool loop of `run` and `chat`: the model calls, llmcli runs the functions, the results go back as `tool`
+messages through the template, and the model goes on — until it answers without a call, or `--chain-limit` rounds
+of calls were run. The same loop for a local model and a server (--endpoint): it only asks the Answerer.
+
+A forced `--tool-choice` (required, or a tool's name) applies to the first call; the rounds after it are `auto`,
+as the OpenAI Agents SDK resets it (otherwise a forced tool would be called until the limit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from llmcli.answer.events import AnswerEvent, Done, Notice
+from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.tool_calls import ToolCall, ToolChoice, ToolResult, ToolSpec
+from llmcli.chat.answerer import Answerer
+from llmcli.chat.chat_template import Message
+from llmcli.chat.functions import Functions
+from llmcli.errors import UsageError
+from llmcli.interrupt import Cancellation
+
+DEFAULT_CHAIN_LIMIT = 5
+
+
+@dataclass
+class ToolRunner:
+    """What a run or a chat may call, and how calls are run: approved first (`approve`), shown (`on_result`)."""
+
+    functions: Functions
+    choice: ToolChoice
+    format: str
+    chain_limit: int = DEFAULT_CHAIN_LIMIT
+    approve: Callable[[ToolCall], bool] | None = None  # --tools-approve: False refuses the call
+    on_result: Callable[[ToolCall, ToolResult], None] | None = None  # --tools-debug
+    on_prompt: Callable[[str], None] | None = None  # --tools-debug: the prompt the results went into (local models)
+
+    def spec(self, first: bool) -> ToolSpec:
+        choice = self.choice if first or self.choice.mode == "none" else ToolChoice("auto")
+        return ToolSpec(self.functions.tools, choice, self.format)
+
+    def run(self, call: ToolCall, cancel: Cancellation) -> ToolResult:
+        if call.error is None and self.approve is not None and not self.approve(call):
+            result = ToolResult(call.id, call.name, "Error: the user did not allow this call", error=True)
+        else:
+            with cancel.raising():  # Python code: Ctrl-C stops it at once
+                result = self.functions.run(call)
+        if self.on_result is not None:
+            self.on_result(call, result)
+        return result
+
+
+def answer_with_tools(answerer: Answerer, user_text: str, generation: GenerationOptions, runner: ToolRunner,
+                      cancel: Cancellation, stable_text: str | None = None) -> Iterator[AnswerEvent]:
+    """The events of every round (text, calls, notices) and one Done at the end: the last round's, carrying every
+    call made and every result."""
+    calls: list[ToolCall] = []
+    results: list[ToolResult] = []
+    text: str | None = user_text
+    for round_number in range(runner.chain_limit + 1):
+        options = dataclasses.replace(generation, tools=runner.spec(first=round_number == 0))
+        done: Done | None = None
+        for event in answerer.ask(text, options, stable_text if round_number == 0 else None):
+            if isinstance(event, Done):
+                done = event
+            else:
+                yield event
+        if done is None:
+            return
+        calls += done.tool_calls
+        if done.finish_reason != "tool_calls":
+            yield dataclasses.replace(done, tool_calls=tuple(calls), tool_results=tuple(results))
+            return
+        if round_number == runner.chain_limit:
+            yield Notice(f"--chain-limit {runner.chain_limit} reached: the last calls were not run")
+            yield dataclasses.replace(done, tool_calls=tuple(calls), tool_results=tuple(results))
+            return
+        try:
+            for call in done.tool_calls:
+                result = runner.run(call, cancel)
+                results.append(result)
+                answerer.history.append(Message("tool", result.content, tool_call_id=call.id, name=call.name))
+        except KeyboardInterrupt:
+            yield dataclasses.replace(done, finish_reason="interrupted", tool_calls=tuple(calls),
+                                      tool_results=tuple(results))
+            return
+        text = None
+        if runner.on_prompt is not None:
+            try:
+                runner.on_prompt(answerer.render(None, tools=runner.spec(first=False)).text)
+            except UsageError:
+                pass  # a server renders its own prompt
