@@ -60,6 +60,8 @@ class Cancellation:
 
         previous = {s: signal.signal(s, handler) for s in signums}
         try:
+            if self.signum is not None:  # it came just before: stop now, not after the code has run
+                raise KeyboardInterrupt
             yield
         finally:
             for s, handler_before in previous.items():

@@ -222,7 +222,7 @@ def test_help_groups_options_in_panels_and_ends_with_examples():
     shown = run_cli("run", "--help").stdout
     panels = [line for line in shown.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
     assert panels == ["Arguments:", "Model and prompt:", "Input and conversation:", "Sampling and stopping:",
-                      "Constrained output:", "Output:", "Batch:", "Saved templates:", "Engine:", "Prompt cache:",
+                      "Constrained output:", "Tools:", "Output:", "Batch:", "Saved templates:", "Engine:", "Prompt cache:",
                       "A server instead (--endpoint):", "Downloads (Hugging Face Hub):", "Options:"]
     assert shown.split("\nOptions:\n", 1)[1].split("\n\n")[0].count("\n  -") == 0  # only -h/--help left ungrouped
     short = run_cli("run", "-h").stdout  # issue 23: the main options, scannable; --help has them all

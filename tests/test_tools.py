@@ -297,3 +297,33 @@ def test_chat_keeps_calls_in_its_history_and_resumes_them(functions):
     assert "[assistant] → multiply(" in first.stderr and "[tool] " in first.stderr
     resumed = run_cli("chat", "--resume", "last", "-q", input="/history\n")
     assert "[assistant] → multiply(" in resumed.stderr and "[tool] " in resumed.stderr
+
+
+def test_approval_on_a_terminal_and_ctrl_c_during_a_tool(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    import pexpect
+
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time\n\ndef wait(seconds: int) -> str:\n    \"\"\"Wait.\"\"\"\n    time.sleep(60)\n"
+                    "    return 'done'\n")
+    child = pexpect.spawn(sys.executable, ["-m", "llmcli", "run", "--functions", str(slow), "--tool-choice", "required",
+                                           "--tools-approve", "--tools-debug", "--temp", "0", "-n", "30", "-q", "Wait."],
+                          timeout=120, encoding="utf-8", env={**__import__("os").environ, "NO_COLOR": "1"})
+    child.expect(r"run wait\(")
+    child.sendline("n")  # refused: the model reads that it was not allowed, and the run goes on
+    child.expect("the user did not allow this call")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    proc = subprocess.Popen([sys.executable, "-m", "llmcli", "run", "--functions", str(slow), "--tool-choice", "required",
+                             "--tools-debug", "--temp", "0", "-n", "30", "Wait."], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    while b"tool call wait(" not in (line := proc.stderr.readline()):
+        assert line, "the run ended before calling the tool"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=20)  # not the 60 s the tool sleeps
+    assert proc.returncode == 130 and b"Traceback" not in err

@@ -33,7 +33,8 @@ class ToolRunner:
     format: str
     chain_limit: int = DEFAULT_CHAIN_LIMIT
     approve: Callable[[ToolCall], bool] | None = None  # --tools-approve: False refuses the call
-    on_result: Callable[[ToolCall, ToolResult], None] | None = None  # --tools-debug
+    on_call: Callable[[ToolCall], None] | None = None  # --tools-debug: a call about to run
+    on_result: Callable[[ToolCall, ToolResult], None] | None = None  # --tools-debug: what it gave
     on_prompt: Callable[[str], None] | None = None  # --tools-debug: the prompt the results went into (local models)
 
     def spec(self, first: bool) -> ToolSpec:
@@ -45,6 +46,8 @@ class ToolRunner:
             result = ToolResult(call.id, call.name, "Error: the user did not allow this call", error=True)
         else:
             with cancel.raising():  # Python code: Ctrl-C stops it at once
+                if self.on_call is not None:
+                    self.on_call(call)
                 result = self.functions.run(call)
         if self.on_result is not None:
             self.on_result(call, result)

@@ -10,11 +10,11 @@ from typing import Any
 
 from typer.core import TyperCommand
 
-from llmcli.settings import CACHE, DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SAMPLING
+from llmcli.settings import CACHE, DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SAMPLING, TOOLS
 
 # Panels in the order a reader looks for them; any other panel follows, in the order it appears.
-PANEL_ORDER = (MODEL, "Input and conversation", "Saved conversations", SAMPLING, "Constrained output", OUTPUT, "Batch",
-               "Saved templates", ENGINE, CACHE, REMOTE, DOWNLOADS, "Server", "Options")
+PANEL_ORDER = (MODEL, "Input and conversation", "Saved conversations", SAMPLING, "Constrained output", TOOLS, OUTPUT,
+               "Batch", "Saved templates", ENGINE, CACHE, REMOTE, DOWNLOADS, "Server", "Options")
 
 # What `-h` shows (`--help` shows everything): the options most command lines use.
 ESSENTIAL = frozenset({

@@ -127,15 +127,17 @@ def tool_runner(functions: list[str] | None, choice: str, chain_limit: int, debu
     if approve:
         runner.approve = _approver(console)
     if debug:
-        def show(call: Any, result: Any) -> None:
+        def called(call: Any) -> None:
             console.print(Text(f"tool call {call.name}({call.arguments})", style="dim"))
+
+        def show(call: Any, result: Any) -> None:
             shown = result.content if len(result.content) <= 500 else result.content[:500] + "…"
             console.print(Text(f"tool result {call.name}: {shown}", style="red" if result.error else "dim"))
 
         def prompt(text: str) -> None:
             console.print(Text(f"next prompt ends: …{text[-300:]}", style="dim"))
 
-        runner.on_result, runner.on_prompt = show, prompt
+        runner.on_call, runner.on_result, runner.on_prompt = called, show, prompt
     return runner
 
 
@@ -144,7 +146,7 @@ def _approver(console: Any) -> Callable[[Any], bool]:
     import os
 
     try:
-        terminal = open("/dev/tty", "r+", encoding="utf-8") if os.isatty(2) else None  # noqa: SIM115 (kept for the run)
+        terminal = os.open("/dev/tty", os.O_RDWR) if os.isatty(2) else None  # kept open for the run
     except OSError:
         terminal = None
     if terminal is None:
@@ -152,9 +154,11 @@ def _approver(console: Any) -> Callable[[Any], bool]:
                          hint="Run it on a terminal, or drop --tools-approve.")
 
     def approve(call: Any) -> bool:
-        terminal.write(f"run {call.name}({call.arguments})? [y/N] ")
-        terminal.flush()
-        return terminal.readline().strip().lower() in ("y", "yes")
+        os.write(terminal, f"run {call.name}({call.arguments})? [y/N] ".encode())
+        answer = b""
+        while not answer.endswith(b"\n") and (chunk := os.read(terminal, 256)):
+            answer += chunk
+        return answer.decode(errors="replace").strip().lower() in ("y", "yes")
 
     return approve
 
