@@ -11,24 +11,50 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from llmcli.answer.events import AnswerEvent, Done, Notice
 from llmcli.answer.generation import GenerationOptions
-from llmcli.answer.tool_calls import ToolCall, ToolChoice, ToolResult, ToolSpec
+from llmcli.answer.tool_calls import Tool, ToolCall, ToolChoice, ToolResult, ToolSpec
 from llmcli.chat.answerer import Answerer
 from llmcli.chat.chat_template import Message
-from llmcli.chat.functions import Functions
 from llmcli.errors import UsageError
 from llmcli.interrupt import Cancellation
 
 DEFAULT_CHAIN_LIMIT = 5
 
 
+class ToolSource(Protocol):
+    """Where tools come from: --functions, MCP servers."""
+
+    @property
+    def tools(self) -> tuple[Tool, ...]: ...
+
+    def run(self, call: ToolCall) -> ToolResult: ...
+
+
+@dataclass(frozen=True)
+class ToolSources:
+    """Several sources as one: each call goes to the source that offers its tool."""
+
+    sources: tuple[ToolSource, ...]
+
+    @property
+    def tools(self) -> tuple[Tool, ...]:
+        return tuple(tool for source in self.sources for tool in source.tools)
+
+    def run(self, call: ToolCall) -> ToolResult:
+        for source in self.sources:
+            if any(tool.name == call.name for tool in source.tools):
+                return source.run(call)
+        return ToolResult(call.id, call.name, f"Error: no tool is called {call.name!r}", error=True)
+
+
 @dataclass
 class ToolRunner:
     """What a run or a chat may call, and how calls are run: approved first (`approve`), shown (`on_result`)."""
 
-    functions: Functions
+    functions: ToolSource
     choice: ToolChoice
     format: str
     chain_limit: int = DEFAULT_CHAIN_LIMIT
@@ -36,6 +62,28 @@ class ToolRunner:
     on_call: Callable[[ToolCall], None] | None = None  # --tools-debug: a call about to run
     on_result: Callable[[ToolCall, ToolResult], None] | None = None  # --tools-debug: what it gave
     on_prompt: Callable[[str], None] | None = None  # --tools-debug: the prompt the results went into (local models)
+
+    def notices(self) -> list[str]:
+        """What the sources have to say once they are up (an MCP server that did not start)."""
+        found: list[str] = []
+        for source in getattr(self.functions, "sources", (self.functions,)):
+            waiting = getattr(source, "wait", None)
+            if waiting is not None:
+                found += waiting()
+        return found
+
+    def __enter__(self) -> ToolRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop what the sources started (MCP servers)."""
+        for source in getattr(self.functions, "sources", (self.functions,)):
+            closing = getattr(source, "close", None)
+            if closing is not None:
+                closing()
 
     def spec(self, first: bool) -> ToolSpec:
         choice = self.choice if first or self.choice.mode == "none" else ToolChoice("auto")

@@ -43,7 +43,18 @@ def _root(version: VersionOpt = False, cache_dir: CacheDirOpt = None) -> None:
 
 
 def _register() -> None:
-    from llmcli.cli import bench, cache_cmd, config_cmd, embed_cmd, logs_cmd, models_cmd, serve_cmd, templates_cmd, tokens_cmd
+    from llmcli.cli import (
+        bench,
+        cache_cmd,
+        config_cmd,
+        embed_cmd,
+        logs_cmd,
+        mcp_cmd,
+        models_cmd,
+        serve_cmd,
+        templates_cmd,
+        tokens_cmd,
+    )
     from llmcli.cli.chat import chat
     from llmcli.cli.help import EXAMPLES, SHORT_HELP, PanelledCommand
     from llmcli.cli.run import run
@@ -61,6 +72,7 @@ def _register() -> None:
     app.add_typer(cache_cmd.app, name="cache", short_help=SHORT_HELP["cache"])
     app.add_typer(logs_cmd.app, name="logs", short_help=SHORT_HELP["logs"], epilog=EXAMPLES["logs"])
     app.add_typer(templates_cmd.app, name="templates", short_help=SHORT_HELP["templates"])
+    app.add_typer(mcp_cmd.app, name="mcp", short_help=SHORT_HELP["mcp"], epilog=EXAMPLES["mcp"])
 
 
 _register()

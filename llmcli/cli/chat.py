@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -38,7 +39,8 @@ def help_text() -> str:
   /undo                 drop the last exchange
   /retry                sample the last reply again
   /save FILE            save the conversation as JSON;  /load FILE  load one
-  /history              the conversation so far
+  /history              the conversation so far (tool calls and results too)
+  /tools                the tools the model may call (--functions, --mcp)
   /stats                timings of the last reply and of the whole conversation
   /exit                 leave (or Ctrl-D)
 A line with only \"\"\" starts and ends a multi-line message; a line ending in \\ continues."""
@@ -57,19 +59,33 @@ def chat(
     chain_limit: o.ChainLimitOpt = 5,
     tools_debug: o.ToolsDebugOpt = False,
     tools_approve: o.ToolsApproveOpt = False,
+    mcp: o.McpOpt = None,
+    mcp_server: o.McpServerOpt = None,
+    tool_timeout: o.ToolTimeoutOpt = 60.0,
     **given: Any,
 ) -> None:
     """Talk with a model: the KV cache is reused, so only each new turn is prefilled."""
-    from llmcli.chat.conversation import Conversation, find_conversation, read_records
     from llmcli.cli import output
-    from llmcli.pipeline import log_entry, open_answering
-    from llmcli.store.answer_log import record
 
     if list_saved:
         _list_saved(as_json)
         return
     console = output.stderr_console()
-    runner = o.tool_runner(functions, tool_choice, chain_limit, tools_debug, tools_approve, "generic", console)
+    runner = o.tool_runner(functions, tool_choice, chain_limit, tools_debug, tools_approve, "generic", console, mcp,
+                           mcp_server, tool_timeout)
+    with contextlib.ExitStack() as stack:
+        if runner is not None:
+            stack.enter_context(runner)  # MCP servers stay up for the session, and stop with it
+        _session(resume, no_save, as_json, quiet, given, runner, console)
+
+
+def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, given: dict[str, Any], runner: Any,
+             console: Any) -> None:
+    from llmcli.chat.conversation import Conversation, find_conversation, read_records
+    from llmcli.cli import output
+    from llmcli.pipeline import log_entry, open_answering
+    from llmcli.store.answer_log import record
+
     resume_path = find_conversation(resume) if resume else None
     with output.download_progress() as progress:
         pipeline = open_answering(o.build_request(given), progress, on_waiting=output.waiting_for)
@@ -83,6 +99,8 @@ def chat(
         )
         if runner is not None:
             runner.format = pipeline.session.tool_format(pipeline.settings["tool_format"])
+            for notice in runner.notices():
+                output.print_notice(console, notice)
         if resume_path is not None:
             conversation.replay(read_records(resume_path))
             _restore_state(pipeline.session, conversation, console)
@@ -299,6 +317,15 @@ def _shown(name: str, value: Any) -> str:
     return "random" if name == "seed" and value is None else show_value(value)
 
 
+def _tools(repl: Repl, argument: str) -> None:
+    runner = repl.conversation.tools
+    if runner is None:
+        repl.console.print("no tools (--functions FILE.py, --mcp FILE)")
+        return
+    for tool in runner.functions.tools:
+        repl.console.print(f"{tool.name:<28} {tool.description[:80]}")
+
+
 def _clear(repl: Repl, argument: str) -> None:
     repl.conversation.clear()
     repl.console.print("conversation cleared")
@@ -362,7 +389,7 @@ def _stats(repl: Repl, argument: str) -> None:
 
 COMMANDS = {
     "help": _help, "?": _help, "system": _system, "set": _set, "show": _show, "clear": _clear,
-    "undo": _undo, "retry": _retry, "save": _save, "load": _load, "stats": _stats, "history": _history,
+    "undo": _undo, "retry": _retry, "save": _save, "load": _load, "stats": _stats, "history": _history, "tools": _tools,
 }
 
 

@@ -109,6 +109,9 @@ EXAMPLES = {
                      "llmcli logs rm --before 30d", "llmcli logs off"),
     "tokenize": examples('llmcli tokenize "Hello world"', 'llmcli tokenize --json "Hello world"',
                          'llmcli tokenize --chat "Hi"'),
+    "mcp": examples("llmcli mcp list", "llmcli mcp list --mcp ~/.cursor/mcp.json --json",
+                    "llmcli mcp call files read_file '{\"path\": \"/tmp/notes.txt\"}'",
+                    'llmcli run --mcp-server files "What is in /tmp/notes.txt?"'),
     "cache list": examples("llmcli cache list", "llmcli cache list --json | jq '.[].tokens'"),
     "cache info": examples("llmcli cache info", "llmcli --cache-dir /big/disk cache info"),
     "cache clear": examples("llmcli cache clear"),
@@ -134,4 +137,5 @@ SHORT_HELP = {
     "templates": "Saved prompt templates: list, show, edit, rm (run -T NAME).",
     "logs": "Every answer, recorded: list, search, remove (SQLite).",
     "tokenize": "Show the tokens of a text: ids and pieces.",
+    "mcp": "MCP servers: their tools (list), one call (call).",
 }

@@ -108,24 +108,52 @@ ToolsApproveOpt = Annotated[bool, typer.Option(
     "--tools-approve", help="Ask before each call (on a terminal; refused without one).", rich_help_panel=TOOLS)]
 
 
+McpOpt = Annotated[Optional[Path], typer.Option(
+    "--mcp", help="Tools from the MCP servers of this mcpServers JSON file (Claude Desktop's, Cursor's, LM Studio's "
+    "shape); --mcp-server alone reads the config dir's mcp.json.", show_default=False, dir_okay=False,
+    rich_help_panel=TOOLS)]
+McpServerOpt = Annotated[Optional[list[str]], typer.Option(
+    "--mcp-server", help="Use only this server of the MCP file. Repeatable.", show_default=False, rich_help_panel=TOOLS)]
+ToolTimeoutOpt = Annotated[float, typer.Option(
+    "--tool-timeout", min=0.1, help="Seconds an MCP call may take before it is an error result for the model.",
+    rich_help_panel=TOOLS)]
+
+
 def tool_runner(functions: list[str] | None, choice: str, chain_limit: int, debug: bool, approve: bool,
-                tool_format: str, console: Any) -> Any:
-    """The ToolRunner of --functions and its flags (None without --functions); the approval prompt and the debug
-    lines are the CLI's. Checked before the model loads: a bad file, or --tools-approve without a terminal."""
-    if not functions:
+                tool_format: str, console: Any, mcp: Path | None = None, mcp_servers: list[str] | None = None,
+                tool_timeout: float = 60.0) -> Any:
+    """The ToolRunner of --functions, --mcp and their flags (None without either; close() it: MCP servers run);
+    the approval prompt and the debug lines are the CLI's. Checked before the model loads: a bad file, or
+    --tools-approve without a terminal. MCP servers start here, in the background, while the model loads."""
+    if not functions and mcp is None and not mcp_servers:
         if approve or debug or choice != "auto":
-            raise UsageError("--tool-choice, --tools-debug and --tools-approve apply to --functions")
+            raise UsageError("--tool-choice, --tools-debug and --tools-approve apply to --functions and --mcp")
         return None
     from rich.text import Text
 
     from llmcli.answer.tool_calls import ToolChoice
-    from llmcli.chat.functions import load_functions
-    from llmcli.chat.tool_loop import ToolRunner
+    from llmcli.chat.tool_loop import ToolRunner, ToolSource, ToolSources
 
-    loaded = load_functions(functions)
-    runner = ToolRunner(loaded, ToolChoice.parse(choice, loaded.tools, "--tool-choice"), tool_format, chain_limit)
-    if approve:
-        runner.approve = _approver(console)
+    approver = _approver(console) if approve else None  # refused before anything starts
+    sources: list[ToolSource] = []
+    if functions:
+        from llmcli.chat.functions import load_functions
+
+        sources.append(load_functions(functions))
+    if mcp is not None or mcp_servers:
+        from llmcli.chat.mcp_servers import McpServers, default_config, read_config
+
+        servers = McpServers(read_config(mcp or default_config(), tuple(mcp_servers or ())), tool_timeout)
+        sources.append(servers.start())
+    source = ToolSources(tuple(sources))
+    try:
+        parsed = ToolChoice.parse(choice, source.tools if choice not in ("auto", "none", "required") else (),
+                                  "--tool-choice")
+    except BaseException:
+        ToolRunner(source, ToolChoice(), tool_format).close()
+        raise
+    runner = ToolRunner(source, parsed, tool_format, chain_limit)
+    runner.approve = approver
     if debug:
         def called(call: Any) -> None:
             console.print(Text(f"tool call {call.name}({call.arguments})", style="dim"))

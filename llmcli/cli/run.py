@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Annotated, Any, Optional
 
@@ -86,20 +87,22 @@ def run(
     chain_limit: o.ChainLimitOpt = 5,
     tools_debug: o.ToolsDebugOpt = False,
     tools_approve: o.ToolsApproveOpt = False,
+    mcp: o.McpOpt = None,
+    mcp_server: o.McpServerOpt = None,
+    tool_timeout: o.ToolTimeoutOpt = 60.0,
     **given: Any,
 ) -> None:
     """Answer one prompt, streamed to stdout; stats on stderr."""
     from llmcli.cli import output
     from llmcli.cli.inputs import combine_input, read_message
-    from llmcli.cli.stream import AnswerSink, show_answer
-    from llmcli.pipeline import continued, log_entry, new_conversation_id, open_answering
-    from llmcli.store.answer_log import record
 
     if batch is not None:
         from llmcli.cli.batch import run_batch_command
 
         if prompt is not None:
             raise UsageError("--batch reads its prompts from the file; drop the prompt argument")
+        if functions or mcp or mcp_server:
+            raise UsageError("--batch answers without tools: drop --functions and --mcp")
         n_parallel = parallel or DEFAULT_PARALLEL
         run_batch_command(batch, o.build_request(given, n_parallel), n_parallel, quiet)
     if parallel is not None:
@@ -124,16 +127,34 @@ def run(
         message = combine_input(prompt_arg, stdin_text, prompt_first)
         if chosen is not None:
             message = chosen.render(message, _variables(var))
-    if functions and (given.get("grammar") or given.get("grammar_file") or given.get("json_schema")
-                      or given.get("output_format") or batch is not None):
-        raise UsageError("--functions constrains the answer itself: drop --grammar, --json-schema, --format, --batch")
-    runner = o.tool_runner(functions, tool_choice, chain_limit, tools_debug, tools_approve, "generic", console)
+    if (functions or mcp or mcp_server) and (given.get("grammar") or given.get("grammar_file")
+                                             or given.get("json_schema") or given.get("output_format")):
+        raise UsageError("tools constrain the answer themselves: drop --grammar, --json-schema, --format")
+    runner = o.tool_runner(functions, tool_choice, chain_limit, tools_debug, tools_approve, "generic", console, mcp,
+                           mcp_server, tool_timeout)
+    with contextlib.ExitStack() as stack:
+        if runner is not None:
+            stack.enter_context(runner)  # MCP servers stop when the run ends, however it ends
+        _answer(prompt_arg, stdin_text, message, prompt_first, given, runner, show_prompt, as_json, quiet,
+                continue_conversation, cid, console)
+
+
+def _answer(prompt_arg: str | None, stdin_text: str | None, message: str, prompt_first: bool, given: dict[str, Any],
+            runner: Any, show_prompt: bool, as_json: bool, quiet: bool, continue_conversation: bool, cid: str | None,
+            console: Any) -> None:
+    from llmcli.cli import output
+    from llmcli.cli.stream import AnswerSink, show_answer
+    from llmcli.pipeline import continued, log_entry, new_conversation_id, open_answering
+    from llmcli.store.answer_log import record
+
     with output.download_progress() as progress:  # shown only if the model must be downloaded first
         pipeline = open_answering(o.build_request(given), progress, on_waiting=output.waiting_for)
     with pipeline:
         session = pipeline.session
         if runner is not None:
             runner.format = session.tool_format(pipeline.settings["tool_format"])
+            for text in runner.notices():
+                output.print_notice(console, text)
         for text in session.notices:
             output.print_notice(console, text)
         conversation_id = new_conversation_id()
