@@ -9,8 +9,8 @@ import time
 from typing import Annotated
 
 from mcp.server import MCPServer
-from pydantic import Field
 from mcp.server.mcpserver import Image
+from pydantic import Field
 
 server = MCPServer("test-tools")
 
