@@ -63,6 +63,20 @@ GOLDEN = {
     ],
 }
 GOLDEN["generic"] = GOLDEN["hermes"][:3]
+# Recorded: SmolLM2-135M's raw output under the grammar (required, temperature 1.0), its own template (generic) and
+# the Hermes-style one. Fixed strings: they parse the same on any CPU.
+GOLDEN["generic"] += [
+    ('<tool_call>{"name": "multiply", "arguments": { "a": 12, "b": 7 }}  </tool_call>', "",
+     [("multiply", '{ "a": 12, "b": 7 }', None)]),
+    ('<tool_call> {"name": "weather", "arguments": { "city": "Paris" }}  </tool_call>', "",
+     [("weather", '{ "city": "Paris" }', None)]),
+]
+GOLDEN["hermes"] += [
+    ('<tool_call> { "name": "weather", "arguments": { "city": ": "} }  </tool_call> <tool_call> { "name": "multiply", '
+     '"arguments": { "a": 2, "b": 7 } }  </tool_call> <tool_call> { "name": "weather", "arguments": { "city": "Paris" } }'
+     "  </tool_call>", "", [("weather", '{ "city": ": "}', None), ("multiply", '{ "a": 2, "b": 7 }', None),
+                            ("weather", '{ "city": "Paris" }', None)]),
+]
 
 
 def _calls(calls) -> list[tuple[str, str, str | None]]:
