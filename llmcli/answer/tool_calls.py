@@ -181,6 +181,7 @@ class ToolSpec:
     choice: ToolChoice = field(default_factory=ToolChoice)
     format: str = "generic"
     parallel: bool = True
+    think_first: bool = False  # a reasoning model (its template knows <think>) may think before a forced call
 
     @property
     def active(self) -> bool:

@@ -132,7 +132,8 @@ _THINK = r'think ::= ([^<] | "<" [^/] | "</" [^t])* "</think>" space'
 def tool_grammar(spec: ToolSpec, thinking_open: bool = False) -> tuple[str, tuple[str, ...]]:
     """The GBNF that makes every call of `spec` parse — one of the offered tools' names, then arguments that match
     its `parameters` — and the trigger patterns that start it: none for `required` or a named tool (the answer is
-    the calls, from its first token; a reasoning model may close its open think block first), the format's opening
+    the calls, from its first token; a reasoning model may think first: close the think block its template opened,
+    or write one when its template knows <think>), the format's opening
     for `auto` (free text until the model opens a call: a lazy grammar)."""
     fmt = FORMATS[spec.format]
     alternatives = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.args_key: t.parameters},
@@ -151,7 +152,7 @@ def tool_grammar(spec: ToolSpec, thinking_open: bool = False) -> tuple[str, tupl
     else:
         calls = "one (space one)*" if spec.parallel else "one"
     lazy = spec.choice.mode == "auto"
-    prefix = "think " if thinking_open and not lazy else ""
+    prefix = "" if lazy else "think " if thinking_open else '("<think>" think)? ' if spec.think_first else ""
     root = f"root ::= {prefix}calls\ncalls ::= {calls}\none ::= {one}\n" + (_THINK + "\n" if prefix else "")
     triggers: tuple[str, ...] = ()
     if lazy:
