@@ -270,6 +270,9 @@ def test_run_calls_a_function_and_feeds_its_result_back(functions):
     prompt = result.stderr.split("next prompt ends: …", 1)[1]
     assert f"<tool_response>\n{first['result']}\n</tool_response>" in prompt  # the result is in the next prompt
     assert "<tool_call>" not in record["text"]
+    call_only = json.loads(run_cli("run", "--functions", functions, "--tool-choice", "required", "--chain-limit", "0",
+                                   "--temp", "0", "-n", "40", "--json", "What is 12 times 7?").stdout)
+    assert record["usage"]["completion_tokens"] > call_only["usage"]["completion_tokens"]  # the rounds add up
 
 
 def test_a_failing_tool_the_chain_limit_and_approval_without_a_terminal(functions):

@@ -39,6 +39,20 @@ class Stats:
     def decode_tps(self) -> float:
         return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
 
+    def then(self, later: Stats) -> Stats:
+        """This pass and a later one of the same answer (the rounds of a tool loop) as one: the later pass's prompt
+        (the whole conversation by then), the first's load and time to first token, everything else added up."""
+        return Stats(
+            load_s=self.load_s + later.load_s, prompt_s=self.prompt_s + later.prompt_s,
+            prompt_tokens=later.prompt_tokens, cached_tokens=later.cached_tokens,
+            prefill_tokens=self.prefill_tokens + later.prefill_tokens, prefill_s=self.prefill_s + later.prefill_s,
+            ttft_s=self.ttft_s, completion_tokens=self.completion_tokens + later.completion_tokens,
+            decode_steps=self.decode_steps + later.decode_steps, decode_s=self.decode_s + later.decode_s,
+            total_s=self.total_s + later.total_s, seed=later.seed, threads=later.threads,
+            restored_tokens=self.restored_tokens + later.restored_tokens, restore_s=self.restore_s + later.restore_s,
+            draft_tokens=self.draft_tokens + later.draft_tokens, accepted_tokens=self.accepted_tokens + later.accepted_tokens,
+        )
+
     def to_dict(self) -> dict[str, float | int | None]:
         record: dict[str, float | int | None] = asdict(self)
         record["prefill_tokens_per_s"] = round(self.prefill_tps, 2)

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from llmcli.answer.events import AnswerEvent, Done, Notice
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.stats import Stats
 from llmcli.answer.tool_calls import Tool, ToolCall, ToolChoice, ToolResult, ToolSpec
 from llmcli.chat.answerer import Answerer
 from llmcli.chat.chat_template import Message
@@ -105,9 +106,10 @@ class ToolRunner:
 def answer_with_tools(answerer: Answerer, user_text: str, generation: GenerationOptions, runner: ToolRunner,
                       cancel: Cancellation, stable_text: str | None = None) -> Iterator[AnswerEvent]:
     """The events of every round (text, calls, notices) and one Done at the end: the last round's, carrying every
-    call made and every result."""
+    call made and every result, with the rounds' stats added up (`Stats.then`)."""
     calls: list[ToolCall] = []
     results: list[ToolResult] = []
+    stats: Stats | None = None  # every round's, added up: the tokens and time of the whole answer
     text: str | None = user_text
     for round_number in range(runner.chain_limit + 1):
         options = dataclasses.replace(generation, tools=runner.spec(first=round_number == 0))
@@ -119,6 +121,8 @@ def answer_with_tools(answerer: Answerer, user_text: str, generation: Generation
                 yield event
         if done is None:
             return
+        stats = done.stats if stats is None else stats.then(done.stats)
+        done = dataclasses.replace(done, stats=stats)
         calls += done.tool_calls
         if done.finish_reason != "tool_calls":
             yield dataclasses.replace(done, tool_calls=tuple(calls), tool_results=tuple(results))
