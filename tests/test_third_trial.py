@@ -286,3 +286,9 @@ def test_show_names_the_template_s_own_system_prompt_and_stats_count_in_words():
     assert "total: 1 reply · " in err and "1 replies" not in err
     settings = err.split("settings ", 1)[1].split("\n(", 1)[0]
     assert all(len(line) <= 120 for line in settings.splitlines()) and "temp=0*" in settings
+
+
+def test_empty_lists_say_so_on_stderr():
+    for command in (("cache", "list"), ("chat", "--list")):
+        result = run_cli(*command)
+        assert result.code == 0 and result.stdout == "" and result.stderr.startswith("no saved "), command

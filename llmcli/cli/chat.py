@@ -144,7 +144,10 @@ def _list_saved(as_json: bool) -> None:
         return
     rows = [(c.id, time.strftime("%Y-%m-%d %H:%M", time.localtime(c.modified)), c.model, c.exchanges,
              c.first_message[:60] + ("…" if len(c.first_message) > 60 else "")) for c in reversed(saved)]
-    output.print_table(("ID", "LAST CHANGE", "MODEL", "EXCHANGES", "FIRST MESSAGE"), rows, right=("EXCHANGES",), boxed=False)
+    from llmcli import paths
+
+    output.print_table(("ID", "LAST CHANGE", "MODEL", "EXCHANGES", "FIRST MESSAGE"), rows, right=("EXCHANGES",), boxed=False,
+                       empty=f"no saved conversations yet (in {paths.conversations_dir()})")
 
 
 class Repl:

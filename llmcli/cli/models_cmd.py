@@ -86,7 +86,7 @@ def list_models(as_json: ListJsonOpt = False, available: AvailableOpt = False, e
         rows.append((e.name, d["quant"] or "?", human_size(e.size) if e.size else "", human_count(d["params"]),
                      d["architecture"] or f"({e.problem})", d["context_length"] or "", e.source))
     output.print_table(("NAME", "QUANT", "SIZE", "PARAMS", "ARCH", "CTX", "SOURCE"), rows, right=("SIZE", "PARAMS", "CTX"),
-                       boxed=False)
+                       boxed=False, empty="no models yet: pull one (llmcli pull OWNER/REPO), or see llmcli list --available")
 
 
 def show(

@@ -48,9 +48,14 @@ def print_json(value: Any) -> None:
 
 
 def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[str] = (), title: str | None = None,
-                boxed: bool = True) -> None:
-    """A table on stdout; `right` names the right-aligned columns."""
+                boxed: bool = True, empty: str | None = None) -> None:
+    """A table on stdout; `right` names the right-aligned columns. No rows and an `empty` message: the message on
+    stderr instead (a header alone says nothing)."""
     from rich import box
+
+    if not rows and empty is not None:
+        stderr_console().print(empty)
+        return
 
     table = Table(title=title, box=box.HEAVY_HEAD if boxed else None, pad_edge=boxed)
     for column in columns:
