@@ -344,3 +344,40 @@ def test_approval_on_a_terminal_and_ctrl_c_during_a_tool(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=20)  # not the 60 s the tool sleeps
     assert proc.returncode == 130 and b"Traceback" not in err
+
+
+def test_run_with_functions_against_llama_cpp_python_s_own_server(functions, smollm2, tmp_path):
+    """The loop is the client's: a server's own tool calling (llama-cpp-python's chatml-function-calling, which
+    streams a named choice) works through it as llmcli serve's does."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = (tmp_path / "llama-server.log").open("w+b")
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2), "--host", "127.0.0.1",
+                             "--port", str(port), "--n_ctx", "1024", "--n_threads", "1", "--model_alias", "smol",
+                             "--chat_format", "chatml-function-calling"], stdout=log, stderr=log,
+                            env={**os.environ, "NO_COLOR": "1"})
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                assert proc.poll() is None
+                time.sleep(0.2)
+        result = run_cli("run", "--endpoint", f"http://127.0.0.1:{port}/v1", "--functions", functions, "--tool-choice",
+                         "multiply", "--temp", "0", "-n", "60", "--json", "What is 12 times 7?")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert result.code == 0, result.stderr
+    (call, *_) = json.loads(result.stdout)["tool_calls"]
+    arguments = json.loads(call["arguments"])
+    assert call["name"] == "multiply" and call["result"] == str(arguments["a"] * arguments["b"])

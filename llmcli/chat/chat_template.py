@@ -42,9 +42,8 @@ class Message:
     def openai_dict(self) -> dict[str, Any]:
         """As OpenAI's chat API takes a message (a call's arguments as JSON text)."""
         found = self.template_dict()
-        if self.tool_calls:
+        if self.tool_calls:  # (content stays a string: OpenAI takes "", and some servers refuse null)
             found["tool_calls"] = [call.openai() for call in self.tool_calls]
-            found["content"] = self.content or None
         return found
 
     @classmethod

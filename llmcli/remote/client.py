@@ -152,14 +152,15 @@ def _json_or_text(response: httpx2.Response) -> Any:
 
 
 def _message(body: Any) -> str:
+    """The server's reason, on one line (an error is one line: a server's traceback or list is folded and cut)."""
     if isinstance(body, dict):
         error = body.get("error")
-        if isinstance(error, dict):
-            return str(error.get("message") or error)
-        if error is not None:
-            return str(error)
-        return str(body.get("detail") or body)[:200]
-    return str(body)[:200] or "no reason given"
+        text = str(error.get("message") or error) if isinstance(error, dict) else str(error) if error is not None \
+            else str(body.get("detail") or body)
+    else:
+        text = str(body)
+    folded = " ".join(text.split())
+    return (folded[:300] + "…" if len(folded) > 300 else folded) or "no reason given"
 
 
 class StreamedAnswer:
