@@ -227,3 +227,40 @@ def run_in_terminal(args: list[str], env: dict[str, str], stdin: str | None = No
     os.close(leader)
     assert proc.returncode == 0
     return output
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 90, log: Path | None = None) -> None:
+    """Until something listens on 127.0.0.1:`port`; the process dying first fails the test (with its log)."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            assert proc.poll() is None, log.read_text(errors="replace")[-2000:] if log else "the server exited"
+            time.sleep(0.2)
+    pytest.fail(f"nothing listened on 127.0.0.1:{port} within {timeout:g} s")
+
+
+def ctrl_c_when(args: list[str], seen: bytes, timeout: float = 30) -> tuple[int, bytes]:
+    """Run `llmcli ARGS`, send Ctrl-C (SIGINT) once its stderr shows `seen`; (exit code, the rest of stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "llmcli", *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    while seen not in (line := proc.stderr.readline()):
+        assert line, f"llmcli ended before {seen!r}"
+    time.sleep(0.3)  # into the call
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err

@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import free_port, run_cli, wait_for_port
 from test_serve import start_server, stop_server
 
 
@@ -221,23 +221,14 @@ def test_run_batch_and_chat_against_llmcli_serve(served, tmp_path):
 
 
 def test_run_and_batch_against_llama_cpp_python_s_own_server(smollm2, tmp_path):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     log = (tmp_path / "llama-server.log").open("w+b")
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2), "--host", "127.0.0.1",
                              "--port", str(port), "--n_ctx", "512", "--n_threads", "1", "--model_alias", "smol"],
                             stdout=log, stderr=log, env={**os.environ, "NO_COLOR": "1"})
     try:
         url = f"http://127.0.0.1:{port}/v1"
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                assert proc.poll() is None, Path(log.name).read_text(errors="replace")[-2000:]
-                time.sleep(0.2)
+        wait_for_port(port, proc, log=Path(log.name))
         result = run_cli("run", "--endpoint", url, "--json", "--temp", "0", "-n", "16", "Say hi.")
         assert result.code == 0, result.stderr
         record = json.loads(result.stdout)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import ctrl_c_when, free_port, run_cli, wait_for_port
 
 SERVER = Path(__file__).parent / "data" / "mcp_server.py"
 
@@ -42,19 +40,10 @@ def pids(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.fixture
 def http_server(pids: Path) -> Iterator[str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, str(SERVER), "http", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env={**os.environ, "MCP_PID_FILE": str(pids)})
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            assert proc.poll() is None
-            time.sleep(0.1)
+    wait_for_port(port, proc, timeout=30)
     yield f"http://127.0.0.1:{port}/mcp"
     proc.terminate()
     proc.wait(timeout=10)
@@ -120,16 +109,9 @@ def test_run_calls_an_mcp_tool_and_its_result_reaches_the_model(tmp_path, pids, 
 
 def test_ctrl_c_during_an_mcp_call_stops_it_and_its_server(tmp_path, pids):
     config = _config(tmp_path, pids, local=_stdio(pids))
-    proc = subprocess.Popen([sys.executable, "-m", "llmcli", "run", "--mcp", str(config), "--tool-choice", "local_hang",
-                             "--tools-debug", "--temp", "0", "-n", "40", "Wait."], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stderr is not None
-    while b"tool call local_hang(" not in (line := proc.stderr.readline()):
-        assert line, "the run ended before calling the tool"
-    time.sleep(0.3)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130 and b"Traceback" not in err
+    code, err = ctrl_c_when(["run", "--mcp", str(config), "--tool-choice", "local_hang", "--tools-debug", "--temp", "0",
+                             "-n", "40", "Wait."], b"tool call local_hang(")
+    assert code == 130 and b"Traceback" not in err
 
 
 def test_the_mcp_package_is_not_imported_unless_mcp_is_used():

@@ -317,8 +317,6 @@ def test_chat_keeps_calls_in_its_history_and_resumes_them(functions):
 
 
 def test_approval_on_a_terminal_and_ctrl_c_during_a_tool(tmp_path):
-    import signal
-    import subprocess
     import sys
 
     import pexpect
@@ -335,43 +333,30 @@ def test_approval_on_a_terminal_and_ctrl_c_during_a_tool(tmp_path):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
-    proc = subprocess.Popen([sys.executable, "-m", "llmcli", "run", "--functions", str(slow), "--tool-choice", "required",
-                             "--tools-debug", "--temp", "0", "-n", "30", "Wait."], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stderr is not None
-    while b"tool call wait(" not in (line := proc.stderr.readline()):
-        assert line, "the run ended before calling the tool"
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=20)  # not the 60 s the tool sleeps
-    assert proc.returncode == 130 and b"Traceback" not in err
+    from conftest import ctrl_c_when
+
+    code, err = ctrl_c_when(["run", "--functions", str(slow), "--tool-choice", "required", "--tools-debug", "--temp",
+                             "0", "-n", "30", "Wait."], b"tool call wait(", timeout=20)  # not the 60 s the tool sleeps
+    assert code == 130 and b"Traceback" not in err
 
 
 def test_run_with_functions_against_llama_cpp_python_s_own_server(functions, smollm2, tmp_path):
     """The loop is the client's: a server's own tool calling (llama-cpp-python's chatml-function-calling, which
     streams a named choice) works through it as llmcli serve's does."""
     import os
-    import socket
     import subprocess
     import sys
-    import time
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    from conftest import free_port, wait_for_port
+
+    port = free_port()
     log = (tmp_path / "llama-server.log").open("w+b")
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2), "--host", "127.0.0.1",
                              "--port", str(port), "--n_ctx", "1024", "--n_threads", "1", "--model_alias", "smol",
                              "--chat_format", "chatml-function-calling"], stdout=log, stderr=log,
                             env={**os.environ, "NO_COLOR": "1"})
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                assert proc.poll() is None
-                time.sleep(0.2)
+        wait_for_port(port, proc, log=Path(log.name))
         result = run_cli("run", "--endpoint", f"http://127.0.0.1:{port}/v1", "--functions", functions, "--tool-choice",
                          "multiply", "--temp", "0", "-n", "60", "--json", "What is 12 times 7?")
     finally:

@@ -46,7 +46,7 @@ def help_text() -> str:
 A line with only \"\"\" starts and ends a multi-line message; a line ending in \\ continues."""
 
 
-@o.with_settings()
+@o.with_settings(tools=True)
 def chat(
     *,
     resume: ResumeOpt = None,
@@ -54,14 +54,6 @@ def chat(
     list_saved: ListOpt = False,
     as_json: o.JsonOpt = False,
     quiet: o.QuietOpt = False,
-    functions: o.FunctionsOpt = None,
-    tool_choice: o.ToolChoiceOpt = "auto",
-    chain_limit: o.ChainLimitOpt = 5,
-    tools_debug: o.ToolsDebugOpt = False,
-    tools_approve: o.ToolsApproveOpt = False,
-    mcp: o.McpOpt = None,
-    mcp_server: o.McpServerOpt = None,
-    tool_timeout: o.ToolTimeoutOpt = 60.0,
     **given: Any,
 ) -> None:
     """Talk with a model: the KV cache is reused, so only each new turn is prefilled."""
@@ -71,8 +63,7 @@ def chat(
         _list_saved(as_json)
         return
     console = output.stderr_console()
-    runner = o.tool_runner(functions, tool_choice, chain_limit, tools_debug, tools_approve, "generic", console, mcp,
-                           mcp_server, tool_timeout)
+    runner = o.tool_runner_of(given, console)
     with contextlib.ExitStack() as stack:
         if runner is not None:
             stack.enter_context(runner)  # MCP servers stay up for the session, and stop with it

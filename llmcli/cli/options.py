@@ -119,6 +119,30 @@ ToolTimeoutOpt = Annotated[float, typer.Option(
     rich_help_panel=TOOLS)]
 
 
+# The tool options of run and chat: name -> (annotation, default), added by with_settings(tools=True).
+TOOL_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "functions": (FunctionsOpt, None),
+    "tool_choice": (ToolChoiceOpt, "auto"),
+    "chain_limit": (ChainLimitOpt, 5),
+    "tools_debug": (ToolsDebugOpt, False),
+    "tools_approve": (ToolsApproveOpt, False),
+    "mcp": (McpOpt, None),
+    "mcp_server": (McpServerOpt, None),
+    "tool_timeout": (ToolTimeoutOpt, 60.0),
+}
+
+
+def uses_tools(given: Mapping[str, Any]) -> bool:
+    return bool(given.get("functions") or given.get("mcp") or given.get("mcp_server"))
+
+
+def tool_runner_of(given: Mapping[str, Any], console: Any) -> Any:
+    """The ToolRunner that a command's TOOL_OPTIONS describe (see tool_runner)."""
+    return tool_runner(given["functions"], given["tool_choice"], given["chain_limit"], given["tools_debug"],
+                       given["tools_approve"], "generic", console, given["mcp"], given["mcp_server"],
+                       given["tool_timeout"])
+
+
 def tool_runner(functions: list[str] | None, choice: str, chain_limit: int, debug: bool, approve: bool,
                 tool_format: str, console: Any, mcp: Path | None = None, mcp_servers: list[str] | None = None,
                 tool_timeout: float = 60.0) -> Any:
@@ -209,7 +233,7 @@ REQUEST_OPTIONS: dict[str, tuple[Any, Any]] = {
 
 
 def with_settings(*, request: bool = True, only: tuple[str, ...] | None = None,
-                  exclude: tuple[str, ...] = ()) -> Callable[[F], F]:
+                  exclude: tuple[str, ...] = (), tools: bool = False) -> Callable[[F], F]:
     """Give a command `def cmd(explicit…, **given)` the options of every setting (or of those named in `only`, but
     none in `exclude`: each command offers what applies to it) and, with `request`, REQUEST_OPTIONS (but `exclude`): Typer reads a
     command's options from its signature, so they are added there, generated from the tables instead of written
@@ -220,6 +244,7 @@ def with_settings(*, request: bool = True, only: tuple[str, ...] | None = None,
                     if p.kind is not inspect.Parameter.VAR_KEYWORD]
         added = [(name, annotation, default) for name, (annotation, default) in REQUEST_OPTIONS.items()
                  if name not in exclude] if request else [("profile", ProfileOpt, None)]
+        added += [(name, annotation, default) for name, (annotation, default) in TOOL_OPTIONS.items()] if tools else []
         added += [(name, setting_option(setting), None) for name, setting in SETTINGS.items()
                   if (only is None or name in only) and name not in exclude]
         params = explicit + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)

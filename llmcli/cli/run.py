@@ -66,7 +66,7 @@ def _save_template(name: str, prompt: str | None, given: dict[str, Any], console
     raise typer.Exit(ExitCode.OK)
 
 
-@o.with_settings()
+@o.with_settings(tools=True)
 def run(
     prompt: PromptArg = None,
     *,
@@ -82,14 +82,6 @@ def run(
     template: TemplateOpt = None,
     save: SaveOpt = None,
     var: VarOpt = None,
-    functions: o.FunctionsOpt = None,
-    tool_choice: o.ToolChoiceOpt = "auto",
-    chain_limit: o.ChainLimitOpt = 5,
-    tools_debug: o.ToolsDebugOpt = False,
-    tools_approve: o.ToolsApproveOpt = False,
-    mcp: o.McpOpt = None,
-    mcp_server: o.McpServerOpt = None,
-    tool_timeout: o.ToolTimeoutOpt = 60.0,
     **given: Any,
 ) -> None:
     """Answer one prompt, streamed to stdout; stats on stderr."""
@@ -101,7 +93,7 @@ def run(
 
         if prompt is not None:
             raise UsageError("--batch reads its prompts from the file; drop the prompt argument")
-        if functions or mcp or mcp_server:
+        if o.uses_tools(given):
             raise UsageError("--batch answers without tools: drop --functions and --mcp")
         n_parallel = parallel or DEFAULT_PARALLEL
         run_batch_command(batch, o.build_request(given, n_parallel), n_parallel, quiet)
@@ -127,11 +119,10 @@ def run(
         message = combine_input(prompt_arg, stdin_text, prompt_first)
         if chosen is not None:
             message = chosen.render(message, _variables(var))
-    if (functions or mcp or mcp_server) and (given.get("grammar") or given.get("grammar_file")
-                                             or given.get("json_schema") or given.get("output_format")):
+    if o.uses_tools(given) and (given.get("grammar") or given.get("grammar_file") or given.get("json_schema")
+                                or given.get("output_format")):
         raise UsageError("tools constrain the answer themselves: drop --grammar, --json-schema, --format")
-    runner = o.tool_runner(functions, tool_choice, chain_limit, tools_debug, tools_approve, "generic", console, mcp,
-                           mcp_server, tool_timeout)
+    runner = o.tool_runner_of(given, console)
     with contextlib.ExitStack() as stack:
         if runner is not None:
             stack.enter_context(runner)  # MCP servers stop when the run ends, however it ends
