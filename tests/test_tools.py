@@ -220,6 +220,23 @@ def test_bad_tools_are_400s_naming_what_is_wrong(served):
     with pytest.raises(openai.BadRequestError, match="tool_choice names 'nothing'"):
         client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "nothing"}})
+    unexpressible = {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}
+    with pytest.raises(openai.BadRequestError, match="cannot be turned into a grammar"):
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}],
+                                       tools=[unexpressible], tool_choice="required")
+
+
+def test_a_tool_schema_with_local_refs_is_enforced(served):
+    _, url = served
+    parameters = {"type": "object", "properties": {"size": {"$ref": "#/$defs/size"}}, "required": ["size"],
+                  "$defs": {"size": {"type": "string", "enum": ["small", "large"]}}}
+    tool = {"type": "function", "function": {"name": "order", "description": "Order a coffee.", "parameters": parameters}}
+    reply = _client(url).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "A large coffee, please."}], tools=[tool],
+        tool_choice="required", temperature=1.0, seed=0, max_tokens=40)
+    (call,) = reply.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), parameters)
 
 
 def test_a_tool_result_goes_back_and_the_conversation_goes_on(served):

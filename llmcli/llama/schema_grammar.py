@@ -136,11 +136,16 @@ def tool_grammar(spec: ToolSpec, thinking_open: bool = False) -> tuple[str, tupl
     or write one when its template knows <think>), the format's opening
     for `auto` (free text until the model opens a call: a lazy grammar)."""
     fmt = FORMATS[spec.format]
-    alternatives = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.args_key: t.parameters},
-                     "required": ["name", fmt.args_key], "additionalProperties": False} for t in spec.offered]
-    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    converter = _Converter(prop_order={"name": 0, fmt.args_key: 1}, allow_fetch=False, dotall=False, raw_pattern=False)
-    converter.visit(converter.resolve_refs(schema, "tools"), "call")
+    try:
+        alternatives = [{"type": "object", "properties": {"name": {"const": t.name},
+                                                          fmt.args_key: _inline_refs(t.parameters, t.parameters)},
+                         "required": ["name", fmt.args_key], "additionalProperties": False} for t in spec.offered]
+        schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+        converter = _Converter(prop_order={"name": 0, fmt.args_key: 1}, allow_fetch=False, dotall=False,
+                               raw_pattern=False)
+        converter.visit(converter.resolve_refs(schema, "tools"), "call")
+    except Exception as exc:  # the converter raises plain exceptions on schemas it cannot express
+        raise UsageError(f"the tools' parameters cannot be turned into a grammar: {exc}") from None
     rules = str(converter.format_grammar()).replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR)
     one = f"{_literal(fmt.start)} space call space {_literal(fmt.end)}" if fmt.end else "call"
     if fmt.listed:
@@ -159,6 +164,25 @@ def tool_grammar(spec: ToolSpec, thinking_open: bool = False) -> tuple[str, tupl
         opening = re.escape(fmt.start) if fmt.start else r"\{"
         triggers = (r"[\s\S]*?(" + opening + r")[\s\S]*",) if fmt.start else (r"\s*(" + opening + r")[\s\S]*",)
     return root + rules, triggers
+
+
+def _inline_refs(value: Any, root: dict[str, Any], depth: int = 0) -> Any:
+    """A tool's schema with its local `$ref`s (`#/$defs/…`, `#/definitions/…`) replaced by what they name: each tool
+    becomes one alternative of the calls' schema, where its own refs would no longer resolve. A recursive schema is
+    refused (no grammar holds it)."""
+    if depth > 32:
+        raise UsageError("a recursive $ref cannot be turned into a grammar")
+    if isinstance(value, dict):
+        ref = value.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/"):
+            target: Any = root
+            for part in ref[2:].split("/"):
+                target = target[part.replace("~1", "/").replace("~0", "~")]
+            return _inline_refs(target, root, depth + 1)
+        return {k: _inline_refs(v, root, depth + 1) for k, v in value.items() if k not in ("$defs", "definitions")}
+    if isinstance(value, list):
+        return [_inline_refs(v, root, depth + 1) for v in value]
+    return value
 
 
 def _literal(text: str) -> str:

@@ -19,7 +19,7 @@ from llmcli.answer.tool_calls import CallArguments, CallStarted, ToolCall, ToolS
 from llmcli.chat.answerer import RenderedPrompt
 from llmcli.chat.chat_template import Message
 from llmcli.errors import LlmcliError
-from llmcli.llama.schema_grammar import with_grammar
+from llmcli.llama.schema_grammar import tool_grammar, with_grammar
 from llmcli.settings import SETTINGS, check_value
 
 # request fields -> llmcli settings: OpenAI's names, and llama-server's (llmcli's) for the rest
@@ -136,9 +136,14 @@ def _tools(body: Mapping[str, Any], tool_format: str) -> ToolSpec | None:
     if not isinstance(parallel, bool):
         raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
     try:
-        return tool_spec(tools, body.get("tool_choice"), tool_format, parallel)
+        spec = tool_spec(tools, body.get("tool_choice"), tool_format, parallel)
+        if not spec.tools and spec.choice.mode == "required":
+            raise LlmcliError("tool_choice required needs tools")
+        if spec.active:
+            tool_grammar(spec)  # a schema no grammar can hold is this request's 400, not a failed slot
     except LlmcliError as exc:
         raise ApiError(400, exc.message, param="tool_choice" if "tool_choice" in exc.message else "tools") from None
+    return spec
 
 
 def _render(body: Mapping[str, Any], chat: bool, prompter: Prompter, tools: ToolSpec | None = None) -> RenderedPrompt:
