@@ -339,9 +339,9 @@ def test_approval_on_a_terminal_and_ctrl_c_during_a_tool(tmp_path):
     import pexpect
 
     slow = tmp_path / "slow.py"
-    slow.write_text("import time\n\ndef wait(seconds: int) -> str:\n    \"\"\"Wait.\"\"\"\n    time.sleep(60)\n"
+    slow.write_text("import time\n\ndef wait() -> str:\n    \"\"\"Wait.\"\"\"\n    time.sleep(60)\n"
                     "    return 'done'\n")
-    child = pexpect.spawn(sys.executable, ["-m", "llmcli", "run", "--functions", str(slow), "--tool-choice", "required",
+    child = pexpect.spawn(sys.executable, ["-m", "llmcli", "run", "--functions", str(slow), "--tool-choice", "wait",
                                            "--tools-approve", "--tools-debug", "--temp", "0", "-n", "30", "-q", "Wait."],
                           timeout=120, encoding="utf-8", env={**__import__("os").environ, "NO_COLOR": "1"})
     child.expect(r"run wait\(")
@@ -352,7 +352,7 @@ def test_approval_on_a_terminal_and_ctrl_c_during_a_tool(tmp_path):
     assert child.exitstatus == 0
     from conftest import ctrl_c_when
 
-    code, err = ctrl_c_when(["run", "--functions", str(slow), "--tool-choice", "required", "--tools-debug", "--temp",
+    code, err = ctrl_c_when(["run", "--functions", str(slow), "--tool-choice", "wait", "--tools-debug", "--temp",
                              "0", "-n", "30", "Wait."], b"tool call wait(", timeout=20)  # not the 60 s the tool sleeps
     assert code == 130 and b"Traceback" not in err
 

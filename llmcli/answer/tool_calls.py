@@ -215,12 +215,13 @@ class ToolSpec:
         return f"the arguments of {name} do not match its schema at {where}: {error.message}"
 
 
-def describe_tools(tools: Iterable[Tool]) -> str:
-    """The generic format's system prompt: the tools, and how to call one."""
+def describe_tools(tools: Iterable[Tool], format_name: str = "generic") -> str:
+    """The system prompt of a template that knows no tools: the tools, and how to call one in `format_name`."""
     listed = "\n".join(json.dumps(t.openai()["function"], ensure_ascii=False) for t in tools)
+    example = call_markup(ToolCall("", "TOOL", '{"ARGUMENT": "VALUE"}'), format_name)
     return ("You can call these tools (JSON Schema of their arguments):\n" + listed + "\n\nTo call one, answer with "
-            '<tool_call>{"name": "TOOL", "arguments": {…}}</tool_call> (one block per call) and nothing else; the '
-            "results come back in <tool_response> blocks. Answer in plain text when no tool is needed.")
+            f"{example} and nothing else; the results come back in <tool_response> blocks. Answer in plain text when "
+            "no tool is needed.")
 
 
 # -- the streamed answer: text and calls ---------------------------------------------------------------------

@@ -117,10 +117,12 @@ def tools_in_prompt(messages: Sequence[Message], spec: ToolSpec | None,
     and the calls and `tool` messages as they are; for one that knows no tools, the tools are described in the system
     prompt, a call is written in its format's markup and a result is a user message in a <tool_response> block."""
     if spec is None or not spec.tools:
-        return list(messages), {}
+        if not any(m.tool_calls or m.role == "tool" for m in messages):
+            return list(messages), {}
+        spec = ToolSpec((), format="generic")  # calls and results of an earlier turn, without tools now
     if template_reads_tools(template_source):
-        return list(messages), {"tools": [tool.openai() for tool in spec.tools]}
-    description = describe_tools(spec.tools) if spec.active else ""
+        return list(messages), {"tools": [tool.openai() for tool in spec.tools]} if spec.tools else {}
+    description = describe_tools(spec.tools, spec.format) if spec.active else ""
     shown: list[Message] = []
     for message in messages:
         if message.role == "assistant" and message.tool_calls:

@@ -147,15 +147,16 @@ def tool_grammar(spec: ToolSpec, thinking_open: bool = False) -> tuple[str, tupl
     except Exception as exc:  # the converter raises plain exceptions on schemas it cannot express
         raise UsageError(f"the tools' parameters cannot be turned into a grammar: {exc}") from None
     rules = str(converter.format_grammar()).replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR)
+    parallel = spec.parallel and spec.choice.mode != "function"  # a named tool is called once, as OpenAI does
     one = f"{_literal(fmt.start)} space call space {_literal(fmt.end)}" if fmt.end else "call"
     if fmt.listed:
-        more = '(space "," space call)*' if spec.parallel else ""
+        more = '(space "," space call)*' if parallel else ""
         calls = f'{_literal(fmt.start)} space "[" space call {more} space "]"'
     elif fmt.separator:
-        more = f"(space {_literal(fmt.separator)}? space call)*" if spec.parallel else ""
+        more = f"(space {_literal(fmt.separator)}? space call)*" if parallel else ""
         calls = f"call {more}"
     else:
-        calls = "one (space one)*" if spec.parallel else "one"
+        calls = "one (space one)*" if parallel else "one"
     lazy = spec.choice.mode == "auto"
     prefix = "" if lazy else "think " if thinking_open else '("<think>" think)? ' if spec.think_first else ""
     root = f"root ::= {prefix}calls\ncalls ::= {calls}\none ::= {one}\n" + (_THINK + "\n" if prefix else "")
