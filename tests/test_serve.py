@@ -237,3 +237,30 @@ def test_a_taken_port_is_a_one_line_error_before_the_model_loads():
         taken.listen()
         result = run_cli("serve", "--port", str(taken.getsockname()[1]))
     assert result.code == 1 and "cannot listen on 127.0.0.1" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_embeddings_through_the_openai_client_equal_llmcli_embed_s(server):
+    """`/v1/embeddings` (issue 26, its first route): the model in embedding mode, loaded on first use — the vectors
+    `llmcli embed` makes, within 1e-5; base64 as OpenAI encodes it; a bad request in OpenAI's error shape."""
+    import base64
+    from array import array
+
+    import openai
+
+    url, _ = server
+    texts = ["The lighthouse keeper climbed the stairs.", "A recipe for bread.", "Tides follow the moon."]
+    api = client(url)
+    reply = api.embeddings.create(model="smollm2", input=texts)
+    local = [json.loads(line) for line in run_cli("embed", input="\n".join(texts) + "\n").stdout.splitlines()]
+    assert [d.index for d in reply.data] == [0, 1, 2]
+    for remote, mine in zip(reply.data, local, strict=True):
+        assert len(remote.embedding) == len(mine["embedding"])
+        assert max(abs(a - b) for a, b in zip(remote.embedding, mine["embedding"], strict=True)) < 1e-5
+    assert reply.usage.prompt_tokens == sum(m["tokens"] for m in local)
+    raw = api.embeddings.with_raw_response.create(model="smollm2", input=texts[0], encoding_format="base64").http_response
+    packed = array("f", base64.b64decode(raw.json()["data"][0]["embedding"]))
+    assert max(abs(a - b) for a, b in zip(packed, local[0]["embedding"], strict=True)) < 1e-5
+    with pytest.raises(openai.BadRequestError, match="dimensions must be"):
+        api.embeddings.create(model="smollm2", input="hi", dimensions=7)
+    with pytest.raises(openai.BadRequestError, match="input must be"):
+        api.embeddings.create(model="smollm2", input=[])

@@ -67,7 +67,7 @@ def serve(
         raise UsageError(f"llmcli serve needs its extra ({exc.name} is missing)",
                          hint=install_hint("serve")) from None
     from llmcli.cli import output
-    from llmcli.serve.setup import open_server
+    from llmcli.serve.setup import Embeddings, open_server
 
     _check_listen(host, port)  # before the model loads: a taken port is a one-line error, not uvicorn's
     request = o.build_request(given)
@@ -78,7 +78,7 @@ def serve(
         console = output.stderr_console()
         for notice in pipeline.session.notices:
             output.print_notice(console, notice)
-        app = create_app(ServerState(slots, prompter, api_key))
+        app = create_app(ServerState(slots, prompter, api_key, embeddings=Embeddings(request)))
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30,
                                 lifespan="on")
         server = uvicorn.Server(config)

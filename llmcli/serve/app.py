@@ -1,7 +1,7 @@
 """`llmcli serve`'s HTTP side: Starlette routes over the slots (llmcli/inference/serving.py).
 
     POST /v1/chat/completions   POST /v1/completions   (stream or not; stream_options.include_usage)
-    GET  /v1/models             GET  /health
+    POST /v1/embeddings         GET  /v1/models        GET  /health
 
 Every /v1 request needs `Authorization: Bearer KEY` when the server has a key. Bodies larger than the
 limit are refused before they are read whole; errors are OpenAI's error object with the right status.
@@ -30,7 +30,9 @@ from starlette.routing import Route
 from llmcli.answer.events import DecodeEvent, Token
 from llmcli.answer.tool_calls import CallArguments, CallStarted
 from llmcli.decode.serving import Job, QueueFull, SlotServer, deliver_here
-from llmcli.serve.protocol import ApiError, Parsed, Prompter, Reply, parse
+from llmcli.errors import LlmcliError
+from llmcli.serve.protocol import ApiError, Parsed, Prompter, Reply, embeddings_reply, parse, parse_embeddings
+from llmcli.serve.setup import Embeddings
 
 RETRY_AFTER_S = 1
 SHUTDOWN_GRACE_S = 5.0  # SIGTERM: how long a cancelled stream has to send its end before it is cut
@@ -42,6 +44,7 @@ class ServerState:
     prompter: Prompter
     api_key: str | None = None
     thread: threading.Thread | None = field(default=None, repr=False)
+    embeddings: Embeddings | None = None  # /v1/embeddings (the model in embedding mode, loaded on first use)
 
     @property
     def model(self) -> str:
@@ -64,6 +67,8 @@ def create_app(state: ServerState) -> Starlette:
         finally:  # SIGTERM: uvicorn has stopped taking requests; in-flight answers were cancelled or finished
             state.slots.stop()
             await asyncio.to_thread(state.thread.join, 30)
+            if state.embeddings is not None:
+                state.embeddings.close()
 
     async def chat_completions(request: Request) -> Response:
         return await _complete(request, state, chat=True)
@@ -77,11 +82,27 @@ def create_app(state: ServerState) -> Starlette:
         return JSONResponse({"object": "list", "data": [{"id": state.model, "object": "model", "created": 0,
                                                          "owned_by": "llmcli"}]})
 
+    async def embeddings(request: Request) -> Response:
+        if (denied := _denied(request, state)) is not None:
+            return denied
+        if state.embeddings is None:
+            return _error(ApiError(404, "no route /v1/embeddings", code="not_found"))
+        try:
+            body = await _body(request, state.prompter.limits.max_body_bytes)
+            asked = parse_embeddings(body, state.prompter.model_names)
+            results = await asyncio.to_thread(state.embeddings.embed, asked.texts)
+            return JSONResponse(embeddings_reply(asked, results, state.model, state.embeddings.dimensions))
+        except ApiError as error:
+            return _error(error)
+        except LlmcliError as error:  # the embedding context could not be made (memory)
+            return _error(ApiError(503, error.message, "server_error"))
+
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": state.model, **state.slots.status()})
 
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/embeddings", embeddings, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _not_found, 405: _not_allowed})
 

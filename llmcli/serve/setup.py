@@ -33,3 +33,36 @@ def open_server(request: Request, parallel: int, queue: int, max_body: int, max_
     prompter = Prompter(render_chat, lambda text: engine.vocab.tokenize(text, add_special=True), names,
                         dict(pipeline.settings.values), limits, session.tool_format(pipeline.settings["tool_format"]))
     return SlotServer(engine, parallel, queue, speculation=session.speculation), prompter, pipeline
+
+
+class Embeddings:
+    """`/v1/embeddings`: the model in embedding mode (as `llmcli embed` loads it: the model's own pooling, else
+    mean; 32 texts a pass), loaded on the first request — checked against memory then — and kept; one request at a
+    time, off the event loop. The same vectors as `llmcli embed`."""
+
+    def __init__(self, request: Request):
+        import threading
+
+        self.request = request
+        self._lock = threading.Lock()
+        self._embedder: Any = None
+
+    def embed(self, texts: list[str]) -> list[Any]:
+        from llmcli.pipeline.local import open_embedder
+
+        with self._lock:
+            if self._embedder is None:
+                _, _, self._embedder = open_embedder(self.request, "model", normalize=False, truncate=False,
+                                                     texts_per_batch=32)
+            return list(self._embedder.embed(texts))
+
+    @property
+    def dimensions(self) -> int:
+        with self._lock:
+            return int(self._embedder.n_embd) if self._embedder is not None else 0
+
+    def close(self) -> None:
+        with self._lock:
+            if self._embedder is not None:
+                self._embedder.engine.close()
+                self._embedder = None
