@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -188,7 +189,8 @@ def test_run_endpoint_loads_neither_llama_cpp_nor_numpy(fake):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    proc, url = start_server(tmp_path_factory.mktemp("serve"), "-P", "4", "-c", "512", "--speculate", "lookup")
+    proc, url = start_server(tmp_path_factory.mktemp("serve"), "-P", "4", "-c", "512", "--speculate", "lookup",
+                             "--cors", "https://app.example")
     yield url
     stop_server(proc)
 
@@ -312,3 +314,26 @@ def test_bench_endpoint_prints_what_is_known_and_no_made_up_values(fake):
     assert "0 B" not in table.stdout and f"against {fake.url}" in table.stdout
     record = json.loads(run_cli("bench", "--endpoint", fake.url, "-n", "4", "-r", "1", "--format", "json").stdout)
     assert all(r["size_bytes"] is None and r["threads"] is None for r in record["results"])
+
+
+def test_a_model_by_id_and_cors_only_for_the_origins_given(served):
+    """`GET /v1/models/{id}` (404 in OpenAI's shape for another id); CORS answers only an origin given with --cors."""
+    import openai
+
+    api = openai.OpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0)
+    assert api.models.retrieve("smollm2").id == "smollm2"
+    with pytest.raises(openai.NotFoundError, match="does not exist here"):
+        api.models.retrieve("gpt-4")
+
+    def preflight(origin: str) -> dict[str, str]:
+        request = urllib.request.Request(f"{served}/v1/chat/completions", method="OPTIONS", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return dict(response.headers)
+        except urllib.error.HTTPError as error:
+            return dict(error.headers)
+
+    assert preflight("https://app.example").get("access-control-allow-origin") == "https://app.example"
+    assert "access-control-allow-origin" not in {k.lower() for k in preflight("https://evil.example")}

@@ -264,3 +264,12 @@ def test_embeddings_through_the_openai_client_equal_llmcli_embed_s(server):
         api.embeddings.create(model="smollm2", input="hi", dimensions=7)
     with pytest.raises(openai.BadRequestError, match="input must be"):
         api.embeddings.create(model="smollm2", input=[])
+
+
+def test_no_cors_unless_asked(server):
+    import urllib.request
+
+    url, _ = server
+    request = urllib.request.Request(f"{url}/health", headers={"Origin": "https://app.example"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert "access-control-allow-origin" not in {k.lower() for k in response.headers}

@@ -33,6 +33,9 @@ MaxBodyOpt = Annotated[int, typer.Option("--max-body", min=1024, help="Largest r
                                          rich_help_panel=_SERVER)]
 MaxAnswerOpt = Annotated[int, typer.Option("--max-answer", min=1, help="The most tokens a request may ask for.",
                                            rich_help_panel=_SERVER)]
+CorsOpt = Annotated[Optional[list[str]], typer.Option(
+    "--cors", help="Let web pages from this origin (https://app.example) call the server from a browser. Repeatable; "
+    "off by default.", show_default=False, rich_help_panel=_SERVER)]
 
 
 @o.with_settings(exclude=SERVE_SKIPS)
@@ -46,9 +49,11 @@ def serve(
     max_body: MaxBodyOpt = 1 << 20,
     max_answer: MaxAnswerOpt = 4096,
     api_key: ServeKeyOpt = None,
+    cors: CorsOpt = None,
     **given: Any,
 ) -> None:
-    """Serve the model over HTTP, as OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models, /health.
+    """Serve the model over HTTP, as OpenAI's API: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models,
+    /health.
 
     The settings (temperature, -n, stop sequences, …) are the defaults of requests that do not say otherwise;
     --api-key (or $LLMCLI_API_KEY) is the key every request must bring.
@@ -78,7 +83,10 @@ def serve(
         console = output.stderr_console()
         for notice in pipeline.session.notices:
             output.print_notice(console, notice)
-        app = create_app(ServerState(slots, prompter, api_key, embeddings=Embeddings(request)))
+        for origin in cors or ():
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                raise UsageError(f"--cors {origin!r} is not an origin", hint="e.g. --cors https://app.example")
+        app = create_app(ServerState(slots, prompter, api_key, embeddings=Embeddings(request)), tuple(cors or ()))
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30,
                                 lifespan="on")
         server = uvicorn.Server(config)

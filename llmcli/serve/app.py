@@ -1,7 +1,7 @@
 """`llmcli serve`'s HTTP side: Starlette routes over the slots (llmcli/inference/serving.py).
 
     POST /v1/chat/completions   POST /v1/completions   (stream or not; stream_options.include_usage)
-    POST /v1/embeddings         GET  /v1/models        GET  /health
+    POST /v1/embeddings         GET  /v1/models, /v1/models/{id}   GET  /health   (CORS: --cors ORIGIN)
 
 Every /v1 request needs `Authorization: Bearer KEY` when the server has a key. Bodies larger than the
 limit are refused before they are read whole; errors are OpenAI's error object with the right status.
@@ -23,6 +23,8 @@ from typing import Any
 import anyio
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -51,7 +53,8 @@ class ServerState:
         return self.prompter.model_names[0]
 
 
-def create_app(state: ServerState) -> Starlette:
+def create_app(state: ServerState, cors: tuple[str, ...] = ()) -> Starlette:
+    """The routes over the slots; `cors`: the origins whose pages may call from a browser (none by default)."""
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
@@ -79,8 +82,16 @@ def create_app(state: ServerState) -> Starlette:
     async def models(request: Request) -> Response:
         if (denied := _denied(request, state)) is not None:
             return denied
-        return JSONResponse({"object": "list", "data": [{"id": state.model, "object": "model", "created": 0,
-                                                         "owned_by": "llmcli"}]})
+        return JSONResponse({"object": "list", "data": [_model_card(state.model)]})
+
+    async def model(request: Request) -> Response:
+        if (denied := _denied(request, state)) is not None:
+            return denied
+        name = request.path_params["name"]
+        if name not in state.prompter.model_names:
+            return _error(ApiError(404, f"the model {name!r} does not exist here; this server has {state.model!r}",
+                                   param="model", code="model_not_found"))
+        return JSONResponse(_model_card(state.model))
 
     async def embeddings(request: Request) -> Response:
         if (denied := _denied(request, state)) is not None:
@@ -103,8 +114,16 @@ def create_app(state: ServerState) -> Starlette:
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/embeddings", embeddings, methods=["POST"]),
-              Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _not_found, 405: _not_allowed})
+              Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{name:path}", model, methods=["GET"]),
+              Route("/health", health, methods=["GET"])]
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST"],
+                             allow_headers=["authorization", "content-type"])] if cors else []
+    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                     exception_handlers={404: _not_found, 405: _not_allowed})
+
+
+def _model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "llmcli"}
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
