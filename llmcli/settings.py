@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from typing import Any
 
 from llmcli import paths
 from llmcli.errors import UsageError
+from llmcli.text_escapes import unescape
 
 # Help panels
 MODEL, SAMPLING, ENGINE, CACHE, OUTPUT = "Model and prompt", "Sampling and stopping", "Engine", "Prompt cache", "Output"
@@ -202,21 +202,6 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
 ]}
 
 RESERVED_TABLES = ("profiles", "aliases", "templates")
-
-
-_ESCAPE = r"\\(u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[ntr0\\\"'])"  # compiled on first use (re caches it)
-_SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", '"': '"', "'": "'"}
-
-
-def unescape(text: str) -> str:
-    r"""`\n`, `\t`, `\r`, `\0`, `\\`, `\"`, `\'`, `\xHH`, `\uHHHH` as the characters they name, as llama.cpp's
-    tools read them; any other backslash stays as it is."""
-
-    def replace(match: re.Match[str]) -> str:
-        code = match.group(1)
-        return chr(int(code[1:], 16)) if code[0] in "ux" else _SIMPLE_ESCAPES[code]
-
-    return re.sub(_ESCAPE, replace, text)
 
 
 def default(name: str) -> Any:

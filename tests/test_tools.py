@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_serve import start_server, stop_server
 
-from llmcli.answer.tool_calls import CallArguments, CallStarted, ToolCallParser, parse_calls, tool_spec
+from llmcli.answer.tool_call_parser import CallArguments, CallStarted, ToolCallParser, parse_calls
+from llmcli.answer.tool_calls import tool_spec
 
 MULTIPLY = {"type": "function", "function": {
     "name": "multiply", "description": "Multiply two integers.",

@@ -10,7 +10,7 @@ import codecs
 from collections.abc import Iterable
 
 from llmcli.answer.reasoning import ReasoningSplitter
-from llmcli.answer.tool_calls import CallEvent, ToolCallParser
+from llmcli.answer.tool_call_parser import CallEvent, ToolCallParser
 
 
 class Utf8Assembler:

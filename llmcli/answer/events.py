@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmcli.answer.stats import Stats
-from llmcli.answer.tool_calls import CallArguments, CallStarted, ToolCall, ToolResult
+from llmcli.answer.tool_call_parser import CallArguments, CallStarted
+from llmcli.answer.tool_calls import ToolCall, ToolResult
 
 # Why an answer ended: the model's end of generation, -n, a stop sequence, a full context, Ctrl-C/SIGTERM.
 FINISH_REASONS = ("stop", "length", "stop_sequence", "context_full", "repetition", "interrupted", "tool_calls")

@@ -16,7 +16,8 @@ from llmcli.answer.events import Done, Token
 from llmcli.answer.reasoning import ReasoningSplitter
 from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.answer.stats import Stats
-from llmcli.answer.tool_calls import CallEvent, ToolCallParser, ToolSpec
+from llmcli.answer.tool_call_parser import CallEvent, ToolCallParser
+from llmcli.answer.tool_calls import ToolSpec
 from llmcli.settings import default
 
 SPECULATE_MODES = ("auto", "lookup", "draft", "off")

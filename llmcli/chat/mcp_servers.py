@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -254,10 +255,8 @@ class McpServers:
         if not self._thread.is_alive():
             self._devnull.close()
             return
-        try:
-            asyncio.run_coroutine_threadsafe(self._stop_all(), self._loop).result(timeout=30)
-        except (concurrent.futures.TimeoutError, RuntimeError):
-            pass  # the process is exiting anyway: what is left dies with it
+        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):  # exiting anyway: what is left dies
+            asyncio.run_coroutine_threadsafe(self._stop_all(), self._loop).result(timeout=30)  # with the process
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._devnull.close()

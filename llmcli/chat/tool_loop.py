@@ -19,7 +19,6 @@ from llmcli.answer.stats import Stats
 from llmcli.answer.tool_calls import Tool, ToolCall, ToolChoice, ToolResult, ToolSpec
 from llmcli.chat.answerer import Answerer
 from llmcli.chat.chat_template import Message
-from llmcli.errors import UsageError
 from llmcli.interrupt import Cancellation
 
 DEFAULT_CHAIN_LIMIT = 5
@@ -141,8 +140,5 @@ def answer_with_tools(answerer: Answerer, user_text: str, generation: Generation
                                       tool_results=tuple(results))
             return
         text = None
-        if runner.on_prompt is not None:
-            try:
-                runner.on_prompt(answerer.render(None, tools=runner.spec(first=False)).text)
-            except UsageError:
-                pass  # a server renders its own prompt
+        if runner.on_prompt is not None and answerer.context() is not None:  # (a server renders its own prompt)
+            runner.on_prompt(answerer.render(None, tools=runner.spec(first=False)).text)

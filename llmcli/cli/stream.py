@@ -15,7 +15,7 @@ from rich.console import COLOR_SYSTEMS, Console
 from rich.style import Style
 
 from llmcli.answer.events import AnswerEvent, Done, Notice, Prefill, Token, answer_record
-from llmcli.answer.tool_calls import CallArguments, CallStarted
+from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.errors import StdoutClosed
 
 ANSWER_STYLE = Style(color="cyan")

@@ -19,7 +19,8 @@ import httpx2
 from llmcli.answer.answer_text import StopMatcher
 from llmcli.answer.events import Done, Token
 from llmcli.answer.stats import AnswerClock
-from llmcli.answer.tool_calls import CallArguments, CallStarted, ToolCall, ToolSpec, new_call_id
+from llmcli.answer.tool_call_parser import CallArguments, CallStarted
+from llmcli.answer.tool_calls import ToolCall, ToolSpec, new_call_id
 from llmcli.errors import ExitCode, LlmcliError, ModelNotFoundError, UsageError
 
 RETRIES = 3  # after the first try, for 429 and 5xx

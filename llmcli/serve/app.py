@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llmcli.answer.events import DecodeEvent, Token
-from llmcli.answer.tool_calls import CallArguments, CallStarted
+from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.decode.serving import Job, QueueFull, SlotServer, deliver_here
 from llmcli.errors import LlmcliError
 from llmcli.serve.protocol import ApiError, Parsed, Prompter, Reply, embeddings_reply, parse, parse_embeddings

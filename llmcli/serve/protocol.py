@@ -15,7 +15,8 @@ from llmcli.answer.events import Done
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.reasoning import opens_thinking
 from llmcli.answer.sampling_config import WIRE_FIELDS, SamplingConfig
-from llmcli.answer.tool_calls import CallArguments, CallStarted, ToolCall, ToolSpec, new_call_id, tool_spec
+from llmcli.answer.tool_call_parser import CallArguments, CallStarted
+from llmcli.answer.tool_calls import ToolCall, ToolSpec, new_call_id, tool_spec
 from llmcli.chat.answerer import RenderedPrompt
 from llmcli.chat.chat_template import Message
 from llmcli.errors import LlmcliError
