@@ -191,6 +191,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "(with flash attention).", choices=("f16", "q8_0", "q4_0"), panel=ENGINE),
     _s("special", bool, False, "Keep the text of control tokens in the answer (<|im_end|>, <start_of_image>); "
        "without it they are left out.", "--special/--no-special", panel=OUTPUT),
+    _s("logprobs", int, None, "With --json: each answer token's logprob (the model's own distribution) and the N most "
+       "likely tokens at its place (0: the token's own only).", panel=OUTPUT, default_text="none",
+       check=lambda v: 0 <= v <= 20, rule="must be in [0, 20]"),
     _s("log", bool, True, "Record every answer in the log (llmcli logs: search, list, remove).", "--log/--no-log",
        panel=OUTPUT),
     _s("prompt_cache", bool, True, "Save the KV state of long prompts on disk and start later prompts that share "

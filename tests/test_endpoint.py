@@ -21,8 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import free_port, run_cli, wait_for_port
-from test_serve import start_server, stop_server
+from conftest import free_port, run_cli, start_server, stop_server, wait_for_port
 
 
 class FakeServer:

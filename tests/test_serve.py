@@ -7,11 +7,9 @@ Every request goes to 127.0.0.1 only; every loop is bounded in count and time.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,48 +18,10 @@ from pathlib import Path
 import httpx2
 import jsonschema
 import pytest
-from conftest import run_cli
+from conftest import run_cli, start_server, stop_server
 
 KEY = "test-key"
 PROMPTS = ["Say hi.", "Name a colour.", "What is two plus two?", "Write a word that rhymes with cat."]
-
-
-LOGS: dict[int, Path] = {}
-
-
-def start_server(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
-    """`llmcli serve` on a free port; (process, base URL) once it listens."""
-    env = {**os.environ, "LLMCLI_THREADS": "1", "LLMCLI_DATA_DIR": str(tmp_path / "data"),
-           "LLMCLI_CACHE_DIR": str(tmp_path / "cache"), "XDG_CONFIG_HOME": str(tmp_path / "config")}
-    path = tmp_path / f"serve-{time.monotonic_ns()}.log"
-    log = path.open("w+b")
-    proc = subprocess.Popen([sys.executable, "-m", "llmcli", "serve", "--port", "0", *args], stdout=subprocess.DEVNULL,
-                            stderr=log, env=env)
-    LOGS[proc.pid] = path
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        log.seek(0)
-        found = re.search(rb"http://127\.0\.0\.1:(\d+)/v1", log.read())
-        if found:
-            return proc, f"http://127.0.0.1:{found.group(1).decode()}"
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    proc.kill()
-    log.seek(0)
-    pytest.fail(f"llmcli serve did not start: {log.read().decode(errors='replace')}")
-
-
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM: in-flight answers end, the server exits with 143 (128 + SIGTERM, as every llmcli command), cleanly."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        code = proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    log = LOGS[proc.pid].read_text(errors="replace")
-    assert code == 143 and "Traceback" not in log and "Error" not in log, log
 
 
 @pytest.fixture(scope="module")

@@ -130,7 +130,7 @@ def test_help_offers_only_what_applies():
 
 
 def test_serve_ignores_a_config_file_endpoint(tmp_path):
-    from test_serve import start_server, stop_server
+    from conftest import start_server, stop_server
 
     config = tmp_path / "config" / "llmcli" / "config.toml"
     config.parent.mkdir(parents=True)

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import run_cli
+from conftest import run_cli, start_server, stop_server
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_serve import start_server, stop_server
 
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted, ToolCallParser, parse_calls
 from llmcli.answer.tool_calls import tool_spec

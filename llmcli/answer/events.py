@@ -19,12 +19,35 @@ FINISH_REASONS = ("stop", "length", "stop_sequence", "context_full", "repetition
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """How likely the model found one token of the answer: the natural log of its probability under the model's own
+    distribution (before sampling), and the `top` most likely tokens at that position (id, bytes, logprob)."""
+
+    token: int
+    piece: bytes
+    logprob: float
+    top: tuple[tuple[int, bytes, float], ...] = ()
+
+    @property
+    def text(self) -> str:
+        return self.piece.decode("utf-8", "replace")
+
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI's shape, which llama-server and Ollama share: token, logprob, bytes, top_logprobs."""
+        return {"token": self.text, "logprob": self.logprob, "bytes": list(self.piece),
+                "top_logprobs": [{"token": piece.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(piece)}
+                                 for _, piece, logprob in self.top]}
+
+
+@dataclass(frozen=True)
 class Token:
     """A piece of the answer, safe to print: complete characters, no part of a stop sequence; or, `reasoning`,
-    a piece of the model's reasoning (its think block), not part of the answer."""
+    a piece of the model's reasoning (its think block), not part of the answer. `logprobs`: of the tokens whose text
+    this piece completes, when they were asked for."""
 
     text: str
     reasoning: bool = False
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,6 +62,7 @@ class Done:
     reasoning: str | None = None  # the model's think block, or None when it wrote none
     tool_calls: tuple[ToolCall, ...] = ()  # the calls the answer made (finish_reason "tool_calls")
     tool_results: tuple[ToolResult, ...] = ()  # what running them gave (run and chat's tool loop)
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the answer's tokens (every Token's), when they were asked for
 
 
 @dataclass(frozen=True)
@@ -84,6 +108,7 @@ def answer_record(done: Done, notices: Sequence[str] = ()) -> dict[str, Any]:
         },
         "timings": stats.to_dict(),
         **({"tool_calls": [_call_record(call, done.tool_results) for call in done.tool_calls]} if done.tool_calls else {}),
+        **({"logprobs": [logprob.to_dict() for logprob in done.logprobs]} if done.logprobs else {}),
     }
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from llmcli.answer.answer_text import AnswerText
 from llmcli.answer.constraint import Constraint
-from llmcli.answer.events import Done, Token
+from llmcli.answer.events import Done, Token, TokenLogprob
 from llmcli.answer.reasoning import ReasoningSplitter
 from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.answer.stats import Stats
@@ -36,6 +36,7 @@ class GenerationOptions:
     thinking_open: bool = False  # the prompt opened a think block: the output starts inside it
     special: bool = default("special")  # control tokens' text is answer text (--special)
     tools: ToolSpec | None = None  # what the answer may call, and how (tool calls are parsed out of its text)
+    logprobs: int | None = None  # each answer token's logprob and this many most likely alternatives (None: none)
 
 
 # The repetition guard: an answer is caught in a loop when its last LOOP_SPAN tokens (or LOOP_REPEATS
@@ -63,13 +64,19 @@ class Answer:
         self.parts: list[str] = []  # the answer's text so far
         self.thought: list[str] = []  # the reasoning so far
         self.tokens: list[int] | None = [] if options.repetition_guard else None
+        self.logprobs: list[TokenLogprob] = []  # of the tokens in the answer's text so far
+        self._unsent: list[TokenLogprob] = []  # of tokens whose text is held back
 
-    def add(self, token: int, end_of_generation: bool, piece: bytes) -> tuple[Token | CallEvent, ...]:
-        """One sampled token (its id, and its bytes): the text it completes, as events (none while held back)."""
+    def add(self, token: int, end_of_generation: bool, piece: bytes,
+            logprob: TokenLogprob | None = None) -> tuple[Token | CallEvent, ...]:
+        """One sampled token (its id, its bytes and, when asked for, its logprob): the text it completes, as events
+        (none while held back)."""
         if end_of_generation:
             self.finish = "stop"
             return ()
         self.n_out += 1
+        if logprob is not None:
+            self._unsent.append(logprob)
         events = self._events(self.stream.feed(piece))
         tokens = self.tokens
         if tokens is not None:
@@ -96,21 +103,25 @@ class Answer:
         if self.stream.call_events:
             events += tuple(self.stream.call_events)
             self.stream.call_events = []
+            self._unsent.clear()  # a call's markup is not answer text
         return events
 
     def _text_events(self, text: str) -> tuple[Token, ...]:
         reasoning = self.stream.reasoning
-        if not reasoning:
-            if not text:
-                return ()
-            self.parts.append(text)
-            return (Token(text),)
-        self.stream.reasoning = ""  # taken: a later piece of pure answer must not bring it again
-        self.thought.append(reasoning)
+        thought: tuple[Token, ...] = ()
+        if reasoning:
+            self.stream.reasoning = ""  # taken: a later piece of pure answer must not bring it again
+            self.thought.append(reasoning)
+            thought = (Token(reasoning, reasoning=True),)
         if not text:
-            return (Token(reasoning, reasoning=True),)
+            if reasoning:
+                self._unsent.clear()  # the reasoning's tokens: no answer text of theirs to carry them
+            return thought
         self.parts.append(text)
-        return Token(reasoning, reasoning=True), Token(text)
+        logprobs = tuple(self._unsent)
+        self.logprobs.extend(logprobs)
+        self._unsent.clear()
+        return (*thought, Token(text, logprobs=logprobs))
 
     def done(self, finish: str, stats: Stats) -> Done:
         """The Done of this answer: why it ended (its own finish rule first, else `finish`), and the answer."""
@@ -119,7 +130,7 @@ class Answer:
         if calls and reason == "stop":
             reason = "tool_calls"
         return Done(reason, stats, self.stream.stop, self.constraint.problem(self.content, reason), self.content,
-                    self.reasoning, calls)
+                    self.reasoning, calls, logprobs=tuple(self.logprobs))
 
     @property
     def content(self) -> str:

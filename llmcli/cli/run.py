@@ -99,6 +99,8 @@ def run(
         run_batch_command(batch, o.build_request(given, n_parallel), n_parallel, quiet)
     if parallel is not None:
         raise UsageError("--parallel applies to --batch", hint="llmcli run --batch FILE --parallel N")
+    if given.get("logprobs") is not None and not as_json:
+        raise UsageError("--logprobs is part of the JSON record: add --json", hint='llmcli run --json --logprobs 3 "…"')
     console = output.stderr_console()
     if save is not None:
         _save_template(save, prompt, given, console)

@@ -14,7 +14,7 @@ from llmcli.errors import UsageError
 _SERVER = "Server"
 # settings of a client, not of a server: serve always answers with its local model (a config file's endpoint, which
 # points run and chat at a server, is not serve's), and where thinking goes is the client's to choose
-SERVE_SKIPS = ("endpoint", "endpoint_timeout", "reasoning", "api_key")  # (serve's --api-key is its own)
+SERVE_SKIPS = ("endpoint", "endpoint_timeout", "reasoning", "api_key", "logprobs")  # (serve's --api-key is its own)
 ServeKeyOpt = Annotated[Optional[str], typer.Option(
     "--api-key", help="The key every request must bring as `Authorization: Bearer KEY` ($LLMCLI_API_KEY).",
     show_default=False, rich_help_panel=_SERVER)]
@@ -52,8 +52,9 @@ def serve(
     cors: CorsOpt = None,
     **given: Any,
 ) -> None:
-    """Serve the model over HTTP, as OpenAI's API: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models,
-    /health.
+    """Serve the model over HTTP, in the protocols local clients speak: OpenAI's (/v1/chat/completions,
+    /v1/completions, /v1/responses, /v1/embeddings, /v1/models), Anthropic's (/v1/messages) and Ollama's (/api/chat,
+    /api/generate, /api/embed, /api/tags, /api/show, …); /health.
 
     The settings (temperature, -n, stop sequences, …) are the defaults of requests that do not say otherwise;
     --api-key (or $LLMCLI_API_KEY) is the key every request must bring.
@@ -77,7 +78,7 @@ def serve(
     _check_listen(host, port)  # before the model loads: a taken port is a one-line error, not uvicorn's
     request = o.build_request(given)
     with output.download_progress() as progress:
-        slots, prompter, pipeline = open_server(request, parallel, queue if queue is not None else 4 * parallel,
+        slots, prompter, facts, pipeline = open_server(request, parallel, queue if queue is not None else 4 * parallel,
                                                 max_body, max_answer, progress)
     with pipeline:
         console = output.stderr_console()
@@ -86,10 +87,18 @@ def serve(
         for origin in cors or ():
             if origin != "*" and not origin.startswith(("http://", "https://")):
                 raise UsageError(f"--cors {origin!r} is not an origin", hint="e.g. --cors https://app.example")
-        app = create_app(ServerState(slots, prompter, api_key, embeddings=Embeddings(request)), tuple(cors or ()))
+        app = create_app(ServerState(slots, prompter, api_key, embeddings=Embeddings(request)), facts,
+                         tuple(cors or ()))
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30,
                                 lifespan="on")
         server = uvicorn.Server(config)
+        stop = server.handle_exit
+
+        def handle_exit(sig: int, frame: Any) -> None:  # SIGTERM, Ctrl-C: every answer ends now, streams as they end
+            slots.cancel_all()
+            stop(sig, frame)
+
+        server.handle_exit = handle_exit  # type: ignore[method-assign]
         config.load()
         server.config.callback_notify = None
         _announce(server, console, prompter.model_names[0], parallel, prompter.limits.n_ctx, api_key is not None)

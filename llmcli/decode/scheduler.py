@@ -31,6 +31,7 @@ from llmcli.decode.speculative import Candidate, Drafter, Speculation, choose_dr
 from llmcli.errors import LlmcliError
 from llmcli.llama.batch import Batch
 from llmcli.llama.engine import Engine
+from llmcli.llama.logprobs import token_logprob
 from llmcli.llama.sampler_chain import Sampler
 from llmcli.llama.schema_grammar import with_tool_grammar
 
@@ -111,10 +112,11 @@ class Scheduler:
     # -- slots ---------------------------------------------------------------------------------
 
     def start(self, seq: int, prompt: list[int], options: GenerationOptions, seed: int, clock: AnswerClock | None = None,
-              *, tag: Any = None, split_at: int | None = None, shared: int = 0) -> Slot:
-        """A slot for `prompt` in sequence `seq` (free): the longest prefix of it the sequence holds is kept, the
-        rest evaluated by the next steps. `shared`: the prefix sequence's tokens to copy in first (--batch). Raises
-        what the sampler chain raises (a grammar llama.cpp refuses); nothing is started then."""
+              *, tag: Any = None, split_at: int | None = None, shared: int = 0, reuse_at_least: int = 1) -> Slot:
+        """A slot for `prompt` in sequence `seq` (free): the longest prefix of it the sequence holds is kept (when
+        it has `reuse_at_least` tokens), the rest evaluated by the next steps. `shared`: the prefix sequence's
+        tokens to copy in first (--batch). Raises what the sampler chain raises (a grammar llama.cpp refuses);
+        nothing is started then."""
         engine = self.engine
         sampler = engine.sampler(with_tool_grammar(options.sampling, options.tools, options.thinking_open), seed)
         kv = engine.kv
@@ -123,7 +125,7 @@ class Scheduler:
             kv.copy(self.prefix_seq, seq)
             cached = shared
         else:
-            cached = kv.keep_prefix(prompt, seq)
+            cached = kv.keep_prefix(prompt, seq, reuse_at_least)
         if seq == 0:
             kv.checkpoint = None
         clock = clock or AnswerClock()
@@ -261,7 +263,10 @@ class Scheduler:
         while True:
             token = sampler.sample(first + i)
             slot.sampled += 1
-            gained = answer.add(token, vocab.is_end_of_generation(token), vocab.answer_piece(token, slot.options.special))
+            n_top = slot.options.logprobs
+            logprob = None if n_top is None else token_logprob(sampler.ctx, vocab, first + i, token, n_top)
+            gained = answer.add(token, vocab.is_end_of_generation(token), vocab.answer_piece(token, slot.options.special),
+                                logprob)
             slot.clock.token(time.perf_counter(), bool(gained))
             events.extend((slot, event) for event in gained)
             if drafter is not None:

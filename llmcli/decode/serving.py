@@ -32,6 +32,12 @@ from llmcli.decode.speculative import Speculation
 from llmcli.llama.engine import Engine
 from llmcli.shared_prefix import shared_prefix
 
+# A slot's cache is reused for a prompt that shares at least this many tokens with it. A shorter prefix (the
+# template's first tokens, which every chat prompt has) saves under a millisecond, and its keys and values were
+# computed in another prompt's batch: llama.cpp's numbers depend on the batch in their last bits, and greedy
+# answers can part after a few tokens. Below it, a prompt is evaluated whole: the answer `llmcli run` gives.
+MIN_REUSE = 32
+
 
 class QueueFull(Exception):
     """Every slot is busy and the queue is full."""
@@ -72,6 +78,7 @@ class SlotServer:
         self._wake = threading.Condition()
         self._stopping = False
         self.served = 0
+        self.steps_by_busy: dict[int, int] = {}  # decode steps by the number of answers they advanced together
 
     # -- the request side (any thread) --------------------------------------------------------------
 
@@ -93,10 +100,18 @@ class SlotServer:
                 job.cancelled.set()
             self._wake.notify()
 
-    def status(self) -> dict[str, int]:
+    def cancel_all(self) -> None:
+        """Every answer ends (as `interrupted`, with its Done) at the next step: the server is stopping."""
+        with self._wake:
+            for job in [*self.waiting, *(slot.tag for slot in self.scheduler.slots if slot is not None)]:
+                job.cancelled.set()
+            self._wake.notify()
+
+    def status(self) -> dict[str, Any]:
         with self._wake:
             busy = sum(1 for slot in self.scheduler.slots if slot is not None)
-            return {"slots": self.n_slots, "busy": busy, "waiting": len(self.waiting), "served": self.served}
+            return {"slots": self.n_slots, "busy": busy, "waiting": len(self.waiting), "served": self.served,
+                    "steps_by_busy": {str(n): steps for n, steps in sorted(self.steps_by_busy.items())}}
 
     # -- the engine's thread -------------------------------------------------------------------------
 
@@ -118,6 +133,8 @@ class SlotServer:
                             self.waiting.clear()
                             return
                         self._admit()
+                        together = sum(1 for slot in scheduler.slots if slot is not None)
+                        self.steps_by_busy[together] = self.steps_by_busy.get(together, 0) + 1
                     if not busy:
                         busy_period.enter_context(engine.sharing_cores())
                         busy = True
@@ -146,7 +163,8 @@ class SlotServer:
             if self.engine.n_swa == 0:  # a sliding-window cache holds only its last window: any slot will do
                 free.sort(key=lambda seq: -shared_prefix(kv.tokens_of(seq), job.tokens))
             try:
-                scheduler.start(free[0], job.tokens, job.generation, job.seed, job.clock, tag=job)
+                scheduler.start(free[0], job.tokens, job.generation, job.seed, job.clock, tag=job,
+                                reuse_at_least=MIN_REUSE)
             except Exception as exc:  # a grammar llama.cpp refuses: the request fails, the server goes on
                 job.failure = (400, str(exc))
                 self._events.append((job, _cancelled(job)))

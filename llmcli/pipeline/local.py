@@ -101,7 +101,8 @@ def open_local(request: Request, on_progress: ProgressCallback | None, cancel: C
             mode = "auto"  # a draft model given is a draft model to use
         generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]), constraint,
                                        effective["repetition_guard"], mode, draft_max,
-                                       reasoning=effective["reasoning"] != "stdout", special=effective["special"])
+                                       reasoning=effective["reasoning"] != "stdout", special=effective["special"],
+                                       logprobs=effective["logprobs"])
         pipeline: Pipeline[Session] = Pipeline(effective, model, session, generation, cancel, resources.pop_all())
     return pipeline
 

@@ -34,7 +34,7 @@ from llmcli.remote.client import Client, NetworkError, StreamedAnswer
 # --endpoint, they are named in a notice, never dropped without a word.
 NOT_SENT = frozenset({"ctx_size", "threads", "batch_size", "mlock", "mmap", "speculate", "draft_model", "draft_max",
                       "flash_attn", "kv_type", "prompt_cache", "prompt_cache_min", "prompt_cache_size", "hub_timeout",
-                      "on_overflow", "special"})
+                      "on_overflow", "special", "logprobs"})
 
 
 @dataclass(frozen=True)

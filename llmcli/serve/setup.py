@@ -7,17 +7,18 @@ from typing import Any
 from llmcli.answer.tool_calls import ToolSpec
 from llmcli.chat.answerer import with_system
 from llmcli.chat.chat_template import Message
-from llmcli.chat.session import Session, render_prompt
+from llmcli.chat.session import Session, render_prompt, thinking_variables
 from llmcli.decode.serving import SlotServer
 from llmcli.pipeline import Pipeline, Request, Shape
 from llmcli.pipeline.local import open_pipeline
-from llmcli.serve.protocol import Limits, Prompter
+from llmcli.serve.answer_request import Limits, Prompter
+from llmcli.serve.model_facts import ModelFacts, read_facts
 
 
 def open_server(request: Request, parallel: int, queue: int, max_body: int, max_answer: int,
-                on_progress: Any = None) -> tuple[SlotServer, Prompter, Pipeline[Session]]:
+                on_progress: Any = None) -> tuple[SlotServer, Prompter, ModelFacts, Pipeline[Session]]:
     """The model loaded with `parallel` slots of a full context each, its slot server (speculative decoding as
-    --speculate says, for every slot), and its prompter."""
+    --speculate says, for every slot), its prompter, and what the model lists say of it."""
     import dataclasses
 
     pipeline = open_pipeline(dataclasses.replace(request, shape=Shape(parallel)), on_progress)
@@ -31,8 +32,12 @@ def open_server(request: Request, parallel: int, queue: int, max_body: int, max_
     names = tuple(dict.fromkeys((pipeline.model.name, engine.path.stem, engine.path.name)))
     limits = Limits(engine.n_ctx, min(max_answer, engine.n_ctx), max_body, pipeline.generation.max_draft)
     prompter = Prompter(render_chat, lambda text: engine.vocab.tokenize(text, add_special=True), names,
-                        dict(pipeline.settings.values), limits, session.tool_format(pipeline.settings["tool_format"]))
-    return SlotServer(engine, parallel, queue, speculation=session.speculation), prompter, pipeline
+                        dict(pipeline.settings.values), limits, session.tool_format(pipeline.settings["tool_format"]),
+                        engine.vocab.n_tokens)
+    thinks = any(name in (session.template_source or "") for name in thinking_variables(True))
+    facts = read_facts(names[0], engine.path, engine.n_ctx, session.template_source or "",
+                       ("completion", "tools", "embedding", *(("thinking",) if thinks else ())))
+    return SlotServer(engine, parallel, queue, speculation=session.speculation), prompter, facts, pipeline
 
 
 class Embeddings:
@@ -47,13 +52,16 @@ class Embeddings:
         self._lock = threading.Lock()
         self._embedder: Any = None
 
-    def embed(self, texts: list[str]) -> list[Any]:
+    def embed(self, texts: list[str], normalize: bool = False, truncate: bool = False) -> list[Any]:
+        """One result per text: `normalize` scales vectors to length 1 (Ollama's /api/embed), `truncate` embeds
+        the first tokens of a text too long (else its result is an error)."""
         from llmcli.pipeline.local import open_embedder
 
         with self._lock:
             if self._embedder is None:
                 _, _, self._embedder = open_embedder(self.request, "model", normalize=False, truncate=False,
                                                      texts_per_batch=32)
+            self._embedder.normalize, self._embedder.truncate = normalize, truncate
             return list(self._embedder.embed(texts))
 
     @property

@@ -1,0 +1,277 @@
+"""What every protocol asks of the answer loop, in llmcli's terms (`AnswerRequest`), and how it becomes what the
+slots need (`prepare`: the prompt rendered and tokenized, the budget checked, the sampler configured) — validated
+as `run` validates its flags. Each protocol (openai_api, ollama_api, anthropic_api, responses_api) only translates
+its body into an AnswerRequest and llmcli's events into its own wire format. No HTTP here (llmcli/serve/app.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmcli.answer.constraint import Constraint, build_constraint
+from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.reasoning import opens_thinking
+from llmcli.answer.sampling_config import SamplingConfig
+from llmcli.answer.tool_calls import ToolSpec, tool_spec
+from llmcli.chat.answerer import RenderedPrompt
+from llmcli.chat.chat_template import Message
+from llmcli.errors import LlmcliError
+from llmcli.llama.schema_grammar import tool_grammar, with_grammar
+from llmcli.settings import SETTINGS, check_value
+
+MAX_STOPS = 16
+MAX_TOP_LOGPROBS = 20
+
+# HTTP status -> the kind of error, in OpenAI's and Anthropic's words (Ollama's errors have none)
+KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+         413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+class ApiError(Exception):
+    """An error response: its HTTP status, what went wrong, and where (each protocol writes it in its own shape)."""
+
+    def __init__(self, status: int, message: str, kind: str | None = None, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
+@dataclass(frozen=True)
+class Limits:
+    n_ctx: int  # a slot's context: prompt + answer
+    max_tokens: int  # the most tokens an answer may ask for
+    max_body_bytes: int
+    max_draft: int = 16  # tokens a draft may have (speculative decoding: the server's --speculate, --draft-max)
+
+
+@dataclass(frozen=True)
+class Prompter:
+    """How this server turns messages or a prompt into tokens (the model's template, its vocabulary)."""
+
+    # messages, --think (None: as the server's), the tools
+    render_chat: Callable[[list[Message], bool | None, ToolSpec | None], RenderedPrompt]
+    tokenize: Callable[[str], list[int]]
+    model_names: tuple[str, ...]  # what `model` may say (the first is the name the model lists show)
+    defaults: Mapping[str, Any]  # the server's effective settings (its flags and config file)
+    limits: Limits
+    tool_format: str = "generic"  # how this model writes a call (its template's, or --tool-format)
+    n_vocab: int = 0  # token ids a prompt may hold are below it
+
+    def check_model(self, model: Any, message: Callable[[str], str] | None = None) -> None:
+        """404 unless `model` (when given) names this server's model."""
+        if model is not None and model not in self.model_names:
+            text = f"the model {model!r} does not exist here; this server has {self.model_names[0]!r}"
+            raise ApiError(404, message(model) if message else text, param="model", code="model_not_found")
+
+
+@dataclass(frozen=True)
+class AnswerRequest:
+    """One answer, as any protocol asks for it: a conversation (`messages`) or a raw prompt (text or token ids)."""
+
+    messages: list[Message] | None = None
+    prompt: str | list[int] | None = None
+    settings: Mapping[str, Any] = field(default_factory=dict)  # setting name -> value (checked), over the server's
+    max_tokens: int | None = None  # None: the server's -n, else until the model stops or the context is full
+    stops: Sequence[str] | None = None  # None: the server's --stop
+    constraint: Constraint = field(default_factory=Constraint)  # a grammar or JSON format (see `constraint_of`)
+    tools: ToolSpec | None = None
+    think: bool | None = None  # None: as the server's --think
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # how many alternatives beside each token's logprob (None: no logprobs)
+    stream: bool = False
+    include_usage: bool = False  # OpenAI's stream_options
+    prompt_param: str = "messages"  # how this protocol names the prompt and the limit, for errors
+    limit_param: str = "max_tokens"
+
+
+@dataclass(frozen=True)
+class Parsed:
+    tokens: list[int]
+    generation: GenerationOptions
+    seed: int
+    stream: bool
+    include_usage: bool
+
+
+def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
+    """The request rendered, tokenized and checked against the context: what a slot needs; ApiError otherwise."""
+    rendered = _render(request, prompter)
+    values = {**prompter.defaults, **request.settings}
+    limits = prompter.limits
+    room = limits.n_ctx - len(rendered.tokens)
+    max_tokens = request.max_tokens
+    if max_tokens is not None and max_tokens > limits.max_tokens:
+        raise ApiError(400, f"{request.limit_param} is at most {limits.max_tokens} here", param=request.limit_param)
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        raise ApiError(400, f"the prompt ({len(rendered.tokens)} tokens) plus {request.limit_param} ({max_tokens or 1}) "
+                       f"do not fit the context of {limits.n_ctx} tokens", param=request.prompt_param,
+                       code="context_length_exceeded")
+    max_tokens = max_tokens or min(room, values["max_tokens"] or limits.max_tokens, limits.max_tokens)
+    stops = tuple(request.stops if request.stops is not None else values["stop"])
+    constraint = request.constraint
+    try:
+        sampling = SamplingConfig.from_settings(values, logit_bias=request.logit_bias, grammar=constraint.grammar,
+                                                grammar_origin=constraint.origin)
+    except LlmcliError as exc:
+        raise ApiError(400, exc.message) from None
+    generation = GenerationOptions(sampling, max_tokens, stops, constraint, values["repetition_guard"],
+                                   speculate=values["speculate"], max_draft=limits.max_draft,
+                                   thinking_open=opens_thinking(rendered.text), tools=request.tools,
+                                   logprobs=request.logprobs)
+    return Parsed(rendered.tokens, generation, sampling.effective_seed(), request.stream, request.include_usage)
+
+
+def _render(request: AnswerRequest, prompter: Prompter) -> RenderedPrompt:
+    if request.messages is None:
+        prompt = request.prompt
+        if isinstance(prompt, list):  # token ids
+            if not prompt or any(not 0 <= t < prompter.n_vocab for t in prompt):
+                raise ApiError(400, f"{request.prompt_param}: token ids are in [0, {prompter.n_vocab})",
+                               param=request.prompt_param)
+            return RenderedPrompt("", list(prompt))
+        return RenderedPrompt(prompt or "", prompter.tokenize(prompt or ""))
+    if not request.messages:
+        raise ApiError(400, f"{request.prompt_param} must not be empty", param=request.prompt_param)
+    try:
+        return prompter.render_chat(request.messages, request.think, request.tools)
+    except LlmcliError as exc:  # the template refused the conversation
+        raise ApiError(400, exc.message, param=request.prompt_param) from None
+
+
+# -- the pieces each protocol checks the same way ----------------------------------------------------------
+
+
+def checked(setting_name: str, value: Any, param: str) -> Any:
+    """A request's value for a setting, checked as the setting's flag is; ApiError naming `param` otherwise."""
+    setting = SETTINGS[setting_name]
+    if setting.kind is bool:
+        if not isinstance(value, bool):
+            raise ApiError(400, f"{param} must be true or false", param=param)
+        return value
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (setting.kind is float or isinstance(value, int))
+    if not ok:
+        raise ApiError(400, f"{param} must be {'an integer' if setting.kind is int else 'a number'}", param=param)
+    value = float(value) if setting.kind is float else value
+    try:
+        check_value(setting, value, "request")
+    except LlmcliError as exc:
+        raise ApiError(400, exc.message.replace(setting.flag, param, 1), param=param) from None
+    return setting.normalised(value)
+
+
+def settings_of(body: Mapping[str, Any], fields: Mapping[str, str]) -> dict[str, Any]:
+    """The settings a body gives: `fields` maps its names to llmcli's settings."""
+    return {name: checked(name, body[wire], wire) for wire, name in fields.items() if body.get(wire) is not None}
+
+
+def stops_of(value: Any, param: str = "stop") -> list[str] | None:
+    """A stop string or a list of them (None: not given)."""
+    if value is None:
+        return None
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOPS:
+        raise ApiError(400, f"{param} must be a string or a list of at most {MAX_STOPS} strings", param=param)
+    return stops
+
+
+def max_tokens_of(value: Any, param: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ApiError(400, f"{param} must be an integer of at least 1", param=param)
+    return value
+
+
+def constraint_of(kind: str | None, schema: Any = None, grammar: Any = None, param: str = "response_format") -> Constraint:
+    """The answer's constraint: None/"text" (a GBNF `grammar`, or nothing), "json" (any JSON object) or "json_schema"."""
+    if grammar is not None and not isinstance(grammar, str):
+        raise ApiError(400, "grammar must be a GBNF string", param="grammar")
+    if kind in (None, "text"):
+        return with_grammar(build_constraint(grammar))
+    if grammar is not None:
+        raise ApiError(400, f"grammar and {param} cannot be combined", param="grammar")
+    try:
+        if kind == "json":
+            return with_grammar(build_constraint(json_format=True))
+        if kind == "json_schema":
+            if not isinstance(schema, dict):
+                raise ApiError(400, f"{param}: the schema must be an object", param=param)
+            return with_grammar(build_constraint(json_schema=json.dumps(schema)))
+    except LlmcliError as exc:
+        raise ApiError(400, f"{param}: {exc.message}", param=param) from None
+    raise ApiError(400, f"{param} is not a format this server knows", param=param)
+
+
+def tools_of(tools: Any, choice: Any, prompter: Prompter, parallel: Any = True, param: str = "tools") -> ToolSpec | None:
+    """Function tools (OpenAI's objects, or their inner `{name, description, parameters}`), a choice (auto, none,
+    required, a tool's name) and whether calls may come several at once, as one spec (None without tools)."""
+    if tools is None:
+        if choice not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise ApiError(400, f"{param} must be a list of function tools", param=param)
+    if not isinstance(parallel, bool):
+        raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
+    try:
+        spec = tool_spec(tools, choice, prompter.tool_format, parallel)
+        if not spec.tools and spec.choice.mode == "required":
+            raise LlmcliError("tool_choice required needs tools")
+        if spec.active:
+            tool_grammar(spec)  # a schema no grammar can hold is this request's 400, not a failed slot
+    except LlmcliError as exc:
+        raise ApiError(400, exc.message.replace("tools", param, 1),
+                       param="tool_choice" if "tool_choice" in exc.message else param) from None
+    return spec
+
+
+def logit_bias_of(value: Any) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ApiError(400, "logit_bias must map token ids to numbers", param="logit_bias")
+    try:
+        biases = tuple((int(token), float(bias)) for token, bias in value.items())
+    except (TypeError, ValueError):
+        raise ApiError(400, "logit_bias must map token ids to numbers", param="logit_bias") from None
+    if any(not -100 <= bias <= 100 for _, bias in biases):
+        raise ApiError(400, "logit_bias values must be in [-100, 100]", param="logit_bias")
+    return biases
+
+
+def top_logprobs_of(wanted: Any, top: Any, param: str = "top_logprobs") -> int | None:
+    """`logprobs: true` and `top_logprobs: N` (OpenAI's chat, Ollama) -> N alternatives, or None for no logprobs."""
+    if wanted in (None, False):
+        if top not in (None, 0):
+            raise ApiError(400, f"{param} needs logprobs: true", param=param)
+        return None
+    if wanted is not True:
+        raise ApiError(400, "logprobs must be true or false", param="logprobs")
+    return count_of(top or 0, param)
+
+
+def count_of(value: Any, param: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"{param} must be an integer in [0, {MAX_TOP_LOGPROBS}]", param=param)
+    return value
+
+
+def text_of(content: Any, where: str, param: str = "messages",
+            part_types: tuple[str, ...] = ("text",)) -> str:
+    """A message's text: a string, or a list of text parts (`{"type": "text", "text": …}`)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in part_types
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    if isinstance(content, list) and any(isinstance(p, dict) and "image" in str(p.get("type", "")) for p in content):
+        raise ApiError(400, f"{where}: images are not supported (this server's model reads text only)", param=param)
+    raise ApiError(400, f"{where}.content must be a string or a list of text parts", param=param)
+
+
+def count_tokens(request: AnswerRequest, prompter: Prompter) -> int:
+    """The tokens the request's prompt has, as the model will read it (Anthropic's count_tokens)."""
+    return len(_render(request, prompter).tokens)

@@ -1,0 +1,199 @@
+"""The one way a request is answered over HTTP, whatever its protocol: its body read (bounded), its answers submitted
+to the slots, then either the whole response or a stream (SSE or NDJSON) of the protocol's items. A client that goes
+away cancels its answers: their slots are free at the next decode step; the server stopping ends a stream as that
+protocol ends one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from llmcli.answer.events import DecodeEvent, Done
+from llmcli.decode.serving import Job, QueueFull, SlotServer
+from llmcli.serve.answer_request import AnswerRequest, ApiError, Parsed, Prompter, prepare
+from llmcli.serve.setup import Embeddings
+from llmcli.serve.wire import Exchange, Item
+
+RETRY_AFTER_S = 1
+SHUTDOWN_GRACE_S = 5.0  # SIGTERM: how long a cancelled stream has to send its end before it is cut
+DISCONNECT_POLL_S = 0.5  # a whole answer: how often the client is checked for having gone away
+
+
+@dataclass
+class ServerState:
+    slots: SlotServer
+    prompter: Prompter
+    api_key: str | None = None
+    thread: threading.Thread | None = field(default=None, repr=False)
+    embeddings: Embeddings | None = None  # the model in embedding mode, loaded on first use
+    started: float = 0.0  # when the server started (time.time())
+    stored: dict[str, Any] = field(default_factory=dict)  # Responses kept for previous_response_id (bounded)
+
+    @property
+    def model(self) -> str:
+        return self.prompter.model_names[0]
+
+
+ErrorShape = Callable[[ApiError], Any]
+
+
+def error_response(error: ApiError, shape: ErrorShape) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 429 else None
+    return JSONResponse(shape(error), status_code=error.status, headers=headers)
+
+
+def check_key(request: Request, state: ServerState) -> None:
+    """401 unless the request carries the server's key: `Authorization: Bearer KEY` or `x-api-key: KEY`."""
+    if state.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    token = given[7:] if given.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+    if not secrets.compare_digest(token.encode(), state.api_key.encode()):
+        raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY)",
+                       code="invalid_api_key")
+
+
+async def read_body(request: Request, state: ServerState) -> Any:
+    """The key checked, then the JSON body read up to the server's limit (413 beyond it, before the rest is read)."""
+    check_key(request, state)
+    limit = state.prompter.limits.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is larger than {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is larger than {limit} bytes")
+        chunks.append(chunk)
+    if not chunks:
+        raise ApiError(400, "the request needs a JSON body")
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+async def answer(request: Request, state: ServerState, parse: Callable[[Any, Prompter], list[AnswerRequest]],
+                 reply: Callable[[list[AnswerRequest], list[Parsed]], Exchange], shape: ErrorShape,
+                 ndjson: bool = False) -> Response:
+    """Answer one request: `parse` its body into answer requests, `reply` makes the protocol's Exchange for them."""
+    try:
+        body = await read_body(request, state)
+        asked = await asyncio.to_thread(parse, body, state.prompter)
+        prepared = await asyncio.to_thread(lambda: [prepare(a, state.prompter) for a in asked])  # off the loop
+        return await respond(request, state, prepared, reply(asked, prepared), ndjson)
+    except ApiError as error:
+        return error_response(error, shape)
+
+
+async def respond(request: Request, state: ServerState, prepared: list[Parsed], exchange: Exchange,
+                  ndjson: bool = False) -> Response:
+    """Submit prepared answers; the whole response, or a stream of the exchange's items (SSE, or NDJSON)."""
+    events: asyncio.Queue[tuple[int, DecodeEvent]] = asyncio.Queue()
+
+    def emitter(index: int) -> Callable[[DecodeEvent], None]:  # called on this loop (deliver)
+        return lambda event: events.put_nowait((index, event))
+
+    jobs = [Job(p.tokens, p.generation, p.seed, emitter(i)) for i, p in enumerate(prepared)]
+    try:
+        for job in jobs:
+            state.slots.submit(job)
+    except QueueFull as exc:
+        for job in jobs:
+            job.cancelled.set()
+        raise ApiError(429, f"busy: {exc}; retry later", code="busy") from None
+    if not prepared[0].stream:
+        return await _whole(request, events, jobs, exchange)
+    items = _stream(events, jobs, exchange)
+    if ndjson:
+        return StreamingResponse(_ndjson(items), media_type="application/x-ndjson")
+    shutdown = anyio.Event()  # set by sse-starlette on SIGTERM: the answers are cancelled and the stream ends cleanly
+    return EventSourceResponse(_sse(items, jobs, shutdown), ping=15, send_timeout=30, shutdown_event=shutdown,
+                               shutdown_grace_period=SHUTDOWN_GRACE_S)
+
+
+async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job],
+                  exchange: Exchange) -> AsyncGenerator[Item, None]:
+    """The exchange's items as the engine produces the events; the client gone (the task cancelled): the jobs are
+    cancelled."""
+    dones: list[Done | None] = [None] * len(jobs)
+    try:
+        for item in exchange.opening():
+            yield item
+        while None in dones:
+            index, event = await events.get()
+            failure = jobs[index].failure
+            if failure is not None:
+                for item in exchange.failed(ApiError(*failure)):
+                    yield item
+                return
+            for item in exchange.on_event(index, event):
+                yield item
+            if isinstance(event, Done):
+                dones[index] = event
+        for item in exchange.closing([d for d in dones if d is not None]):
+            yield item
+    finally:
+        for job in jobs:
+            job.cancelled.set()  # a no-op once the answer is done
+
+
+async def _sse(items: AsyncGenerator[Item, None], jobs: list[Job],
+               shutdown: anyio.Event) -> AsyncIterator[ServerSentEvent]:
+    async def cancel_on_shutdown() -> None:
+        await shutdown.wait()
+        for job in jobs:
+            job.cancelled.set()
+
+    watcher = asyncio.ensure_future(cancel_on_shutdown())
+    try:
+        async for name, data in items:
+            text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+            yield ServerSentEvent(data=text, event=name)
+    finally:
+        watcher.cancel()
+        await items.aclose()  # the client gone: its answers are cancelled now, not when the generator is collected
+
+
+async def _ndjson(items: AsyncGenerator[Item, None]) -> AsyncIterator[bytes]:
+    try:
+        async for _, data in items:
+            yield (json.dumps(data, ensure_ascii=False) + "\n").encode()
+    finally:
+        await items.aclose()
+
+
+async def _whole(request: Request, events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job],
+                 exchange: Exchange) -> Response:
+    """Wait for every answer, watching for the client going away meanwhile."""
+    dones: list[Done | None] = [None] * len(jobs)
+    try:
+        while None in dones:
+            try:
+                index, event = await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+                continue
+            if not isinstance(event, Done):
+                continue  # the Done holds the whole answer
+            failure = jobs[index].failure
+            if failure is not None:
+                error = ApiError(*failure)
+                return JSONResponse(exchange.error_body(error), status_code=error.status)
+            dones[index] = event
+        return JSONResponse(exchange.whole([d for d in dones if d is not None]))
+    finally:
+        for job in jobs:
+            job.cancelled.set()

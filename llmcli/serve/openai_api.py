@@ -1,0 +1,324 @@
+"""OpenAI's chat and completions wire format, both ways: a request body -> AnswerRequests
+(llmcli/serve/answer_request.py), and llmcli's events -> response objects and stream chunks. No HTTP here."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmcli.answer.events import DecodeEvent, Done, Token, TokenLogprob
+from llmcli.answer.sampling_config import WIRE_FIELDS
+from llmcli.answer.tool_call_parser import CallArguments, CallStarted
+from llmcli.answer.tool_calls import ToolCall, new_call_id
+from llmcli.chat.chat_template import Message
+from llmcli.serve.answer_request import (
+    AnswerRequest,
+    ApiError,
+    Prompter,
+    constraint_of,
+    count_of,
+    logit_bias_of,
+    max_tokens_of,
+    settings_of,
+    stops_of,
+    text_of,
+    tools_of,
+    top_logprobs_of,
+)
+from llmcli.serve.wire import Item
+
+# request fields -> llmcli settings: OpenAI's names, and llama-server's (llmcli's) for the rest
+FIELDS = {wire: name for name, wire in WIRE_FIELDS.items()}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_PROMPTS = 16  # /v1/completions: prompts in one request (each takes a slot)
+# finish reasons as OpenAI clients know them (llmcli's own is in `timings.finish_reason`)
+FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "context_full": "length",
+          "repetition": "stop", "interrupted": "stop", "tool_calls": "tool_calls"}
+
+
+def error_body(error: ApiError) -> dict[str, Any]:
+    return {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
+
+
+def parse_chat(body: Any, prompter: Prompter) -> list[AnswerRequest]:
+    """A chat completions body -> one AnswerRequest; ApiError (400, 404) on anything invalid."""
+    body = _common(body, prompter)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
+    kwargs = body.get("chat_template_kwargs") or {}
+    think = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else None
+    if not isinstance(kwargs, dict) or not isinstance(think, (bool, type(None))):
+        raise ApiError(400, "chat_template_kwargs must be an object; its enable_thinking true or false",
+                       param="chat_template_kwargs")
+    tools = tools_of(body.get("tools"), body.get("tool_choice"), prompter, body.get("parallel_tool_calls", True))
+    if tools is not None and tools.active and (body.get("grammar") is not None or body.get("response_format") not in (
+            None, "text", {"type": "text"})):
+        raise ApiError(400, "tools cannot be combined with grammar or response_format", param="tools")
+    return [AnswerRequest(messages=[_message(m, i) for i, m in enumerate(messages)], tools=tools, think=think,
+                          logprobs=top_logprobs_of(body.get("logprobs"), body.get("top_logprobs")),
+                          **_answer_fields(body))]
+
+
+def parse_completion(body: Any, prompter: Prompter) -> list[AnswerRequest]:
+    """A completions body -> one AnswerRequest per prompt (a string, token ids, or a list of either)."""
+    body = _common(body, prompter)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
+        prompts: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or (isinstance(p, list) and p and all(
+            _is_id(t) for t in p)) for p in prompt):
+        prompts = prompt
+    else:
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a non-empty list of either",
+                       param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt holds at most {MAX_PROMPTS} prompts", param="prompt")
+    if body.get("echo"):
+        raise ApiError(400, "echo is not supported", param="echo")
+    if body.get("suffix") is not None:
+        raise ApiError(400, "suffix is not supported (no fill-in-the-middle)", param="suffix")
+    logprobs = body.get("logprobs")
+    n_top = None if logprobs is None else count_of(logprobs, "logprobs")
+    fields = _answer_fields(body)
+    return [AnswerRequest(prompt=p, logprobs=n_top, prompt_param="prompt", **fields) for p in prompts]
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _common(body: Any, prompter: Prompter) -> Mapping[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    prompter.check_model(body.get("model"))
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "n must be 1: one answer per request", param="n")
+    return body
+
+
+def _answer_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What chat and completions share: sampling settings, the limit, stops, the format, the stream."""
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options")
+    response_format = body.get("response_format")
+    kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+    if kind not in (None, "text", "json_object", "json_schema"):
+        raise ApiError(400, "response_format.type must be text, json_object or json_schema", param="response_format")
+    schema = (response_format.get("json_schema") or {}).get("schema") if isinstance(response_format, dict) else None
+    if kind == "json_schema" and not isinstance(schema, dict):
+        raise ApiError(400, "response_format.json_schema.schema must be an object", param="response_format")
+    constraint = constraint_of("json" if kind == "json_object" else kind, schema, body.get("grammar"))
+    return dict(settings=settings_of(body, FIELDS),
+                max_tokens=max_tokens_of(body.get("max_completion_tokens", body.get("max_tokens")), "max_tokens"),
+                stops=stops_of(body.get("stop")), constraint=constraint, logit_bias=logit_bias_of(body.get("logit_bias")),
+                stream=bool(body.get("stream")), include_usage=bool(stream_options.get("include_usage")))
+
+
+def _message(message: Any, index: int) -> Message:
+    """One message of a chat request: a role, its text; an assistant's `tool_calls`, a tool's `tool_call_id`."""
+    role = message.get("role") if isinstance(message, dict) else None
+    if role not in ROLES:
+        raise ApiError(400, f"messages[{index}].role must be one of {', '.join(ROLES)}", param="messages")
+    calls = (message.get("tool_calls") or []) if role == "assistant" else []
+    if not isinstance(calls, list):
+        raise ApiError(400, f"messages[{index}].tool_calls must be a list", param="messages")
+    parsed_calls = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not isinstance(arguments, (str, dict)):
+            raise ApiError(400, f"messages[{index}].tool_calls: each is {{id, type, function: {{name, arguments}}}}",
+                           param="messages")
+        parsed_calls.append(ToolCall(str(call.get("id") or new_call_id()), name,
+                                     arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    content = message.get("content")
+    text = "" if content is None and role == "assistant" else text_of(content, f"messages[{index}]")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise ApiError(400, f"messages[{index}]: a tool message needs its tool_call_id", param="messages")
+        name = message.get("name")
+        return Message("tool", text, tool_call_id=call_id, name=name if isinstance(name, str) else None)
+    return Message(ROLES[role], text, tool_calls=tuple(parsed_calls))
+
+
+# -- responses -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    """One chat or completions response, whole or streamed (one choice per prompt)."""
+
+    chat: bool
+    model: str
+    requests: list[AnswerRequest]
+    id: str = ""
+    created: int = 0
+    started: set[int] = field(default_factory=set)  # choices whose first chunk (with the role) went out
+    offsets: dict[int, int] = field(default_factory=dict)  # completions' logprobs: text offset per choice
+
+    @staticmethod
+    def new(chat: bool, model: str, requests: list[AnswerRequest]) -> Reply:
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return Reply(chat, model, requests, prefix + uuid.uuid4().hex[:24], int(time.time()))
+
+    def error_body(self, error: ApiError) -> dict[str, Any]:
+        return error_body(error)
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _chunk(self, choice: dict[str, Any]) -> Item:
+        return None, {**self._head(True), "choices": [choice]}
+
+    def opening(self) -> list[Item]:
+        return []
+
+    def on_event(self, index: int, event: DecodeEvent) -> list[Item]:
+        wants_logprobs = self.requests[index].logprobs is not None
+        if isinstance(event, Token):
+            if not self.chat:
+                logprobs = self._completion_logprobs(index, event.logprobs) if wants_logprobs else None
+                return [self._chunk({"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": None})]
+            delta = self._delta(index)
+            delta["reasoning_content" if event.reasoning else "content"] = event.text
+            choice = {"index": index, "delta": delta, "finish_reason": None}
+            if wants_logprobs and not event.reasoning:
+                choice["logprobs"] = {"content": [lp.to_dict() for lp in event.logprobs]}
+            return [self._chunk(choice)]
+        if isinstance(event, (CallStarted, CallArguments)):
+            return [self._chunk({"index": index, "delta": {**self._delta(index), "tool_calls": [_call_delta(event)]},
+                                 "finish_reason": None})]
+        last: dict[str, Any] = {"index": index, "finish_reason": FINISH.get(event.finish_reason, "stop")}
+        if self.chat:
+            last["delta"] = {}
+        else:
+            last.update(text="", logprobs=None)
+        return [(None, {**self._head(True), "choices": [last], "timings": timings(event)})]
+
+    def _delta(self, index: int) -> dict[str, Any]:
+        """The role comes with a choice's first chunk, as OpenAI sends it."""
+        if index in self.started:
+            return {}
+        self.started.add(index)
+        return {"role": "assistant"}
+
+    def closing(self, dones: list[Done]) -> list[Item]:
+        usage_chunk = [(None, {**self._head(True), "choices": [], "usage": usage(dones)})]
+        return (usage_chunk if self.requests[0].include_usage else []) + [(None, "[DONE]")]
+
+    def failed(self, error: ApiError) -> list[Item]:
+        return [(None, error_body(error)), (None, "[DONE]")]
+
+    def whole(self, dones: list[Done]) -> dict[str, Any]:
+        choices = []
+        for index, done in enumerate(dones):
+            finish = FINISH.get(done.finish_reason, "stop")
+            wants_logprobs = self.requests[index].logprobs is not None
+            if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": done.text or (None if done.tool_calls else "")}
+                if done.reasoning:
+                    message["reasoning_content"] = done.reasoning
+                if done.tool_calls:
+                    message["tool_calls"] = [call.openai() for call in done.tool_calls]
+                logprobs = {"content": [lp.to_dict() for lp in done.logprobs]} if wants_logprobs else None
+                choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
+            else:
+                logprobs = self._completion_logprobs(index, done.logprobs) if wants_logprobs else None
+                choices.append({"index": index, "text": done.text, "logprobs": logprobs, "finish_reason": finish})
+        return {**self._head(False), "choices": choices, "usage": usage(dones), "timings": timings(dones[0])}
+
+    def _completion_logprobs(self, index: int, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        """The legacy completions shape: parallel lists, the alternatives as {token: logprob}."""
+        offsets = []
+        for logprob in logprobs:
+            offsets.append(self.offsets.get(index, 0))
+            self.offsets[index] = offsets[-1] + len(logprob.text)
+        return {"tokens": [lp.text for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{piece.decode("utf-8", "replace"): value for _, piece, value in lp.top}
+                                 for lp in logprobs], "text_offset": offsets}
+
+
+def _call_delta(event: CallStarted | CallArguments) -> dict[str, Any]:
+    """A tool call's delta, as OpenAI streams it: index, id, type and name once, then pieces of the arguments."""
+    if isinstance(event, CallStarted):
+        return {"index": event.index, "id": event.id, "type": "function",
+                "function": {"name": event.name, "arguments": ""}}
+    return {"index": event.index, "function": {"arguments": event.text}}
+
+
+def usage(dones: list[Done]) -> dict[str, Any]:
+    prompt = sum(done.stats.prompt_tokens for done in dones)
+    completion = sum(done.stats.completion_tokens for done in dones)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(done.stats.cached_tokens for done in dones)}}
+
+
+def timings(done: Done) -> dict[str, Any]:
+    """llmcli's own record: every phase, the rates, and why the answer ended in llmcli's words."""
+    invalid = [{"index": i, "id": c.id, "error": c.error} for i, c in enumerate(done.tool_calls) if c.error]
+    return {**done.stats.to_dict(), "finish_reason": done.finish_reason, "stop_sequence": done.stop_sequence,
+            "format_error": done.format_error, **({"tool_call_errors": invalid} if invalid else {})}
+
+
+# -- embeddings ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    texts: list[str]
+    base64: bool  # encoding_format "base64": little-endian float32, as OpenAI sends it
+    dimensions: int | None
+
+
+def parse_embeddings(body: Any, prompter: Prompter) -> EmbeddingRequest:
+    """An embeddings request: `input` a string or a list of strings; ApiError (400, 404) otherwise."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    prompter.check_model(body.get("model"))
+    given = body.get("input")
+    texts = [given] if isinstance(given, str) else given
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise ApiError(400, "input must be a string or a non-empty list of strings (token ids are not taken)",
+                       param="input")
+    if len(texts) > 2048:
+        raise ApiError(400, "input holds at most 2048 texts", param="input")
+    encoding = body.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise ApiError(400, "encoding_format must be float or base64", param="encoding_format")
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool)):
+        raise ApiError(400, "dimensions must be an integer", param="dimensions")
+    return EmbeddingRequest(texts, encoding == "base64", dimensions)
+
+
+def embeddings_reply(request: EmbeddingRequest, results: list[Any], model: str, n_embd: int) -> dict[str, Any]:
+    """OpenAI's embeddings list; a text that cannot be embedded (too long, empty) is a 400 naming it."""
+    import base64
+    from array import array
+
+    if request.dimensions is not None and request.dimensions != n_embd:
+        raise ApiError(400, f"dimensions must be {n_embd} for this model (its vectors are not shortened)",
+                       param="dimensions")
+    data = []
+    for index, result in enumerate(results):
+        if result.vector is None:
+            raise ApiError(400, f"input[{index}]: {result.error}", param="input",
+                           code="context_length_exceeded" if result.too_long else None)
+        vector: Any = result.vector
+        if request.base64:
+            packed = array("f", vector)
+            if packed.itemsize != 4:  # pragma: no cover - every platform llama.cpp runs on has 4-byte floats
+                raise ApiError(500, "no 32-bit float here", "server_error")
+            vector = base64.b64encode(packed.tobytes()).decode()
+        data.append({"object": "embedding", "index": index, "embedding": vector})
+    tokens = sum(result.tokens for result in results)
+    return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

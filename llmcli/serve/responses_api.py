@@ -1,0 +1,300 @@
+"""OpenAI's Responses API (POST /v1/responses), both ways: a body -> an AnswerRequest, llmcli's events -> a response
+object, or its typed event stream (response.created, response.in_progress, output items added and done, text,
+reasoning and call-argument deltas, response.completed or response.incomplete), each with its sequence_number.
+No HTTP here.
+
+Taken: input (a string, or messages and the function_call / function_call_output items of earlier turns),
+instructions, tools (function tools) with tool_choice and parallel_tool_calls, max_output_tokens, temperature, top_p,
+text.format (text, json_object, json_schema), reasoning (its effort: the template's thinking switch), stream, store
+and previous_response_id: a stored response's conversation continues (kept while the server runs, the latest
+MAX_KEPT; one that is not kept is a 400 saying so). Refused, saying so: built-in tools, images and files.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmcli.answer.events import DecodeEvent, Done, Token
+from llmcli.answer.tool_call_parser import CallArguments, CallStarted
+from llmcli.answer.tool_calls import ToolCall
+from llmcli.chat.chat_template import Message
+from llmcli.serve.answer_request import (
+    AnswerRequest,
+    ApiError,
+    Prompter,
+    checked,
+    constraint_of,
+    max_tokens_of,
+    text_of,
+    tools_of,
+)
+from llmcli.serve.openai_api import error_body
+from llmcli.serve.wire import Item
+
+MAX_KEPT = 256  # responses kept for previous_response_id
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+TEXT_PARTS = ("input_text", "output_text", "text")
+INCOMPLETE = {"length": "max_output_tokens", "context_full": "max_output_tokens"}
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    answer: AnswerRequest
+    echo: Mapping[str, Any]  # what the response object repeats of the request
+    conversation: list[Message]  # the whole conversation this response answers (kept with it)
+    store: bool
+
+
+def parse_response_request(body: Any, prompter: Prompter, kept: Mapping[str, list[Message]]) -> ResponsesRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    prompter.check_model(body.get("model"))
+    earlier: list[Message] = []
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        if previous not in kept:
+            raise ApiError(400, f"previous_response_id: {previous!r} is not kept here (a server keeps the latest "
+                           f"{MAX_KEPT} stored responses while it runs; send the conversation as input instead)",
+                           param="previous_response_id", code="previous_response_not_found")
+        earlier = [m for m in kept[previous] if m.role != "system"]
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ApiError(400, "instructions must be a string", param="instructions")
+    conversation = ([Message("system", instructions)] if instructions else []) + earlier + _input(body.get("input"))
+    tools = tools_of(_tools(body.get("tools")), _choice(body.get("tool_choice")), prompter,
+                     body.get("parallel_tool_calls", True))
+    settings = {name: checked(name, body[wire], wire) for wire, name in (("temperature", "temp"), ("top_p", "top_p"))
+                if body.get(wire) is not None}
+    text = body.get("text") or {}
+    text_format = text.get("format") if isinstance(text, dict) else None
+    kind = text_format.get("type") if isinstance(text_format, dict) else None
+    if text_format is not None and kind not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, "text.format.type must be text, json_object or json_schema", param="text.format")
+    if tools is not None and tools.active and kind in ("json_object", "json_schema"):
+        raise ApiError(400, "tools cannot be combined with a JSON text.format", param="tools")
+    constraint = constraint_of("json" if kind == "json_object" else kind,
+                               text_format.get("schema") if isinstance(text_format, dict) else None,
+                               param="text.format")
+    store = body.get("store", True)
+    answer = AnswerRequest(messages=conversation, settings=settings,
+                           max_tokens=max_tokens_of(body.get("max_output_tokens"), "max_output_tokens"),
+                           constraint=constraint, tools=tools, think=_effort(body.get("reasoning")),
+                           stream=bool(body.get("stream")), prompt_param="input", limit_param="max_output_tokens")
+    echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
+            "parallel_tool_calls": body.get("parallel_tool_calls", True), "previous_response_id": previous,
+            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "store": bool(store),
+            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+            "text": {"format": text_format or {"type": "text"}}, "metadata": body.get("metadata") or {},
+            "reasoning": body.get("reasoning") or {"effort": None, "summary": None}, "truncation": "disabled"}
+    return ResponsesRequest(answer, echo, conversation, bool(store))
+
+
+def _input(given: Any) -> list[Message]:
+    """A string (one user message), or items: messages, and the calls and their outputs of earlier turns."""
+    if isinstance(given, str):
+        return [Message("user", given)]
+    if not isinstance(given, list) or not given:
+        raise ApiError(400, "input must be a string or a non-empty list of items", param="input")
+    messages: list[Message] = []
+    names: dict[str, str] = {}
+    for index, item in enumerate(given):
+        where = f"input[{index}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and item.get("role") in ROLES:
+            messages.append(Message(ROLES[item["role"]], text_of(item.get("content"), where, "input", TEXT_PARTS)))
+        elif kind == "function_call":
+            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
+            if not all(isinstance(v, str) for v in (call_id, name, arguments)):
+                raise ApiError(400, f"{where}: a function_call has call_id, name and arguments", param="input")
+            names[call_id] = name
+            call = ToolCall(call_id, name, arguments)
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":  # the calls of one turn: one assistant message
+                messages[-1] = Message("assistant", last.content, tool_calls=(*last.tool_calls, call))
+            else:
+                messages.append(Message("assistant", "", tool_calls=(call,)))
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise ApiError(400, f"{where}: a function_call_output needs its call_id", param="input")
+            messages.append(Message("tool", text_of(output, where, "input", TEXT_PARTS), tool_call_id=call_id,
+                                    name=names.get(call_id)))
+        elif kind == "reasoning":
+            continue  # earlier reasoning is left out of the prompt
+        else:
+            raise ApiError(400, f"{where}: a {kind!r} item is not supported here", param="input")
+    return messages
+
+
+def _tools(tools: Any) -> Any:
+    if tools is None or not isinstance(tools, list):
+        return tools
+    for index, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise ApiError(400, f"tools[{index}]: only function tools are supported here (not {kind!r})",
+                           param="tools")
+    return [{"name": t.get("name"), "description": t.get("description") or "", "parameters": t.get("parameters")}
+            for t in tools]
+
+
+def _choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return choice.get("name")
+    return choice
+
+
+def _effort(reasoning: Any) -> bool | None:
+    if reasoning is None:
+        return None
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if effort is None:
+        return None
+    if effort not in ("none", "minimal", "low", "medium", "high"):
+        raise ApiError(400, "reasoning.effort must be none, minimal, low, medium or high", param="reasoning")
+    return bool(effort != "none")
+
+
+# -- replies ---------------------------------------------------------------------------------------------
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class _Output:
+    item: dict[str, Any]
+    text: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ResponsesReply:
+    model: str
+    request: ResponsesRequest
+    keep: Callable[[str, list[Message]], None]  # store a finished response's conversation under its id
+    id: str = field(default_factory=lambda: _id("resp"))
+    created: int = field(default_factory=lambda: int(time.time()))
+    sequence: int = 0
+    outputs: list[_Output] = field(default_factory=list)
+    open: _Output | None = None  # the output item being streamed
+
+    def error_body(self, error: ApiError) -> dict[str, Any]:
+        return error_body(error)
+
+    def _event(self, kind: str, **fields: Any) -> Item:
+        self.sequence += 1
+        return kind, {"type": kind, "sequence_number": self.sequence - 1, **fields}
+
+    def _response(self, status: str, done: Done | None) -> dict[str, Any]:
+        incomplete = INCOMPLETE.get(done.finish_reason) if done else None
+        usage = None
+        if done is not None:
+            stats = done.stats
+            usage = {"input_tokens": stats.prompt_tokens, "input_tokens_details": {"cached_tokens": stats.cached_tokens},
+                     "output_tokens": stats.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+                "incomplete_details": {"reason": incomplete} if incomplete else None, "model": self.model,
+                "output": [o.item for o in self.outputs], "usage": usage, **self.request.echo}
+
+    def opening(self) -> list[Item]:
+        response = self._response("in_progress", None)
+        return [self._event("response.created", response=response),
+                self._event("response.in_progress", response=response)]
+
+    def _add(self, item: dict[str, Any]) -> list[Item]:
+        items = self._finish_open()
+        self.open = _Output(item)
+        self.outputs.append(self.open)
+        items.append(self._event("response.output_item.added", output_index=len(self.outputs) - 1, item=item))
+        if item["type"] == "message":
+            items.append(self._event("response.content_part.added", item_id=item["id"], **self._where(),
+                                     part={"type": "output_text", "text": "", "annotations": []}))
+        return items
+
+    def _where(self) -> dict[str, int]:
+        return {"output_index": len(self.outputs) - 1, "content_index": 0}
+
+    def _finish_open(self) -> list[Item]:
+        output, self.open = self.open, None
+        if output is None:
+            return []
+        item, text = output.item, "".join(output.text)
+        where = self._where()
+        items: list[Item] = []
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": []}
+            item["content"] = [part]
+            items += [self._event("response.output_text.done", item_id=item["id"], **where, text=text),
+                      self._event("response.content_part.done", item_id=item["id"], **where, part=part)]
+        elif item["type"] == "reasoning":
+            item["content"] = [{"type": "reasoning_text", "text": text}]
+            items.append(self._event("response.reasoning_text.done", item_id=item["id"], **where, text=text))
+        else:
+            item["arguments"] = text
+            items.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                     output_index=where["output_index"], name=item["name"], arguments=text))
+        item["status"] = "completed"
+        return [*items, self._event("response.output_item.done", output_index=where["output_index"], item=item)]
+
+    def on_event(self, index: int, event: DecodeEvent) -> list[Item]:
+        if isinstance(event, Token):
+            kind = "reasoning" if event.reasoning else "message"
+            items = [] if self.open is not None and self.open.item["type"] == kind else self._add(
+                _reasoning_item([]) if event.reasoning else _message_item([], "in_progress"))
+            assert self.open is not None
+            self.open.text.append(event.text)
+            delta = "response.reasoning_text.delta" if event.reasoning else "response.output_text.delta"
+            return [*items, self._event(delta, item_id=self.open.item["id"], **self._where(), delta=event.text)]
+        if isinstance(event, CallStarted):
+            return self._add(_call_item(ToolCall(event.id, event.name, ""), "in_progress"))
+        if isinstance(event, CallArguments):
+            assert self.open is not None
+            self.open.text.append(event.text)
+            return [self._event("response.function_call_arguments.delta", item_id=self.open.item["id"],
+                                output_index=len(self.outputs) - 1, delta=event.text)]
+        items = self._finish_open()
+        self._kept(event)
+        status = "incomplete" if event.finish_reason in INCOMPLETE else "completed"
+        return [*items, self._event(f"response.{status}", response=self._response(status, event))]
+
+    def closing(self, dones: list[Done]) -> list[Item]:
+        return []
+
+    def failed(self, error: ApiError) -> list[Item]:
+        return [self._event("error", code=error.code or error.kind, message=error.message, param=error.param)]
+
+    def whole(self, dones: list[Done]) -> dict[str, Any]:
+        done = dones[0]
+        if done.reasoning:
+            self.outputs.append(_Output(_reasoning_item([{"type": "reasoning_text", "text": done.reasoning}])))
+        if done.text or not done.tool_calls:
+            self.outputs.append(_Output(_message_item([{"type": "output_text", "text": done.text, "annotations": []}])))
+        self.outputs += [_Output(_call_item(call)) for call in done.tool_calls]
+        self._kept(done)
+        return self._response("incomplete" if done.finish_reason in INCOMPLETE else "completed", done)
+
+    def _kept(self, done: Done) -> None:
+        if self.request.store:
+            self.keep(self.id, [*self.request.conversation,
+                                Message("assistant", done.text, tool_calls=tuple(done.tool_calls))])
+
+
+def _message_item(content: list[Any], status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": _id("msg"), "status": status, "role": "assistant", "content": content}
+
+
+def _reasoning_item(content: list[Any]) -> dict[str, Any]:
+    return {"type": "reasoning", "id": _id("rs"), "summary": [], "content": content}
+
+
+def _call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": _id("fc"), "call_id": call.id, "name": call.name,
+            "arguments": call.arguments, "status": status}
+
+

@@ -1,0 +1,349 @@
+"""`llmcli serve` speaks what local clients speak (issue 26): Ollama's API through the official `ollama` client,
+Anthropic Messages through the official `anthropic` client, OpenAI Responses, logprobs and completions lists through
+the official `openai` client — on the real SmolLM2, greedy (the server's --temp 0: Anthropic's SDK sends no
+temperature any more).
+
+Greedy text differs between CPUs: no test expects particular words. Each protocol's answer is compared with `llmcli
+run`'s, or with the same request through another protocol, on this machine; calls are forced by tool_choice or
+compared across protocols. Every request goes to 127.0.0.1 only; every loop is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+
+import httpx2
+import jsonschema
+import pytest
+from conftest import run_cli, start_server, stop_server
+
+KEY = "protocol-key"
+PROMPT = "Say hi."
+LONG_PROMPT = "Write a long story about a dragon who learns to bake bread."
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
+        "additionalProperties": False}
+WEATHER = {"name": "get_weather", "description": "The weather in a city.", "parameters": CITY}
+QUESTION = "What is the weather in Paris?"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    proc, url = start_server(tmp_path_factory.mktemp("protocols"), "-P", "4", "-c", "1024", "--temp", "0",
+                             "--api-key", KEY)
+    yield url
+    stop_server(proc)
+
+
+def run_json(*args: str) -> dict:
+    result = run_cli("run", "--json", "--temp", "0", "--no-prompt-cache", "-c", "1024", *args)
+    assert result.code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def ollama_client(url: str):
+    import ollama
+
+    return ollama.Client(host=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+
+
+def anthropic_client(url: str, key: str = KEY):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120)
+
+
+def openai_client(url: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def warm(url: str, **request) -> None:
+    """Answer a request once (one token), so that the two requests compared next both find its prompt in a slot's
+    cache: a prompt evaluated whole and one whose last token alone is evaluated differ in the last bits, and greedy
+    answers can part after a few dozen tokens."""
+    openai_client(url).chat.completions.create(model="smollm2", max_tokens=1, **request)
+
+
+# -- Ollama ----------------------------------------------------------------------------------------------------------
+
+
+def test_ollama_chat_generate_stream_format_list_show_ps(server):
+    import ollama
+
+    client = ollama_client(server)
+    (listed,) = client.list().models
+    assert listed.model == "smollm2:latest" and listed.details.format == "gguf" and listed.size > 0
+    assert listed.details.quantization_level == "Q4_1" and listed.details.family == "llama"
+    shown = client.show("smollm2")
+    assert {"completion", "tools", "embedding"} <= set(shown.capabilities)
+    assert shown.modelinfo["llama.context_length"] == 8192 and "{%" in shown.template
+    assert client.ps().models[0].context_length == 1024
+
+    expected = run_json("-n", "16", PROMPT)
+    whole = client.chat(model="smollm2", messages=[{"role": "user", "content": PROMPT}], options={"num_predict": 16})
+    assert whole.message.content == expected["text"]
+    assert whole.done_reason == "length" and whole.eval_count == 16 and whole.prompt_eval_count > 0
+    assert whole.total_duration >= whole.eval_duration > 0  # nanoseconds, from llmcli's timings
+    lines = list(client.chat(model="smollm2:latest", messages=[{"role": "user", "content": PROMPT}],
+                             options={"num_predict": 16}, stream=True))
+    assert "".join(line.message.content for line in lines) == expected["text"]
+    assert [line.done for line in lines] == [False] * (len(lines) - 1) + [True] and lines[-1].eval_count == 16
+
+    generated = client.generate(model="smollm2", prompt=PROMPT, options={"num_predict": 16})
+    assert generated.response == expected["text"]  # not raw: the chat template, as `run` applies it
+    raw = client.generate(model="smollm2", prompt="The capital of France is", raw=True, options={"num_predict": 8})
+    assert raw.response == run_json("--raw", "-n", "8", "The capital of France is")["text"]
+    assert client.generate(model="smollm2", prompt="").done_reason == "load"  # Ollama's way to load a model
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "legs": {"type": "integer"}}, "required": ["name", "legs"]}
+    shaped = client.chat(model="smollm2", messages=[{"role": "user", "content": "Describe a cat as JSON."}],
+                         format=schema, options={"num_predict": 60, "temperature": 0.8, "seed": 3})
+    jsonschema.validate(json.loads(shaped.message.content), schema)
+
+    with pytest.raises(ollama.ResponseError) as missing:
+        client.chat(model="llama3", messages=[{"role": "user", "content": PROMPT}])
+    assert missing.value.status_code == 404 and missing.value.error == "model 'llama3' not found"
+    headers = {"Authorization": f"Bearer {KEY}"}
+    image = httpx2.post(f"{server}/api/chat", headers=headers, json={
+        "model": "smollm2", "messages": [{"role": "user", "content": "What is this?", "images": ["aGk="]}]})
+    assert image.status_code == 400 and set(image.json()) == {"error"} and "images" in image.json()["error"]
+    unknown = httpx2.post(f"{server}/api/generate", headers=headers,
+                          json={"model": "smollm2", "prompt": "x", "options": {"temperature": "hot"}})
+    assert unknown.status_code == 400 and "temperature" in unknown.json()["error"]
+    assert httpx2.get(f"{server}/api/tags").status_code == 401  # the key guards Ollama's routes too
+    assert httpx2.get(f"{server}/api/version").json()["version"]
+
+
+def test_ollama_tools_answer_as_openai_s_and_embed_equals_llmcli_embed(server):
+    client, openai = ollama_client(server), openai_client(server)
+    # as the ollama client sends a tool (its model keeps type, description, enum and items of a property, in its order)
+    plain_city = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string", "description": "A city."}}}
+    tool = {"type": "function", "function": {**WEATHER, "parameters": plain_city}}
+    warm(server, messages=[{"role": "user", "content": QUESTION}], tools=[tool])
+    through_ollama = client.chat(model="smollm2", messages=[{"role": "user", "content": QUESTION}], tools=[tool],
+                                 options={"num_predict": 60})
+    through_openai = openai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+                                                    tools=[tool], max_tokens=60).choices[0].message
+    ollama_calls = [(c.function.name, dict(c.function.arguments)) for c in through_ollama.message.tool_calls or []]
+    openai_calls = [(c.function.name, json.loads(c.function.arguments)) for c in through_openai.tool_calls or []]
+    assert ollama_calls == openai_calls and (through_ollama.message.content or "") == (through_openai.content or "")
+    for _, arguments in ollama_calls:
+        jsonschema.validate(arguments, plain_city)
+
+    # a call and its result (Ollama names the tool, not the call) read as the model reads OpenAI's
+    call = {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    openai_messages = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0_0", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_0_0", "content": "Sunny, 21 C"}]
+    warm(server, messages=openai_messages, tools=[tool])
+    after_ollama = client.chat(model="smollm2", tools=[tool], options={"num_predict": 24}, messages=[
+        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "Sunny, 21 C", "tool_name": "get_weather"}])
+    after_openai = openai.chat.completions.create(model="smollm2", tools=[tool], max_tokens=24,
+                                                  messages=openai_messages)
+    assert after_ollama.message.content == after_openai.choices[0].message.content
+
+    texts = ["The lighthouse keeper climbed the stairs.", "A recipe for bread."]
+    local = [json.loads(line)["embedding"] for line in run_cli("embed", input="\n".join(texts) + "\n").stdout.splitlines()]
+    normalized = [json.loads(line)["embedding"] for line in
+                  run_cli("embed", "--normalize", input="\n".join(texts) + "\n").stdout.splitlines()]
+    embedded = client.embed(model="smollm2", input=texts)  # Ollama's /api/embed: unit vectors
+    assert embedded.prompt_eval_count > 0
+    for remote, mine in zip(embedded.embeddings, normalized, strict=True):
+        assert max(abs(a - b) for a, b in zip(remote, mine, strict=True)) < 1e-5
+    legacy = client.embeddings(model="smollm2", prompt=texts[0]).embedding  # the older /api/embeddings: as they are
+    assert max(abs(a - b) for a, b in zip(legacy, local[0], strict=True)) < 1e-5
+
+
+# -- Anthropic -------------------------------------------------------------------------------------------------------
+
+
+def test_anthropic_messages_whole_streamed_count_tokens_and_errors(server):
+    import anthropic
+
+    client = anthropic_client(server)  # the key as x-api-key, as Anthropic's clients send it
+    expected = run_json("-n", "16", "--system", "Answer briefly.", PROMPT)
+    message = client.messages.create(model="smollm2", max_tokens=16, system="Answer briefly.",
+                                     messages=[{"role": "user", "content": PROMPT}])
+    assert [block.type for block in message.content] == ["text"] and message.content[0].text == expected["text"]
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 16
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == expected["usage"]["prompt_tokens"]
+    counted = client.messages.count_tokens(model="smollm2", system="Answer briefly.",
+                                           messages=[{"role": "user", "content": PROMPT}])
+    assert counted.input_tokens == expected["usage"]["prompt_tokens"]
+
+    with client.messages.stream(model="smollm2", max_tokens=16, system="Answer briefly.",
+                                messages=[{"role": "user", "content": PROMPT}]) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert final.content[0].text == expected["text"] and final.stop_reason == "max_tokens"
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert kinds[1:kinds.index("content_block_start")] == []  # (the SDK does not surface pings)
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 1
+
+    stopped = client.messages.create(model="smollm2", max_tokens=16, stop_sequences=[expected["text"].split()[1]],
+                                     system="Answer briefly.", messages=[{"role": "user", "content": PROMPT}])
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == expected["text"].split()[1]
+
+    no_limit = httpx2.post(f"{server}/v1/messages", headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+                           json={"model": "smollm2", "messages": [{"role": "user", "content": PROMPT}]})
+    assert no_limit.status_code == 400 and no_limit.json() == {
+        "type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: Field required"}}
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-sonnet-4", max_tokens=8, messages=[{"role": "user", "content": PROMPT}])
+    with pytest.raises(anthropic.AuthenticationError) as denied:
+        anthropic_client(server, "wrong").messages.create(model="smollm2", max_tokens=8,
+                                                          messages=[{"role": "user", "content": PROMPT}])
+    assert denied.value.body["error"]["type"] == "authentication_error"
+
+
+def test_anthropic_tool_use_round_trip_streamed_and_not(server):
+    client, openai = anthropic_client(server), openai_client(server)
+    tool = {"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": CITY}
+    question = [{"role": "user", "content": QUESTION}]
+    message = client.messages.create(model="smollm2", max_tokens=60, messages=question, tools=[tool],
+                                     tool_choice={"type": "any"})
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and uses and uses[0].id.startswith("toolu_")
+    jsonschema.validate(uses[0].input, CITY)
+    with client.messages.stream(model="smollm2", max_tokens=60, messages=question, tools=[tool],
+                                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        streamed = stream.get_final_message()
+    assert [b.input for b in streamed.content if b.type == "tool_use"] == [uses[0].input]  # input_json_delta, joined
+
+    as_openai = [*question, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": uses[0].id, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(uses[0].input)}}]},
+        {"role": "tool", "tool_call_id": uses[0].id, "content": "Sunny, 21 C"}]
+    openai_tools = [{"type": "function", "function": WEATHER}]
+    warm(server, messages=as_openai, tools=openai_tools)
+    answer = client.messages.create(model="smollm2", max_tokens=24, tools=[tool], messages=[
+        *question, {"role": "assistant", "content": [u.model_dump(include={"type", "id", "name", "input"}) for u in uses]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "Sunny, 21 C"}]}])
+    same = openai.chat.completions.create(model="smollm2", max_tokens=24, tools=openai_tools, messages=as_openai)
+    assert "".join(b.text for b in answer.content if b.type == "text") == same.choices[0].message.content
+
+
+# -- OpenAI: Responses, logprobs, completions lists --------------------------------------------------------------------
+
+
+def test_openai_responses_whole_streamed_continued_and_with_tools(server):
+    import openai as openai_module
+
+    client = openai_client(server)
+    expected = run_json("-n", "16", PROMPT)
+    response = client.responses.create(model="smollm2", input=PROMPT, max_output_tokens=16)
+    assert response.output_text == expected["text"] and response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens" and response.usage.output_tokens == 16
+    events = list(client.responses.create(model="smollm2", input=PROMPT, max_output_tokens=16, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"] and kinds[-1] == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected["text"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+    history = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": response.output_text},
+               {"role": "user", "content": "Say it again."}]
+    warm(server, messages=history)
+    follow = client.responses.create(model="smollm2", input="Say it again.", previous_response_id=response.id,
+                                     max_output_tokens=12)
+    continued = client.chat.completions.create(model="smollm2", max_tokens=12, messages=history)
+    assert follow.output_text == continued.choices[0].message.content
+    with pytest.raises(openai_module.BadRequestError, match="is not kept here"):
+        client.responses.create(model="smollm2", input="x", previous_response_id="resp_unknown")
+
+    tool = {"type": "function", **WEATHER}
+    called = client.responses.create(model="smollm2", input=QUESTION, tools=[tool], tool_choice="required",
+                                     max_output_tokens=60)
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), CITY)
+    streamed = list(client.responses.create(model="smollm2", input=QUESTION, tools=[tool], tool_choice="required",
+                                            max_output_tokens=60, stream=True))
+    pieces = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
+    assert pieces == call.arguments and streamed[-1].response.output[-1].arguments == call.arguments
+    answered = client.responses.create(model="smollm2", tools=[tool], max_output_tokens=24, input=[
+        {"role": "user", "content": QUESTION},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}])
+    assert answered.status in ("completed", "incomplete") and answered.output_text
+    with pytest.raises(openai_module.BadRequestError, match="only function tools"):
+        client.responses.create(model="smollm2", input="x", tools=[{"type": "web_search"}])
+
+
+def test_logprobs_equal_run_s_and_completions_take_lists_and_token_ids(server):
+    client = openai_client(server)
+    local = run_json("-n", "6", "--logprobs", "3", PROMPT)
+    whole = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=6, logprobs=True, top_logprobs=3)
+    served = whole.choices[0].logprobs.content
+    assert [t.token for t in served] == [t["token"] for t in local["logprobs"]]
+    assert "".join(t.token for t in served) == whole.choices[0].message.content == local["text"]
+    for remote, mine in zip(served, local["logprobs"], strict=True):
+        assert abs(remote.logprob - mine["logprob"]) < 1e-3 and remote.bytes == mine["bytes"]
+        assert [t.token for t in remote.top_logprobs] == [t["token"] for t in mine["top_logprobs"]]
+        assert remote.logprob <= 0 and remote.top_logprobs[0].logprob >= remote.top_logprobs[-1].logprob
+    chunks = list(client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": PROMPT}],
+                                                 max_tokens=6, logprobs=True, top_logprobs=3, stream=True))
+    assert [t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content] == \
+        [t.token for t in served]
+
+    ids = json.loads(run_cli("tokenize", "--json", "The capital of France is").stdout)["ids"]
+    listed = client.completions.create(model="smollm2", prompt=["The capital of France is", ids], max_tokens=8,
+                                       logprobs=2)
+    assert [c.index for c in listed.choices] == [0, 1] and listed.choices[0].text == listed.choices[1].text
+    assert listed.choices[0].text == run_json("--raw", "-n", "8", "The capital of France is")["text"]
+    assert len(listed.choices[0].logprobs.tokens) == 8 and listed.usage.completion_tokens == 16
+    import openai as openai_module
+
+    with pytest.raises(openai_module.BadRequestError, match="token ids"):
+        client.completions.create(model="smollm2", prompt=[10**9], max_tokens=2)
+
+
+# -- every protocol at once ------------------------------------------------------------------------------------------
+
+
+def test_an_ollama_an_anthropic_and_an_openai_answer_share_the_slots(server):
+    """Three clients at once: the server's own count of steps that advanced three answers together grows, and the
+    three answers, each in its own slot, are the same (a neighbour never changes an answer)."""
+    ollama, anthropic, openai = ollama_client(server), anthropic_client(server), openai_client(server)
+    messages = [{"role": "user", "content": LONG_PROMPT}]
+
+    def through_ollama() -> str:
+        return "".join(c.message.content for c in ollama.chat(model="smollm2", messages=messages, stream=True,
+                                                              options={"num_predict": 64}))
+
+    def through_anthropic() -> str:
+        with anthropic.messages.stream(model="smollm2", max_tokens=64, messages=messages) as stream:
+            return stream.get_final_text()
+
+    def through_openai() -> str:
+        stream = openai.chat.completions.create(model="smollm2", messages=messages, max_tokens=64, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    before = httpx2.get(f"{server}/health").json()["steps_by_busy"].get("3", 0)
+    results: dict[str, str] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(3)
+
+    def one(name: str, ask) -> None:
+        try:
+            start.wait(timeout=30)
+            results[name] = ask()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=item) for item in
+               (("ollama", through_ollama), ("anthropic", through_anthropic), ("openai", through_openai))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+    after = httpx2.get(f"{server}/health").json()["steps_by_busy"].get("3", 0)
+    assert after > before  # steps in which all three answers advanced together
+    assert results["ollama"] == results["anthropic"] == results["openai"] != ""
