@@ -36,8 +36,6 @@ class ServerState:
     api_key: str | None = None
     thread: threading.Thread | None = field(default=None, repr=False)
     embeddings: Embeddings | None = None  # the model in embedding mode, loaded on first use
-    started: float = 0.0  # when the server started (time.time())
-    stored: dict[str, Any] = field(default_factory=dict)  # Responses kept for previous_response_id (bounded)
 
     @property
     def model(self) -> str:
@@ -84,15 +82,25 @@ async def read_body(request: Request, state: ServerState) -> Any:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
 
 
-async def answer(request: Request, state: ServerState, parse: Callable[[Any, Prompter], list[AnswerRequest]],
-                 reply: Callable[[list[AnswerRequest], list[Parsed]], Exchange], shape: ErrorShape,
+@dataclass(frozen=True)
+class Asked:
+    """What a request asks: its answers, and how to make the protocol's Exchange once they are prepared."""
+
+    requests: list[AnswerRequest]
+    reply: Callable[[list[Parsed]], Exchange]
+
+
+async def answer(request: Request, state: ServerState, parse: Callable[[Any], Asked | Any], shape: ErrorShape,
                  ndjson: bool = False) -> Response:
-    """Answer one request: `parse` its body into answer requests, `reply` makes the protocol's Exchange for them."""
+    """Answer one request: `parse` turns its body into what it asks (or into a whole response object, when it asks
+    nothing of the slots); its answers are prepared (templates, tokenizing: off the event loop) and submitted."""
     try:
         body = await read_body(request, state)
-        asked = await asyncio.to_thread(parse, body, state.prompter)
-        prepared = await asyncio.to_thread(lambda: [prepare(a, state.prompter) for a in asked])  # off the loop
-        return await respond(request, state, prepared, reply(asked, prepared), ndjson)
+        asked = await asyncio.to_thread(parse, body)
+        if not isinstance(asked, Asked):
+            return JSONResponse(asked)
+        prepared = await asyncio.to_thread(lambda: [prepare(a, state.prompter) for a in asked.requests])
+        return await respond(request, state, prepared, asked.reply(prepared), ndjson)
     except ApiError as error:
         return error_response(error, shape)
 

@@ -32,8 +32,8 @@ from starlette.routing import Route
 from llmcli.decode.serving import deliver_here
 from llmcli.errors import LlmcliError
 from llmcli.serve import anthropic_api, ollama_api, openai_api, responses_api
-from llmcli.serve.answer_request import ApiError, count_tokens, prepare
-from llmcli.serve.answering import ErrorShape, ServerState, answer, check_key, error_response, read_body, respond
+from llmcli.serve.answer_request import ApiError, count_tokens
+from llmcli.serve.answering import Asked, ErrorShape, ServerState, answer, check_key, error_response, read_body
 from llmcli.serve.model_facts import ModelFacts
 
 __all__ = ["ServerState", "create_app"]
@@ -71,22 +71,54 @@ def create_app(state: ServerState, facts: ModelFacts, cors: tuple[str, ...] = ()
         while len(kept) > responses_api.MAX_KEPT:
             kept.popitem(last=False)
 
-    model = state.model
+    model, prompter = state.model, state.prompter
+
+    def openai_answers(chat: bool) -> Callable[[Any], Asked]:
+        parse = openai_api.parse_chat if chat else openai_api.parse_completion
+
+        def asked(body: Any) -> Asked:
+            requests = parse(body, prompter)
+            return Asked(requests, lambda prepared: openai_api.Reply.new(chat, model, requests))
+
+        return asked
+
+    def responses(body: Any) -> Asked:
+        request = responses_api.parse_response_request(body, prompter, kept)
+        return Asked([request.answer], lambda prepared: responses_api.ResponsesReply(model, request, keep))
+
+    def messages(body: Any) -> Asked:
+        return Asked(anthropic_api.parse_messages(body, prompter),
+                     lambda prepared: anthropic_api.MessagesReply(model, len(prepared[0].tokens)))
+
+    def ollama_answers(chat: bool) -> Callable[[Any], Asked | dict[str, Any]]:
+        parse = ollama_api.parse_chat if chat else ollama_api.parse_generate
+
+        def asked(body: Any) -> Asked | dict[str, Any]:
+            requests = parse(body, prompter)
+            if ollama_api.loads_only(body, "messages" if chat else "prompt"):
+                return ollama_api.loaded_reply(chat, body["model"])
+            return Asked(requests, lambda prepared: ollama_api.OllamaReply(chat, body["model"], requests))
+
+        return asked
+
+    def handler(parse: Callable[[Any], Any], shape: ErrorShape = openai_api.error_body, ndjson: bool = False) -> Handler:
+        async def handle(request: Request) -> Response:
+            return await answer(request, state, parse, shape, ndjson)
+
+        return handle
+
     routes = [
         # OpenAI
-        Route("/v1/chat/completions", _answers(state, openai_api.parse_chat,
-                                               lambda asked, _: openai_api.Reply.new(True, model, asked)), methods=["POST"]),
-        Route("/v1/completions", _answers(state, openai_api.parse_completion,
-                                          lambda asked, _: openai_api.Reply.new(False, model, asked)), methods=["POST"]),
-        Route("/v1/responses", _responses(state, kept, keep), methods=["POST"]),
+        Route("/v1/chat/completions", handler(openai_answers(True)), methods=["POST"]),
+        Route("/v1/completions", handler(openai_answers(False)), methods=["POST"]),
+        Route("/v1/responses", handler(responses), methods=["POST"]),
         Route("/v1/embeddings", _openai_embeddings(state), methods=["POST"]),
         Route("/v1/models", _guarded(state, openai_api.error_body, lambda request: {
             "object": "list", "data": [_model_card(facts)]}), methods=["GET"]),
         Route("/v1/models/{name:path}", _guarded(state, openai_api.error_body, lambda request: _one_model(
             request, state, facts)), methods=["GET"]),
         # Anthropic
-        Route("/v1/messages", _answers(state, anthropic_api.parse_messages, lambda asked, prepared: (
-            anthropic_api.MessagesReply(model, len(prepared[0].tokens))), anthropic_api.error_body), methods=["POST"]),
+        Route("/v1/messages", handler(messages, anthropic_api.error_body), methods=["POST"]),
         Route("/v1/messages/count_tokens", _count_tokens(state), methods=["POST"]),
         # Ollama
         Route("/", lambda request: PlainTextResponse("llmcli is running (Ollama's API at /api, OpenAI's and "
@@ -97,8 +129,8 @@ def create_app(state: ServerState, facts: ModelFacts, cors: tuple[str, ...] = ()
         Route("/api/ps", _guarded(state, ollama_api.error_body, lambda request: ollama_api.running(facts)),
               methods=["GET"]),
         Route("/api/show", _ollama_show(state, facts), methods=["POST"]),
-        Route("/api/chat", _ollama_answers(state, True), methods=["POST"]),
-        Route("/api/generate", _ollama_answers(state, False), methods=["POST"]),
+        Route("/api/chat", handler(ollama_answers(True), ollama_api.error_body, ndjson=True), methods=["POST"]),
+        Route("/api/generate", handler(ollama_answers(False), ollama_api.error_body, ndjson=True), methods=["POST"]),
         Route("/api/embed", _ollama_embed(state, legacy=False), methods=["POST"]),
         Route("/api/embeddings", _ollama_embed(state, legacy=True), methods=["POST"]),
         Route("/health", lambda request: JSONResponse({"status": "ok", "model": model, **state.slots.status()}),
@@ -129,14 +161,6 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
                           _shape_of(request.url.path))
 
 
-def _answers(state: ServerState, parse: Any, reply: Any, shape: ErrorShape = openai_api.error_body,
-             ndjson: bool = False) -> Handler:
-    async def handle(request: Request) -> Response:
-        return await answer(request, state, parse, reply, shape, ndjson)
-
-    return handle
-
-
 def _guarded(state: ServerState, shape: ErrorShape, make: Callable[[Request], Any]) -> Handler:
     """A GET route whose object `make` builds, behind the key."""
     async def handle(request: Request) -> Response:
@@ -159,19 +183,6 @@ def _one_model(request: Request, state: ServerState, facts: ModelFacts) -> dict[
     return _model_card(facts)
 
 
-def _responses(state: ServerState, kept: Any, keep: Any) -> Handler:
-    async def handle(request: Request) -> Response:
-        try:
-            body = await read_body(request, state)
-            asked = await asyncio.to_thread(responses_api.parse_response_request, body, state.prompter, kept)
-            prepared = await asyncio.to_thread(prepare, asked.answer, state.prompter)
-            return await respond(request, state, [prepared], responses_api.ResponsesReply(state.model, asked, keep))
-        except ApiError as error:
-            return error_response(error, openai_api.error_body)
-
-    return handle
-
-
 def _count_tokens(state: ServerState) -> Handler:
     async def handle(request: Request) -> Response:
         try:
@@ -181,25 +192,6 @@ def _count_tokens(state: ServerState) -> Handler:
             return JSONResponse(anthropic_api.count_reply(n_tokens))
         except ApiError as error:
             return error_response(error, anthropic_api.error_body)
-
-    return handle
-
-
-def _ollama_answers(state: ServerState, chat: bool) -> Handler:
-    parse = ollama_api.parse_chat if chat else ollama_api.parse_generate
-
-    async def handle(request: Request) -> Response:
-        try:
-            body = await read_body(request, state)
-            if ollama_api.loads_only(body, "messages" if chat else "prompt"):
-                parse(body, state.prompter)  # still checked: the model's name
-                return JSONResponse(ollama_api.loaded_reply(chat, body["model"]))
-            asked = await asyncio.to_thread(parse, body, state.prompter)
-            prepared = await asyncio.to_thread(lambda: [prepare(a, state.prompter) for a in asked])
-            return await respond(request, state, prepared, ollama_api.OllamaReply(chat, body["model"], asked),
-                                 ndjson=True)
-        except ApiError as error:
-            return error_response(error, ollama_api.error_body)
 
     return handle
 
