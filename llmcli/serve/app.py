@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -183,27 +183,30 @@ def _one_model(request: Request, state: ServerState, facts: ModelFacts) -> dict[
     return _model_card(facts)
 
 
-def _count_tokens(state: ServerState) -> Handler:
+def _posted(state: ServerState, shape: ErrorShape, make: Callable[[Any], Awaitable[Any]]) -> Handler:
+    """A POST route whose whole reply `make` builds from the body (behind the key; errors in `shape`)."""
     async def handle(request: Request) -> Response:
         try:
-            body = await read_body(request, state)
-            (asked,) = anthropic_api.parse_messages(body, state.prompter, counting=True)
-            n_tokens = await asyncio.to_thread(count_tokens, asked, state.prompter)
-            return JSONResponse(anthropic_api.count_reply(n_tokens))
+            return JSONResponse(await make(await read_body(request, state)))
         except ApiError as error:
-            return error_response(error, anthropic_api.error_body)
+            return error_response(error, shape)
 
     return handle
+
+
+def _count_tokens(state: ServerState) -> Handler:
+    async def count(body: Any) -> Any:
+        (asked,) = anthropic_api.parse_messages(body, state.prompter, counting=True)
+        return anthropic_api.count_reply(await asyncio.to_thread(count_tokens, asked, state.prompter))
+
+    return _posted(state, anthropic_api.error_body, count)
 
 
 def _ollama_show(state: ServerState, facts: ModelFacts) -> Handler:
-    async def handle(request: Request) -> Response:
-        try:
-            return JSONResponse(ollama_api.show(await read_body(request, state), facts, state.prompter))
-        except ApiError as error:
-            return error_response(error, ollama_api.error_body)
+    async def show(body: Any) -> Any:
+        return ollama_api.show(body, facts, state.prompter)
 
-    return handle
+    return _posted(state, ollama_api.error_body, show)
 
 
 async def _embed(state: ServerState, texts: list[str], normalize: bool = False, truncate: bool = False) -> list[Any]:
@@ -216,27 +219,20 @@ async def _embed(state: ServerState, texts: list[str], normalize: bool = False, 
 
 
 def _openai_embeddings(state: ServerState) -> Handler:
-    async def handle(request: Request) -> Response:
-        try:
-            asked = openai_api.parse_embeddings(await read_body(request, state), state.prompter)
-            results = await _embed(state, asked.texts)
-            assert state.embeddings is not None
-            return JSONResponse(openai_api.embeddings_reply(asked, results, state.model, state.embeddings.dimensions))
-        except ApiError as error:
-            return error_response(error, openai_api.error_body)
+    async def embeddings(body: Any) -> Any:
+        asked = openai_api.parse_embeddings(body, state.prompter)
+        results = await _embed(state, asked.texts)
+        dimensions = state.embeddings.dimensions if state.embeddings is not None else 0
+        return openai_api.embeddings_reply(asked, results, state.model, dimensions)
 
-    return handle
+    return _posted(state, openai_api.error_body, embeddings)
 
 
 def _ollama_embed(state: ServerState, legacy: bool) -> Handler:
-    async def handle(request: Request) -> Response:
-        try:
-            body = await read_body(request, state)
-            texts, truncate = ollama_api.parse_embed(body, state.prompter, legacy)
-            started = time.perf_counter()
-            results = await _embed(state, texts, normalize=not legacy, truncate=truncate) if texts else []
-            return JSONResponse(ollama_api.embed_reply(body["model"], results, time.perf_counter() - started, legacy))
-        except ApiError as error:
-            return error_response(error, ollama_api.error_body)
+    async def embed(body: Any) -> Any:
+        texts, truncate = ollama_api.parse_embed(body, state.prompter, legacy)
+        started = time.perf_counter()
+        results = await _embed(state, texts, normalize=not legacy, truncate=truncate) if texts else []
+        return ollama_api.embed_reply(body["model"], results, time.perf_counter() - started, legacy)
 
-    return handle
+    return _posted(state, ollama_api.error_body, embed)
