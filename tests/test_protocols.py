@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx2
 import jsonschema
@@ -24,6 +25,7 @@ PROMPT = "Say hi."
 LONG_PROMPT = "Write a long story about a dragon who learns to bake bread."
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
         "additionalProperties": False}
+THINKING_TEMPLATE = Path(__file__).parent / "data" / "thinking-chatml.jinja"  # opens <think> for the model
 WEATHER = {"name": "get_weather", "description": "The weather in a city.", "parameters": CITY}
 QUESTION = "What is the weather in Paris?"
 
@@ -347,3 +349,33 @@ def test_an_ollama_an_anthropic_and_an_openai_answer_share_the_slots(server):
     after = httpx2.get(f"{server}/health").json()["steps_by_busy"].get("3", 0)
     assert after > before  # steps in which all three answers advanced together
     assert results["ollama"] == results["anthropic"] == results["openai"] != ""
+
+
+def test_thinking_comes_apart_in_every_protocol(tmp_path):
+    """A template that opens the think block (as Qwen3's does): what the model writes before `</think>` is each
+    protocol's thinking — Ollama's `thinking`, Anthropic's thinking block (and thinking_delta), a Responses reasoning
+    item, OpenAI's reasoning_content — the same text in each, and `run --json`'s `reasoning`."""
+    proc, url = start_server(tmp_path, "-c", "512", "--temp", "0", "--chat-template-file", str(THINKING_TEMPLATE))
+    try:
+        messages = [{"role": "user", "content": PROMPT}]
+        local = run_json("-n", "24", "--chat-template-file", str(THINKING_TEMPLATE), PROMPT)
+        assert local["reasoning"]  # (24 tokens: the block is still open, all of it is thinking)
+        import ollama
+
+        through_ollama = ollama.Client(host=url).chat(model="smollm2", messages=messages, options={"num_predict": 24})
+        client = anthropic_client(url)
+        message = client.messages.create(model="smollm2", max_tokens=24, messages=messages)
+        with client.messages.stream(model="smollm2", max_tokens=24, messages=messages) as stream:
+            deltas = "".join(e.delta.thinking for e in stream if e.type == "content_block_delta"
+                             and e.delta.type == "thinking_delta")
+        from openai import OpenAI
+
+        openai = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        response = openai.responses.create(model="smollm2", input=PROMPT, max_output_tokens=24)
+        chat = openai.chat.completions.create(model="smollm2", messages=messages, max_tokens=24).choices[0].message
+        thinking = [b.thinking for b in message.content if b.type == "thinking"]
+        reasoning = [c.text for item in response.output if item.type == "reasoning" for c in item.content]
+        assert through_ollama.message.thinking.strip() == local["reasoning"] == thinking[0] == reasoning[0].strip()
+        assert deltas.strip() == local["reasoning"] and chat.model_extra["reasoning_content"] == local["reasoning"]
+    finally:
+        stop_server(proc)

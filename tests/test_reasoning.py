@@ -7,6 +7,7 @@ models produce with a grammar, and a chat template opens the think block itself 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import run_cli, run_in_terminal
@@ -20,15 +21,7 @@ GREEDY = ("--temp", "0", "-n", "60")
 
 # A chat template that opens the think block for the model (Qwen3's convention), or closes it at once
 # with enable_thinking false.
-THINKING_TEMPLATE = """{% for message in messages %}<|im_start|>{{ message['role'] }}
-{{ message['content'] }}<|im_end|>
-{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and not enable_thinking %}<think>
-
-</think>
-
-{% else %}<think>
-{% endif %}{% endif %}"""
+THINKING_TEMPLATE = (Path(__file__).parent / "data" / "thinking-chatml.jinja").read_text()
 
 
 def split_whole(text: str, open_at_start: bool = False) -> tuple[str, str]:
