@@ -379,3 +379,41 @@ def test_thinking_comes_apart_in_every_protocol(tmp_path):
         assert deltas.strip() == local["reasoning"] and chat.model_extra["reasoning_content"] == local["reasoning"]
     finally:
         stop_server(proc)
+
+
+BAD_BODIES = [[], "text", 7, {}, {"model": 7}, b"{not json", b""]  # bad for every route
+ODD_BODIES = [{"model": "smollm2", "messages": "hi"}, {"model": "smollm2", "messages": [7]},  # bad for most
+              {"model": "smollm2", "messages": [{"role": "robot", "content": "x"}]},
+              {"model": "smollm2", "messages": [{"role": "user", "content": {"x": 1}}]},
+              {"model": "smollm2", "prompt": 7, "input": 7, "messages": [{"role": "user", "content": "x"}],
+               "max_tokens": -3, "options": [], "tools": "x"}]
+SHAPES = {"/v1/chat/completions": "openai", "/v1/completions": "openai", "/v1/responses": "openai",
+          "/v1/embeddings": "openai", "/v1/messages": "anthropic", "/v1/messages/count_tokens": "anthropic",
+          "/api/chat": "ollama", "/api/generate": "ollama", "/api/embed": "ollama", "/api/embeddings": "ollama",
+          "/api/show": "ollama"}
+
+
+def assert_shape(shape: str, error: dict, where: object) -> None:
+    if shape == "openai":
+        assert set(error) == {"error"} and isinstance(error["error"]["message"], str), (where, error)
+    elif shape == "anthropic":
+        assert error["type"] == "error" and set(error["error"]) == {"type", "message"}, (where, error)
+    else:
+        assert set(error) == {"error"} and isinstance(error["error"], str), (where, error)
+
+
+def test_bad_bodies_get_a_4xx_in_each_protocol_s_shape_never_a_500(server):
+    headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    for path, shape in SHAPES.items():
+        for body in [*BAD_BODIES, *ODD_BODIES]:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            reply = httpx2.post(f"{server}{path}", headers=headers, content=content, timeout=60)
+            assert reply.status_code < 500, (path, body, reply.text)
+            if body in BAD_BODIES:
+                assert 400 <= reply.status_code < 500, (path, body, reply.status_code, reply.text)
+            if reply.status_code >= 400:
+                assert_shape(shape, reply.json(), (path, body))
+    for path, shape in (("/api/nothing", "ollama"), ("/v1/messages/nothing", "anthropic"), ("/v1/nothing", "openai")):
+        missing = httpx2.get(f"{server}{path}", headers=headers)
+        assert missing.status_code == 404
+        assert_shape(shape, missing.json(), path)
