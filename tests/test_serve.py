@@ -164,22 +164,33 @@ def test_faults_get_the_right_status_and_the_server_keeps_serving(server):
     assert rss_kib(proc) - baseline < 100 * 1024  # back near its baseline (the KV cache was allocated at start)
 
 
-def test_a_full_queue_is_429_with_retry_after_and_sigterm_ends_a_stream_cleanly(tmp_path):
-    proc, url = start_server(tmp_path, "-P", "1", "--queue", "0", "-c", "256")
+def test_a_full_queue_is_429_with_retry_after_and_sigterm_ends_the_streams_cleanly(tmp_path):
+    """Two slots busy (an OpenAI stream, an Ollama stream), no queue: a third request is a 429 in its protocol's
+    shape. SIGTERM mid-answer: both answers end at once, each stream as its protocol ends one, and the server exits."""
+    proc, url = start_server(tmp_path, "-P", "2", "--queue", "0", "-c", "256")
     try:
         body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 200, "stream": True,
                 "logit_bias": {"0": -100, "1": -100, "2": -100}}  # no end of text: the slot stays busy
-        with httpx2.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as busy:
+        ollama_body = {"model": "smollm2", "messages": body["messages"], "options": {"num_predict": 200}}
+        with httpx2.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as busy, \
+                httpx2.stream("POST", f"{url}/api/chat", json=ollama_body, timeout=60) as ollama_busy:
             lines = busy.iter_lines()  # kept: a dropped iterator closes the stream (the client goes away)
-            next(line for line in lines if line.startswith("data:"))  # the only slot is answering
+            next(line for line in lines if line.startswith("data:"))  # both slots are answering
+            ollama_lines = ollama_busy.iter_lines()
+            assert json.loads(next(ollama_lines))["done"] is False
             refused = httpx2.post(f"{url}/v1/chat/completions", json=body, timeout=60)
             assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
             assert refused.json()["error"]["type"] == "rate_limit_error"
-            proc.send_signal(signal.SIGTERM)  # mid-answer: it is cancelled, and its stream still ends as one
+            refused = httpx2.post(f"{url}/api/chat", json=ollama_body, timeout=60)
+            assert refused.status_code == 429 and "busy" in refused.json()["error"]
+            proc.send_signal(signal.SIGTERM)  # mid-answer: they are cancelled, and their streams still end as streams
             rest = [line for line in lines if line.startswith("data:")]
+            ollama_rest = [json.loads(line) for line in ollama_lines if line]
         assert rest[-1] == "data: [DONE]"
         last = json.loads(rest[-2][5:])
         assert last["choices"][0]["finish_reason"] == "stop" and last["timings"]["finish_reason"] == "interrupted"
+        assert ollama_rest[-1]["done"] is True and ollama_rest[-1]["eval_count"] < 200
+        assert all(line["done"] is False for line in ollama_rest[:-1])
     finally:
         stop_server(proc)
 
