@@ -244,3 +244,33 @@ def test_no_cors_unless_asked(server):
     request = urllib.request.Request(f"{url}/health", headers={"Origin": "https://app.example"})
     with urllib.request.urlopen(request, timeout=10) as response:
         assert "access-control-allow-origin" not in {k.lower() for k in response.headers}
+
+
+def test_what_a_fault_trial_sent_is_a_400_naming_the_field_and_the_connection_stays_up(server):
+    """Issue 27's hardening cases: a lone surrogate (it crashed the tokenizer: a 500 in plain text and a dropped
+    connection), fields accepted and ignored, an integer called "a number", errors naming CLI flags or no field."""
+    url, _ = server
+    headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    hi = [{"role": "user", "content": "hi"}]
+    cases = [
+        (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', None, "surrogate"),
+        ({"messages": hi, "frobnicate": 1}, "frobnicate", "not a field"),
+        ({"messages": hi, "logit_bias": {str(10**9): 5}}, "logit_bias", "token ids"),
+        ({"messages": hi, "max_tokens": 4.5}, "max_tokens", "an integer"),
+        ({"messages": hi, "tools": "x"}, "tools", "list"),
+        ({"messages": hi, "audio": {"voice": "x"}}, "audio", "not supported"),
+        ({"messages": hi, "grammar": "root ::= ("}, "grammar", "grammar"),
+        ({"messages": hi, "response_format": {"type": "json_schema", "json_schema": {"schema": {
+            "type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, "response_format", "JSON Schema"),
+    ]
+    with httpx2.Client(headers=headers, timeout=60) as http:  # one connection, kept alive through every case
+        for body, param, words in cases:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            reply = http.post(f"{url}/v1/chat/completions", content=content)
+            assert reply.status_code == 400 and reply.headers["content-type"] == "application/json", reply.text
+            error = reply.json()["error"]
+            assert words in error["message"] and error["param"] == param, error
+            assert "--" not in error["message"], error  # no CLI flag named to an HTTP client
+        completion = http.post(f"{url}/v1/completions", json={"prompt": "hi", "echo": True, "max_tokens": 2})
+        assert completion.status_code == 400 and completion.json()["error"]["param"] == "echo"
+        assert http.post(f"{url}/v1/chat/completions", json={"messages": hi, "max_tokens": 2}).status_code == 200

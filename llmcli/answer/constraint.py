@@ -49,7 +49,7 @@ class Constraint:
         if error is None:
             return None
         where = "/".join(str(part) for part in error.absolute_path) or "the answer"
-        return f"the answer does not match the --json-schema at {where}: {error.message}"
+        return f"the answer does not match the {self.origin or '--json-schema'} at {where}: {error.message}"
 
 
 def build_constraint(

@@ -5,12 +5,11 @@ its body into an AnswerRequest and llmcli's events into its own wire format. No 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcli.answer.constraint import Constraint, build_constraint
+from llmcli.answer.constraint import Constraint
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.reasoning import opens_thinking
 from llmcli.answer.sampling_config import SamplingConfig
@@ -59,6 +58,7 @@ class Prompter:
     limits: Limits
     tool_format: str = "generic"  # how this model writes a call (its template's, or --tool-format)
     n_vocab: int = 0  # token ids a prompt may hold are below it
+    check_grammar: Callable[[str, str], None] = lambda gbnf, origin: None  # LlmcliError if llama.cpp refuses it
 
     def check_model(self, model: Any, message: Callable[[str], str] | None = None) -> None:
         """404 unless `model` (when given) names this server's model."""
@@ -112,6 +112,13 @@ def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
     max_tokens = max_tokens or min(room, values["max_tokens"] or limits.max_tokens, limits.max_tokens)
     stops = tuple(request.stops if request.stops is not None else values["stop"])
     constraint = request.constraint
+    try:
+        if constraint.grammar is not None and constraint.origin == "grammar":  # a request's own GBNF
+            prompter.check_grammar(constraint.grammar, "grammar")
+    except LlmcliError as exc:
+        raise ApiError(400, exc.message, param="grammar") from None
+    if any(not 0 <= token < prompter.n_vocab for token, _ in request.logit_bias):
+        raise ApiError(400, f"logit_bias: token ids are in [0, {prompter.n_vocab})", param="logit_bias")
     try:
         sampling = SamplingConfig.from_settings(values, logit_bias=request.logit_bias, grammar=constraint.grammar,
                                                 grammar_origin=constraint.origin)
@@ -186,23 +193,29 @@ def max_tokens_of(value: Any, param: str) -> int | None:
 
 
 def constraint_of(kind: str | None, schema: Any = None, grammar: Any = None, param: str = "response_format") -> Constraint:
-    """The answer's constraint: None/"text" (a GBNF `grammar`, or nothing), "json" (any JSON object) or "json_schema"."""
+    """The answer's constraint: None/"text" (a GBNF `grammar`, or nothing), "json" (any JSON object) or "json_schema";
+    its messages name the request's field (`param`), not a flag."""
     if grammar is not None and not isinstance(grammar, str):
         raise ApiError(400, "grammar must be a GBNF string", param="grammar")
     if kind in (None, "text"):
-        return with_grammar(build_constraint(grammar))
+        return Constraint(grammar, "grammar") if grammar else Constraint()
     if grammar is not None:
         raise ApiError(400, f"grammar and {param} cannot be combined", param="grammar")
+    if kind == "json":
+        return with_grammar(Constraint(None, param, json=True))
+    if kind != "json_schema":
+        raise ApiError(400, f"{param} is not a format this server knows", param=param)
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"{param}: the schema must be an object", param=param)
+    import jsonschema
+
     try:
-        if kind == "json":
-            return with_grammar(build_constraint(json_format=True))
-        if kind == "json_schema":
-            if not isinstance(schema, dict):
-                raise ApiError(400, f"{param}: the schema must be an object", param=param)
-            return with_grammar(build_constraint(json_schema=json.dumps(schema)))
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+        return with_grammar(Constraint(None, param, json=True, schema=schema))
+    except jsonschema.exceptions.SchemaError as exc:
+        raise ApiError(400, f"{param}: not a valid JSON Schema: {exc.message}", param=param) from None
     except LlmcliError as exc:
-        raise ApiError(400, f"{param}: {exc.message}", param=param) from None
-    raise ApiError(400, f"{param} is not a format this server knows", param=param)
+        raise ApiError(400, exc.message.replace("--json-schema", param), param=param) from None
 
 
 def tools_of(tools: Any, choice: Any, prompter: Prompter, parallel: Any = True, param: str = "tools") -> ToolSpec | None:
@@ -275,3 +288,13 @@ def text_of(content: Any, where: str, param: str = "messages",
 def count_tokens(request: AnswerRequest, prompter: Prompter) -> int:
     """The tokens the request's prompt has, as the model will read it (Anthropic's count_tokens)."""
     return len(_render(request, prompter).tokens)
+
+
+def check_fields(body: Mapping[str, Any], taken: frozenset[str], refused: Mapping[str, str] = {}) -> None:
+    """Every field a request gives is honoured, read and left on purpose (both in `taken`), or a 400 naming it:
+    `refused` says why a field of the protocol is not supported here; any other is unknown."""
+    for name, value in body.items():
+        if name in refused and value not in (None, False, [], {}):
+            raise ApiError(400, f"{name} is not supported here ({refused[name]})", param=name)
+        if name not in taken and name not in refused:
+            raise ApiError(400, f"{name} is not a field this route takes", param=name)

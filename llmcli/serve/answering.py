@@ -76,10 +76,17 @@ async def read_body(request: Request, state: ServerState) -> Any:
         chunks.append(chunk)
     if not chunks:
         raise ApiError(400, "the request needs a JSON body")
+    data = b"".join(chunks)
     try:
-        return json.loads(b"".join(chunks))
+        body = json.loads(data)
     except ValueError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    try:  # JSON may escape half of a UTF-16 pair ("\ud800"): no text holds one, and no tokenizer takes it
+        if b"\\ud" in data.lower():
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the request body holds a lone UTF-16 surrogate (like \\ud800): not Unicode text") from None
+    return body
 
 
 @dataclass(frozen=True)

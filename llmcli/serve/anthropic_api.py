@@ -25,6 +25,7 @@ from llmcli.serve.answer_request import (
     AnswerRequest,
     ApiError,
     Prompter,
+    check_fields,
     checked,
     constraint_of,
     max_tokens_of,
@@ -39,6 +40,13 @@ STOP_REASONS = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": 
                 "interrupted": "end_turn"}
 KINDS = {"server_error": "api_error"}  # llmcli's kind -> Anthropic's, where they differ
 SAMPLING = {"temperature": "temp", "top_k": "top_k", "top_p": "top_p"}
+# read and left on purpose: who asks, which tier or region, cache hints (every prompt is cached in the slots)
+LEFT = frozenset({"metadata", "service_tier", "inference_geo", "cache_control", "speed", "diagnostics",
+                  "workspace_id", "user_profile_id"})
+COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"}) | LEFT
+MESSAGE_FIELDS = COUNT_FIELDS | {"max_tokens", "stop_sequences", "stream", *SAMPLING}
+NOT_HERE = {"container": "no code execution", "mcp_servers": "give the tools themselves",
+            "context_management": "the conversation is sent whole"}
 
 
 def error_body(error: ApiError) -> dict[str, Any]:
@@ -50,6 +58,7 @@ def parse_messages(body: Any, prompter: Prompter, counting: bool = False) -> lis
     """A Messages body (`counting`: a count_tokens body, which has no max_tokens)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    check_fields(body, COUNT_FIELDS if counting else MESSAGE_FIELDS, NOT_HERE)
     prompter.check_model(body.get("model"), lambda name: f"model: {name} (this server has {prompter.model_names[0]})")
     if not counting and body.get("max_tokens") is None:
         raise ApiError(400, "max_tokens: Field required", param="max_tokens")

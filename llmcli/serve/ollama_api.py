@@ -24,6 +24,7 @@ from llmcli.serve.answer_request import (
     AnswerRequest,
     ApiError,
     Prompter,
+    check_fields,
     checked,
     constraint_of,
     stops_of,
@@ -43,6 +44,12 @@ OPTIONS = {"temperature": "temp", "top_k": "top_k", "top_p": "top_p", "min_p": "
 # options that choose how a model is loaded: the server loaded it already, so they are read and left
 LOAD_OPTIONS = frozenset({"num_ctx", "num_thread", "num_gpu", "main_gpu", "num_batch", "num_keep", "use_mmap", "use_mlock",
                           "low_vram", "numa", "vocab_only", "f16_kv", "logits_all", "penalize_newline", "tfs_z"})
+LEFT = frozenset({"keep_alive"})  # one model, always loaded
+CHAT_FIELDS = frozenset({"model", "messages", "tools", "format", "options", "stream", "think", "logprobs",
+                         "top_logprobs"}) | LEFT
+GENERATE_FIELDS = frozenset({"model", "prompt", "suffix", "images", "format", "options", "system", "template",
+                             "stream", "raw", "context", "think", "logprobs", "top_logprobs"}) | LEFT
+EMBED_FIELDS = frozenset({"model", "input", "prompt", "truncate", "options", "dimensions"}) | LEFT
 DONE_REASONS = {"stop": "stop", "stop_sequence": "stop", "tool_calls": "stop", "repetition": "stop",
                 "interrupted": "stop", "length": "length", "context_full": "length"}
 
@@ -68,6 +75,7 @@ def loads_only(body: Any, key: str) -> bool:
 
 def parse_chat(body: Any, prompter: Prompter) -> list[AnswerRequest]:
     body = _model(body, prompter)
+    check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise ApiError(400, "messages must be a list")
@@ -79,6 +87,7 @@ def parse_chat(body: Any, prompter: Prompter) -> list[AnswerRequest]:
 
 def parse_generate(body: Any, prompter: Prompter) -> list[AnswerRequest]:
     body = _model(body, prompter)
+    check_fields(body, GENERATE_FIELDS)
     prompt = body.get("prompt") or ""
     if not isinstance(prompt, str):
         raise ApiError(400, "prompt must be a string")
@@ -281,6 +290,8 @@ def running(facts: ModelFacts) -> dict[str, Any]:
 
 
 def show(body: Any, facts: ModelFacts, prompter: Prompter) -> dict[str, Any]:
+    if isinstance(body, dict) and "name" in body:  # older clients name the model `name`
+        body = {"model": body["name"], **body}
     _model(body, prompter)
     info = {**facts.metadata, "general.architecture": facts.architecture, "general.parameter_count": facts.parameters}
     defaults = prompter.defaults
@@ -296,6 +307,7 @@ def parse_embed(body: Any, prompter: Prompter, legacy: bool) -> tuple[list[str],
     """/api/embed (`input`: a string or strings; `truncate`, default true) or the older /api/embeddings (`prompt`):
     the texts, and whether a text too long is cut to fit."""
     body = _model(body, prompter)
+    check_fields(body, EMBED_FIELDS)
     given = body.get("prompt" if legacy else "input")
     texts = [given] if isinstance(given, str) else given
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts) or (not texts and legacy):

@@ -19,6 +19,7 @@ from llmcli.serve.answer_request import (
     AnswerRequest,
     ApiError,
     Prompter,
+    check_fields,
     constraint_of,
     count_of,
     logit_bias_of,
@@ -35,6 +36,17 @@ from llmcli.serve.wire import Item
 FIELDS = {wire: name for name, wire in WIRE_FIELDS.items()}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_PROMPTS = 16  # /v1/completions: prompts in one request (each takes a slot)
+# Fields that change nothing here, read and left on purpose: who asks, what to store, which tier, caching hints
+# (this server caches every prompt in its slots).
+LEFT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "cache_prompt"})
+SHARED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "stop", "logit_bias", "logprobs", "seed",
+                    "grammar", "response_format", *FIELDS}) | LEFT
+CHAT_FIELDS = SHARED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                        "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort"}
+COMPLETION_FIELDS = SHARED | {"prompt", "echo", "suffix", "best_of"}
+NOT_HERE = {"audio": "text only", "modalities": "text only", "prediction": "no predicted outputs",
+            "web_search_options": "no web search", "functions": "use tools", "function_call": "use tool_choice",
+            "verbosity": "no verbosity control"}
 # finish reasons as OpenAI clients know them (llmcli's own is in `timings.finish_reason`)
 FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "context_full": "length",
           "repetition": "stop", "interrupted": "stop", "tool_calls": "tool_calls"}
@@ -47,6 +59,7 @@ def error_body(error: ApiError) -> dict[str, Any]:
 def parse_chat(body: Any, prompter: Prompter) -> list[AnswerRequest]:
     """A chat completions body -> one AnswerRequest; ApiError (400, 404) on anything invalid."""
     body = _common(body, prompter)
+    check_fields(body, CHAT_FIELDS, NOT_HERE)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
@@ -55,6 +68,11 @@ def parse_chat(body: Any, prompter: Prompter) -> list[AnswerRequest]:
     if not isinstance(kwargs, dict) or not isinstance(think, (bool, type(None))):
         raise ApiError(400, "chat_template_kwargs must be an object; its enable_thinking true or false",
                        param="chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in ("none", "minimal", "low", "medium", "high"):
+            raise ApiError(400, "reasoning_effort must be none, minimal, low, medium or high", param="reasoning_effort")
+        think = effort != "none" if think is None else think
     tools = tools_of(body.get("tools"), body.get("tool_choice"), prompter, body.get("parallel_tool_calls", True))
     if tools is not None and tools.active and (body.get("grammar") is not None or body.get("response_format") not in (
             None, "text", {"type": "text"})):
@@ -67,6 +85,9 @@ def parse_chat(body: Any, prompter: Prompter) -> list[AnswerRequest]:
 def parse_completion(body: Any, prompter: Prompter) -> list[AnswerRequest]:
     """A completions body -> one AnswerRequest per prompt (a string, token ids, or a list of either)."""
     body = _common(body, prompter)
+    check_fields(body, COMPLETION_FIELDS, NOT_HERE)
+    if body.get("best_of", 1) != 1:
+        raise ApiError(400, "best_of must be 1: one answer per prompt", param="best_of")
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
         prompts: list[Any] = [prompt]

@@ -26,6 +26,7 @@ from llmcli.serve.answer_request import (
     AnswerRequest,
     ApiError,
     Prompter,
+    check_fields,
     checked,
     constraint_of,
     max_tokens_of,
@@ -38,6 +39,13 @@ from llmcli.serve.wire import Item
 MAX_KEPT = 256  # responses kept for previous_response_id
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
+LEFT = frozenset({"metadata", "user", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options"})
+FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
+                    "temperature", "top_p", "stream", "store", "previous_response_id", "text", "reasoning",
+                    "truncation"}) | LEFT
+NOT_HERE = {"include": "no extra output", "background": "answers are not run in the background",
+            "max_tool_calls": "tool calls are the client's to run", "top_logprobs": "logprobs: use /v1/chat/completions",
+            "conversation": "use previous_response_id or send the input", "prompt": "no stored prompts"}
 INCOMPLETE = {"length": "max_output_tokens", "context_full": "max_output_tokens"}
 
 
@@ -52,6 +60,9 @@ class ResponsesRequest:
 def parse_response_request(body: Any, prompter: Prompter, kept: Mapping[str, list[Message]]) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    check_fields(body, FIELDS, NOT_HERE)
+    if body.get("truncation", "disabled") != "disabled":
+        raise ApiError(400, "truncation must be disabled: a prompt that does not fit is a 400", param="truncation")
     prompter.check_model(body.get("model"))
     earlier: list[Message] = []
     previous = body.get("previous_response_id")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.answer.tool_calls import ToolSpec
 from llmcli.chat.answerer import with_system
 from llmcli.chat.chat_template import Message
@@ -31,9 +32,12 @@ def open_server(request: Request, parallel: int, queue: int, max_body: int, max_
 
     names = tuple(dict.fromkeys((pipeline.model.name, engine.path.stem, engine.path.name)))
     limits = Limits(engine.n_ctx, min(max_answer, engine.n_ctx), max_body, pipeline.generation.max_draft)
+    def check_grammar(gbnf: str, origin: str) -> None:  # llama.cpp's parser, on the vocabulary alone
+        engine.sampler(SamplingConfig(temp=0, grammar=gbnf, grammar_origin=origin), 0).close()
+
     prompter = Prompter(render_chat, lambda text: engine.vocab.tokenize(text, add_special=True), names,
                         dict(pipeline.settings.values), limits, session.tool_format(pipeline.settings["tool_format"]),
-                        engine.vocab.n_tokens)
+                        engine.vocab.n_tokens, check_grammar)
     thinks = any(name in (session.template_source or "") for name in thinking_variables(True))
     facts = read_facts(names[0], engine.path, engine.n_ctx, session.template_source or "",
                        ("completion", "tools", "embedding", *(("thinking",) if thinks else ())))
