@@ -166,8 +166,9 @@ def test_faults_get_the_right_status_and_the_server_keeps_serving(server):
 
 def test_a_full_queue_is_429_with_retry_after_and_sigterm_ends_the_streams_cleanly(tmp_path):
     """Two slots busy (an OpenAI stream, an Ollama stream), no queue: a third request is a 429 in its protocol's
-    shape. SIGTERM mid-answer: both answers end at once, each stream as its protocol ends one, and the server exits."""
-    proc, url = start_server(tmp_path, "-P", "2", "--queue", "0", "-c", "256")
+    shape. SIGTERM mid-answer with no grace: both answers are cut at once, each stream ends as its protocol ends one,
+    with a finish reason that says it was cut, and the server exits."""
+    proc, url = start_server(tmp_path, "-P", "2", "--queue", "0", "-c", "256", "--shutdown-grace", "0")
     try:
         body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 200, "stream": True,
                 "logit_bias": {"0": -100, "1": -100, "2": -100}}  # no end of text: the slot stays busy
@@ -188,8 +189,9 @@ def test_a_full_queue_is_429_with_retry_after_and_sigterm_ends_the_streams_clean
             ollama_rest = [json.loads(line) for line in ollama_lines if line]
         assert rest[-1] == "data: [DONE]"
         last = json.loads(rest[-2][5:])
-        assert last["choices"][0]["finish_reason"] == "stop" and last["timings"]["finish_reason"] == "interrupted"
-        assert ollama_rest[-1]["done"] is True and ollama_rest[-1]["eval_count"] < 200
+        assert last["choices"][0]["finish_reason"] == "abort" and last["timings"]["finish_reason"] == "interrupted"
+        assert ollama_rest[-1]["done"] is True and ollama_rest[-1]["done_reason"] == "abort"
+        assert ollama_rest[-1]["eval_count"] < 200
         assert all(line["done"] is False for line in ollama_rest[:-1])
     finally:
         stop_server(proc)
@@ -274,3 +276,79 @@ def test_what_a_fault_trial_sent_is_a_400_naming_the_field_and_the_connection_st
         completion = http.post(f"{url}/v1/completions", json={"prompt": "hi", "echo": True, "max_tokens": 2})
         assert completion.status_code == 400 and completion.json()["error"]["param"] == "echo"
         assert http.post(f"{url}/v1/chat/completions", json={"messages": hi, "max_tokens": 2}).status_code == 200
+
+
+def test_sigterm_lets_the_answers_in_flight_finish_within_the_grace(tmp_path):
+    """A whole (not streamed) answer and a stream in flight when SIGTERM comes: both finish, complete, within
+    --shutdown-grace; the server exits with 143 and no traceback (stop_server checks its log)."""
+    proc, url = start_server(tmp_path, "-P", "2", "-c", "256", "--shutdown-grace", "60")
+    body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 48,
+            "logit_bias": {"0": -100, "1": -100, "2": -100}}  # no end of text: exactly 48 tokens
+    replies: dict[str, object] = {}
+
+    def whole() -> None:
+        replies["whole"] = httpx2.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+
+    try:
+        with httpx2.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            thread = threading.Thread(target=whole)
+            thread.start()
+            deadline = time.monotonic() + 30
+            while httpx2.get(f"{url}/health").json()["busy"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        thread.join(timeout=120)
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == "length"
+        assert replies["whole"]["choices"][0]["finish_reason"] == "length"
+        assert replies["whole"]["usage"]["completion_tokens"] == 48
+        assert proc.wait(timeout=60) == 143
+    finally:
+        stop_server(proc)
+
+
+def test_slow_and_idle_connections_are_closed_and_their_number_is_capped(tmp_path):
+    """A slowloris (a header byte at a time), a connection that never sends, a body that never ends: each is closed
+    (or a 408) after --header-timeout; beyond --max-connections, connections are closed as they open."""
+    import socket
+
+    proc, url = start_server(tmp_path, "-c", "256", "--header-timeout", "1", "--max-connections", "4")
+    port = int(url.rsplit(":", 1)[1])
+
+    def closed_within(sock: socket.socket, seconds: float, drip: bytes = b"") -> bool:
+        """Whether the server closes `sock` within `seconds` (sending `drip` a byte at a time meanwhile)."""
+        sock.settimeout(0.25)
+        deadline, sent = time.monotonic() + seconds, 0
+        while time.monotonic() < deadline:
+            try:
+                if sent < len(drip):
+                    sock.sendall(drip[sent:sent + 1])
+                    sent += 1
+                if sock.recv(4096) == b"":
+                    return True
+            except TimeoutError:
+                continue
+            except OSError:  # reset by the server
+                return True
+        return False
+
+    try:
+        slowloris = socket.create_connection(("127.0.0.1", port))
+        assert closed_within(slowloris, 8, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 60)
+        idle = socket.create_connection(("127.0.0.1", port))
+        assert closed_within(idle, 8)
+        slow_body = socket.create_connection(("127.0.0.1", port))
+        slow_body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"messages\":")
+        slow_body.settimeout(8)
+        assert slow_body.recv(4096).startswith(b"HTTP/1.1 408")
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
+        dropped = sum(closed_within(sock, 0.5) for sock in held)
+        assert dropped >= 4  # the cap: every connection past the fourth is closed at once
+        for sock in [slowloris, idle, slow_body, *held]:
+            sock.close()
+        assert httpx2.get(f"{url}/health", timeout=10).json()["status"] == "ok"  # and the server serves on
+    finally:
+        stop_server(proc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import threading
 from typing import Annotated, Any, Optional
 
 import typer
@@ -33,6 +34,14 @@ MaxBodyOpt = Annotated[int, typer.Option("--max-body", min=1024, help="Largest r
                                          rich_help_panel=_SERVER)]
 MaxAnswerOpt = Annotated[int, typer.Option("--max-answer", min=1, help="The most tokens a request may ask for.",
                                            rich_help_panel=_SERVER)]
+GraceOpt = Annotated[float, typer.Option(
+    "--shutdown-grace", min=0, rich_help_panel=_SERVER, help="On SIGTERM or Ctrl-C: seconds the answers in flight have "
+    "to finish; then they are cut (finish reason abort).")]
+HeaderTimeoutOpt = Annotated[float, typer.Option(
+    "--header-timeout", min=0.1, rich_help_panel=_SERVER,
+    help="Seconds a connection has to send a request's headers (and a request its body); then it is closed.")]
+MaxConnectionsOpt = Annotated[int, typer.Option("--max-connections", min=1, rich_help_panel=_SERVER,
+                                                help="Open connections at most; more are closed as they open.")]
 CorsOpt = Annotated[Optional[list[str]], typer.Option(
     "--cors", help="Let web pages from this origin (https://app.example) call the server from a browser. Repeatable; "
     "off by default.", show_default=False, rich_help_panel=_SERVER)]
@@ -50,6 +59,9 @@ def serve(
     max_answer: MaxAnswerOpt = 4096,
     api_key: ServeKeyOpt = None,
     cors: CorsOpt = None,
+    shutdown_grace: GraceOpt = 10.0,
+    header_timeout: HeaderTimeoutOpt = 10.0,
+    max_connections: MaxConnectionsOpt = 512,
     **given: Any,
 ) -> None:
     """Serve the model over HTTP, in the protocols local clients speak: OpenAI's (/v1/chat/completions,
@@ -67,6 +79,7 @@ def serve(
         import uvicorn
 
         from llmcli.serve.app import ServerState, create_app
+        from llmcli.serve.connections import guarded
     except ImportError as exc:
         from llmcli.install_hint import install_hint
 
@@ -87,15 +100,22 @@ def serve(
         for origin in cors or ():
             if origin != "*" and not origin.startswith(("http://", "https://")):
                 raise UsageError(f"--cors {origin!r} is not an origin", hint="e.g. --cors https://app.example")
-        app = create_app(ServerState(slots, prompter, api_key, embeddings=Embeddings(request)), facts,
-                         tuple(cors or ()))
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30,
-                                lifespan="on")
+        state = ServerState(slots, prompter, api_key, embeddings=Embeddings(request), shutdown_grace=shutdown_grace,
+                            body_timeout=header_timeout)
+        app = create_app(state, facts, tuple(cors or ()))
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                http=guarded(header_timeout, max_connections),
+                                timeout_graceful_shutdown=int(shutdown_grace) + 5)  # (the cut answers' ends go out)
         server = uvicorn.Server(config)
         stop = server.handle_exit
 
-        def handle_exit(sig: int, frame: Any) -> None:  # SIGTERM, Ctrl-C: every answer ends now, streams as they end
-            slots.cancel_all()
+        def handle_exit(sig: int, frame: Any) -> None:  # SIGTERM, Ctrl-C: the answers in flight have the grace
+            if not server.should_exit:
+                cut = threading.Timer(shutdown_grace, slots.cancel_all)
+                cut.daemon = True  # the answers done sooner, the process need not wait for it
+                cut.start()
+            else:  # a second signal: now
+                slots.cancel_all()
             stop(sig, frame)
 
         server.handle_exit = handle_exit  # type: ignore[method-assign]

@@ -25,7 +25,7 @@ from llmcli.serve.setup import Embeddings
 from llmcli.serve.wire import Exchange, Item
 
 RETRY_AFTER_S = 1
-SHUTDOWN_GRACE_S = 5.0  # SIGTERM: how long a cancelled stream has to send its end before it is cut
+SHUTDOWN_GRACE_S = 5.0  # SIGTERM: after the server's grace, how long a cut stream has to send its end
 DISCONNECT_POLL_S = 0.5  # a whole answer: how often the client is checked for having gone away
 
 
@@ -36,6 +36,8 @@ class ServerState:
     api_key: str | None = None
     thread: threading.Thread | None = field(default=None, repr=False)
     embeddings: Embeddings | None = None  # the model in embedding mode, loaded on first use
+    shutdown_grace: float = 10.0  # SIGTERM: what the answers in flight have to finish (then they are cut)
+    body_timeout: float = 10.0  # a request's body must arrive within it (408)
 
     @property
     def model(self) -> str:
@@ -68,15 +70,22 @@ async def read_body(request: Request, state: ServerState) -> Any:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is larger than {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body is larger than {limit} bytes")
-        chunks.append(chunk)
-    if not chunks:
+
+    async def whole_body() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is larger than {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        data = await asyncio.wait_for(whole_body(), state.body_timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {state.body_timeout:g} s") from None
+    if not data:
         raise ApiError(400, "the request needs a JSON body")
-    data = b"".join(chunks)
     try:
         body = json.loads(data)
     except ValueError as exc:
@@ -133,9 +142,10 @@ async def respond(request: Request, state: ServerState, prepared: list[Parsed], 
     items = _stream(events, jobs, exchange)
     if ndjson:
         return StreamingResponse(_ndjson(items), media_type="application/x-ndjson")
-    shutdown = anyio.Event()  # set by sse-starlette on SIGTERM: the answers are cancelled and the stream ends cleanly
-    return EventSourceResponse(_sse(items, jobs, shutdown), ping=15, send_timeout=30, shutdown_event=shutdown,
-                               shutdown_grace_period=SHUTDOWN_GRACE_S)
+    # On SIGTERM sse-starlette waits `shutdown_grace_period` for the stream to end by itself before it cuts it: the
+    # answer has the server's grace to finish, and then (cut by `cancel_all`) a moment to send its end.
+    return EventSourceResponse(_sse(items), ping=15, send_timeout=30, shutdown_event=anyio.Event(),
+                               shutdown_grace_period=state.shutdown_grace + SHUTDOWN_GRACE_S)
 
 
 async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job],
@@ -164,20 +174,12 @@ async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job
             job.cancelled.set()  # a no-op once the answer is done
 
 
-async def _sse(items: AsyncGenerator[Item, None], jobs: list[Job],
-               shutdown: anyio.Event) -> AsyncIterator[ServerSentEvent]:
-    async def cancel_on_shutdown() -> None:
-        await shutdown.wait()
-        for job in jobs:
-            job.cancelled.set()
-
-    watcher = asyncio.ensure_future(cancel_on_shutdown())
+async def _sse(items: AsyncGenerator[Item, None]) -> AsyncIterator[ServerSentEvent]:
     try:
         async for name, data in items:
             text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
             yield ServerSentEvent(data=text, event=name)
     finally:
-        watcher.cancel()
         await items.aclose()  # the client gone: its answers are cancelled now, not when the generator is collected
 
 

@@ -37,7 +37,7 @@ from llmcli.serve.wire import Item
 
 STOP_REASONS = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens",
                 "context_full": "max_tokens", "tool_calls": "tool_use", "repetition": "end_turn",
-                "interrupted": "end_turn"}
+                "interrupted": "pause_turn"}  # cut before its end: Anthropic's word for a turn to send back and resume
 KINDS = {"server_error": "api_error"}  # llmcli's kind -> Anthropic's, where they differ
 SAMPLING = {"temperature": "temp", "top_k": "top_k", "top_p": "top_p"}
 # read and left on purpose: who asks, which tier or region, cache hints (every prompt is cached in the slots)

@@ -51,7 +51,7 @@ GENERATE_FIELDS = frozenset({"model", "prompt", "suffix", "images", "format", "o
                              "stream", "raw", "context", "think", "logprobs", "top_logprobs"}) | LEFT
 EMBED_FIELDS = frozenset({"model", "input", "prompt", "truncate", "options", "dimensions"}) | LEFT
 DONE_REASONS = {"stop": "stop", "stop_sequence": "stop", "tool_calls": "stop", "repetition": "stop",
-                "interrupted": "stop", "length": "length", "context_full": "length"}
+                "interrupted": "abort", "length": "length", "context_full": "length"}
 
 
 def error_body(error: ApiError) -> dict[str, Any]:

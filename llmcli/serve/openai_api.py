@@ -49,7 +49,7 @@ NOT_HERE = {"audio": "text only", "modalities": "text only", "prediction": "no p
             "verbosity": "no verbosity control"}
 # finish reasons as OpenAI clients know them (llmcli's own is in `timings.finish_reason`)
 FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "context_full": "length",
-          "repetition": "stop", "interrupted": "stop", "tool_calls": "tool_calls"}
+          "repetition": "stop", "interrupted": "abort", "tool_calls": "tool_calls"}  # abort: cut (vLLM's word)
 
 
 def error_body(error: ApiError) -> dict[str, Any]:

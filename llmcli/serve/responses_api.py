@@ -46,7 +46,7 @@ FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice", "p
 NOT_HERE = {"include": "no extra output", "background": "answers are not run in the background",
             "max_tool_calls": "tool calls are the client's to run", "top_logprobs": "logprobs: use /v1/chat/completions",
             "conversation": "use previous_response_id or send the input", "prompt": "no stored prompts"}
-INCOMPLETE = {"length": "max_output_tokens", "context_full": "max_output_tokens"}
+INCOMPLETE = {"length": "max_output_tokens", "context_full": "max_output_tokens", "interrupted": "interrupted"}
 
 
 @dataclass(frozen=True)
