@@ -42,6 +42,15 @@ HeaderTimeoutOpt = Annotated[float, typer.Option(
     help="Seconds a connection has to send a request's headers (and a request its body); then it is closed.")]
 MaxConnectionsOpt = Annotated[int, typer.Option("--max-connections", min=1, rich_help_panel=_SERVER,
                                                 help="Open connections at most; more are closed as they open.")]
+MaxModelsOpt = Annotated[int, typer.Option(
+    "--max-models", min=1, rich_help_panel=_SERVER,
+    help="Models loaded at once; the least recently used idle one is unloaded to load another.")]
+KeepAliveOpt = Annotated[str, typer.Option(
+    "--keep-alive", rich_help_panel=_SERVER, help="How long a model a request loaded stays loaded after its last "
+    "request: 30s, 5m, 1h, 0 (unload at once), -1 (never). The -m model never expires.")]
+AllowPullOpt = Annotated[bool, typer.Option(
+    "--allow-pull", rich_help_panel=_SERVER,
+    help="A request may name a Hub model not downloaded yet (it is downloaded); else only models here.")]
 CorsOpt = Annotated[Optional[list[str]], typer.Option(
     "--cors", help="Let web pages from this origin (https://app.example) call the server from a browser. Repeatable; "
     "off by default.", show_default=False, rich_help_panel=_SERVER)]
@@ -62,14 +71,19 @@ def serve(
     shutdown_grace: GraceOpt = 10.0,
     header_timeout: HeaderTimeoutOpt = 10.0,
     max_connections: MaxConnectionsOpt = 512,
+    max_models: MaxModelsOpt = 3,
+    keep_alive: KeepAliveOpt = "5m",
+    allow_pull: AllowPullOpt = False,
     **given: Any,
 ) -> None:
     """Serve the model over HTTP, in the protocols local clients speak: OpenAI's (/v1/chat/completions,
     /v1/completions, /v1/responses, /v1/embeddings, /v1/models), Anthropic's (/v1/messages) and Ollama's (/api/chat,
     /api/generate, /api/embed, /api/tags, /api/show, …); /health.
 
-    The settings (temperature, -n, stop sequences, …) are the defaults of requests that do not say otherwise;
-    --api-key (or $LLMCLI_API_KEY) is the key every request must bring.
+    -m is the model of requests that name none, loaded at start; a request may name any other model `-m` takes
+    (loaded on first use, kept --keep-alive, at most --max-models at once). The settings (temperature, -n, stop
+    sequences, …) are the defaults of requests that do not say otherwise; --api-key (or $LLMCLI_API_KEY) is the key
+    every request must bring.
     """
     api_key = api_key or os.environ.get("LLMCLI_API_KEY") or None
     if not _loopback(host) and api_key is None and not insecure:
@@ -86,43 +100,53 @@ def serve(
         raise UsageError(f"llmcli serve needs its extra ({exc.name} is missing)",
                          hint=install_hint("serve")) from None
     from llmcli.cli import output
-    from llmcli.serve.setup import Embeddings, open_server
+    from llmcli.serve.model_pool import ModelPool, parse_keep_alive
+    from llmcli.serve.setup import ServerModels
 
+    try:
+        expiry = parse_keep_alive(keep_alive)
+    except ValueError as exc:
+        raise UsageError(f"--keep-alive: {exc}") from None
+    for origin in cors or ():
+        if origin != "*" and not origin.startswith(("http://", "https://")):
+            raise UsageError(f"--cors {origin!r} is not an origin", hint="e.g. --cors https://app.example")
     _check_listen(host, port)  # before the model loads: a taken port is a one-line error, not uvicorn's
-    request = o.build_request(given)
+    found = ServerModels(o.build_request(given), parallel, queue if queue is not None else 4 * parallel, max_body,
+                         max_answer, allow_pull)
     with output.download_progress() as progress:
-        slots, prompter, facts, pipeline = open_server(request, parallel, queue if queue is not None else 4 * parallel,
-                                                max_body, max_answer, progress)
-    with pipeline:
-        console = output.stderr_console()
-        for notice in pipeline.session.notices:
-            output.print_notice(console, notice)
-        for origin in cors or ():
-            if origin != "*" and not origin.startswith(("http://", "https://")):
-                raise UsageError(f"--cors {origin!r} is not an origin", hint="e.g. --cors https://app.example")
-        state = ServerState(slots, prompter, api_key, embeddings=Embeddings(request), shutdown_grace=shutdown_grace,
-                            body_timeout=header_timeout)
-        app = create_app(state, facts, tuple(cors or ()))
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                http=guarded(header_timeout, max_connections),
-                                timeout_graceful_shutdown=int(shutdown_grace) + 5)  # (the cut answers' ends go out)
-        server = uvicorn.Server(config)
-        stop = server.handle_exit
+        first = found.load(None, progress)
+    console = output.stderr_console()
+    for notice in first.notices:
+        output.print_notice(console, notice)
+    pool = ModelPool(found.resolve, found.load, max_models, expiry)
+    pool.preloaded(first)
+    state = ServerState(pool, max_body, api_key, shutdown_grace=shutdown_grace, body_timeout=header_timeout)
+    app = create_app(state, found.describe, found.loadable, tuple(cors or ()))
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                            http=guarded(header_timeout, max_connections),
+                            timeout_graceful_shutdown=int(shutdown_grace) + 5)  # (the cut answers' ends go out)
+    server = uvicorn.Server(config)
+    stop = server.handle_exit
 
-        def handle_exit(sig: int, frame: Any) -> None:  # SIGTERM, Ctrl-C: the answers in flight have the grace
-            if not server.should_exit:
-                cut = threading.Timer(shutdown_grace, slots.cancel_all)
-                cut.daemon = True  # the answers done sooner, the process need not wait for it
-                cut.start()
-            else:  # a second signal: now
-                slots.cancel_all()
-            stop(sig, frame)
+    def handle_exit(sig: int, frame: Any) -> None:  # SIGTERM, Ctrl-C: the answers in flight have the grace
+        if not server.should_exit:
+            cut = threading.Timer(shutdown_grace, pool.cancel_all)
+            cut.daemon = True  # the answers done sooner, the process need not wait for it
+            cut.start()
+        else:  # a second signal: now
+            pool.cancel_all()
+        stop(sig, frame)
 
-        server.handle_exit = handle_exit  # type: ignore[method-assign]
-        config.load()
-        server.config.callback_notify = None
-        _announce(server, console, prompter.model_names[0], parallel, prompter.limits.n_ctx, api_key is not None)
+    server.handle_exit = handle_exit  # type: ignore[method-assign]
+    config.load()
+    server.config.callback_notify = None
+    try:
+        _announce(server, console, first.name, parallel, first.prompter.limits.n_ctx, api_key is not None)
         server.run()
+    finally:
+        for served in list(pool.loaded.values()):  # (uvicorn's lifespan closed them; a failed start did not)
+            if served.thread is None:
+                served.close()
 
 
 def _check_listen(host: str, port: int) -> None:

@@ -6,11 +6,11 @@ protocol ends one."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
-import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -20,8 +20,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from llmcli.answer.events import DecodeEvent, Done
 from llmcli.decode.serving import Job, QueueFull, SlotServer
-from llmcli.serve.answer_request import AnswerRequest, ApiError, Parsed, Prompter, prepare
-from llmcli.serve.setup import Embeddings
+from llmcli.serve.answer_request import AnswerRequest, ApiError, Parsed, prepare
+from llmcli.serve.model_pool import ModelPool, Served
 from llmcli.serve.wire import Exchange, Item
 
 RETRY_AFTER_S = 1
@@ -31,17 +31,11 @@ DISCONNECT_POLL_S = 0.5  # a whole answer: how often the client is checked for h
 
 @dataclass
 class ServerState:
-    slots: SlotServer
-    prompter: Prompter
+    pool: ModelPool  # the models, loaded on first use
+    max_body: int  # bytes a request body may have (413 beyond)
     api_key: str | None = None
-    thread: threading.Thread | None = field(default=None, repr=False)
-    embeddings: Embeddings | None = None  # the model in embedding mode, loaded on first use
     shutdown_grace: float = 10.0  # SIGTERM: what the answers in flight have to finish (then they are cut)
     body_timeout: float = 10.0  # a request's body must arrive within it (408)
-
-    @property
-    def model(self) -> str:
-        return self.prompter.model_names[0]
 
 
 ErrorShape = Callable[[ApiError], Any]
@@ -66,7 +60,7 @@ def check_key(request: Request, state: ServerState) -> None:
 async def read_body(request: Request, state: ServerState) -> Any:
     """The key checked, then the JSON body read up to the server's limit (413 beyond it, before the rest is read)."""
     check_key(request, state)
-    limit = state.prompter.limits.max_body_bytes
+    limit = state.max_body
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is larger than {limit} bytes")
@@ -106,24 +100,42 @@ class Asked:
     reply: Callable[[list[Parsed]], Exchange]
 
 
-async def answer(request: Request, state: ServerState, parse: Callable[[Any], Asked | Any], shape: ErrorShape,
-                 ndjson: bool = False) -> Response:
-    """Answer one request: `parse` turns its body into what it asks (or into a whole response object, when it asks
-    nothing of the slots); its answers are prepared (templates, tokenizing: off the event loop) and submitted."""
+async def requested_model(state: ServerState, body: Any) -> tuple[Served, Callable[[], None]]:
+    """The model a body names, loaded, and held for this request (the callable releases it). Its prompter takes the
+    name the request used (an alias, a path) as one of the model's."""
+    name = body.get("model") if isinstance(body, dict) else None
+    served = await state.pool.get(name)
+    release = state.pool.hold(served, body.get("keep_alive") if isinstance(body, dict) else None)
+    if isinstance(name, str) and name not in served.prompter.model_names:
+        names = (*served.prompter.model_names, name, name.removesuffix(":latest"))
+        served = dataclasses.replace(served, prompter=dataclasses.replace(served.prompter, model_names=names))
+    return served, release
+
+
+async def answer(request: Request, state: ServerState, parse: Callable[[Any, Served], Asked | Any],
+                 shape: ErrorShape, ndjson: bool = False) -> Response:
+    """Answer one request: `parse` turns its body into what it asks of its model (or into a whole response object,
+    when it asks nothing of the slots); its answers are prepared (templates, tokenizing: off the event loop) and
+    submitted to that model's slots."""
+    release: Callable[[], None] = lambda: None  # noqa: E731
     try:
         body = await read_body(request, state)
-        asked = await asyncio.to_thread(parse, body)
+        served, release = await requested_model(state, body)
+        asked = await asyncio.to_thread(parse, body, served)
         if not isinstance(asked, Asked):
+            release()
             return JSONResponse(asked)
-        prepared = await asyncio.to_thread(lambda: [prepare(a, state.prompter) for a in asked.requests])
-        return await respond(request, state, prepared, asked.reply(prepared), ndjson)
+        prepared = await asyncio.to_thread(lambda: [prepare(a, served.prompter) for a in asked.requests])
+        return await respond(request, state, served.slots, prepared, asked.reply(prepared), ndjson, release)
     except ApiError as error:
+        release()
         return error_response(error, shape)
 
 
-async def respond(request: Request, state: ServerState, prepared: list[Parsed], exchange: Exchange,
-                  ndjson: bool = False) -> Response:
-    """Submit prepared answers; the whole response, or a stream of the exchange's items (SSE, or NDJSON)."""
+async def respond(request: Request, state: ServerState, slots: SlotServer, prepared: list[Parsed], exchange: Exchange,
+                  ndjson: bool = False, release: Callable[[], None] = lambda: None) -> Response:
+    """Submit prepared answers; the whole response, or a stream of the exchange's items (SSE, or NDJSON);
+    `release` once every answer is over."""
     events: asyncio.Queue[tuple[int, DecodeEvent]] = asyncio.Queue()
 
     def emitter(index: int) -> Callable[[DecodeEvent], None]:  # called on this loop (deliver)
@@ -132,14 +144,17 @@ async def respond(request: Request, state: ServerState, prepared: list[Parsed], 
     jobs = [Job(p.tokens, p.generation, p.seed, emitter(i)) for i, p in enumerate(prepared)]
     try:
         for job in jobs:
-            state.slots.submit(job)
+            slots.submit(job)
     except QueueFull as exc:
         for job in jobs:
             job.cancelled.set()
         raise ApiError(429, f"busy: {exc}; retry later", code="busy") from None
     if not prepared[0].stream:
-        return await _whole(request, events, jobs, exchange)
-    items = _stream(events, jobs, exchange)
+        try:
+            return await _whole(request, events, jobs, exchange)
+        finally:
+            release()
+    items = _stream(events, jobs, exchange, release)
     if ndjson:
         return StreamingResponse(_ndjson(items), media_type="application/x-ndjson")
     # On SIGTERM sse-starlette waits `shutdown_grace_period` for the stream to end by itself before it cuts it: the
@@ -148,8 +163,8 @@ async def respond(request: Request, state: ServerState, prepared: list[Parsed], 
                                shutdown_grace_period=state.shutdown_grace + SHUTDOWN_GRACE_S)
 
 
-async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job],
-                  exchange: Exchange) -> AsyncGenerator[Item, None]:
+async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job], exchange: Exchange,
+                  release: Callable[[], None]) -> AsyncGenerator[Item, None]:
     """The exchange's items as the engine produces the events; the client gone (the task cancelled): the jobs are
     cancelled."""
     dones: list[Done | None] = [None] * len(jobs)
@@ -172,6 +187,7 @@ async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job
     finally:
         for job in jobs:
             job.cancelled.set()  # a no-op once the answer is done
+        release()
 
 
 async def _sse(items: AsyncGenerator[Item, None]) -> AsyncIterator[ServerSentEvent]:

@@ -29,40 +29,40 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from llmcli.decode.serving import deliver_here
 from llmcli.errors import LlmcliError
 from llmcli.serve import anthropic_api, ollama_api, openai_api, responses_api
 from llmcli.serve.answer_request import ApiError, count_tokens
-from llmcli.serve.answering import Asked, ErrorShape, ServerState, answer, check_key, error_response, read_body
+from llmcli.serve.answering import (
+    Asked,
+    ErrorShape,
+    ServerState,
+    answer,
+    check_key,
+    error_response,
+    read_body,
+    requested_model,
+)
 from llmcli.serve.model_facts import ModelFacts
+from llmcli.serve.model_pool import Served
 
 __all__ = ["ServerState", "create_app"]
 
 Handler = Callable[[Request], Any]
 
 
-def create_app(state: ServerState, facts: ModelFacts, cors: tuple[str, ...] = ()) -> Starlette:
-    """The routes over the slots; `cors`: the origins whose pages may call from a browser (none by default)."""
+def create_app(state: ServerState, describe: Callable[[str, Any, int], ModelFacts],
+               loadable: Callable[[], list[tuple[str, Any]]], cors: tuple[str, ...] = ()) -> Starlette:
+    """The routes over the models' slots; `describe` and `loadable`: what the model lists say of models not loaded
+    (setup.ServerModels); `cors`: the origins whose pages may call from a browser (none by default)."""
+    pool = state.pool
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        import threading
-
-        loop = asyncio.get_running_loop()
-
-        def deliver(events: list[Any]) -> None:  # on the engine's thread: one wake-up a step
-            loop.call_soon_threadsafe(deliver_here, events)
-
-        state.slots.deliver = deliver
-        state.thread = threading.Thread(target=state.slots.run, name="llmcli-engine", daemon=True)
-        state.thread.start()
+        await pool.start()
         try:
             yield
-        finally:  # SIGTERM: uvicorn has stopped taking requests; in-flight answers were cancelled or finished
-            state.slots.stop()
-            await asyncio.to_thread(state.thread.join, 30)
-            if state.embeddings is not None:
-                state.embeddings.close()
+        finally:  # SIGTERM: uvicorn has stopped taking requests; in-flight answers were cut or finished
+            await pool.close()
 
     kept: OrderedDict[str, Any] = OrderedDict()  # Responses stored for previous_response_id, oldest first
 
@@ -71,70 +71,146 @@ def create_app(state: ServerState, facts: ModelFacts, cors: tuple[str, ...] = ()
         while len(kept) > responses_api.MAX_KEPT:
             kept.popitem(last=False)
 
-    model, prompter = state.model, state.prompter
-
-    def openai_answers(chat: bool) -> Callable[[Any], Asked]:
+    def openai_answers(chat: bool) -> Callable[[Any, Served], Asked]:
         parse = openai_api.parse_chat if chat else openai_api.parse_completion
 
-        def asked(body: Any) -> Asked:
-            requests = parse(body, prompter)
-            return Asked(requests, lambda prepared: openai_api.Reply.new(chat, model, requests))
+        def asked(body: Any, served: Served) -> Asked:
+            requests = parse(body, served.prompter)
+            return Asked(requests, lambda prepared: openai_api.Reply.new(chat, served.name, requests))
 
         return asked
 
-    def responses(body: Any) -> Asked:
-        request = responses_api.parse_response_request(body, prompter, kept)
-        return Asked([request.answer], lambda prepared: responses_api.ResponsesReply(model, request, keep))
+    def responses(body: Any, served: Served) -> Asked:
+        request = responses_api.parse_response_request(body, served.prompter, kept)
+        return Asked([request.answer], lambda prepared: responses_api.ResponsesReply(served.name, request, keep))
 
-    def messages(body: Any) -> Asked:
-        return Asked(anthropic_api.parse_messages(body, prompter),
-                     lambda prepared: anthropic_api.MessagesReply(model, len(prepared[0].tokens)))
+    def messages(body: Any, served: Served) -> Asked:
+        return Asked(anthropic_api.parse_messages(body, served.prompter),
+                     lambda prepared: anthropic_api.MessagesReply(served.name, len(prepared[0].tokens)))
 
-    def ollama_answers(chat: bool) -> Callable[[Any], Asked | dict[str, Any]]:
+    def ollama_answers(chat: bool) -> Callable[[Any, Served], Asked | dict[str, Any]]:
         parse = ollama_api.parse_chat if chat else ollama_api.parse_generate
 
-        def asked(body: Any) -> Asked | dict[str, Any]:
-            requests = parse(body, prompter)
+        def asked(body: Any, served: Served) -> Asked | dict[str, Any]:
+            requests = parse(body, served.prompter)
             if ollama_api.loads_only(body, "messages" if chat else "prompt"):
                 return ollama_api.loaded_reply(chat, body["model"])
             return Asked(requests, lambda prepared: ollama_api.OllamaReply(chat, body["model"], requests))
 
         return asked
 
-    def handler(parse: Callable[[Any], Any], shape: ErrorShape = openai_api.error_body, ndjson: bool = False) -> Handler:
+    def handler(parse: Callable[[Any, Served], Any], shape: ErrorShape = openai_api.error_body,
+                ndjson: bool = False) -> Handler:
         async def handle(request: Request) -> Response:
             return await answer(request, state, parse, shape, ndjson)
 
         return handle
+
+    async def facts_of(name: Any) -> ModelFacts:
+        """A model's facts: the loaded one's, else its header's (nothing is loaded to say them)."""
+        if not isinstance(name, str):
+            raise ApiError(400, "model is required")
+        for served in pool.loaded.values():
+            if name.removesuffix(":latest") in served.prompter.model_names:
+                return served.facts
+        key = await pool.key(name)
+        return await asyncio.to_thread(describe, name.removesuffix(":latest"), key, 0)
+
+    async def listed() -> list[ModelFacts]:
+        loaded = {served.key: served.facts for served in pool.loaded.values()}
+        found = await asyncio.to_thread(lambda: [(name, path) for name, path in loadable()])
+        facts = list(loaded.values())
+        for name, path in found:
+            if path.resolve() not in loaded:
+                loaded[path.resolve()] = await asyncio.to_thread(describe, name, path, 0)
+                facts.append(loaded[path.resolve()])
+        return facts
+
+    def status(served: Served) -> dict[str, Any]:
+        expires = served.expires_in()
+        return {"name": served.name, "path": str(served.key), "size": served.facts.size, "slots": served.slots.status(),
+                "in_flight": served.in_flight, "pinned": served.pinned,
+                "expires_in_s": None if expires is None else round(expires, 1)}
+
+    async def health(request: Request) -> Response:
+        default = pool.default
+        first = default.slots.status() if default is not None and default.key in pool.loaded else {}
+        return JSONResponse({"status": "ok", "model": default.name if default else None, **first,
+                             "models": [status(served) for served in pool.loaded.values()]})
+
+    async def models_list(request: Request) -> Response:
+        check_key(request, state)
+        return JSONResponse({"object": "list", "data": [_model_card(f) for f in await listed()]})
+
+    async def one_model(request: Request) -> Response:
+        check_key(request, state)
+        return JSONResponse(_model_card(await facts_of(request.path_params["name"])))
+
+    async def tags(request: Request) -> Response:
+        check_key(request, state)
+        return JSONResponse(ollama_api.tags(await listed()))
+
+    async def running(request: Request) -> Response:
+        check_key(request, state)
+        return JSONResponse(ollama_api.running([(served.facts, served.expires_in()) for served in pool.loaded.values()]))
+
+    async def show(body: Any) -> Any:
+        name = body.get("model") or body.get("name") if isinstance(body, dict) else None
+        return ollama_api.show(body, await facts_of(name))
+
+    async def count(body: Any) -> Any:
+        served, release = await requested_model(state, body)
+        try:
+            (asked,) = anthropic_api.parse_messages(body, served.prompter, counting=True)
+            return anthropic_api.count_reply(await asyncio.to_thread(count_tokens, asked, served.prompter))
+        finally:
+            release()
+
+    async def openai_embeddings(body: Any) -> Any:
+        served, release = await requested_model(state, body)
+        try:
+            asked = openai_api.parse_embeddings(body, served.prompter)
+            results = await _embed(served, asked.texts)
+            return openai_api.embeddings_reply(asked, results, served.name, served.embeddings.dimensions)
+        finally:
+            release()
+
+    def ollama_embed(legacy: bool) -> Callable[[Any], Any]:
+        async def embed(body: Any) -> Any:
+            served, release = await requested_model(state, body)
+            try:
+                texts, truncate = ollama_api.parse_embed(body, served.prompter, legacy)
+                started = time.perf_counter()
+                results = await _embed(served, texts, normalize=not legacy, truncate=truncate) if texts else []
+                return ollama_api.embed_reply(body["model"], results, time.perf_counter() - started, legacy)
+            finally:
+                release()
+
+        return embed
 
     routes = [
         # OpenAI
         Route("/v1/chat/completions", handler(openai_answers(True)), methods=["POST"]),
         Route("/v1/completions", handler(openai_answers(False)), methods=["POST"]),
         Route("/v1/responses", handler(responses), methods=["POST"]),
-        Route("/v1/embeddings", _openai_embeddings(state), methods=["POST"]),
-        Route("/v1/models", _guarded(state, openai_api.error_body, lambda request: {
-            "object": "list", "data": [_model_card(facts)]}), methods=["GET"]),
-        Route("/v1/models/{name:path}", _guarded(state, openai_api.error_body, lambda request: _one_model(
-            request, state, facts)), methods=["GET"]),
+        Route("/v1/embeddings", _posted(state, openai_api.error_body, openai_embeddings), methods=["POST"]),
+        Route("/v1/models", _guarded(models_list, openai_api.error_body), methods=["GET"]),
+        Route("/v1/models/{name:path}", _guarded(one_model, openai_api.error_body), methods=["GET"]),
         # Anthropic
         Route("/v1/messages", handler(messages, anthropic_api.error_body), methods=["POST"]),
-        Route("/v1/messages/count_tokens", _count_tokens(state), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _posted(state, anthropic_api.error_body, count), methods=["POST"]),
         # Ollama
         Route("/", lambda request: PlainTextResponse("llmcli is running (Ollama's API at /api, OpenAI's and "
                                                      "Anthropic's at /v1)"), methods=["GET", "HEAD"]),
         Route("/api/version", lambda request: JSONResponse({"version": ollama_api.VERSION}), methods=["GET"]),
-        Route("/api/tags", _guarded(state, ollama_api.error_body, lambda request: ollama_api.tags(facts)),
-              methods=["GET"]),
-        Route("/api/ps", _guarded(state, ollama_api.error_body, lambda request: ollama_api.running(facts)),
-              methods=["GET"]),
-        Route("/api/show", _ollama_show(state, facts), methods=["POST"]),
+        Route("/api/tags", _guarded(tags, ollama_api.error_body), methods=["GET"]),
+        Route("/api/ps", _guarded(running, ollama_api.error_body), methods=["GET"]),
+        Route("/api/show", _posted(state, ollama_api.error_body, show), methods=["POST"]),
         Route("/api/chat", handler(ollama_answers(True), ollama_api.error_body, ndjson=True), methods=["POST"]),
         Route("/api/generate", handler(ollama_answers(False), ollama_api.error_body, ndjson=True), methods=["POST"]),
-        Route("/api/embed", _ollama_embed(state, legacy=False), methods=["POST"]),
-        Route("/api/embeddings", _ollama_embed(state, legacy=True), methods=["POST"]),
-        Route("/health", lambda request: JSONResponse({"status": "ok", "model": model, **state.slots.status()}),
-              methods=["GET"]),
+        Route("/api/embed", _posted(state, ollama_api.error_body, ollama_embed(False)), methods=["POST"]),
+        Route("/api/embeddings", _posted(state, ollama_api.error_body, ollama_embed(True)), methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
     ]
     middleware = [Middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST"],
                              allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"])
@@ -161,26 +237,16 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
                           _shape_of(request.url.path))
 
 
-def _guarded(state: ServerState, shape: ErrorShape, make: Callable[[Request], Any]) -> Handler:
-    """A GET route whose object `make` builds, behind the key."""
+def _guarded(route: Handler, shape: ErrorShape) -> Handler:
+    """A GET route whose errors (the key's among them) come in `shape`."""
     async def handle(request: Request) -> Response:
         try:
-            check_key(request, state)
-            return JSONResponse(make(request))
+            response: Response = await route(request)
+            return response
         except ApiError as error:
             return error_response(error, shape)
 
     return handle
-
-
-def _model_card(facts: ModelFacts) -> dict[str, Any]:
-    return {"id": facts.name, "object": "model", "created": int(facts.loaded), "owned_by": "llmcli"}
-
-
-def _one_model(request: Request, state: ServerState, facts: ModelFacts) -> dict[str, Any]:
-    name = request.path_params["name"]
-    state.prompter.check_model(name)
-    return _model_card(facts)
 
 
 def _posted(state: ServerState, shape: ErrorShape, make: Callable[[Any], Awaitable[Any]]) -> Handler:
@@ -194,45 +260,12 @@ def _posted(state: ServerState, shape: ErrorShape, make: Callable[[Any], Awaitab
     return handle
 
 
-def _count_tokens(state: ServerState) -> Handler:
-    async def count(body: Any) -> Any:
-        (asked,) = anthropic_api.parse_messages(body, state.prompter, counting=True)
-        return anthropic_api.count_reply(await asyncio.to_thread(count_tokens, asked, state.prompter))
-
-    return _posted(state, anthropic_api.error_body, count)
+def _model_card(facts: ModelFacts) -> dict[str, Any]:
+    return {"id": facts.name, "object": "model", "created": int(facts.modified), "owned_by": "llmcli"}
 
 
-def _ollama_show(state: ServerState, facts: ModelFacts) -> Handler:
-    async def show(body: Any) -> Any:
-        return ollama_api.show(body, facts, state.prompter)
-
-    return _posted(state, ollama_api.error_body, show)
-
-
-async def _embed(state: ServerState, texts: list[str], normalize: bool = False, truncate: bool = False) -> list[Any]:
-    if state.embeddings is None:
-        raise ApiError(404, "this server makes no embeddings", code="not_found")
+async def _embed(served: Served, texts: list[str], normalize: bool = False, truncate: bool = False) -> list[Any]:
     try:
-        return await asyncio.to_thread(state.embeddings.embed, texts, normalize, truncate)
+        return await asyncio.to_thread(served.embeddings.embed, texts, normalize, truncate)
     except LlmcliError as error:  # the embedding context could not be made (memory)
         raise ApiError(503, error.message) from None
-
-
-def _openai_embeddings(state: ServerState) -> Handler:
-    async def embeddings(body: Any) -> Any:
-        asked = openai_api.parse_embeddings(body, state.prompter)
-        results = await _embed(state, asked.texts)
-        dimensions = state.embeddings.dimensions if state.embeddings is not None else 0
-        return openai_api.embeddings_reply(asked, results, state.model, dimensions)
-
-    return _posted(state, openai_api.error_body, embeddings)
-
-
-def _ollama_embed(state: ServerState, legacy: bool) -> Handler:
-    async def embed(body: Any) -> Any:
-        texts, truncate = ollama_api.parse_embed(body, state.prompter, legacy)
-        started = time.perf_counter()
-        results = await _embed(state, texts, normalize=not legacy, truncate=truncate) if texts else []
-        return ollama_api.embed_reply(body["model"], results, time.perf_counter() - started, legacy)
-
-    return _posted(state, ollama_api.error_body, embed)

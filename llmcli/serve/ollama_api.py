@@ -12,6 +12,7 @@ context, num_thread, num_gpu, num_batch, use_mmap…). Refused, saying so: `imag
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -278,27 +279,29 @@ def _entry(facts: ModelFacts) -> dict[str, Any]:
     return {"name": name, "model": name, "size": facts.size, "digest": facts.digest, "details": _details(facts)}
 
 
-def tags(facts: ModelFacts) -> dict[str, Any]:
-    modified = datetime.fromtimestamp(facts.modified, timezone.utc).isoformat()
-    return {"models": [{**_entry(facts), "modified_at": modified}]}
+def tags(models: list[ModelFacts]) -> dict[str, Any]:
+    """/api/tags: every model a request may name."""
+    return {"models": [{**_entry(facts), "modified_at": datetime.fromtimestamp(facts.modified, timezone.utc).isoformat()}
+                       for facts in models]}
 
 
-def running(facts: ModelFacts) -> dict[str, Any]:
-    """/api/ps: the one model, loaded for as long as the server runs (no expiry)."""
-    return {"models": [{**_entry(facts), "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0,
-                        "context_length": facts.n_ctx}]}
+def running(models: list[tuple[ModelFacts, float | None]]) -> dict[str, Any]:
+    """/api/ps: the models loaded now, and when each will be unloaded (None: never)."""
+    def expiry(seconds: float | None) -> str:
+        if seconds is None:
+            return "9999-12-31T23:59:59Z"
+        return datetime.fromtimestamp(time.time() + seconds, timezone.utc).isoformat().replace("+00:00", "Z")
+
+    return {"models": [{**_entry(facts), "expires_at": expiry(seconds), "size_vram": 0, "context_length": facts.n_ctx}
+                       for facts, seconds in models]}
 
 
-def show(body: Any, facts: ModelFacts, prompter: Prompter) -> dict[str, Any]:
-    if isinstance(body, dict) and "name" in body:  # older clients name the model `name`
-        body = {"model": body["name"], **body}
-    _model(body, prompter)
+def show(body: Any, facts: ModelFacts) -> dict[str, Any]:
+    """/api/show: what the header says (the server's own settings are the defaults of every request)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
     info = {**facts.metadata, "general.architecture": facts.architecture, "general.parameter_count": facts.parameters}
-    defaults = prompter.defaults
-    parameters = "\n".join(f"{wire} {defaults[name]}" for wire, name in OPTIONS.items()
-                           if defaults.get(name) is not None)
-    parameters += "".join(f'\nstop "{stop}"' for stop in defaults.get("stop") or ())
-    return {"modelfile": f"FROM {facts.path}\n", "parameters": parameters, "template": facts.template,
+    return {"modelfile": f"FROM {facts.path}\n", "parameters": "", "template": facts.template,
             "details": _details(facts), "model_info": info, "capabilities": list(facts.capabilities),
             "modified_at": datetime.fromtimestamp(facts.modified, timezone.utc).isoformat()}
 

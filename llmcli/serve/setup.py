@@ -1,7 +1,10 @@
-"""Loading the model for `llmcli serve` and describing how requests become tokens (no HTTP here)."""
+"""Finding and loading the models of `llmcli serve`, and describing how requests become their tokens (no HTTP here)."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from llmcli.answer.sampling_config import SamplingConfig
@@ -10,19 +13,66 @@ from llmcli.chat.answerer import with_system
 from llmcli.chat.chat_template import Message
 from llmcli.chat.session import Session, render_prompt, thinking_variables
 from llmcli.decode.serving import SlotServer
-from llmcli.pipeline import Pipeline, Request, Shape
+from llmcli.pipeline import Pipeline, Request, Shape, fetch_for
 from llmcli.pipeline.local import open_pipeline
 from llmcli.serve.answer_request import Limits, Prompter
 from llmcli.serve.model_facts import ModelFacts, read_facts
+from llmcli.serve.model_pool import Served
+from llmcli.settings import load_config_file, resolve
+from llmcli.store import catalog, models
+from llmcli.store.gguf_header import read_header
 
 
-def open_server(request: Request, parallel: int, queue: int, max_body: int, max_answer: int,
-                on_progress: Any = None) -> tuple[SlotServer, Prompter, ModelFacts, Pipeline[Session]]:
-    """The model loaded with `parallel` slots of a full context each, its slot server (speculative decoding as
-    --speculate says, for every slot), its prompter, and what the model lists say of it."""
-    import dataclasses
+@dataclass(frozen=True)
+class ServerModels:
+    """How `serve` finds and loads the models requests name: its flags (`request`, the slots' shape) apply to each."""
 
-    pipeline = open_pipeline(dataclasses.replace(request, shape=Shape(parallel)), on_progress)
+    request: Request
+    parallel: int
+    queue: int
+    max_body: int
+    max_answer: int
+    allow_pull: bool = False  # a Hub model not downloaded yet may be downloaded (else: 404)
+
+    def request_for(self, name: str | None) -> Request:
+        if name is None:
+            return self.request
+        return dataclasses.replace(self.request, settings={**self.request.settings, "model": name},
+                                   offline=self.request.offline or not self.allow_pull)
+
+    def resolve(self, name: str) -> Path:
+        """The file `name` means, as -m resolves it (ModelNotFoundError), without loading it."""
+        request = self.request_for(name)
+        config = load_config_file()
+        return models.resolve(name, config.aliases, fetch_for(request, resolve(request.settings, config=config))).path
+
+    def load(self, name: str | None = None, on_progress: Any = None) -> Served:
+        """The model loaded with `parallel` slots of a full context each, its slot server (speculative decoding as
+        --speculate says, for every slot), its prompter, and what the model lists say of it."""
+        request = self.request_for(name)
+        pipeline = open_pipeline(dataclasses.replace(request, shape=Shape(self.parallel)), on_progress)
+        try:
+            return _served(pipeline, request, self)
+        except BaseException:
+            pipeline.close()
+            raise
+
+    def loadable(self) -> list[tuple[str, Path]]:
+        """What requests may name: the models `llmcli list --all` shows."""
+        return [(entry.name, entry.path) for entry in catalog.entries(everywhere=True) if entry.header is not None]
+
+    def describe(self, name: str, path: Path, n_ctx: int = 0) -> ModelFacts:
+        """What the model lists say of a model not loaded (its header alone)."""
+        template = read_header(path).chat_template or ""
+        return read_facts(name, path, n_ctx, template, _capabilities(template))
+
+
+def _capabilities(template: str) -> tuple[str, ...]:
+    thinks = any(name in template for name in thinking_variables(True))
+    return ("completion", "tools", "embedding", *(("thinking",) if thinks else ()))
+
+
+def _served(pipeline: Pipeline[Session], request: Request, shape: ServerModels) -> Served:
     session = pipeline.session
     engine = session.engine
 
@@ -30,18 +80,24 @@ def open_server(request: Request, parallel: int, queue: int, max_body: int, max_
         options = session.options if think is None else dataclasses.replace(session.options, think=think)
         return render_prompt(session.template, engine.vocab, with_system(options.system, messages), options, tools)
 
-    names = tuple(dict.fromkeys((pipeline.model.name, engine.path.stem, engine.path.name)))
-    limits = Limits(engine.n_ctx, min(max_answer, engine.n_ctx), max_body, pipeline.generation.max_draft)
     def check_grammar(gbnf: str, origin: str) -> None:  # llama.cpp's parser, on the vocabulary alone
         engine.sampler(SamplingConfig(temp=0, grammar=gbnf, grammar_origin=origin), 0).close()
 
+    names = tuple(dict.fromkeys((pipeline.model.name, engine.path.stem, engine.path.name)))
+    limits = Limits(engine.n_ctx, min(shape.max_answer, engine.n_ctx), shape.max_body, pipeline.generation.max_draft)
     prompter = Prompter(render_chat, lambda text: engine.vocab.tokenize(text, add_special=True), names,
                         dict(pipeline.settings.values), limits, session.tool_format(pipeline.settings["tool_format"]),
                         engine.vocab.n_tokens, check_grammar)
-    thinks = any(name in (session.template_source or "") for name in thinking_variables(True))
-    facts = read_facts(names[0], engine.path, engine.n_ctx, session.template_source or "",
-                       ("completion", "tools", "embedding", *(("thinking",) if thinks else ())))
-    return SlotServer(engine, parallel, queue, speculation=session.speculation), prompter, facts, pipeline
+    template = session.template_source or ""
+    facts = read_facts(names[0], engine.path, engine.n_ctx, template, _capabilities(template))
+    slots = SlotServer(engine, shape.parallel, shape.queue, speculation=session.speculation)
+    embeddings = Embeddings(request)
+
+    def close() -> None:
+        embeddings.close()
+        pipeline.close()
+
+    return Served(engine.path.resolve(), slots, prompter, facts, close, embeddings, tuple(session.notices))
 
 
 class Embeddings:

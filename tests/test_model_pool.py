@@ -1,0 +1,111 @@
+"""One `llmcli serve` for every model (issue 27, part 1): a request's `model` names anything `-m` takes (here a
+package's name and a file's path); loaded on first use, kept --keep-alive (a request's own `keep_alive` too), at most
+--max-models at once, the memory given back on unload. Loopback only; every loop bounded."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+
+import httpx2
+import pytest
+from conftest import start_server, stop_server
+
+from llmcli.serve.model_pool import parse_keep_alive
+
+PROMPT = "The capital of France is"
+
+
+@pytest.mark.parametrize(("given", "seconds"), [(30, 30.0), ("30s", 30.0), ("5m", 300.0), ("1h", 3600.0), ("0", 0.0),
+                                                (0, 0.0), ("-1", None), (-1, None), ("250ms", 0.25), ("1.5m", 90.0)])
+def test_keep_alive_durations(given, seconds):
+    assert parse_keep_alive(given) == seconds
+
+
+@pytest.mark.parametrize("given", ["soon", "5 minutes", "", True, None, [5]])
+def test_a_keep_alive_that_is_no_duration_is_refused(given):
+    with pytest.raises(ValueError, match="a duration"):
+        parse_keep_alive(given)
+
+
+def rss_mib(pid: int) -> float:
+    return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1)) / 1024
+
+
+def complete(url: str, model: str) -> dict:
+    reply = httpx2.post(f"{url}/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 8,
+                                                       "temperature": 0}, timeout=180)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def loaded(url: str) -> list[str]:
+    return [model["path"] for model in httpx2.get(f"{url}/health", timeout=30).json()["models"]]
+
+
+def test_two_models_alternate_under_load_with_one_loaded_at_a_time(tmp_path, gemma3):
+    """--max-models 1, requests for two models from three clients at once: none fails, each model answers as it
+    does alone, only one is ever loaded, and each swap gives the other's memory back (RSS within 10 %)."""
+    proc, url = start_server(tmp_path, "-P", "2", "-c", "256", "--max-models", "1")
+    try:
+        alone = {"smollm2": complete(url, "smollm2")["choices"][0]["text"]}
+        alone[str(gemma3)] = complete(url, str(gemma3))["choices"][0]["text"]
+        assert loaded(url) == [str(gemma3.resolve())]  # the other was unloaded to make room
+        complete(url, "smollm2")
+        baseline = rss_mib(proc.pid)  # smollm2 loaded, once swapped out and back (the allocator's steady state)
+        results: list[tuple[str, str]] = []
+        errors: list[BaseException] = []
+
+        def client(order: list[str]) -> None:
+            try:
+                for model in order:
+                    results.append((model, complete(url, model)["choices"][0]["text"]))
+                    assert len(loaded(url)) <= 1  # (none while one is swapped for the other)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        orders = [["smollm2", str(gemma3)] * 2, [str(gemma3), "smollm2"] * 2, ["smollm2"] * 2 + [str(gemma3)]]
+        threads = [threading.Thread(target=client, args=(order,)) for order in orders]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=600)
+        assert not errors, errors
+        assert len(results) == 11 and all(text == alone[model] for model, text in results)
+        complete(url, "smollm2")
+        assert [Path(p).name for p in loaded(url)] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+        assert rss_mib(proc.pid) < 1.10 * baseline  # smollm2 alone again: gemma's memory went back
+    finally:
+        stop_server(proc)
+
+
+def test_keep_alive_expires_a_loaded_model_and_a_request_s_own_keep_alive_wins(tmp_path, gemma3):
+    proc, url = start_server(tmp_path, "-P", "1", "-c", "256", "--keep-alive", "1s")
+    try:
+        complete(url, str(gemma3))
+        assert len(loaded(url)) == 2
+        deadline = time.monotonic() + 30
+        while len(loaded(url)) == 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [Path(p).name for p in loaded(url)] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]  # -m never expires
+        kept = httpx2.post(f"{url}/api/generate", timeout=180, json={
+            "model": str(gemma3), "prompt": PROMPT, "raw": True, "stream": False, "keep_alive": "1h",
+            "options": {"num_predict": 4}})
+        assert kept.status_code == 200, kept.text
+        (ps,) = [m for m in httpx2.get(f"{url}/api/ps").json()["models"] if m["model"] != "smollm2:latest"]
+        assert ps["expires_at"][:4] == time.strftime("%Y")  # an hour from now, not 1 s
+        time.sleep(2)
+        assert len(loaded(url)) == 2
+        httpx2.post(f"{url}/api/generate", timeout=180, json={"model": str(gemma3), "prompt": "", "keep_alive": 0})
+        deadline = time.monotonic() + 30
+        while len(loaded(url)) == 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(loaded(url)) == 1  # keep_alive 0: unloaded as soon as its request ended
+        missing = httpx2.post(f"{url}/api/chat", json={"model": "no-such-model", "messages": []})
+        assert missing.status_code == 404 and missing.json()["error"].startswith("model 'no-such-model' not found")
+        missing = httpx2.post(f"{url}/v1/chat/completions", json={"model": "no-such-model", "messages": []})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    finally:
+        stop_server(proc)
