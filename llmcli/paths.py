@@ -100,3 +100,18 @@ def debug_log() -> Path:
 def debug() -> bool:
     """$LLMCLI_DEBUG=1 re-raises errors with their traceback."""
     return os.environ.get("LLMCLI_DEBUG", "") not in ("", "0")
+
+
+def warm_servers_dir() -> Path:
+    """The Unix sockets of the private servers `--keep-alive` keeps warm: $LLMCLI_RUNTIME_DIR or the platform's
+    runtime dir (only the user may enter it)."""
+    given = os.environ.get("LLMCLI_RUNTIME_DIR")
+    if given:
+        return Path(given) / "servers"
+    import warnings
+
+    from platformdirs import user_runtime_dir
+
+    with warnings.catch_warnings():  # no XDG_RUNTIME_DIR: platformdirs warns and uses /tmp/runtime-UID (0700)
+        warnings.simplefilter("ignore")
+        return Path(user_runtime_dir(APP)) / "servers"

@@ -96,6 +96,15 @@ def _s(name: str, kind: type, default: Any, help: str, *flags: str, panel: str =
     return Setting(name, kind, default, help, flags or (f"--{name.replace('_', '-')}",), panel, **extra)
 
 
+def _duration(value: str) -> bool:
+    from llmcli.units import parse_keep_alive
+
+    try:
+        return parse_keep_alive(value) != 0
+    except ValueError:
+        return False
+
+
 def _at_least(minimum: float) -> dict[str, Any]:
     return {"check": lambda v: v >= minimum, "rule": f"must be >= {minimum:g}"}
 
@@ -160,6 +169,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "with finish reason `repetition`.", "--repetition-guard/--no-repetition-guard", chat=True),
     _s("on_overflow", str, "error", "When the prompt does not fit the context: error, or truncate "
        "(keep the system prompt and the end of the input).", choices=("error", "truncate"), chat=True),
+    _s("keep_alive", str, None, "Keep the model loaded this long after an answer (30s, 10m, 1h; -1: until `llmcli "
+       "stop`), in a private server on a Unix socket that the next run, chat or --batch answers through at once.",
+       panel=ENGINE, default_text="none: load, answer, exit", check=_duration, rule="must be a duration: 30s, 10m, 1h"),
     _s("endpoint", str, None, "Use an OpenAI-compatible server (vLLM, llama-server, Ollama, llmcli serve) at this URL "
        "(…/v1) instead of a local model; -m names its model.", panel=REMOTE, default_text="none: a local model"),
     _s("endpoint_timeout", float, 60.0, "With --endpoint: seconds to wait for the server to connect or to send the "

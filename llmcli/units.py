@@ -1,6 +1,9 @@
-"""Sizes and counts as a person reads them: 1.2 GiB, 135M."""
+"""Sizes, counts and durations as a person reads and writes them: 1.2 GiB, 135M, 5m."""
 
 from __future__ import annotations
+
+import re
+from typing import Any
 
 
 def human_size(n_bytes: float) -> str:
@@ -26,3 +29,18 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
     if plural is None:
         plural = noun[:-1] + "ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else noun + "s"
     return f"{n} {plural}"
+
+
+_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)?")
+
+
+def parse_keep_alive(value: Any) -> float | None:
+    """Seconds a model stays loaded after its last request: a number of seconds, "10s", "5m", "1h", 0 (unload at
+    once) or a negative value (never); None: forever. ValueError if it is none of these."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return None if value < 0 else float(value)
+    found = _DURATION.fullmatch(value.strip()) if isinstance(value, str) else None
+    if found is None:
+        raise ValueError(f"keep_alive {value!r}: a duration such as 30s, 5m, 1h, 0 or -1")
+    number = float(found.group(1))
+    return None if number < 0 else number * {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600}[found.group(2)]

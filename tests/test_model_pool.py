@@ -13,7 +13,7 @@ import httpx2
 import pytest
 from conftest import start_server, stop_server
 
-from llmcli.serve.model_pool import parse_keep_alive
+from llmcli.units import parse_keep_alive
 
 PROMPT = "The capital of France is"
 

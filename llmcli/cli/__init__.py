@@ -54,6 +54,7 @@ def _register() -> None:
         serve_cmd,
         templates_cmd,
         tokens_cmd,
+        warm_cmd,
     )
     from llmcli.cli.chat import chat
     from llmcli.cli.help import EXAMPLES, SHORT_HELP, PanelledCommand
@@ -64,7 +65,8 @@ def _register() -> None:
         app.command(name, cls=PanelledCommand, short_help=SHORT_HELP[name], epilog=EXAMPLES[name])(command)
     models_cmd.register(app)
     tools: tuple[tuple[str, Any], ...] = (("count", tokens_cmd.count), ("tokenize", tokens_cmd.tokenize),
-                                          ("embed", embed_cmd.embed), ("similar", embed_cmd.similar))
+                                          ("embed", embed_cmd.embed), ("similar", embed_cmd.similar),
+                                          ("ps", warm_cmd.ps), ("stop", warm_cmd.stop))
     for name, command in tools:
         app.command(name, short_help=SHORT_HELP[name], epilog=EXAMPLES[name])(command)
     app.add_typer(bench.app, name="bench", short_help=SHORT_HELP["bench"], epilog=EXAMPLES["bench"])

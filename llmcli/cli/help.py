@@ -105,6 +105,8 @@ EXAMPLES = {
     "embed": examples('llmcli embed "some text"', "llmcli embed --input notes.jsonl --field text > vectors.jsonl",
                       "cat lines.txt | llmcli embed --format npy > v.npy"),
     "similar": examples('llmcli similar --collection vectors.jsonl "query" -n 5'),
+    "ps": examples("llmcli ps", "llmcli ps --json"),
+    "stop": examples("llmcli stop", "llmcli stop smollm2"),
     "logs": examples("llmcli logs", 'llmcli logs -q "lighthouse" --json', "llmcli logs -m smollm2 --since 7d",
                      "llmcli logs rm --before 30d", "llmcli logs off"),
     "tokenize": examples('llmcli tokenize "Hello world"', 'llmcli tokenize --json "Hello world"',
@@ -138,4 +140,6 @@ SHORT_HELP = {
     "logs": "Every answer, recorded: list, search, remove (SQLite).",
     "tokenize": "Show the tokens of a text: ids and pieces.",
     "mcp": "MCP servers: their tools (list), one call (call).",
+    "ps": "The warm servers of --keep-alive: model, memory, when each exits.",
+    "stop": "End warm servers (--keep-alive): one model's, or every one.",
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import threading
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
@@ -14,8 +15,9 @@ from llmcli.errors import UsageError
 
 _SERVER = "Server"
 # settings of a client, not of a server: serve always answers with its local model (a config file's endpoint, which
-# points run and chat at a server, is not serve's), and where thinking goes is the client's to choose
-SERVE_SKIPS = ("endpoint", "endpoint_timeout", "reasoning", "api_key", "logprobs")  # (serve's --api-key is its own)
+# points run and chat at a server, is not serve's), and where thinking goes is the client's to choose;
+# serve's --api-key and --keep-alive are its own
+SERVE_SKIPS = ("endpoint", "endpoint_timeout", "reasoning", "api_key", "logprobs", "keep_alive")
 ServeKeyOpt = Annotated[Optional[str], typer.Option(
     "--api-key", help="The key every request must bring as `Authorization: Bearer KEY` ($LLMCLI_API_KEY).",
     show_default=False, rich_help_panel=_SERVER)]
@@ -48,6 +50,12 @@ MaxModelsOpt = Annotated[int, typer.Option(
 KeepAliveOpt = Annotated[str, typer.Option(
     "--keep-alive", rich_help_panel=_SERVER, help="How long a model a request loaded stays loaded after its last "
     "request: 30s, 5m, 1h, 0 (unload at once), -1 (never). The -m model never expires.")]
+SocketOpt = Annotated[Optional[Path], typer.Option(
+    "--socket", rich_help_panel=_SERVER, show_default=False, help="Listen on this Unix socket (mode 0600: only you "
+    "may connect) instead of a TCP port; it is removed when the server ends.")]
+ExitIdleOpt = Annotated[bool, typer.Option(
+    "--exit-when-idle", rich_help_panel=_SERVER,
+    help="The -m model expires too (--keep-alive), and the server exits once no model is loaded.")]
 AllowPullOpt = Annotated[bool, typer.Option(
     "--allow-pull", rich_help_panel=_SERVER,
     help="A request may name a Hub model not downloaded yet (it is downloaded); else only models here.")]
@@ -74,6 +82,8 @@ def serve(
     max_models: MaxModelsOpt = 3,
     keep_alive: KeepAliveOpt = "5m",
     allow_pull: AllowPullOpt = False,
+    socket_path: SocketOpt = None,
+    exit_when_idle: ExitIdleOpt = False,
     **given: Any,
 ) -> None:
     """Serve the model over HTTP, in the protocols local clients speak: OpenAI's (/v1/chat/completions,
@@ -100,8 +110,9 @@ def serve(
         raise UsageError(f"llmcli serve needs its extra ({exc.name} is missing)",
                          hint=install_hint("serve")) from None
     from llmcli.cli import output
-    from llmcli.serve.model_pool import ModelPool, parse_keep_alive
+    from llmcli.serve.model_pool import ModelPool
     from llmcli.serve.setup import ServerModels
+    from llmcli.units import parse_keep_alive
 
     try:
         expiry = parse_keep_alive(keep_alive)
@@ -110,7 +121,12 @@ def serve(
     for origin in cors or ():
         if origin != "*" and not origin.startswith(("http://", "https://")):
             raise UsageError(f"--cors {origin!r} is not an origin", hint="e.g. --cors https://app.example")
-    _check_listen(host, port)  # before the model loads: a taken port is a one-line error, not uvicorn's
+    if socket_path is None:
+        _check_listen(host, port)  # before the model loads: a taken port is a one-line error, not uvicorn's
+        listen: dict[str, Any] = {"host": host, "port": port}
+    else:
+        listening = _private_socket(socket_path)
+        listen = {"fd": listening.fileno()}
     found = ServerModels(o.build_request(given), parallel, queue if queue is not None else 4 * parallel, max_body,
                          max_answer, allow_pull)
     with output.download_progress() as progress:
@@ -119,10 +135,10 @@ def serve(
     for notice in first.notices:
         output.print_notice(console, notice)
     pool = ModelPool(found.resolve, found.load, max_models, expiry)
-    pool.preloaded(first)
+    pool.preloaded(first, pinned=not exit_when_idle)
     state = ServerState(pool, max_body, api_key, shutdown_grace=shutdown_grace, body_timeout=header_timeout)
     app = create_app(state, found.describe, found.loadable, tuple(cors or ()))
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+    config = uvicorn.Config(app, **listen, log_level="warning", lifespan="on",
                             http=guarded(header_timeout, max_connections),
                             timeout_graceful_shutdown=int(shutdown_grace) + 5)  # (the cut answers' ends go out)
     server = uvicorn.Server(config)
@@ -138,15 +154,48 @@ def serve(
         stop(sig, frame)
 
     server.handle_exit = handle_exit  # type: ignore[method-assign]
+    if exit_when_idle:
+        pool.on_empty = lambda: setattr(server, "should_exit", True)
     config.load()
     server.config.callback_notify = None
     try:
         _announce(server, console, first.name, parallel, first.prompter.limits.n_ctx, api_key is not None)
         server.run()
     finally:
+        if socket_path is not None:  # (a private server: its launcher's lock and log go with it)
+            for leftover in (socket_path, *((socket_path.with_suffix(".lock"), socket_path.with_suffix(".log"))
+                                            if exit_when_idle else ())):
+                leftover.unlink(missing_ok=True)
         for served in list(pool.loaded.values()):  # (uvicorn's lifespan closed them; a failed start did not)
             if served.thread is None:
                 served.close()
+
+
+def _private_socket(path: Path) -> Any:
+    """A Unix socket only its user may connect to: its directory 0700, the socket 0600 from the moment it exists
+    (bound here: uvicorn's own `uds` makes it 0666). One that answers belongs to a running server: an error."""
+    import socket
+
+    from llmcli.errors import LlmcliError
+
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.parent.chmod(0o700)
+    if path.exists():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(path))
+            except OSError:
+                path.unlink()  # a server that died left it
+            else:
+                raise LlmcliError(f"a server already listens on {path}", hint="llmcli ps; llmcli stop")
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mask = os.umask(0o177)
+    try:
+        listening.bind(str(path))
+    finally:
+        os.umask(mask)
+    listening.listen(128)
+    return listening
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -182,7 +231,8 @@ def _announce(server: Any, console: Any, model: str, parallel: int, n_ctx: int, 
         for listener in server.servers:
             for sock in listener.sockets:
                 address = sock.getsockname()
-                console.print(f"llmcli serve · {model} · http://{address[0]}:{address[1]}/v1 · {parallel} slots of "
-                              f"{n_ctx} tokens" + (" · API key required" if keyed else ""))
+                where = f"unix:{address}" if isinstance(address, str) else f"http://{address[0]}:{address[1]}/v1"
+                console.print(f"llmcli serve · {model} · {where} · {parallel} slots of {n_ctx} tokens"
+                              + (" · API key required" if keyed else ""))
 
     server.startup = startup

@@ -19,7 +19,7 @@ from llmcli.answer.constraint import Constraint, build_constraint
 from llmcli.answer.generation import GenerationOptions
 from llmcli.chat.answerer import Answerer
 from llmcli.chat.chat_template import Message
-from llmcli.errors import UsageError
+from llmcli.errors import LlmcliError, UsageError
 from llmcli.file_hashes import known_sha256
 from llmcli.interrupt import Cancellation
 from llmcli.store import answer_log, models
@@ -122,9 +122,19 @@ def open_answering(request: Request, on_progress: ProgressCallback | None = None
         from llmcli.pipeline.remote import open_remote  # speaks HTTP only
 
         return open_remote(request, first, constraint, cancel)
+    notices: list[str] = []
+    if first["keep_alive"]:
+        from llmcli.pipeline.remote import open_warm  # speaks HTTP only
+
+        try:
+            return open_warm(request, constraint, cancel, on_progress, on_waiting, config)
+        except LlmcliError as exc:  # no warm server: this process answers, as without --keep-alive
+            notices.append(f"{exc.message}; answering in this process")
     from llmcli.pipeline.local import open_local  # loads llama.cpp
 
-    return open_local(request, on_progress, cancel, on_waiting, config, constraint)
+    pipeline = open_local(request, on_progress, cancel, on_waiting, config, constraint)
+    pipeline.session.notices[:0] = notices
+    return pipeline
 
 
 def log_entry(pipeline: Pipeline[Answerer], kind: str, prompt: str, record: Mapping[str, Any],

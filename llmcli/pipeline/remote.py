@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from llmcli import settings
 from llmcli.answer.constraint import Constraint
@@ -24,11 +26,29 @@ class RemoteModel:
     source: str = "endpoint"
 
 
-def open_remote(request: Request, effective: settings.Settings, constraint: Constraint,
-                cancel: Cancellation) -> Pipeline[Answerer]:
-    """The server's pipeline: its model (-m, else the first it lists), the settings it is sent, one connection pool."""
-    endpoint = Endpoint.parse(effective["endpoint"], request.api_key or os.environ.get("LLMCLI_API_KEY") or None,
-                              effective["endpoint_timeout"])
+def open_warm(request: Request, constraint: Constraint, cancel: Cancellation, on_progress: Any = None,
+              on_waiting: Any = None, config: Any = None) -> Pipeline[Answerer]:
+    """--keep-alive: the pipeline of this model's private warm server (started if none answers; LlmcliError if it
+    will not start). The model is resolved here (downloaded if it must be), its weights loaded by the server."""
+    from llmcli.pipeline import resolve_settings
+    from llmcli.pipeline.warm import LOAD_SETTINGS, ensure
+
+    effective, model = resolve_settings(request, on_progress, on_waiting, config)
+    warm = ensure(model.path, effective, request.template_file)
+    endpoint = Endpoint("http://llmcli/v1", None, max(effective["endpoint_timeout"], 600.0), socket=str(warm.socket))
+    settings_for_server = dataclasses.replace(effective, values={**effective.values, "model": warm.model})
+    return open_remote(request, settings_for_server, constraint, cancel, endpoint, sent_at_start=LOAD_SETTINGS,
+                       extra={"keep_alive": effective["keep_alive"]})  # this run's keep-alive is the server's now
+
+
+def open_remote(request: Request, effective: settings.Settings, constraint: Constraint, cancel: Cancellation,
+                endpoint: Endpoint | None = None, sent_at_start: tuple[str, ...] = (),
+                extra: dict[str, Any] | None = None) -> Pipeline[Answerer]:
+    """The server's pipeline: its model (-m, else the first it lists), the settings it is sent, one connection pool.
+    `endpoint`: a given one (a warm server's socket) rather than --endpoint's; `sent_at_start`: the settings that
+    server was started with (no notice names them)."""
+    endpoint = endpoint or Endpoint.parse(effective["endpoint"], request.api_key or os.environ.get("LLMCLI_API_KEY")
+                                          or None, effective["endpoint_timeout"])
     client = Client(endpoint, lambda: bool(cancel))
     try:
         model = effective["model"] or next(iter(client.models()), None)
@@ -37,7 +57,7 @@ def open_remote(request: Request, effective: settings.Settings, constraint: Cons
         defaults = {name: setting.default for name, setting in settings.SETTINGS.items()}
         biases, unsent = _logit_bias(request.logit_bias)
         remote = RemoteRequest(model, defaults, constraint.grammar if not constraint.json else None,
-                               constraint.schema, constraint.json and constraint.schema is None, biases)
+                               constraint.schema, constraint.json and constraint.schema is None, biases, extra or {})
         sampling = SamplingConfig.from_settings(effective.values)  # checked as for a local model
         prompt = PromptOptions(effective["system"], request.raw, None, effective["on_overflow"], effective["think"])
         generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]),
@@ -48,11 +68,12 @@ def open_remote(request: Request, effective: settings.Settings, constraint: Cons
         raise
     session = RemoteSession(client, remote, prompt)
     unsent += [settings.SETTINGS[name].flag for name in sorted(session.not_sent)  # flags: the environment and config
-               if effective.sources[name].startswith("flag")]                   # files serve local runs as well
-    unsent += [flag for flag, given in (("--chat-template-file", request.template_file), ("--force", request.force))
-               if given]
+               if effective.sources[name].startswith("flag") and name not in sent_at_start]  # files serve local runs
+    unsent += [flag for flag, given in (("--chat-template-file", request.template_file and not sent_at_start),
+                                        ("--force", request.force)) if given]
     if unsent:
-        session.notices.append(f"not used with --endpoint (the server decides): {', '.join(unsent)}")
+        where = "--keep-alive's server" if sent_at_start else "--endpoint (the server decides)"
+        session.notices.append(f"not used with {where}: {', '.join(unsent)}")
     pipeline: Pipeline[Answerer] = Pipeline(effective, RemoteModel(model), session, generation, cancel)
     pipeline.resources.callback(session.close)
     return pipeline

@@ -47,9 +47,10 @@ class RemoteRequest:
     json_schema: Mapping[str, Any] | None = None
     json_object: bool = False
     logit_bias: Mapping[str, float] = dataclasses.field(default_factory=dict)  # token id (as text) -> bias in [-100, 100]
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # sent as they are (a warm server's keep_alive)
 
     def body(self, generation: GenerationOptions, think: bool | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model}
+        body: dict[str, Any] = {"model": self.model, **self.extra}
         for name, field in WIRE_FIELDS.items():  # from this answer's options: chat's /set changes them between turns
             value = generation.repetition_guard if name == "repetition_guard" else getattr(generation.sampling, name)
             if value is not None and (value != self.defaults.get(name) or name == "temp"):

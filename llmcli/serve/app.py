@@ -16,6 +16,7 @@ The engine runs on its own thread; each request waits on an asyncio queue that t
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from llmcli import __version__
 from llmcli.errors import LlmcliError
 from llmcli.serve import anthropic_api, ollama_api, openai_api, responses_api
 from llmcli.serve.answer_request import ApiError, count_tokens
@@ -136,7 +138,8 @@ def create_app(state: ServerState, describe: Callable[[str, Any, int], ModelFact
         default = pool.default
         first = default.slots.status() if default is not None and default.key in pool.loaded else {}
         return JSONResponse({"status": "ok", "model": default.name if default else None, **first,
-                             "models": [status(served) for served in pool.loaded.values()]})
+                             "models": [status(served) for served in pool.loaded.values()],
+                             "pid": os.getpid(), "version": __version__})
 
     async def models_list(request: Request) -> Response:
         check_key(request, state)

@@ -12,7 +12,6 @@ No HTTP here.
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -24,23 +23,9 @@ from llmcli.decode.serving import SlotServer, deliver_here
 from llmcli.errors import LlmcliError, ModelNotFoundError
 from llmcli.serve.answer_request import ApiError, Prompter
 from llmcli.serve.model_facts import ModelFacts
+from llmcli.units import parse_keep_alive
 
 WAIT_FOR_ROOM_S = 120.0  # how long a request for an unloaded model waits for a loaded one to be idle
-_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)?")
-
-
-def parse_keep_alive(value: Any) -> float | None:
-    """Seconds a model stays loaded after its last request: a number of seconds, "10s", "5m", "1h", 0 (unload at
-    once) or a negative value (never); None: forever. ValueError if it is none of these."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return None if value < 0 else float(value)
-    found = _DURATION.fullmatch(value.strip()) if isinstance(value, str) else None
-    if found is None:
-        raise ValueError(f"keep_alive {value!r}: a duration such as 30s, 5m, 1h, 0 or -1")
-    number = float(found.group(1))
-    return None if number < 0 else number * {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600}[found.group(2)]
-
-
 @dataclass
 class Served:
     """One loaded model: its slot server (on its own engine thread), how requests become its tokens, its facts."""
@@ -99,15 +84,19 @@ class ModelPool:
         self._names: dict[str, Path] = {}
         self._pinned: set[Path] = set()
         self._reserved = 0  # loads under way: each counts as a loaded model
+        self.on_empty: Callable[[], None] | None = None  # called when the last model is unloaded (a private server)
         self._loading: dict[Path, asyncio.Lock] = {}
         self._changed = asyncio.Condition()
         self._reaper: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
-    def preloaded(self, served: Served) -> None:
-        """A -m model, loaded before the server started: the default of requests that name none."""
-        served.pinned = True
-        self._pinned.add(served.key)
+    def preloaded(self, served: Served, pinned: bool = True) -> None:
+        """A -m model, loaded before the server started: the default of requests that name none; `pinned`: it
+        never expires (else it does, as the others)."""
+        served.pinned = pinned
+        served.keep_alive = self.keep_alive
+        if pinned:
+            self._pinned.add(served.key)
         self.loaded[served.key] = served
         self._names[served.name] = served.key
         self.default = self.default or served
@@ -201,6 +190,8 @@ class ModelPool:
         del self.loaded[served.key]
         await asyncio.to_thread(served.stop)
         await asyncio.to_thread(_give_back_freed_memory)
+        if not self.loaded and not self._reserved and self.on_empty is not None:
+            self.on_empty()
 
     def hold(self, served: Served, keep_alive: Any = None) -> Callable[[], None]:
         """A request starts on `served` (its `keep_alive`, when given, is the model's from now on); the callable

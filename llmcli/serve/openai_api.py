@@ -39,8 +39,9 @@ MAX_PROMPTS = 16  # /v1/completions: prompts in one request (each takes a slot)
 # Fields that change nothing here, read and left on purpose: who asks, what to store, which tier, caching hints
 # (this server caches every prompt in its slots).
 LEFT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "cache_prompt"})
+# `keep_alive` (llmcli's and Ollama's): how long the model stays loaded after this request
 SHARED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "stop", "logit_bias", "logprobs", "seed",
-                    "grammar", "response_format", *FIELDS}) | LEFT
+                    "grammar", "response_format", "keep_alive", *FIELDS}) | LEFT
 CHAT_FIELDS = SHARED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                         "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort"}
 COMPLETION_FIELDS = SHARED | {"prompt", "echo", "suffix", "best_of"}

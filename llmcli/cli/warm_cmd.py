@@ -1,0 +1,89 @@
+"""`llmcli ps` and `llmcli stop`: the private servers `--keep-alive` keeps warm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from llmcli.errors import LlmcliError
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object per server on stdout.")]
+ModelArg = Annotated[Optional[str], typer.Argument(help="The model whose server to stop (none: every one).",
+                                                   show_default=False)]
+
+
+def ps(as_json: JsonOpt = False) -> None:
+    """The warm servers (`--keep-alive`): model, process, memory, when each exits."""
+    from llmcli.cli.output import print_table
+    from llmcli.pipeline.warm import running
+
+    servers = running()
+    if as_json:
+        for socket, state in servers:
+            print(json.dumps(_record(socket, state)))
+        return
+    rows = []
+    for socket, state in servers:
+        record = _record(socket, state)
+        for model in record["models"] or [{"name": record["model"], "expires_in_s": None, "in_flight": 0}]:
+            rows.append((model["name"], str(record["pid"]), f"{record['rss_mib']:.0f} MiB", _expiry(model),
+                         str(model.get("in_flight", 0)), str(socket)))
+    print_table(("model", "pid", "memory", "exits", "answering", "socket"), rows, right=("pid", "memory"),
+                empty="No warm server: `llmcli run --keep-alive 10m …` starts one.")
+
+
+def stop(model: ModelArg = None) -> None:
+    """End warm servers (each finishes its answers first): the one of MODEL, or every one."""
+    from llmcli.cli.output import stderr_console
+    from llmcli.pipeline.warm import running
+    from llmcli.pipeline.warm import stop as stop_server
+
+    path = _path_of(model) if model is not None else None
+    chosen = [(socket, state) for socket, state in running()
+              if model is None or model in {state.get("model"), *(m["name"] for m in state.get("models", []))}
+              or str(path) in {m.get("path") for m in state.get("models", [])}]
+    if not chosen:
+        raise LlmcliError(f"no warm server of {model}" if model else "no warm server is running",
+                          hint="llmcli ps lists them.")
+    console = stderr_console()
+    for socket, state in chosen:
+        if not stop_server(socket, state):
+            raise LlmcliError(f"the server of {state.get('model')} (pid {state.get('pid')}) did not stop in time")
+        console.print(f"stopped {state.get('model')} (pid {state.get('pid')})")
+
+
+def _path_of(model: str) -> Path | None:
+    """The file a model reference means here (None if it means none)."""
+    from llmcli.settings import load_config_file
+    from llmcli.store.catalog import local_model
+
+    try:
+        return local_model(model, load_config_file().aliases).path.resolve()
+    except LlmcliError:
+        return None
+
+
+def _record(socket: Path, state: dict[str, Any]) -> dict[str, Any]:
+    pid = int(state.get("pid") or 0)
+    return {"model": state.get("model"), "pid": pid, "socket": str(socket), "rss_mib": _rss_mib(pid),
+            "models": state.get("models") or [], "version": state.get("version")}
+
+
+def _rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return 0.0
+    return 0.0
+
+
+def _expiry(model: dict[str, Any]) -> str:
+    seconds = model.get("expires_in_s")
+    if seconds is None:
+        return "never" if model.get("pinned") else "when idle"
+    return f"in {seconds:.0f} s" if seconds < 120 else f"in {seconds / 60:.0f} min"

@@ -1,0 +1,143 @@
+"""`--keep-alive`: `run`, `chat` and `--batch` answer through a private `llmcli serve` of their model, started in the
+background on first use and kept warm — no daemon to manage, and the next run skips the load.
+
+The server listens on a Unix socket in the runtime dir (the directory 0700, the socket 0600: no TCP port, no one
+else), one per model and load settings (a server of another llmcli version has another socket), and exits once its
+model has been idle for the keep-alive, removing its socket. A dead socket is removed and a new server started; a
+server that will not start leaves the answer to this process (one notice). Speaks HTTP only: no llama.cpp here.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx2
+
+from llmcli import __version__, paths, settings
+from llmcli.errors import LlmcliError
+
+# What the server fixes when it loads the model: sent once, when it starts (each request sends the rest).
+LOAD_SETTINGS = ("ctx_size", "threads", "batch_size", "mlock", "mmap", "flash_attn", "kv_type", "speculate",
+                 "draft_model", "draft_max", "tool_format", "special")
+START_TIMEOUT_S = 300.0  # a large model's first load (page cache cold, weights repacked)
+
+
+@dataclass(frozen=True)
+class WarmServer:
+    socket: Path
+    model: str  # the name its model answers to
+    pid: int
+
+
+def socket_for(model_path: Path, effective: settings.Settings, template_file: Path | None) -> Path:
+    """The socket of the server for this model and these load settings (and this llmcli)."""
+    identity = json.dumps([__version__, str(model_path.resolve()), str(template_file or ""),
+                           {name: effective[name] for name in LOAD_SETTINGS}], sort_keys=True, default=str)
+    return paths.warm_servers_dir() / f"{hashlib.sha256(identity.encode()).hexdigest()[:20]}.sock"
+
+
+def health(socket: Path, timeout: float = 2.0) -> dict[str, Any] | None:
+    """What the server on `socket` says of itself, or None if none answers there."""
+    try:
+        with httpx2.Client(transport=httpx2.HTTPTransport(uds=str(socket)), timeout=timeout) as http:
+            found: dict[str, Any] = http.get("http://llmcli/health").json()
+            return found
+    except (httpx2.HTTPError, OSError, ValueError):
+        return None
+
+
+def running() -> list[tuple[Path, dict[str, Any]]]:
+    """The warm servers of this user: each socket that answers, with its health."""
+    folder = paths.warm_servers_dir()
+    found = []
+    for socket in sorted(folder.glob("*.sock")) if folder.is_dir() else []:
+        state = health(socket)
+        if state is not None:
+            found.append((socket, state))
+    return found
+
+
+def ensure(model_path: Path, effective: settings.Settings, template_file: Path | None) -> WarmServer:
+    """The warm server of this model, started if none answers (LlmcliError if it will not start)."""
+    socket = socket_for(model_path, effective, template_file)
+    state = health(socket)
+    if state is None or state.get("version") != __version__:
+        with _starting(socket):  # one start at a time: a second run waits for the first one's server
+            state = health(socket)
+            if state is None:
+                state = _start(socket, model_path, effective, template_file)
+    return WarmServer(socket, str(state.get("model") or model_path.stem), int(state.get("pid") or 0))
+
+
+@contextmanager
+def _starting(socket: Path) -> Iterator[None]:
+    socket.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(socket.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _start(socket: Path, model_path: Path, effective: settings.Settings, template_file: Path | None) -> dict[str, Any]:
+    keep_alive = str(effective["keep_alive"])
+    command = [sys.executable, "-m", "llmcli", "serve", "--socket", str(socket), "-m", effective["model"] or
+               str(model_path), "--keep-alive", keep_alive, "--exit-when-idle", "-P", "1", "--queue", "64",
+               "--max-models", "1"]
+    if template_file is not None:
+        command += ["--chat-template-file", str(template_file)]
+    environment = {**os.environ, **{settings.SETTINGS[name].env: _env_value(effective[name])
+                                    for name in LOAD_SETTINGS if effective[name] is not None}}
+    environment.pop("LLMCLI_KEEP_ALIVE", None)
+    log = socket.with_suffix(".log")
+    with open(log, "wb") as output:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=output,
+                                   env=environment, start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        state = health(socket, timeout=1.0)
+        if state is not None:
+            return state
+        if process.poll() is not None:
+            reason = " ".join(log.read_text(errors="replace").split()[-40:]) or f"exit {process.returncode}"
+            raise LlmcliError(f"the warm server did not start: {reason}")
+        time.sleep(0.05)
+    process.terminate()
+    raise LlmcliError(f"the warm server did not answer within {START_TIMEOUT_S:.0f} s")
+
+
+def _env_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def stop(socket: Path, state: dict[str, Any], timeout: float = 30.0) -> bool:
+    """End a warm server (SIGTERM: its answers finish first); whether it is gone, its socket with it."""
+    import signal
+
+    pid = int(state.get("pid") or 0)
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        socket.unlink(missing_ok=True)
+        return True
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False

@@ -1,0 +1,101 @@
+"""`--keep-alive` (issue 27, part 2): `run` answers through a private warm server of its model, reached over a Unix
+socket only its user may open, started on first use and gone after the keep-alive; `llmcli ps` and `llmcli stop`.
+Greedy answers equal in-process ones; a killed server is replaced; Ctrl-C cancels the server-side answer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+PROMPT = "Say hi."
+
+
+@pytest.fixture
+def runtime(tmp_path: Path):
+    """A runtime dir of the test's own; every warm server started in it is ended after the test."""
+    env = {"LLMCLI_RUNTIME_DIR": str(tmp_path / "runtime")}
+    yield env
+    run_cli("stop", env=env)
+
+
+def answer(env: dict[str, str], *args: str) -> dict:
+    result = run_cli("run", "--json", "--temp", "0", "-n", "16", "--no-prompt-cache", *args, PROMPT, env=env)
+    assert result.code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def servers(env: dict[str, str]) -> list[dict]:
+    result = run_cli("ps", "--json", env=env)
+    assert result.code == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_warm_run_answers_as_in_process_over_a_private_socket_and_stop_ends_it(runtime):
+    in_process = answer(runtime)
+    cold = answer(runtime, "--keep-alive", "5m")  # starts the server
+    warm = answer(runtime, "--keep-alive", "5m")  # finds it
+    assert cold["text"] == warm["text"] == in_process["text"]
+    assert warm["usage"]["cached_tokens"] > 0  # the prompt stayed in the server's slot
+    (server,) = servers(runtime)
+    socket = Path(server["socket"])
+    assert stat.S_IMODE(socket.stat().st_mode) == 0o600 and stat.S_IMODE(socket.parent.stat().st_mode) == 0o700
+    assert stat.S_ISSOCK(socket.stat().st_mode) and server["models"][0]["path"].endswith(".gguf")
+    stopped = run_cli("stop", "smollm2", env=runtime)
+    assert stopped.code == 0 and "stopped" in stopped.stderr
+    assert gone(server["pid"], 30) and not socket.exists() and list(socket.parent.iterdir()) == []
+    assert run_cli("stop", env=runtime).code == 1  # none left
+
+
+def test_a_killed_server_is_replaced_and_an_idle_one_exits_leaving_nothing(runtime):
+    first = answer(runtime, "--keep-alive", "5m")
+    (server,) = servers(runtime)
+    os.kill(server["pid"], signal.SIGKILL)  # its socket stays behind, dead
+    assert gone(server["pid"], 10) and Path(server["socket"]).exists()
+    again = answer(runtime, "--keep-alive", "5m")  # the dead socket is replaced by a new server's
+    (revived,) = servers(runtime)
+    assert again["text"] == first["text"] and revived["pid"] != server["pid"]
+    answer(runtime, "--keep-alive", "2s")  # each run's keep-alive is the server's from then on
+    assert servers(runtime)[0]["models"][0]["expires_in_s"] <= 2
+    assert gone(revived["pid"], 30) and not Path(revived["socket"]).exists()  # idle 2 s: it exits, its socket too
+    assert list(Path(revived["socket"]).parent.iterdir()) == []
+
+
+def test_ctrl_c_cancels_the_answer_on_the_server(runtime):
+    answer(runtime, "--keep-alive", "5m")
+    (server,) = servers(runtime)
+    env = {**os.environ, **runtime}
+    proc = subprocess.Popen([sys.executable, "-m", "llmcli", "run", "--keep-alive", "5m", "-n", "4000", "--logit-bias",
+                             "2=-inf", "--logit-bias", "0=-inf", "--logit-bias", "1=-inf", "Tell a very long story."],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    assert proc.stdout.read(16)  # it is answering
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        (state,) = servers(runtime)
+        if state["models"][0]["slots"]["busy"] == 0:
+            break
+        time.sleep(0.1)
+    assert state["models"][0]["slots"]["busy"] == 0 and state["pid"] == server["pid"]  # cancelled, server still up
