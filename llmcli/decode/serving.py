@@ -32,10 +32,11 @@ from llmcli.decode.speculative import Speculation
 from llmcli.llama.engine import Engine
 from llmcli.shared_prefix import shared_prefix
 
-# A slot's cache is reused for a prompt that shares at least this many tokens with it. A shorter prefix (the
-# template's first tokens, which every chat prompt has) saves under a millisecond, and its keys and values were
-# computed in another prompt's batch: llama.cpp's numbers depend on the batch in their last bits, and greedy
-# answers can part after a few tokens. Below it, a prompt is evaluated whole: the answer `llmcli run` gives.
+# A slot's cache is reused for a prompt that shares at least this many tokens with it, or all of it (a prompt asked
+# again). A shorter prefix (the template's first tokens, which every chat prompt has) saves under a millisecond,
+# and its keys and values were computed in another prompt's batch: llama.cpp's numbers depend on the batch in their
+# last bits, and greedy answers can part after a few tokens. Below it, a prompt is evaluated whole: the answer
+# `llmcli run` gives.
 MIN_REUSE = 32
 
 

@@ -98,9 +98,9 @@ class KVCache:
 
     def keep_prefix(self, prompt: Sequence[int], seq: int = 0, at_least: int = 1) -> int:
         """Keep the longest prefix of `prompt` sequence `seq` holds (at most all but its last token: its logits
-        are needed) when it has `at_least` tokens, and drop the rest; returns how many tokens are kept."""
+        are needed) when it has `at_least` tokens or is all of that, and drop the rest; returns how many are kept."""
         keep = self.shared_prefix(prompt[: len(prompt) - 1], seq)
-        if keep < at_least:
+        if keep < min(at_least, len(prompt) - 1):
             keep = 0
         # A sliding-window cache may lack the positions the next token must see (llama-server's check).
         if keep and llama_cpp.llama_memory_seq_pos_min(self._memory, seq) > max(0, keep - max(1, self.n_swa)):
