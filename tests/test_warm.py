@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,11 +22,14 @@ PROMPT = "Say hi."
 
 
 @pytest.fixture
-def runtime(tmp_path: Path):
-    """A runtime dir of the test's own; every warm server started in it is ended after the test."""
-    env = {"LLMCLI_RUNTIME_DIR": str(tmp_path / "runtime")}
+def runtime():
+    """A runtime dir of the test's own (short: a Unix socket's path has at most 107 bytes, and pytest's tmp_path
+    under xdist is longer); every warm server started in it is ended after the test."""
+    folder = tempfile.mkdtemp(prefix="llmcli-rt-", dir="/tmp")
+    env = {"LLMCLI_RUNTIME_DIR": folder}
     yield env
     run_cli("stop", env=env)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def answer(env: dict[str, str], *args: str) -> dict:
@@ -99,3 +104,10 @@ def test_ctrl_c_cancels_the_answer_on_the_server(runtime):
             break
         time.sleep(0.1)
     assert state["models"][0]["slots"]["busy"] == 0 and state["pid"] == server["pid"]  # cancelled, server still up
+
+
+def test_a_runtime_dir_too_deep_for_a_socket_answers_in_process_and_says_why(tmp_path):
+    deep = tmp_path / ("d" * 100)
+    result = run_cli("run", "--keep-alive", "5m", "--temp", "0", "-n", "4", PROMPT, env={"LLMCLI_RUNTIME_DIR": str(deep)})
+    assert result.code == 0 and result.stdout and "too long for a Unix socket" in result.stderr
+    assert "answering in this process" in result.stderr

@@ -31,6 +31,7 @@ from llmcli.errors import LlmcliError
 LOAD_SETTINGS = ("ctx_size", "threads", "batch_size", "mlock", "mmap", "flash_attn", "kv_type", "speculate",
                  "draft_model", "draft_max", "tool_format", "special")
 START_TIMEOUT_S = 300.0  # a large model's first load (page cache cold, weights repacked)
+MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sun_path, less its terminating NUL, on Linux)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ def running() -> list[tuple[Path, dict[str, Any]]]:
 def ensure(model_path: Path, effective: settings.Settings, template_file: Path | None) -> WarmServer:
     """The warm server of this model, started if none answers (LlmcliError if it will not start)."""
     socket = socket_for(model_path, effective, template_file)
+    if len(os.fsencode(socket)) > MAX_SOCKET_PATH:
+        raise LlmcliError(f"the runtime dir's path is too long for a Unix socket ({socket}: more than "
+                          f"{MAX_SOCKET_PATH} bytes); set LLMCLI_RUNTIME_DIR to a shorter one")
     state = health(socket)
     if state is None or state.get("version") != __version__:
         with _starting(socket):  # one start at a time: a second run waits for the first one's server
