@@ -4,6 +4,7 @@ package's name and a file's path); loaded on first use, kept --keep-alive (a req
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import httpx2
 import pytest
-from conftest import start_server, stop_server
+from conftest import run_cli, start_server, stop_server
 
 from llmcli.units import parse_keep_alive
 
@@ -86,6 +87,10 @@ def test_keep_alive_expires_a_loaded_model_and_a_request_s_own_keep_alive_wins(t
     try:
         complete(url, str(gemma3))
         assert len(loaded(url)) == 2
+        shown = run_cli("ps", "--url", url, "--json")  # what `llmcli ps` prints of a server
+        (record,) = [json.loads(line) for line in shown.stdout.splitlines()]
+        assert [m["pinned"] for m in record["models"]] == [True, False] and record["pid"] == proc.pid
+        assert record["models"][1]["expires_in_s"] <= 1 and record["models"][1]["size"] == gemma3.stat().st_size
         deadline = time.monotonic() + 30
         while len(loaded(url)) == 2 and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -111,3 +111,59 @@ def test_a_runtime_dir_too_deep_for_a_socket_answers_in_process_and_says_why(tmp
     result = run_cli("run", "--keep-alive", "5m", "--temp", "0", "-n", "4", PROMPT, env={"LLMCLI_RUNTIME_DIR": str(deep)})
     assert result.code == 0 and result.stdout and "too long for a Unix socket" in result.stderr
     assert "answering in this process" in result.stderr
+
+
+def test_a_server_that_goes_away_before_answering_leaves_the_answer_to_this_process(runtime, monkeypatch):
+    """A warm server that answers /health and then drops the request (it crashed after it was found): the run
+    loads the model itself and answers, with one notice — the answer in-process gives."""
+    import http.server
+    import socketserver
+    import threading
+
+    from llmcli import __version__
+    from llmcli.pipeline import Request, resolve_settings
+    from llmcli.pipeline.warm import socket_for
+
+    monkeypatch.setenv("LLMCLI_RUNTIME_DIR", runtime["LLMCLI_RUNTIME_DIR"])
+    effective, model = resolve_settings(Request(settings={"keep_alive": "5m"}))
+    socket = socket_for(model.path, effective, None)
+    socket.parent.mkdir(parents=True, mode=0o700)
+
+    class Vanishing(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            body = json.dumps({"status": "ok", "model": "smollm2", "version": __version__, "pid": 0}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.close_connection = True  # no answer: the connection just ends
+
+        def log_message(self, *args: object) -> None:
+            return
+
+    fake = socketserver.UnixStreamServer(str(socket), Vanishing)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    try:
+        here = answer(runtime, "--keep-alive", "5m")
+        result = run_cli("run", "--json", "--temp", "0", "-n", "16", "--no-prompt-cache", PROMPT, env=runtime)
+        assert here["text"] == json.loads(result.stdout)["text"]
+        assert "went away before answering" in " ".join(here["notices"])
+    finally:
+        fake.shutdown()
+        fake.server_close()
+        socket.unlink(missing_ok=True)
+
+
+def test_embed_through_the_warm_server_gives_the_in_process_vectors(runtime):
+    lines = "A lighthouse keeper climbed the stairs.\nA recipe for bread.\n"
+    here = [json.loads(line) for line in run_cli("embed", "--normalize", input=lines, env=runtime).stdout.splitlines()]
+    warm = run_cli("embed", "--normalize", "--keep-alive", "5m", input=lines, env=runtime)
+    assert warm.code == 0, warm.stderr
+    served = [json.loads(line) for line in warm.stdout.splitlines()]
+    assert [r["tokens"] for r in served] == [r["tokens"] for r in here]
+    for remote, mine in zip(served, here, strict=True):
+        assert max(abs(a - b) for a, b in zip(remote["embedding"], mine["embedding"], strict=True)) < 1e-5
+    assert len(servers(runtime)) == 1

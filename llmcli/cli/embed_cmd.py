@@ -13,7 +13,7 @@ import typer
 from llmcli.cli import options as o
 from llmcli.errors import ExitCode, ResourceError, StdoutClosed, UsageError
 
-SETTINGS_TAKEN = ("model", "ctx_size", "threads", "mmap", "mlock")
+SETTINGS_TAKEN = ("model", "ctx_size", "threads", "mmap", "mlock", "keep_alive")
 TextArg = Annotated[Optional[str], typer.Argument(
     help="The text to embed (prints one JSON vector). Without it: --input, else one text per line of stdin.",
     show_default=False)]
@@ -137,8 +137,32 @@ def _open(given: dict[str, Any], pooling: str, normalize: bool, truncate: bool, 
         raise UsageError(f"--pooling must be one of {', '.join(POOLINGS)} (got {pooling!r})")
     request = Request(settings=o.given_settings(given), profile=given["profile"], force=force)
     with output.download_progress() as progress:
+        warm = _warm(request, pooling, normalize, truncate, progress)
+        if warm is not None:
+            return warm
         _, _, embedder = open_embedder(request, pooling, normalize, truncate, per_batch, progress)
     return embedder
+
+
+def _warm(request: Any, pooling: str, normalize: bool, truncate: bool, progress: Any) -> Any:
+    """With --keep-alive: the warm server's embedder (None: none, or it will not start — then a notice)."""
+    from llmcli.cli import output
+    from llmcli.errors import LlmcliError
+    from llmcli.pipeline import resolve_settings
+    from llmcli.pipeline.warm import WarmEmbedder, ensure
+
+    effective, model = resolve_settings(request, progress)
+    if not effective["keep_alive"]:
+        return None
+    if pooling != "model":
+        output.print_notice(output.stderr_console(), "--keep-alive's server embeds with the model's own pooling: "
+                            f"--pooling {pooling} is answered in this process")
+        return None
+    try:
+        return WarmEmbedder(ensure(model.path, effective, None), normalize, truncate)
+    except LlmcliError as exc:
+        output.print_notice(output.stderr_console(), f"{exc.message}; embedding in this process")
+        return None
 
 
 def _records(text: str | None, input_file: Path | None, field: str) -> list[dict[str, Any]]:

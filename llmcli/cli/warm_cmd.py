@@ -9,29 +9,35 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmcli.errors import LlmcliError
+from llmcli.units import human_size
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object per server on stdout.")]
+UrlOpt = Annotated[Optional[str], typer.Option(
+    "--url", help="Instead: what the `llmcli serve` at this URL has loaded (http://127.0.0.1:8080).",
+    show_default=False)]
 ModelArg = Annotated[Optional[str], typer.Argument(help="The model whose server to stop (none: every one).",
                                                    show_default=False)]
 
 
-def ps(as_json: JsonOpt = False) -> None:
-    """The warm servers (`--keep-alive`): model, process, memory, when each exits."""
+def ps(as_json: JsonOpt = False, url: UrlOpt = None) -> None:
+    """The warm servers (`--keep-alive`): model, process, memory, when each exits; with --url, a server's models."""
     from llmcli.cli.output import print_table
-    from llmcli.pipeline.warm import running
+    from llmcli.pipeline.warm import running, served_at
 
-    servers = running()
+    servers: list[tuple[Any, dict[str, Any]]] = running() if url is None else [(url, served_at(url))]
     if as_json:
-        for socket, state in servers:
-            print(json.dumps(_record(socket, state)))
+        for where, state in servers:
+            print(json.dumps(_record(where, state)))
         return
     rows = []
-    for socket, state in servers:
-        record = _record(socket, state)
-        for model in record["models"] or [{"name": record["model"], "expires_in_s": None, "in_flight": 0}]:
-            rows.append((model["name"], str(record["pid"]), f"{record['rss_mib']:.0f} MiB", _expiry(model),
-                         str(model.get("in_flight", 0)), str(socket)))
-    print_table(("model", "pid", "memory", "exits", "answering", "socket"), rows, right=("pid", "memory"),
+    for where, state in servers:
+        record = _record(where, state)
+        for model in record["models"]:
+            slots = model.get("slots") or {}
+            rows.append((model["name"], str(record["pid"]), human_size(model.get("size") or 0),
+                         f"{record['rss_mib']:.0f} MiB", f"{slots.get('busy', 0)}/{slots.get('slots', 0)}",
+                         _expiry(model), str(where)))
+    print_table(("model", "pid", "file", "memory", "busy", "exits", "where"), rows, right=("pid", "file", "memory"),
                 empty="No warm server: `llmcli run --keep-alive 10m …` starts one.")
 
 
@@ -66,9 +72,9 @@ def _path_of(model: str) -> Path | None:
         return None
 
 
-def _record(socket: Path, state: dict[str, Any]) -> dict[str, Any]:
+def _record(where: Any, state: dict[str, Any]) -> dict[str, Any]:
     pid = int(state.get("pid") or 0)
-    return {"model": state.get("model"), "pid": pid, "socket": str(socket), "rss_mib": _rss_mib(pid),
+    return {"model": state.get("model"), "pid": pid, "socket": str(where), "rss_mib": _rss_mib(pid),
             "models": state.get("models") or [], "version": state.get("version")}
 
 

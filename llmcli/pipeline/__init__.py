@@ -8,6 +8,7 @@ loaded) or the local model (llmcli/pipeline/local.py) — as one `Pipeline` whos
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -127,9 +128,20 @@ def open_answering(request: Request, on_progress: ProgressCallback | None = None
         from llmcli.pipeline.remote import open_warm  # speaks HTTP only
 
         try:
-            return open_warm(request, constraint, cancel, on_progress, on_waiting, config)
+            warm = open_warm(request, constraint, cancel, on_progress, on_waiting, config)
         except LlmcliError as exc:  # no warm server: this process answers, as without --keep-alive
             notices.append(f"{exc.message}; answering in this process")
+        else:
+            from llmcli.pipeline.fallback import FallbackAnswerer
+
+            def open_here() -> Pipeline[Answerer]:
+                from llmcli.pipeline.local import open_local  # loads llama.cpp
+
+                return open_local(request, on_progress, cancel, on_waiting, config, constraint)
+
+            fallback = FallbackAnswerer(warm.session, open_here)
+            warm.resources.callback(fallback.close)
+            return dataclasses.replace(warm, session=fallback)
     from llmcli.pipeline.local import open_local  # loads llama.cpp
 
     pipeline = open_local(request, on_progress, cancel, on_waiting, config, constraint)

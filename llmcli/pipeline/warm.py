@@ -58,6 +58,18 @@ def health(socket: Path, timeout: float = 2.0) -> dict[str, Any] | None:
         return None
 
 
+def served_at(url: str) -> dict[str, Any]:
+    """What the `llmcli serve` at `url` says of itself (its /health); LlmcliError if it does not answer as one."""
+    base = url.rstrip("/").removesuffix("/v1")
+    try:
+        found: dict[str, Any] = httpx2.get(f"{base}/health", timeout=10).json()
+    except (httpx2.HTTPError, ValueError) as exc:
+        raise LlmcliError(f"{base}/health did not answer: {exc}") from None
+    if "models" not in found:
+        raise LlmcliError(f"{base} is not an llmcli serve (its /health lists no models)")
+    return found
+
+
 def running() -> list[tuple[Path, dict[str, Any]]]:
     """The warm servers of this user: each socket that answers, with its health."""
     folder = paths.warm_servers_dir()
@@ -145,3 +157,41 @@ def stop(socket: Path, state: dict[str, Any], timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+@dataclass(frozen=True)
+class WarmEmbedded:
+    """One text's result from the warm server (what llmcli/embed's Embedded holds)."""
+
+    vector: list[float] | None
+    tokens: int
+    error: str | None = None
+    too_long: bool = False
+
+
+class WarmEmbedder:
+    """`llmcli embed --keep-alive`: the warm server's embedding model, as `embed` uses a local Embedder."""
+
+    TEXTS_PER_REQUEST = 256
+
+    def __init__(self, server: WarmServer, normalize: bool, truncate: bool):
+        import contextlib
+
+        self.server, self.normalize, self.truncate = server, normalize, truncate
+        self.engine = contextlib.nullcontext()  # (a local embedder's engine is closed after; the server's stays)
+
+    def embed(self, texts: list[str], on_progress: Any = None) -> Iterator[WarmEmbedded]:
+        with httpx2.Client(transport=httpx2.HTTPTransport(uds=str(self.server.socket)), timeout=600) as http:
+            for start in range(0, len(texts), self.TEXTS_PER_REQUEST):
+                chunk = texts[start:start + self.TEXTS_PER_REQUEST]
+                try:
+                    reply = http.post("http://llmcli/llmcli/embed", json={
+                        "model": self.server.model, "input": chunk, "normalize": self.normalize,
+                        "truncate": self.truncate})
+                    results = reply.json()["results"]
+                except (httpx2.HTTPError, ValueError, KeyError) as exc:
+                    raise LlmcliError(f"the warm server did not embed: {exc}") from None
+                for result in results:
+                    yield WarmEmbedded(result["embedding"], result["tokens"], result["error"], result["too_long"])
+                if on_progress is not None:
+                    on_progress(start + len(chunk))

@@ -191,7 +191,22 @@ def create_app(state: ServerState, describe: Callable[[str, Any, int], ModelFact
 
         return embed
 
+    async def llmcli_embed(body: Any) -> Any:
+        """llmcli's own: per-text results (a text that fails is its own error), normalize and truncate as asked."""
+        served, release = await requested_model(state, body)
+        try:
+            texts = body.get("input")
+            if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+                raise ApiError(400, "input must be a list of strings", param="input")
+            results = await _embed(served, texts, normalize=body.get("normalize") is True,
+                                   truncate=body.get("truncate") is True)
+            return {"results": [{"embedding": None if r.vector is None else list(r.vector), "tokens": r.tokens,
+                                 "error": r.error, "too_long": r.too_long} for r in results]}
+        finally:
+            release()
+
     routes = [
+        Route("/llmcli/embed", _posted(state, openai_api.error_body, llmcli_embed), methods=["POST"]),
         # OpenAI
         Route("/v1/chat/completions", handler(openai_answers(True)), methods=["POST"]),
         Route("/v1/completions", handler(openai_answers(False)), methods=["POST"]),
