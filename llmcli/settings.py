@@ -31,6 +31,7 @@ from typing import Any
 from llmcli import paths
 from llmcli.errors import UsageError
 from llmcli.text_escapes import unescape
+from llmcli.units import is_keep_alive
 
 # Help panels
 MODEL, SAMPLING, ENGINE, CACHE, OUTPUT = "Model and prompt", "Sampling and stopping", "Engine", "Prompt cache", "Output"
@@ -94,15 +95,6 @@ def show_value(value: Any) -> str:
 
 def _s(name: str, kind: type, default: Any, help: str, *flags: str, panel: str = SAMPLING, **extra: Any) -> Setting:
     return Setting(name, kind, default, help, flags or (f"--{name.replace('_', '-')}",), panel, **extra)
-
-
-def _duration(value: str) -> bool:
-    from llmcli.units import parse_keep_alive
-
-    try:
-        return parse_keep_alive(value) != 0
-    except ValueError:
-        return False
 
 
 def _at_least(minimum: float) -> dict[str, Any]:
@@ -171,7 +163,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "(keep the system prompt and the end of the input).", choices=("error", "truncate"), chat=True),
     _s("keep_alive", str, None, "Keep the model loaded this long after an answer (30s, 10m, 1h; -1: until `llmcli "
        "stop`), in a private server on a Unix socket that the next run, chat or --batch answers through at once.",
-       panel=ENGINE, default_text="none: load, answer, exit", check=_duration, rule="must be a duration: 30s, 10m, 1h"),
+       panel=ENGINE, default_text="none: load, answer, exit", check=is_keep_alive, rule="must be a duration: 30s, 10m, 1h"),
     _s("endpoint", str, None, "Use an OpenAI-compatible server (vLLM, llama-server, Ollama, llmcli serve) at this URL "
        "(…/v1) instead of a local model; -m names its model.", panel=REMOTE, default_text="none: a local model"),
     _s("endpoint_timeout", float, 60.0, "With --endpoint: seconds to wait for the server to connect or to send the "

@@ -44,3 +44,11 @@ def parse_keep_alive(value: Any) -> float | None:
         raise ValueError(f"keep_alive {value!r}: a duration such as 30s, 5m, 1h, 0 or -1")
     number = float(found.group(1))
     return None if number < 0 else number * {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600}[found.group(2)]
+
+
+def is_keep_alive(value: Any) -> bool:
+    """A keep-alive that keeps something: a duration, not 0."""
+    try:
+        return parse_keep_alive(value) != 0
+    except ValueError:
+        return False
