@@ -67,14 +67,14 @@ def test_two_models_alternate_under_load_with_one_loaded_at_a_time(tmp_path, gem
             except BaseException as exc:  # reported below
                 errors.append(exc)
 
-        orders = [["smollm2", str(gemma3)] * 2, [str(gemma3), "smollm2"] * 2, ["smollm2"] * 2 + [str(gemma3)]]
+        orders = [["smollm2", str(gemma3)], [str(gemma3), "smollm2"], ["smollm2", "smollm2", str(gemma3)]]
         threads = [threading.Thread(target=client, args=(order,)) for order in orders]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(timeout=600)
         assert not errors, errors
-        assert len(results) == 11 and all(text == alone[model] for model, text in results)
+        assert len(results) == 7 and all(text == alone[model] for model, text in results)
         complete(url, "smollm2")
         assert [Path(p).name for p in loaded(url)] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
         assert rss_mib(proc.pid) < 1.10 * baseline  # smollm2 alone again: gemma's memory went back

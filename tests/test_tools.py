@@ -32,6 +32,7 @@ WEATHER = {"type": "function", "function": {
 TOOLS = [MULTIPLY, WEATHER]
 HERMES_TEMPLATE = Path(__file__).parent / "data" / "hermes-chatml.jinja"
 QUESTION = "What is 12 times 7, and what is the weather in Paris?"
+SAMPLED_CALLS = 24  # per format (issue 24 measured 50: 50/50 valid with the grammar, 0/50 without)
 
 # -- the parser: recorded outputs, per format ----------------------------------------------------------------------
 
@@ -149,7 +150,7 @@ def _valid(call) -> bool:
     return True
 
 
-def test_fifty_sampled_required_calls_all_parse_and_validate(served):
+def test_sampled_required_calls_all_parse_and_validate(served):
     _, url = served
     client = _client(url)
 
@@ -159,12 +160,12 @@ def test_fifty_sampled_required_calls_all_parse_and_validate(served):
             parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=200).choices[0]
 
     with ThreadPoolExecutor(4) as pool:
-        choices = list(pool.map(ask, range(50)))
+        choices = list(pool.map(ask, range(SAMPLED_CALLS)))
     calls = [c.message.tool_calls for c in choices]
     assert all(c.finish_reason == "tool_calls" for c in choices), [(c.finish_reason, c.message) for c in choices if c.finish_reason != "tool_calls"]
     assert all(len(found) == 1 and _valid(found[0]) for found in calls)
     ids = [found[0].id for found in calls]
-    assert all(ids) and len(set(ids)) == 50
+    assert all(ids) and len(set(ids)) == SAMPLED_CALLS
 
 
 def test_a_named_choice_calls_that_tool_and_auto_never_leaks_markup(served):

@@ -113,9 +113,11 @@ def test_a_runtime_dir_too_deep_for_a_socket_answers_in_process_and_says_why(tmp
     assert "answering in this process" in result.stderr
 
 
-def test_a_server_that_goes_away_before_answering_leaves_the_answer_to_this_process(runtime, monkeypatch):
-    """A warm server that answers /health and then drops the request (it crashed after it was found): the run
-    loads the model itself and answers, with one notice — the answer in-process gives."""
+@pytest.mark.parametrize("begun", [False, True])
+def test_a_server_that_goes_away_leaves_the_answer_to_this_process(runtime, monkeypatch, begun):
+    """A warm server that answers /health, then drops the request (it crashed after it was found) — at once, or after
+    streaming the answer's first characters: the run loads the model itself and answers, with one notice; what the
+    terminal shows is the in-process answer, once (the characters already shown are not shown again)."""
     import http.server
     import socketserver
     import threading
@@ -124,12 +126,17 @@ def test_a_server_that_goes_away_before_answering_leaves_the_answer_to_this_proc
     from llmcli.pipeline import Request, resolve_settings
     from llmcli.pipeline.warm import socket_for
 
+    here = run_cli("run", "--temp", "0", "-n", "16", "--no-prompt-cache", PROMPT, env=runtime)
     monkeypatch.setenv("LLMCLI_RUNTIME_DIR", runtime["LLMCLI_RUNTIME_DIR"])
     effective, model = resolve_settings(Request(settings={"keep_alive": "5m"}))
     socket = socket_for(model.path, effective, None)
     socket.parent.mkdir(parents=True, mode=0o700)
+    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "smollm2", "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": here.stdout[:6]}, "finish_reason": None}]}
 
     class Vanishing(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             body = json.dumps({"status": "ok", "model": "smollm2", "version": __version__, "pid": 0}).encode()
             self.send_response(200)
@@ -139,7 +146,14 @@ def test_a_server_that_goes_away_before_answering_leaves_the_answer_to_this_proc
             self.wfile.write(body)
 
         def do_POST(self) -> None:  # noqa: N802
-            self.close_connection = True  # no answer: the connection just ends
+            self.rfile.read(int(self.headers["content-length"]))
+            if begun:  # the answer's first characters, then the connection ends mid-stream
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.end_headers()
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            self.close_connection = True
 
         def log_message(self, *args: object) -> None:
             return
@@ -147,10 +161,9 @@ def test_a_server_that_goes_away_before_answering_leaves_the_answer_to_this_proc
     fake = socketserver.UnixStreamServer(str(socket), Vanishing)
     threading.Thread(target=fake.serve_forever, daemon=True).start()
     try:
-        here = answer(runtime, "--keep-alive", "5m")
-        result = run_cli("run", "--json", "--temp", "0", "-n", "16", "--no-prompt-cache", PROMPT, env=runtime)
-        assert here["text"] == json.loads(result.stdout)["text"]
-        assert "went away before answering" in " ".join(here["notices"])
+        warm = run_cli("run", "--keep-alive", "5m", "--temp", "0", "-n", "16", "--no-prompt-cache", PROMPT, env=runtime)
+        assert warm.code == 0, warm.stderr
+        assert warm.stdout == here.stdout and "went away" in warm.stderr and "starts again" not in warm.stderr
     finally:
         fake.shutdown()
         fake.server_close()

@@ -1,7 +1,8 @@
-"""A warm server's answerer that never loses an answer to the server's state: if the server goes away before an
-answer has begun (it crashed, or was stopped, after it was found), this process loads the model and answers, with
-one notice; from then on the conversation goes on here. An answer the server had begun streaming cannot be taken
-back from the terminal: that one ends as a network error (the next run starts a new server)."""
+"""A warm server's answerer that never loses an answer to the server's state: if the server goes away (it crashed,
+or was stopped after it was found), this process loads the model and answers, with one notice; from then on the
+conversation goes on here. An answer the server had begun goes on where it was: the new answer's text is held back
+while it repeats what was already shown (a greedy answer is the same here), and should it part from it, a notice
+says the answer starts again. The final record is the answer given here, whole."""
 
 from __future__ import annotations
 
@@ -9,18 +10,18 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from llmcli.answer.events import AnswerEvent, Notice, Prefill
+from llmcli.answer.events import AnswerEvent, Notice, Token
 from llmcli.answer.generation import GenerationOptions
 from llmcli.chat.answerer import Answerer
 from llmcli.remote.client import NetworkError
 
-GONE = "the warm server went away before answering; this process answers instead (loading the model)"
+GONE = "the warm server went away; this process answers instead (loading the model)"
+PARTED = "the answer given here parts from what the warm server had begun: it starts again"
 
 
 class FallbackAnswerer:
-    """Delegates to `warm` (the warm server's session) until it fails before an answer; then to the local session
-    `open_local()` makes, once. `local_generation(options)`: the options as the local model needs them (a grammar
-    the server compiled for itself is compiled here)."""
+    """Delegates to `warm` (the warm server's session) until it fails; then to the local session `open_local()`
+    makes, once."""
 
     def __init__(self, warm: Answerer, open_local: Callable[[], Any]):
         self._current: Any = warm
@@ -32,14 +33,15 @@ class FallbackAnswerer:
 
     def ask(self, user_text: str | None, options: GenerationOptions,
             stable_text: str | None = None) -> Iterator[AnswerEvent]:
-        begun = False
+        shown: list[str] = []  # the answer's text already delivered
         try:
             for event in self._current.ask(user_text, options, stable_text):
-                begun = begun or not isinstance(event, (Notice, Prefill))
+                if isinstance(event, Token) and not event.reasoning:
+                    shown.append(event.text)
                 yield event
             return
         except NetworkError:
-            if begun or self._local is not None:
+            if self._local is not None:
                 raise
         yield Notice(GONE)
         history, prompt = list(self._current.history), self._current.options
@@ -49,8 +51,29 @@ class FallbackAnswerer:
         local = self._local.generation
         options = dataclasses.replace(options, constraint=local.constraint, sampling=dataclasses.replace(
             options.sampling, grammar=local.sampling.grammar, grammar_origin=local.sampling.grammar_origin))
-        yield from self._current.ask(user_text, options, stable_text)
+        yield from _after(self._current.ask(user_text, options, stable_text), "".join(shown))
 
     def close(self) -> None:
         if self._local is not None:
             self._local.close()
+
+
+def _after(events: Iterator[AnswerEvent], shown: str) -> Iterator[AnswerEvent]:
+    """The events of an answer whose first `shown` characters are on the screen already: those held back while
+    the answer repeats them; if it parts from them, a notice, then everything."""
+    held: list[Token] = []
+    text = ""
+    for event in events:
+        if not shown or not isinstance(event, Token) or event.reasoning:
+            yield event
+            continue
+        held.append(event)
+        text += event.text
+        if not shown.startswith(text[: len(shown)]):  # it parted: show it whole
+            yield Notice(PARTED)
+            yield from held
+            shown, held = "", []
+        elif len(text) >= len(shown):  # it went past what was shown: the rest of it
+            if len(text) > len(shown):
+                yield Token(text[len(shown):], logprobs=event.logprobs)
+            shown, held = "", []

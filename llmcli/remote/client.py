@@ -81,6 +81,7 @@ class Client:
                             raise self._refused(response)
                         time.sleep(wait)
                         continue
+                    finished = False  # a chunk said why the answer ended
                     for line in response.iter_lines():
                         if self.cancelled():
                             return
@@ -95,7 +96,12 @@ class Client:
                             raise NetworkError(f"{url} sent a chunk that is not JSON: {data[:80]!r}") from None
                         if isinstance(chunk, dict) and "error" in chunk:
                             raise UsageError(f"the server refused the request: {_message(chunk)}")
+                        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+                        finished = finished or any(isinstance(c, dict) and bool(c.get("finish_reason"))
+                                                   for c in choices or [])
                         yield chunk
+                    if not finished:  # the connection ended mid-answer: not an answer that ended
+                        raise NetworkError(f"{url} ended the answer before it was done (the connection closed)")
                     return
             except httpx2.HTTPError as exc:
                 raise self._unreachable(exc) from None
