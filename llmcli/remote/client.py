@@ -100,7 +100,7 @@ class Client:
                         finished = finished or any(isinstance(c, dict) and bool(c.get("finish_reason"))
                                                    for c in choices or [])
                         yield chunk
-                    if not finished:  # the connection ended mid-answer: not an answer that ended
+                    if not finished and self.endpoint.socket:  # a warm server always says why it ended: it went away
                         raise NetworkError(f"{url} ended the answer before it was done (the connection closed)")
                     return
             except httpx2.HTTPError as exc:
