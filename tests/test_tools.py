@@ -32,7 +32,7 @@ WEATHER = {"type": "function", "function": {
 TOOLS = [MULTIPLY, WEATHER]
 HERMES_TEMPLATE = Path(__file__).parent / "data" / "hermes-chatml.jinja"
 QUESTION = "What is 12 times 7, and what is the weather in Paris?"
-SAMPLED_CALLS = 24  # per format (issue 24 measured 50: 50/50 valid with the grammar, 0/50 without)
+SAMPLED_CALLS = 12  # per format (issue 24 measured 50: 50/50 valid with the grammar, 0/50 without)
 
 # -- the parser: recorded outputs, per format ----------------------------------------------------------------------
 
@@ -157,7 +157,7 @@ def test_sampled_required_calls_all_parse_and_validate(served):
     def ask(seed: int):
         return client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": QUESTION}], tools=TOOLS, tool_choice="required",
-            parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=200).choices[0]
+            parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=120).choices[0]
 
     with ThreadPoolExecutor(4) as pool:
         choices = list(pool.map(ask, range(SAMPLED_CALLS)))
