@@ -118,6 +118,8 @@ class Answer:
                 self._unsent.clear()  # the reasoning's tokens: no answer text of theirs to carry them
             return thought
         self.parts.append(text)
+        if not self._unsent:  # (logprobs not asked for: nothing more to do for this token)
+            return (*thought, Token(text))
         logprobs = tuple(self._unsent)
         self.logprobs.extend(logprobs)
         self._unsent.clear()

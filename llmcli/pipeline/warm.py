@@ -9,6 +9,7 @@ server that will not start leaves the answer to this process (one notice). Speak
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -175,8 +176,6 @@ class WarmEmbedder:
     TEXTS_PER_REQUEST = 256
 
     def __init__(self, server: WarmServer, normalize: bool, truncate: bool):
-        import contextlib
-
         self.server, self.normalize, self.truncate = server, normalize, truncate
         self.engine = contextlib.nullcontext()  # (a local embedder's engine is closed after; the server's stays)
 

@@ -120,7 +120,7 @@ def create_app(state: ServerState, describe: Callable[[str, Any, int], ModelFact
 
     async def listed() -> list[ModelFacts]:
         loaded = {served.key: served.facts for served in pool.loaded.values()}
-        found = await asyncio.to_thread(lambda: [(name, path) for name, path in loadable()])
+        found = await asyncio.to_thread(loadable)
         facts = list(loaded.values())
         for name, path in found:
             if path.resolve() not in loaded:

@@ -13,13 +13,12 @@ from llmcli.chat.answerer import with_system
 from llmcli.chat.chat_template import Message
 from llmcli.chat.session import Session, render_prompt, thinking_variables
 from llmcli.decode.serving import SlotServer
-from llmcli.pipeline import Pipeline, Request, Shape, fetch_for
+from llmcli.pipeline import Pipeline, Request, Shape, resolve_settings
 from llmcli.pipeline.local import open_pipeline
 from llmcli.serve.answer_request import Limits, Prompter
 from llmcli.serve.model_facts import ModelFacts, read_facts
 from llmcli.serve.model_pool import Served
-from llmcli.settings import load_config_file, resolve
-from llmcli.store import catalog, models
+from llmcli.store import catalog
 from llmcli.store.gguf_header import read_header
 
 
@@ -42,9 +41,7 @@ class ServerModels:
 
     def resolve(self, name: str) -> Path:
         """The file `name` means, as -m resolves it (ModelNotFoundError), without loading it."""
-        request = self.request_for(name)
-        config = load_config_file()
-        return models.resolve(name, config.aliases, fetch_for(request, resolve(request.settings, config=config))).path
+        return resolve_settings(self.request_for(name))[1].path
 
     def load(self, name: str | None = None, on_progress: Any = None) -> Served:
         """The model loaded with `parallel` slots of a full context each, its slot server (speculative decoding as
