@@ -34,8 +34,8 @@ from llmcli.text_escapes import unescape
 from llmcli.units import is_keep_alive
 
 # Help panels
-MODEL, SAMPLING, ENGINE, CACHE, OUTPUT = "Model and prompt", "Sampling and stopping", "Engine", "Prompt cache", "Output"
-REMOTE, DOWNLOADS, TOOLS = "A server instead (--endpoint)", "Downloads (Hugging Face Hub)", "Tools"
+MODEL, SAMPLING, ENGINE, CACHE, OUTPUT, REMOTE, DOWNLOADS, TOOLS = ("Model and prompt", "Sampling and stopping", "Engine",
+    "Prompt cache", "Output", "A server instead (--endpoint)", "Downloads (Hugging Face Hub)", "Tools")
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "(--kv-type q8_0, q4_0) needs it.", choices=("auto", "on", "off"), panel=ENGINE),
     _s("kv_type", str, "f16", "Type of the KV cache's keys and values: q8_0 halves its memory, q4_0 quarters it "
        "(with flash attention).", choices=("f16", "q8_0", "q4_0"), panel=ENGINE),
+    _s("markdown", bool, True, "On a terminal, render the answer's Markdown as it streams; --plain writes the model's "
+       "text as is (as piped output always is).", "--markdown/--plain", panel=OUTPUT),
     _s("special", bool, False, "Keep the text of control tokens in the answer (<|im_end|>, <start_of_image>); "
        "without it they are left out.", "--special/--no-special", panel=OUTPUT),
     _s("logprobs", int, None, "With --json: each answer token's logprob (the model's own distribution) and the N most "

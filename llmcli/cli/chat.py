@@ -73,7 +73,8 @@ def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, give
             output.print_notice(console, notice)
         from llmcli.cli.chat_repl import Repl
 
-        repl = Repl(conversation, pipeline.cancel, console, quiet, as_json, pipeline.settings["reasoning"])
+        repl = Repl(conversation, pipeline.cancel, console, quiet, as_json, pipeline.settings["reasoning"],
+                    pipeline.settings["markdown"])
         interactive = sys.stdin is not None and sys.stdin.isatty()
         repl.interactive() if interactive else repl.lines()
         if not no_save:

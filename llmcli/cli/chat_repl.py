@@ -36,9 +36,11 @@ A line with only \"\"\" starts and ends a multi-line message; a line ending in \
 
 
 class Repl:
-    def __init__(self, conversation: Any, cancel: Any, console: Any, quiet: bool, as_json: bool, reasoning: str = "show"):
+    def __init__(self, conversation: Any, cancel: Any, console: Any, quiet: bool, as_json: bool, reasoning: str = "show",
+                 markdown: bool = False):
         self.conversation = conversation
         self.reasoning = reasoning  # where a reasoning model's thinking goes (--reasoning)
+        self.markdown = markdown  # replies rendered as they stream, on a terminal (--markdown/--plain)
         self.cancel = cancel
         self.console = console
         self.quiet = quiet
@@ -130,7 +132,8 @@ class Repl:
             if done.finish_reason == "interrupted":
                 self.console.print("[interrupted: the partial reply stays in the conversation]")
 
-        sink = AnswerSink(as_json=self.as_json, extra={"model": self.conversation.model_name}, reasoning=self.reasoning)
+        sink = AnswerSink(as_json=self.as_json, extra={"model": self.conversation.model_name}, reasoning=self.reasoning,
+                          markdown=self.markdown)
         with self.cancel.on_signals():
             show_answer(events, sink, self.console, self.quiet, told)
         self.cancel.signum = None  # Ctrl-C ended this reply, not the session

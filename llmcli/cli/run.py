@@ -161,7 +161,8 @@ def _answer(prompt_arg: str | None, stdin_text: str | None, message: str, prompt
             console.print(f"{len(rendered.tokens)} tokens ({pipeline.model.name}, {mode}"
                           + (f", context {context.n_ctx})" if context is not None else ")"))
             return
-        sink = AnswerSink(as_json=as_json, extra={"model": pipeline.model.name}, reasoning=pipeline.settings["reasoning"])
+        sink = AnswerSink(as_json=as_json, extra={"model": pipeline.model.name}, reasoning=pipeline.settings["reasoning"],
+                          markdown=pipeline.settings["markdown"])
 
         def logged(done: Any) -> None:
             if pipeline.settings["log"]:

@@ -16,6 +16,7 @@ from rich.style import Style
 
 from llmcli.answer.events import AnswerEvent, Done, Notice, Prefill, Token, answer_record
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
+from llmcli.cli.markdown_stream import MarkdownStream
 from llmcli.errors import StdoutClosed
 
 ANSWER_STYLE = Style(color="cyan")
@@ -29,10 +30,11 @@ _NEUTRALISE.update({0x7F: "^?", **{c: f"\\x{c:02x}" for c in range(0x80, 0xA0)}}
 class AnswerSink:
     """Streams answer text to stdout; collects it for --json. A reasoning model's thinking goes where
     `reasoning` says: `show` dimmed before the answer on a terminal (left out when stdout is piped: stdout
-    carries the answer only), `hide` nowhere, `stderr` to stderr; always into the --json record."""
+    carries the answer only), `hide` nowhere, `stderr` to stderr; always into the --json record. With `markdown`,
+    the answer is rendered as it streams on a terminal (piped, it stays the model's bytes)."""
 
     def __init__(self, stream: IO[str] | None = None, as_json: bool = False, extra: dict[str, Any] | None = None,
-                 reasoning: str = "show"):
+                 reasoning: str = "show", markdown: bool = False):
         self.stream = stream or sys.stdout
         self.as_json = as_json
         self.extra = extra or {}
@@ -48,6 +50,7 @@ class AnswerSink:
         self._thought_to: IO[str] | None = None if as_json else {
             "show": self.stream if self.terminal else None, "stderr": sys.stderr}.get(reasoning)
         self._thought_open = False  # thinking was printed and the answer has not begun yet
+        self._markdown = MarkdownStream(console) if markdown and self.terminal else None
 
     def handle(self, event: Token | Done) -> None:
         if isinstance(event, Token):
@@ -59,15 +62,32 @@ class AnswerSink:
             if self._thought_open:
                 self._end_thought()
             self.parts.append(event.text)
-            if not self.as_json:
+            if self._markdown is not None:
+                self._markdown.feed(event.text.translate(_NEUTRALISE))
+            elif not self.as_json:
                 self._write(event.text.translate(_NEUTRALISE) if self.terminal else event.text)
             return
         if self._thought_open:
             self._end_thought()
-        if self.as_json:
+        if self._markdown is not None:
+            self.close()
+        elif self.as_json:
             self._write(json.dumps(self.record(event), ensure_ascii=False) + "\n")
         elif self.parts and not self.parts[-1].endswith("\n"):
             self._write("\n")  # end the answer's last line, so the shell prompt does not follow it
+
+    def pause(self) -> None:
+        """Something else is about to print on the terminal: a rendered answer's open block steps aside."""
+        if self._markdown is not None:
+            self._markdown.pause()
+
+    def close(self) -> None:
+        """The answer's text is over (or a tool call ends this part of it): what is rendered stays on screen."""
+        if self._markdown is not None:
+            try:
+                self._markdown.close()
+            except BrokenPipeError:
+                raise StdoutClosed() from None
 
     def record(self, done: Done) -> dict[str, Any]:
         return {**self.extra, **answer_record(done, self.notices)}
@@ -130,11 +150,13 @@ def show_answer(events: Iterable[AnswerEvent], sink: AnswerSink, console: Consol
                     status.update(event.evaluated, event.total)
                 continue
             if isinstance(event, (CallStarted, CallArguments)):
+                sink.close()  # the text before a call is rendered whole: the call's output follows it
                 continue  # a call is shown when it runs (--tools-debug), and kept in the Done
             if status is not None:
                 status.stop()
             if isinstance(event, Notice):
                 sink.notices.append(event.text)
+                sink.pause()
                 print_notice(console, event.text)
                 continue
             sink.handle(event)
@@ -149,6 +171,8 @@ def show_answer(events: Iterable[AnswerEvent], sink: AnswerSink, console: Consol
     finally:
         if status is not None:
             status.stop()
+        with contextlib.suppress(StdoutClosed):
+            sink.close()  # however the events end, what was rendered stays and the terminal's cursor comes back
     return done
 
 

@@ -1,0 +1,126 @@
+"""Markdown rendered while the answer streams (rich, and markdown-it-py under it; no second renderer).
+
+An answer's source grows at its end, and CommonMark's block structure is settled line by line: once a block is
+followed by the start of another, later text cannot change it. So the blocks before the last one are *committed*
+(rendered once, printed, never touched again) and only the last, still open, block is redrawn — by rich's Live, from
+its own thread a few times a second, so the decode loop hands over text and never waits for the screen. An open block
+taller than the terminal shows its last lines until it is committed in full.
+
+Model text is text: raw HTML in an answer is shown as written (markdown-it's `html` option off), never dropped or
+interpreted, and control characters are neutralised before rich sees them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from markdown_it import MarkdownIt
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.live import Live
+from rich.markdown import Markdown
+from rich.segment import Segment
+
+REFRESHES_PER_SECOND = 4  # the open block's redraws: a few a second at most
+_PARSER = MarkdownIt("commonmark", {"html": False}).enable(["strikethrough", "table"])
+
+
+def settled_blocks(source: str) -> tuple[list[str], str]:
+    """The whole blocks at the start of `source` that later text cannot change (everything before the last block
+    that begins on a complete line), one by one, and the rest."""
+    complete = source[: source.rfind("\n") + 1]  # a partial last line may yet become something else
+    if not complete:
+        return [], source
+    starts = [token.map[0] for token in _PARSER.parse(complete) if token.level == 0 and token.nesting >= 0
+              and token.map is not None]
+    if len(starts) < 2:
+        return [], source
+    offsets = [0]
+    for line in complete.splitlines(keepends=True):
+        offsets.append(offsets[-1] + len(line))
+    cuts = [0] + [offsets[start] for start in starts[1:]]
+    return [source[a:b] for a, b in zip(cuts, cuts[1:])], source[cuts[-1]:]
+
+
+class AnswerMarkdown(Markdown):
+    """rich's Markdown, parsed with raw HTML as text (rich's own parser drops `<tags>` from the output)."""
+
+    def __init__(self, source: str, **options: Any):
+        super().__init__("", **options)
+        self.markup = source
+        self.parsed = _PARSER.parse(source)
+
+
+class _Block:
+    """Rendered Markdown without rich's blank lines around it, a blank line above it after earlier blocks, and, as
+    the open block, no taller than the terminal (its last lines)."""
+
+    def __init__(self, source: str = "", gap: bool = False, crop: bool = False):
+        self.source = source  # the open block's is set by the decode loop and read by Live's thread: no lock
+        self.gap = gap
+        self.crop = crop
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        source = self.source
+        if not source.strip():
+            return
+        lines = console.render_lines(AnswerMarkdown(source), options, pad=False)
+        while lines and _blank(lines[-1]):
+            lines.pop()
+        while lines and _blank(lines[0]):
+            lines.pop(0)
+        if self.crop:
+            lines = lines[-max(1, console.size.height - 1 - self.gap):]
+        if self.gap:
+            yield Segment.line()
+        for line in lines:
+            yield from line
+            yield Segment.line()
+
+
+def _blank(line: list[Segment]) -> bool:
+    """A line with nothing on it (a code block's padding, which has a background, is something)."""
+    return all(not segment.text.strip() and not (segment.style and segment.style.bgcolor) for segment in line)
+
+
+class MarkdownStream:
+    """Takes answer text piece by piece; commits finished blocks to `console` and redraws the open one."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self._pending = ""  # the source after the committed blocks
+        self._open = _Block(crop=True)
+        self._live: Live | None = None
+        self._committed = False
+
+    def feed(self, text: str) -> None:
+        self._pending += text
+        if "\n" in text:
+            settled, self._pending = settled_blocks(self._pending)
+            self._open.source = self._pending  # before the prints, which redraw the open block below them
+            for block in settled:
+                self._print(block)
+        self._open.source = self._pending
+        self._open.gap = self._committed
+        if self._live is None and self._pending.strip():
+            self._live = Live(self._open, console=self.console, refresh_per_second=REFRESHES_PER_SECOND,
+                              transient=True, redirect_stdout=False, redirect_stderr=False)
+            self._live.start()
+
+    def pause(self) -> None:
+        """Take the open block off the screen (something else is about to print); the next text draws it again."""
+        if self._live is not None:
+            live, self._live = self._live, None
+            live.stop()
+
+    def close(self) -> None:
+        """The answer is over: the open block is committed as it stands."""
+        self.pause()
+        pending, self._pending = self._pending, ""
+        self._open.source = ""
+        if pending.strip():
+            self._print(pending)
+
+    def _print(self, source: str) -> None:
+        self.console.print(_Block(source, gap=self._committed))
+        self._committed = True
+

@@ -1,0 +1,114 @@
+"""Markdown rendered as the answer streams on a terminal; piped output stays the model's bytes.
+
+The answers are forced by a grammar (a model's own words differ between CPUs), and what a terminal shows is read
+back through pyte, a terminal emulator: the final screen, not the escape codes one by one.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import time
+
+import pyte
+import pytest
+from conftest import run_cli, run_in_terminal
+from rich.console import Console
+
+from llmcli.cli.markdown_stream import MarkdownStream, settled_blocks
+
+ANSWER = ("# Shopping\n\nSome **bold** and *italic* text with `code`.\n\n- one\n- two\n\n"
+          "| fruit | count |\n|---|---|\n| apple | 3 |\n\n```python\ndef double(x):\n    return x * 2\n```\n\n"
+          "A <script>alert(1)</script> tag.\n")
+FORCED = 'root ::= "' + ANSWER.replace("\n", "\\n") + '"'
+COLOUR = {"NO_COLOR": "", "TERM": "xterm-256color"}
+
+
+def screen_of(output: str | bytes, width: int = 120, height: int = 60) -> list[str]:
+    """What a `width` x `height` terminal shows after `output`, line by line, trailing spaces dropped."""
+    screen = pyte.Screen(width, height)
+    stream = pyte.ByteStream(screen) if isinstance(output, bytes) else pyte.Stream(screen)
+    stream.feed(output)
+    return [line.rstrip() for line in screen.display]
+
+
+def streamed(pieces: list[str], width: int = 60, height: int = 40) -> list[str]:
+    """The screen after MarkdownStream was fed `pieces` on a terminal of that size."""
+    out = io.StringIO()
+    console = Console(file=out, width=width, height=height, force_terminal=True, color_system="256")
+    stream = MarkdownStream(console)
+    for piece in pieces:
+        stream.feed(piece)
+    stream.close()
+    return screen_of(out.getvalue().replace("\n", "\r\n"), width, height)
+
+
+@pytest.mark.parametrize("source, blocks, rest", [
+    ("", [], ""),
+    ("# Title\n", [], "# Title\n"),  # one block: it may still grow
+    ("# Title\n\nPara", [], "# Title\n\nPara"),  # the last line is not complete: not parsed yet
+    ("# Title\n\nPara\n", ["# Title\n\n"], "Para\n"),
+    ("Para\n#hashtag\n", [], "Para\n#hashtag\n"),  # not a heading: the paragraph goes on
+    ("- a\n- b\n\nText\n", ["- a\n- b\n\n"], "Text\n"),
+    ("```py\nx = 1\n\n# not a heading\n", [], "```py\nx = 1\n\n# not a heading\n"),  # an open fence holds everything
+    ("| a |\n|---|\n| 1 |\n\n> quote\n\nafter\n", ["| a |\n|---|\n| 1 |\n\n", "> quote\n\n"], "after\n"),
+])
+def test_blocks_are_committed_only_once_later_text_cannot_change_them(source, blocks, rest):
+    assert settled_blocks(source) == (blocks, rest)
+
+
+def test_the_screen_does_not_depend_on_how_the_answer_was_cut():
+    whole = streamed([ANSWER])
+    for seed in range(3):
+        rng = random.Random(seed)
+        pieces, at = [], 0
+        while at < len(ANSWER):
+            size = rng.randint(1, 5)
+            pieces.append(ANSWER[at : at + size])
+            at += size
+        assert streamed(pieces) == whole
+    shown = "\n".join(whole)
+    assert "Shopping" in shown and "• one" in shown and "def double(x):" in shown and "apple" in shown
+    assert "**" not in shown and "```" not in shown and "|---|" not in shown
+    assert "A <script>alert(1)</script> tag." in shown  # raw HTML is text, neither dropped nor interpreted
+
+
+def test_an_open_block_taller_than_the_terminal_shows_its_last_lines_then_all_of_it():
+    code = "```\n" + "".join(f"line {n}\n" for n in range(40)) + "```\n"
+    out = io.StringIO()
+    console = Console(file=out, width=40, height=10, force_terminal=True, color_system=None)
+    stream = MarkdownStream(console)
+    for line in code.splitlines(keepends=True):
+        stream.feed(line)
+        time.sleep(0.01)  # Live's thread draws the open block now and then
+    frames = out.getvalue()
+    stream.close()
+    # While open, each redraw fits the terminal; committed, the block is printed whole, once.
+    assert all(frame.count("\n") < 10 for frame in frames.split("\x1b[?25l")[1:] if "line" in frame)
+    final = screen_of(out.getvalue().replace("\n", "\r\n"), 40, 60)
+    assert [line.strip() for line in final if "line" in line] == [f"line {n}" for n in range(40)]
+
+
+def test_a_streamed_answer_is_rendered_on_a_terminal_and_piped_it_is_the_models_bytes():
+    args = ["run", "--temp", "0", "--grammar", FORCED, "-q", "Write a shopping list"]
+    shown = run_in_terminal(args, COLOUR)
+    assert b"\x1b[1m" in shown and b"\x1b[38;5;" in shown  # bold and highlighted code: escape codes
+    screen = "\n".join(screen_of(shown))
+    assert "**" not in screen and "```" not in screen and "|---|" not in screen  # no raw marks left on the screen
+    assert "Shopping" in screen and "• one" in screen and "fruit" in screen and "def double(x):" in screen
+    assert "A <script>alert(1)</script> tag." in screen
+    piped = run_cli(*args, "--markdown")
+    assert piped.code == 0 and piped.stdout == ANSWER  # piped: byte for byte, even with --markdown asked for
+    plain = "\n".join(screen_of(run_in_terminal([*args, "--plain"], COLOUR)))
+    assert "Some **bold** and *italic* text with `code`." in plain and "| apple | 3 |" in plain
+
+
+def test_the_thinking_stays_dimmed_and_apart_and_chat_replies_render_the_same_way():
+    thinking = 'root ::= "<think>plan **raw**</think>" "' + ANSWER.replace("\n", "\\n") + '"'
+    shown = run_in_terminal(["run", "--temp", "0", "--grammar", thinking, "-q", "Write a shopping list"], COLOUR)
+    assert b"\x1b[2;3mp" in shown  # the thinking: dim italic, as written, before the answer
+    screen = screen_of(shown)
+    assert screen.index("plan **raw**") < next(i for i, line in enumerate(screen) if "Shopping" in line)
+    reply = run_in_terminal(["chat", "--temp", "0", "--grammar", FORCED, "-q"], COLOUR, stdin="a list\n")
+    chat_screen = "\n".join(screen_of(reply))
+    assert "• one" in chat_screen and "def double(x):" in chat_screen and "**" not in chat_screen
