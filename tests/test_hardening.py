@@ -146,9 +146,11 @@ def test_fuzzed_gguf_never_crashes_or_hangs(tmp_path, smollm2, mutation):
 
 def test_escape_sequences_from_the_model_are_neutralised_on_a_terminal():
     grammar = r'root ::= "\x1b[31mred\x1b[0m [bold]x[/bold]"'
-    output = run_in_terminal(["run", "--grammar", grammar, "--temp", "0", "-q", "hi"], {"NO_COLOR": "1"})
+    output = run_in_terminal(["run", "--grammar", grammar, "--temp", "0", "-q", "--plain", "hi"], {"NO_COLOR": "1"})
     assert b"\x1b" not in output
     assert b"^[[31mred^[[0m [bold]x[/bold]" in output
+    rendered = run_in_terminal(["run", "--grammar", grammar, "--temp", "0", "-q", "hi"], {"NO_COLOR": "1"})
+    assert b"\x1b[31m" not in rendered and b"^[[31mred^[[0m [bold]x[/bold]" in rendered  # rendered, still neutral
     piped = run_cli("run", "--grammar", grammar, "--temp", "0", "-q", "hi")  # piped: the bytes, untouched
     assert piped.stdout.rstrip("\n") == "\x1b[31mred\x1b[0m [bold]x[/bold]"
 

@@ -59,6 +59,10 @@ ExitIdleOpt = Annotated[bool, typer.Option(
 AllowPullOpt = Annotated[bool, typer.Option(
     "--allow-pull", rich_help_panel=_SERVER,
     help="A request may name a Hub model not downloaded yet (it is downloaded); else only models here.")]
+WebuiOpt = Annotated[bool, typer.Option(
+    "--webui/--no-webui", rich_help_panel=_SERVER,
+    help="The chat page at / (a browser's GET /): streamed answers, stop, regenerate, conversations kept in the "
+    "browser; shipped in the package, nothing fetched from elsewhere.")]
 CorsOpt = Annotated[Optional[list[str]], typer.Option(
     "--cors", help="Let web pages from this origin (https://app.example) call the server from a browser. Repeatable; "
     "off by default.", show_default=False, rich_help_panel=_SERVER)]
@@ -84,11 +88,12 @@ def serve(
     allow_pull: AllowPullOpt = False,
     socket_path: SocketOpt = None,
     exit_when_idle: ExitIdleOpt = False,
+    webui: WebuiOpt = True,
     **given: Any,
 ) -> None:
     """Serve the model over HTTP, in the protocols local clients speak: OpenAI's (/v1/chat/completions,
     /v1/completions, /v1/responses, /v1/embeddings, /v1/models), Anthropic's (/v1/messages) and Ollama's (/api/chat,
-    /api/generate, /api/embed, /api/tags, /api/show, …); /health.
+    /api/generate, /api/embed, /api/tags, /api/show, …); /health; a chat page at / for a browser.
 
     -m is the model of requests that name none, loaded at start; a request may name any other model `-m` takes
     (loaded on first use, kept --keep-alive, at most --max-models at once). The settings (temperature, -n, stop
@@ -137,7 +142,7 @@ def serve(
     pool = ModelPool(found.resolve, found.load, max_models, expiry)
     pool.preloaded(first, pinned=not exit_when_idle)
     state = ServerState(pool, max_body, api_key, shutdown_grace=shutdown_grace, body_timeout=header_timeout)
-    app = create_app(state, found.describe, found.loadable, tuple(cors or ()))
+    app = create_app(state, found.describe, found.loadable, tuple(cors or ()), webui=webui and socket_path is None)
     config = uvicorn.Config(app, **listen, log_level="warning", lifespan="on",
                             http=guarded(header_timeout, max_connections),
                             timeout_graceful_shutdown=int(shutdown_grace) + 5)  # (the cut answers' ends go out)
@@ -159,7 +164,7 @@ def serve(
     config.load()
     server.config.callback_notify = None
     try:
-        _announce(server, console, first.name, parallel, first.prompter.limits.n_ctx, api_key is not None)
+        _announce(server, console, first.name, parallel, first.prompter.limits.n_ctx, api_key is not None, webui)
         server.run()
     finally:
         if socket_path is not None:  # (a private server: its launcher's lock and log go with it)
@@ -222,7 +227,7 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def _announce(server: Any, console: Any, model: str, parallel: int, n_ctx: int, keyed: bool) -> None:
+def _announce(server: Any, console: Any, model: str, parallel: int, n_ctx: int, keyed: bool, webui: bool) -> None:
     """Say where the server listens, once it does (port 0: the one the system chose)."""
     started = server.startup
 
@@ -234,5 +239,7 @@ def _announce(server: Any, console: Any, model: str, parallel: int, n_ctx: int, 
                 where = f"unix:{address}" if isinstance(address, str) else f"http://{address[0]}:{address[1]}/v1"
                 console.print(f"llmcli serve · {model} · {where} · {parallel} slots of {n_ctx} tokens"
                               + (" · API key required" if keyed else ""))
+                if webui and not isinstance(address, str):
+                    console.print(f"chat page: http://{address[0]}:{address[1]}/")
 
     server.startup = startup

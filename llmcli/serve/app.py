@@ -5,7 +5,8 @@
     Anthropic   POST /v1/messages  /v1/messages/count_tokens
     Ollama      GET  /api/version  /api/tags  /api/ps    POST /api/show  /api/chat  /api/generate  /api/embed
                 /api/embeddings
-    llmcli      GET  /health (no key needed)   CORS for the origins of --cors only
+    llmcli      GET  /health (no key needed)   GET / the chat page (llmcli/serve/chat_page.py; --no-webui: off)
+                CORS for the origins of --cors only
 
 Each route is a thin adapter: its protocol's module parses the body into AnswerRequests and writes the events in its
 wire format; llmcli/serve/answering.py runs every request the same way. A server with a key needs it on every route
@@ -27,12 +28,12 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llmcli import __version__
 from llmcli.errors import LlmcliError
-from llmcli.serve import anthropic_api, ollama_api, openai_api, responses_api
+from llmcli.serve import anthropic_api, chat_page, ollama_api, openai_api, responses_api
 from llmcli.serve.answer_request import ApiError, count_tokens
 from llmcli.serve.answering import (
     Asked,
@@ -53,9 +54,10 @@ Handler = Callable[[Request], Any]
 
 
 def create_app(state: ServerState, describe: Callable[[str, Any, int], ModelFacts],
-               loadable: Callable[[], list[tuple[str, Any]]], cors: tuple[str, ...] = ()) -> Starlette:
+               loadable: Callable[[], list[tuple[str, Any]]], cors: tuple[str, ...] = (), webui: bool = True) -> Starlette:
     """The routes over the models' slots; `describe` and `loadable`: what the model lists say of models not loaded
-    (setup.ServerModels); `cors`: the origins whose pages may call from a browser (none by default)."""
+    (setup.ServerModels); `cors`: the origins whose pages may call from a browser (none by default); `webui`: the
+    chat page at `/`."""
     pool = state.pool
 
     @asynccontextmanager
@@ -218,8 +220,6 @@ def create_app(state: ServerState, describe: Callable[[str, Any, int], ModelFact
         Route("/v1/messages", handler(messages, anthropic_api.error_body), methods=["POST"]),
         Route("/v1/messages/count_tokens", _posted(state, anthropic_api.error_body, count), methods=["POST"]),
         # Ollama
-        Route("/", lambda request: PlainTextResponse("llmcli is running (Ollama's API at /api, OpenAI's and "
-                                                     "Anthropic's at /v1)"), methods=["GET", "HEAD"]),
         Route("/api/version", lambda request: JSONResponse({"version": ollama_api.VERSION}), methods=["GET"]),
         Route("/api/tags", _guarded(tags, ollama_api.error_body), methods=["GET"]),
         Route("/api/ps", _guarded(running, ollama_api.error_body), methods=["GET"]),
@@ -229,6 +229,7 @@ def create_app(state: ServerState, describe: Callable[[str, Any, int], ModelFact
         Route("/api/embed", _posted(state, ollama_api.error_body, ollama_embed(False)), methods=["POST"]),
         Route("/api/embeddings", _posted(state, ollama_api.error_body, ollama_embed(True)), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        *chat_page.routes(webui),  # `/`: the chat page for a browser, one line for anything else
     ]
     middleware = [Middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST"],
                              allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"])

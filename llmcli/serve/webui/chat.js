@@ -1,0 +1,526 @@
+// llmcli's chat page: talks to this server's OpenAI routes, keeps conversations in the browser (localStorage).
+// Model output is text, never HTML: Markdown is turned into elements whose text is set with textContent, and the
+// page's Content-Security-Policy allows no inline script at all.
+"use strict";
+
+const STORE = "llmcli.conversations";
+const SETTINGS = "llmcli.settings";
+const KEY = "llmcli.key";
+const NUMBERS = ["temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "seed"];
+
+const page = {
+  conversations: load(STORE, []),
+  current: null,
+  controller: null, // the answer being streamed: its AbortController
+  key: localStorage.getItem(KEY) || "",
+};
+
+function load(name, fallback) {
+  try {
+    const value = JSON.parse(localStorage.getItem(name));
+    return value === null ? fallback : value;
+  } catch {
+    return fallback;
+  }
+}
+
+function save() {
+  localStorage.setItem(STORE, JSON.stringify(page.conversations));
+}
+
+function $(id) {
+  return document.getElementById(id);
+}
+
+function el(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+// ---- Markdown -> elements (never innerHTML) ------------------------------------------------------------------
+
+const FENCE = /^\s{0,3}(`{3,}|~{3,})\s*([\w+#.-]*)/;
+const HEADING = /^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$/;
+const RULE = /^\s{0,3}([-*_])(\s*\1){2,}\s*$/;
+const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
+const QUOTE = /^\s{0,3}>\s?(.*)$/;
+const TABLE_RULE = /^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/;
+
+function markdown(text) {
+  const fragment = document.createDocumentFragment();
+  blocks(text.split("\n"), fragment);
+  return fragment;
+}
+
+function blocks(lines, parent) {
+  let i = 0;
+  while (i < lines.length) {
+    const line = lines[i];
+    let m;
+    if (!line.trim()) {
+      i++;
+    } else if ((m = FENCE.exec(line))) {
+      const code = [];
+      i++;
+      while (i < lines.length && !lines[i].trim().startsWith(m[1])) code.push(lines[i++]);
+      i++; // the closing fence (an open one runs to the end while it streams)
+      const pre = el("pre");
+      const element = el("code", m[2] ? "language-" + m[2] : "", code.join("\n"));
+      pre.append(element);
+      parent.append(pre);
+    } else if ((m = HEADING.exec(line))) {
+      const heading = el("h" + m[1].length);
+      inline(m[2], heading);
+      parent.append(heading);
+      i++;
+    } else if (RULE.test(line)) {
+      parent.append(el("hr"));
+      i++;
+    } else if (QUOTE.test(line)) {
+      const quoted = [];
+      while (i < lines.length && (m = QUOTE.exec(lines[i]))) { quoted.push(m[1]); i++; }
+      const quote = el("blockquote");
+      blocks(quoted, quote);
+      parent.append(quote);
+    } else if ((m = ITEM.exec(line))) {
+      i = list(lines, i, m, parent);
+    } else if (line.includes("|") && i + 1 < lines.length && TABLE_RULE.test(lines[i + 1])) {
+      i = table(lines, i, parent);
+    } else {
+      const paragraph = [];
+      while (i < lines.length && lines[i].trim() && !startsBlock(lines[i])) paragraph.push(lines[i++]);
+      if (!paragraph.length) paragraph.push(lines[i++]);
+      const p = el("p");
+      inline(paragraph.join("\n"), p);
+      parent.append(p);
+    }
+  }
+}
+
+function startsBlock(line) {
+  return FENCE.test(line) || HEADING.test(line) || RULE.test(line) || QUOTE.test(line) || ITEM.test(line);
+}
+
+function list(lines, i, first, parent) {
+  const ordered = /\d/.test(first[2]);
+  const node = el(ordered ? "ol" : "ul");
+  if (ordered && parseInt(first[2], 10) !== 1) node.setAttribute("start", String(parseInt(first[2], 10)));
+  const indent = first[1].length;
+  while (i < lines.length) {
+    const m = ITEM.exec(lines[i]);
+    if (!m || m[1].length !== indent || /\d/.test(m[2]) !== ordered) break;
+    const content = [m[3]];
+    i++;
+    // The item's own lines: indented deeper than its marker, blank lines between them kept.
+    while (i < lines.length) {
+      const next = lines[i];
+      const depth = next.length - next.trimStart().length;
+      if (next.trim() && depth <= indent) break;
+      if (!next.trim() && !(i + 1 < lines.length && lines[i + 1].trim()
+          && lines[i + 1].length - lines[i + 1].trimStart().length > indent)) break;
+      content.push(next.slice(Math.min(depth, indent + 2)));
+      i++;
+    }
+    const item = el("li");
+    if (content.length === 1) inline(content[0], item);
+    else blocks(content, item);
+    node.append(item);
+    while (i < lines.length && !lines[i].trim()) {
+      const after = ITEM.exec(lines[i + 1] || "");
+      if (!after || after[1].length !== indent) return finish();
+      i++;
+    }
+  }
+  return finish();
+
+  function finish() {
+    parent.append(node);
+    return i;
+  }
+}
+
+function cells(line) {
+  return line.trim().replace(/^\|/, "").replace(/\|$/, "").split("|").map((cell) => cell.trim());
+}
+
+function table(lines, i, parent) {
+  const node = el("table");
+  const head = el("thead");
+  const row = el("tr");
+  for (const cell of cells(lines[i])) {
+    const th = el("th");
+    inline(cell, th);
+    row.append(th);
+  }
+  head.append(row);
+  node.append(head);
+  const body = el("tbody");
+  i += 2;
+  while (i < lines.length && lines[i].includes("|") && lines[i].trim()) {
+    const tr = el("tr");
+    for (const cell of cells(lines[i++])) {
+      const td = el("td");
+      inline(cell, td);
+      tr.append(td);
+    }
+    body.append(tr);
+  }
+  node.append(body);
+  parent.append(node);
+  return i;
+}
+
+const INLINE = /(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)|\*\*(?=\S)([\s\S]*?\S)\*\*|__(?=\S)([\s\S]*?\S)__|\*(?=[^\s*])([\s\S]*?[^\s*])\*|(?<![\w])_(?=[^\s_])([\s\S]*?[^\s_])_(?![\w])|~~(?=\S)([\s\S]*?\S)~~|\[([^\]\n]+)\]\(([^)\s]+)\)|\n/g;
+
+function inline(text, parent) {
+  let last = 0;
+  for (const m of text.matchAll(INLINE)) {
+    if (m.index > last) parent.append(document.createTextNode(text.slice(last, m.index)));
+    last = m.index + m[0].length;
+    if (m[1] !== undefined) {
+      parent.append(el("code", "", m[2]));
+    } else if (m[3] !== undefined || m[4] !== undefined) {
+      inline(m[3] ?? m[4], parent.appendChild(el("strong")));
+    } else if (m[5] !== undefined || m[6] !== undefined) {
+      inline(m[5] ?? m[6], parent.appendChild(el("em")));
+    } else if (m[7] !== undefined) {
+      inline(m[7], parent.appendChild(el("del")));
+    } else if (m[8] !== undefined) {
+      link(m[8], m[9], parent, m[0]);
+    } else {
+      parent.append(el("br"));
+    }
+  }
+  if (last < text.length) parent.append(document.createTextNode(text.slice(last)));
+}
+
+function link(label, target, parent, written) {
+  let url = null;
+  try {
+    url = new URL(target, location.href);
+  } catch {
+    url = null;
+  }
+  if (!url || !["http:", "https:", "mailto:"].includes(url.protocol)) {
+    parent.append(document.createTextNode(written)); // javascript:, data: and the like stay text
+    return;
+  }
+  const a = el("a");
+  a.href = url.href;
+  a.rel = "noopener noreferrer nofollow";
+  a.target = "_blank";
+  inline(label, a);
+  parent.append(a);
+}
+
+// ---- conversations -----------------------------------------------------------------------------------------
+
+function conversation() {
+  if (!page.current) {
+    page.current = { id: String(Date.now()) + Math.random().toString(16).slice(2, 6), title: "New chat", messages: [] };
+    page.conversations.unshift(page.current);
+  }
+  return page.current;
+}
+
+function showConversations() {
+  const list = $("conversations");
+  list.replaceChildren();
+  for (const conv of page.conversations) {
+    const item = el("li", conv === page.current ? "current" : "");
+    const open = el("button", "open", conv.title);
+    open.type = "button";
+    open.title = conv.title;
+    open.addEventListener("click", () => { if (!page.controller) { page.current = conv; showAll(); } });
+    const remove = el("button", "delete", "×");
+    remove.type = "button";
+    remove.title = "Delete this conversation";
+    remove.setAttribute("aria-label", "Delete " + conv.title);
+    remove.addEventListener("click", () => {
+      if (page.controller) return;
+      page.conversations = page.conversations.filter((c) => c !== conv);
+      if (page.current === conv) page.current = null;
+      save();
+      showAll();
+    });
+    item.append(open, remove);
+    list.append(item);
+  }
+}
+
+function showAll() {
+  showConversations();
+  const box = $("messages");
+  box.replaceChildren();
+  const conv = page.current;
+  if (!conv) return;
+  conv.messages.forEach((message, index) => box.append(messageView(message, index)));
+  box.scrollTop = box.scrollHeight;
+}
+
+function messageView(message, index) {
+  const view = el("article", "message " + message.role);
+  view.dataset.index = String(index);
+  view.append(el("div", "role", message.role));
+  if (message.reasoning) {
+    const thinking = el("details", "thinking");
+    thinking.append(el("summary", "", "thinking"), document.createTextNode(message.reasoning));
+    view.append(thinking);
+  }
+  const body = el("div", message.role === "assistant" ? "body" : "body plain");
+  body.append(message.role === "assistant" ? markdown(message.content) : document.createTextNode(message.content));
+  view.append(body);
+  if (message.error) view.append(el("p", "error", message.error));
+  if (message.stats) view.append(el("div", "stats", message.stats));
+  const actions = el("div", "actions");
+  const conv = page.current;
+  if (message.role === "user") actions.append(button("Edit", "edit", () => edit(view, index)));
+  if (message.role === "assistant" && index === conv.messages.length - 1 && !page.controller) {
+    actions.append(button("Regenerate", "regenerate", regenerate));
+  }
+  view.append(actions);
+  return view;
+}
+
+function button(label, className, onClick) {
+  const node = el("button", className, label);
+  node.type = "button";
+  node.addEventListener("click", onClick);
+  return node;
+}
+
+function edit(view, index) {
+  if (page.controller) return;
+  const message = page.current.messages[index];
+  const area = el("textarea", "editing");
+  area.value = message.content;
+  area.rows = Math.max(2, message.content.split("\n").length);
+  const body = view.querySelector(".body");
+  body.replaceWith(area);
+  const actions = view.querySelector(".actions");
+  actions.replaceChildren(
+    button("Save & send", "save", () => {
+      if (!area.value.trim()) return;
+      page.current.messages = page.current.messages.slice(0, index);
+      ask(area.value);
+    }),
+    button("Cancel", "cancel", showAll),
+  );
+  area.focus();
+}
+
+function regenerate() {
+  const conv = page.current;
+  if (page.controller || !conv || conv.messages.at(-1)?.role !== "assistant") return;
+  conv.messages.pop();
+  answer();
+}
+
+function ask(text) {
+  const conv = conversation();
+  conv.messages.push({ role: "user", content: text });
+  if (conv.title === "New chat") conv.title = text.trim().split("\n")[0].slice(0, 60) || "New chat";
+  answer();
+}
+
+// ---- the server --------------------------------------------------------------------------------------------
+
+function headers() {
+  const sent = { "Content-Type": "application/json" };
+  if (page.key) sent.Authorization = "Bearer " + page.key;
+  return sent;
+}
+
+function settings() {
+  const chosen = {};
+  for (const name of NUMBERS) {
+    const value = $(name).value.trim();
+    if (value !== "") chosen[name] = Number(value);
+  }
+  const grammar = $("grammar").value;
+  if (grammar.trim()) chosen.grammar = grammar;
+  return chosen;
+}
+
+function keepSettings() {
+  const kept = { system: $("system").value, grammar: $("grammar").value, model: $("model").value };
+  for (const name of NUMBERS) kept[name] = $(name).value;
+  localStorage.setItem(SETTINGS, JSON.stringify(kept));
+}
+
+async function errorOf(response) {
+  try {
+    const body = await response.json();
+    return body.error?.message || body.error || response.statusText;
+  } catch {
+    return response.status + " " + response.statusText;
+  }
+}
+
+async function loadModels() {
+  const response = await fetch("v1/models", { headers: headers() });
+  if (response.status === 401) return askKey(await errorOf(response));
+  if (!response.ok) {
+    $("status").textContent = "Could not list the models: " + (await errorOf(response));
+    return;
+  }
+  const { data } = await response.json();
+  const select = $("model");
+  const wanted = load(SETTINGS, {}).model;
+  select.replaceChildren(...data.map((model) => {
+    const option = el("option", "", model.id);
+    option.value = model.id;
+    return option;
+  }));
+  if (wanted && data.some((model) => model.id === wanted)) select.value = wanted;
+  $("status").textContent = data.length ? "" : "No model is installed.";
+}
+
+function askKey(problem) {
+  const dialog = $("key-dialog");
+  $("key-error").textContent = page.key ? problem : "";
+  if (!dialog.open) dialog.showModal();
+  $("key").focus();
+}
+
+function busy(on) {
+  $("send").disabled = on;
+  $("stop").hidden = !on;
+  $("send").hidden = on;
+}
+
+function statsLine(timings, finish, started, firstAt, pieces) {
+  if (timings) {
+    const parts = ["TTFT " + timings.ttft_s.toFixed(2) + " s", timings.decode_tokens_per_s.toFixed(1) + " tok/s",
+      timings.completion_tokens + " tokens", timings.cached_tokens + "/" + timings.prompt_tokens + " prompt tokens cached"];
+    return parts.join(" · ") + (finish ? " · " + finish : "");
+  }
+  const ttft = firstAt === null ? "" : "TTFT " + ((firstAt - started) / 1000).toFixed(2) + " s · ";
+  return ttft + pieces + " pieces · " + (finish || "stopped");
+}
+
+async function answer() {
+  const conv = conversation();
+  const system = $("system").value.trim();
+  const sent = conv.messages.map(({ role, content }) => ({ role, content }));
+  if (system) sent.unshift({ role: "system", content: system });
+  const reply = { role: "assistant", content: "", reasoning: "" };
+  conv.messages.push(reply);
+  keepSettings();
+  page.controller = new AbortController();
+  busy(true);
+  showAll();
+  const view = $("messages").lastElementChild;
+  const body = view.querySelector(".body");
+  let drawn = false;
+  const draw = () => {
+    drawn = false;
+    body.replaceChildren(markdown(reply.content));
+    if (reply.reasoning && !view.querySelector(".thinking")) {
+      const thinking = el("details", "thinking");
+      thinking.open = true;
+      thinking.append(el("summary", "", "thinking"), el("span", "", ""));
+      view.insertBefore(thinking, body);
+    }
+    if (reply.reasoning) view.querySelector(".thinking span").textContent = reply.reasoning;
+    $("messages").scrollTop = $("messages").scrollHeight;
+  };
+  const started = performance.now();
+  let firstAt = null;
+  let pieces = 0;
+  let timings = null;
+  let finish = null;
+  try {
+    const response = await fetch("v1/chat/completions", {
+      method: "POST", headers: headers(), signal: page.controller.signal,
+      body: JSON.stringify({ model: $("model").value, messages: sent, stream: true, ...settings() }),
+    });
+    if (!response.ok) {
+      reply.error = await errorOf(response);
+      if (response.status === 401) askKey(reply.error);
+      return;
+    }
+    const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += value.replace(/\r/g, "");
+      let cut;
+      while ((cut = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, cut);
+        buffer = buffer.slice(cut + 2);
+        for (const line of event.split("\n")) {
+          if (!line.startsWith("data:")) continue;
+          const data = line.slice(5).trim();
+          if (data === "[DONE]") continue;
+          const chunk = JSON.parse(data);
+          if (chunk.error) throw new Error(chunk.error.message || String(chunk.error));
+          const choice = chunk.choices?.[0];
+          const delta = choice?.delta || {};
+          if (delta.content || delta.reasoning_content) {
+            if (firstAt === null) firstAt = performance.now();
+            pieces++;
+            reply.content += delta.content || "";
+            reply.reasoning += delta.reasoning_content || "";
+            if (!drawn) { drawn = true; requestAnimationFrame(draw); }
+          }
+          if (choice?.finish_reason) finish = choice.finish_reason;
+          if (chunk.timings) timings = chunk.timings;
+        }
+      }
+    }
+  } catch (error) {
+    if (error.name !== "AbortError") reply.error = String(error.message || error);
+    else finish = "stopped";
+  } finally {
+    reply.stats = statsLine(timings, finish, started, firstAt, pieces);
+    if (!reply.reasoning) delete reply.reasoning;
+    page.controller = null;
+    busy(false);
+    save();
+    showAll();
+  }
+}
+
+// ---- wiring --------------------------------------------------------------------------------------------------
+
+function start() {
+  const kept = load(SETTINGS, {});
+  for (const name of [...NUMBERS, "system", "grammar"]) if (kept[name] !== undefined) $(name).value = kept[name];
+  page.current = page.conversations[0] || null;
+  $("composer").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const text = $("prompt").value;
+    if (!text.trim() || page.controller) return;
+    $("prompt").value = "";
+    ask(text);
+  });
+  $("prompt").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      $("composer").requestSubmit();
+    }
+  });
+  $("stop").addEventListener("click", () => page.controller?.abort());
+  $("new-chat").addEventListener("click", () => {
+    if (page.controller) return;
+    page.current = null;
+    showAll();
+    $("prompt").focus();
+  });
+  $("key-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    page.key = $("key").value.trim();
+    localStorage.setItem(KEY, page.key);
+    $("key-dialog").close();
+    loadModels();
+  });
+  for (const name of [...NUMBERS, "system", "grammar", "model"]) $(name).addEventListener("change", keepSettings);
+  showAll();
+  loadModels();
+}
+
+document.addEventListener("DOMContentLoaded", start);
