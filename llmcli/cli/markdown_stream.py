@@ -12,6 +12,7 @@ interpreted, and control characters are neutralised before rich sees them.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 from markdown_it import MarkdownIt
@@ -38,7 +39,7 @@ def settled_blocks(source: str) -> tuple[list[str], str]:
     for line in complete.splitlines(keepends=True):
         offsets.append(offsets[-1] + len(line))
     cuts = [0] + [offsets[start] for start in starts[1:]]
-    return [source[a:b] for a, b in zip(cuts, cuts[1:])], source[cuts[-1]:]
+    return [source[a:b] for a, b in pairwise(cuts)], source[cuts[-1]:]
 
 
 class AnswerMarkdown(Markdown):
