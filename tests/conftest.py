@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
@@ -228,6 +229,14 @@ def run_in_terminal(args: list[str], env: dict[str, str], stdin: str | None = No
     os.close(leader)
     assert proc.returncode == 0
     return output
+
+
+def svg_panels(path: Path) -> tuple[int, str]:
+    """(how many plots, all the text) of a picture matplotlib drew, parsed as the XML it must be."""
+    root = ElementTree.parse(path).getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    groups = [g for g in root.iter("{http://www.w3.org/2000/svg}g") if re.fullmatch(r"axes_\d+", g.get("id", ""))]
+    return len(groups), " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
 
 
 def free_port() -> int:

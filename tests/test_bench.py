@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, svg_panels
+from PIL import Image
 
 TINY = ("-p", "16", "-n", "8", "-r", "2")
 
@@ -38,22 +39,33 @@ def test_json_has_environment_plan_and_every_test(bench_json):
     assert any(test.startswith("overhead pp") for test, _ in rows)
 
 
-def test_markdown_table_rows_and_thread_sweep():
-    result = run_cli("bench", "-p", "16", "-n", "8", "-r", "1", "-t", "1,2", "--depth", "0,16", "--parallel", "1,2")
+def test_markdown_table_rows_and_thread_sweep(tmp_path):
+    picture = tmp_path / "sweep.svg"
+    result = run_cli("bench", "-p", "16", "-n", "8", "-r", "1", "-t", "1,2", "--depth", "0,16", "--parallel", "1,2",
+                     "-b", "8,16", "--plot", str(picture))
     assert result.code == 0, result.stderr
+    panels, text = svg_panels(picture)  # threads, depth, batch size, sequences at once
+    assert panels == 4 and f"plot: {picture} (4 panels)" in result.stderr
+    assert "smollm2" in text and "cores" in text and "Rate against threads" in text and "batch size" in text
     lines = result.stdout.splitlines()
     assert lines[0] == "| model | size | params | quant | threads | test | path | t/s |"
     rows = [line.split(" | ") for line in lines[2:] if line.startswith("| ")]
     assert {row[4] for row in rows} == {"1", "2"}
     tests = {row[5] for row in rows}
-    assert {"pp16", "tg8", "pp16 @ d16", "tg8 @ d16", "ttft", "overhead tg8", "roofline tg8", "tg8 x1", "tg8 x2"} <= tests
+    assert {"pp16", "tg8", "pp16 @ d16", "tg8 @ d16", "ttft", "overhead tg8", "roofline tg8", "tg8 x1", "tg8 x2",
+            "pp16 b8", "pp16 b16"} <= tests
     assert all(row[3] == "Q4_1" for row in rows)
 
 
-def test_prompt_cache_and_kv_type_rows():
+def test_prompt_cache_and_kv_type_rows(tmp_path):
+    picture = tmp_path / "cache.png"
     result = run_cli("bench", "-p", "32", "-n", "8", "-r", "1", "--prompt-cache", "160", "--kv-type", "f16,q8_0",
-                     "--format", "json")
+                     "--format", "json", "--plot", str(picture))
     assert result.code == 0, result.stderr
+    with Image.open(picture) as image:  # a PNG that decodes: cold vs warm TTFT, KV types
+        assert image.format == "PNG" and image.width > 600 and image.height > 300
+        image.verify()
+    assert "(2 panels)" in result.stderr and oct(picture.stat().st_mode & 0o077) != "0o0"
     rows = {(r["test"], r["path"]): r for r in json.loads(result.stdout)["results"]}
     cold, warm = rows[("ttft cold p160", "prompt cache")], rows[("ttft warm p160", "prompt cache")]
     assert cold["unit"] == warm["unit"] == "s" and cold["mean"] > 0 and warm["mean"] > 0
@@ -67,9 +79,13 @@ def test_prompt_cache_and_kv_type_rows():
     assert run_cli("bench", "--kv-type", "f32").code == 2
 
 
-def test_speculation_rows():
-    result = run_cli("bench", "-p", "16", "-n", "16", "-r", "1", "--speculate", "--format", "json")
+def test_speculation_rows(tmp_path):
+    picture = tmp_path / "drafts.svg"
+    result = run_cli("bench", "-p", "16", "-n", "16", "-r", "1", "--speculate", "--format", "json", "--plot",
+                     str(picture))
     assert result.code == 0, result.stderr
+    panels, text = svg_panels(picture)  # the cost of an n-token pass; decoding with and without drafts
+    assert panels == 2 and "n-token pass" in text and "with and without drafts" in text
     rows = {(r["test"], r["path"]): r for r in json.loads(result.stdout)["results"]}
     for n in (2, 4, 8, 12, 16):  # shapes, not speed: the ratios themselves go to the closing notes
         cost = rows[(f"pass of {n} @ d256", "speculative")]
@@ -126,6 +142,9 @@ def test_compare_needs_the_t_distribution_and_says_which_way(before, after, verd
 
 def test_bad_bench_arguments_are_usage_errors(tmp_path):
     assert run_cli("bench", "-t", "one").code == 2
+    for picture, says in ((tmp_path / "x.pdf", "an .svg or a .png"), (tmp_path / "no" / "x.svg", "no folder")):
+        refused = run_cli("bench", "--plot", str(picture))  # at once, before anything is measured
+        assert refused.code == 2 and says in refused.stderr and not picture.exists()
     assert run_cli("bench", "--format", "xml").code == 2
     bad = tmp_path / "x.json"
     bad.write_text("{}")

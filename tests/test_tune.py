@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_cli
+from conftest import run_cli, svg_panels
 
 from llmcli import paths, settings
 from llmcli.bench.tune import Candidate, Dimension, thread_candidates
 from llmcli.config_edit import save_profile
 
 
-def test_tune_measures_within_its_budget_reports_the_rest_and_saves_a_usable_profile(isolated_env):
-    result = run_cli("bench", "--tune", "-p", "32", "-n", "8", "--budget", "2s", "--save", "quick", "--format", "json")
+def test_tune_measures_within_its_budget_reports_the_rest_and_saves_a_usable_profile(isolated_env, tmp_path):
+    picture = tmp_path / "tune.svg"
+    result = run_cli("bench", "--tune", "-p", "32", "-n", "8", "--budget", "2s", "--save", "quick", "--format", "json",
+                     "--plot", str(picture))
     assert result.code == 0, result.stderr
+    panels, text = svg_panels(picture)  # one panel per setting measured, its verdict in the title
+    assert panels >= 1 and "threads:" in text and "bench --tune" in text
     record = json.loads(result.stdout)
     dimensions = {d["setting"]: d for d in record["dimensions"]}
     assert list(dimensions) == ["threads", "batch_size", "flash_attn", "kv_type", "mmap"]

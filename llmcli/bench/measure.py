@@ -123,7 +123,7 @@ class Benchmark:
     def run(self) -> Iterator[Progress]:
         plan = self.plan
         per_repetition = (len(plan.depths) * 2 + 5 + len(plan.parallel) + 2 * plan.contention + 2 * len(plan.cache_lengths)
-                          + len(plan.kv_types) + 6 * plan.speculation)
+                          + len(plan.kv_types) + 6 * plan.speculation + len(plan.batch_sizes))
         total = len(self.models) * len(self.threads) * (plan.repetitions * per_repetition + 1)  # + the bandwidth probe
         done = 0
         for model, header in zip(self.models, self.headers, strict=True):
@@ -160,6 +160,8 @@ class Benchmark:
                 for target, measure in steps:
                     target.samples.append(measure())
                     yield f"{target.test} ({target.path})"
+        if plan.batch_sizes:
+            yield from self._batch_size_rows(model, threads, row)
         if plan.parallel:
             yield from self._parallel_rows(model, threads, row)
         if plan.contention:
@@ -191,6 +193,21 @@ class Benchmark:
             yield shared.test
             fixed.samples.append(pair_decode_rate(model.path, gen, threads))
             yield fixed.test
+
+    def _batch_size_rows(self, model: ResolvedModel, threads: int, row: Callable[..., Row]) -> Iterator[str]:
+        """The raw prefill of the -p prompt at each batch size (prompt tokens per llama_decode)."""
+        plan = self.plan
+        for n_batch in plan.batch_sizes:
+            config = EngineConfig(n_ctx=plan.prompt_tokens + 64, n_threads=threads, n_batch=n_batch)
+            with Engine(model.path, config) as engine:
+                raw = RawLoop(engine)
+                tokens = engine.vocab.tokenize(FILLER * (plan.prompt_tokens // 20 + 8), add_special=True)
+                tokens = tokens[: plan.prompt_tokens]
+                raw.prefill(tokens[:64])  # warm-up
+                target = row(f"pp{plan.prompt_tokens} b{n_batch}", "raw, batch size", "t/s")
+                for _ in range(plan.repetitions):
+                    target.samples.append(len(tokens) / raw.prefill(tokens))
+                    yield target.test
 
     def _parallel_rows(self, model: ResolvedModel, threads: int, row: Callable[..., Row]) -> Iterator[str]:
         """Aggregate decode rate with N sequences in one context (`llmcli run --batch --parallel N`)."""

@@ -15,6 +15,7 @@ class BenchPlan:
     threads: tuple[int, ...] = ()  # empty: one per physical core
     depths: tuple[int, ...] = (0,)
     n_batch: int = default("batch_size")
+    batch_sizes: tuple[int, ...] = ()  # prefill measured at each of these batch sizes too (-b 64,512)
     parallel: tuple[int, ...] = ()  # sequences decoded together (aggregate decode rate), e.g. (1, 8)
     contention: bool = False  # two llmcli processes decoding at once: shared cores vs every core each
     cache_lengths: tuple[int, ...] = ()  # prompt lengths for TTFT cold vs warm (prompt cache), e.g. (512, 2048)

@@ -45,7 +45,9 @@ def bench(
         "physical core]",
         show_default=False)] = None,
     depth: Annotated[str, typer.Option("--depth", "-d", help="KV-cache depths for the raw tests, e.g. 0,512.")] = "0",
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Prompt tokens per step.")] = BenchPlan.n_batch,
+    batch_size: Annotated[str, typer.Option(
+        "--batch-size", "-b", help="Prompt tokens per step; several (64,512) also measure the prefill at each.",
+    )] = str(BenchPlan.n_batch),
     parallel: Annotated[Optional[str], typer.Option(
         "--parallel", "-P", help="Also measure aggregate decode with N sequences at once, e.g. 1,8.", show_default=False)] = None,
     contention: Annotated[bool, typer.Option(
@@ -72,6 +74,9 @@ def bench(
                                                    show_default=False)] = None,
     output_format: Annotated[str, typer.Option("--format", "-o", help="md, json or csv.",
                                                autocompletion=complete_choices(("md", "json", "csv")))] = "md",
+    plot: Annotated[Optional[Path], typer.Option(
+        "--plot", help="Also draw the results as a picture, FILE.svg or FILE.png: each sweep against its variable, "
+        "--tune's search (needs the plot extra).", dir_okay=False, show_default=False)] = None,
 ) -> None:
     """Run the benchmark (the default when no subcommand is given)."""
     if ctx.invoked_subcommand is not None:
@@ -87,21 +92,25 @@ def bench(
         raise UsageError(f"--format must be md, json or csv (got {output_format!r})")
     if not tune and save is not None:
         raise UsageError("--save writes what --tune found", hint="llmcli bench --tune --save NAME")
+    if plot is not None:
+        _check_plot(plot)  # before anything is measured
     if tune:
-        _tune(model, _seconds(budget), save, output_format, n_prompt, n_gen)
+        _tune(model, _seconds(budget), save, output_format, n_prompt, n_gen, plot)
         return
     config = settings.load_config_file()
     endpoint = endpoint or settings.resolve({}, config=config)["endpoint"]
     if endpoint:
         _bench_endpoint(endpoint, api_key, model, n_gen, repetitions,
-                        _int_list(parallel, "--parallel", 1) if parallel else (), output_format)
+                        _int_list(parallel, "--parallel", 1) if parallel else (), output_format, plot)
         return
     configured = settings.resolve({})["threads"]  # $LLMCLI_THREADS or the config file's, else one per core
+    batch_sizes = _int_list(batch_size, "--batch-size", 1)
     plan = BenchPlan(
         prompt_tokens=n_prompt, gen_tokens=n_gen, repetitions=repetitions,
         threads=_int_list(threads, "--threads", 1) if threads else (configured,) if configured else (),
         depths=_int_list(depth, "--depth", 0),
-        n_batch=batch_size,
+        n_batch=batch_sizes[0],
+        batch_sizes=batch_sizes if len(batch_sizes) > 1 else (),
         parallel=_int_list(parallel, "--parallel", 1) if parallel else (),
         contention=contention,
         cache_lengths=_int_list(prompt_cache, "--prompt-cache", 16) if prompt_cache else (),
@@ -114,11 +123,36 @@ def bench(
     with output.progress_bar("benchmark") as advance:
         for step in benchmark.run():
             advance(step.done, step.total, step.what)
-    print(_format(benchmark.rows, environment(resolved, benchmark.threads), plan, output_format), end="")
+    measured_on = environment(resolved, benchmark.threads)
+    print(_format(benchmark.rows, measured_on, plan, output_format), end="")
+    if plot is not None:
+        from llmcli.bench.plot import plot_rows
+
+        _plotted(plot, plot_rows(benchmark.rows, measured_on, plot))
+
+
+def _check_plot(path: Path) -> None:
+    """A picture llmcli can draw where it can write it, with the plot extra installed."""
+    import importlib.util
+
+    from llmcli.install_hint import install_hint
+
+    if path.suffix.lower() not in (".svg", ".png"):
+        raise UsageError(f"--plot draws an .svg or a .png file (got {path.name!r})")
+    if not path.parent.is_dir():
+        raise UsageError(f"--plot: no folder {str(path.parent)!r}")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs the plot extra (matplotlib is missing)", hint=install_hint("plot"))
+
+
+def _plotted(path: Path, panels: int) -> None:
+    from llmcli.cli import output
+
+    output.stderr_console().print(f"plot: {path} ({panels} panel{'s' * (panels != 1)})", highlight=False)
 
 
 def _bench_endpoint(url: str, api_key: str | None, model: list[str] | None, n_gen: int, repetitions: int,
-                    parallel: tuple[int, ...], output_format: str) -> None:
+                    parallel: tuple[int, ...], output_format: str, plot: Path | None) -> None:
     import time
 
     from llmcli.bench.remote import endpoint_rows
@@ -148,6 +182,10 @@ def _bench_endpoint(url: str, api_key: str | None, model: list[str] | None, n_ge
                                    "llama_cpp_python": None, "models": [], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     print(_format(rows, environment, BenchPlan(gen_tokens=n_gen, repetitions=repetitions, parallel=parallel),
                   output_format), end="")
+    if plot is not None:
+        from llmcli.bench.plot import plot_rows
+
+        _plotted(plot, plot_rows(rows, environment, plot))
 
 
 def _seconds(text: str) -> float:
@@ -163,7 +201,7 @@ def _seconds(text: str) -> float:
 
 
 def _tune(model: list[str] | None, budget_s: float, save: str | None, output_format: str, n_prompt: int,
-          n_gen: int) -> None:
+          n_gen: int, plot: Path | None) -> None:
     from llmcli import settings
     from llmcli.bench.tune import Tuner
     from llmcli.cli import output
@@ -182,6 +220,11 @@ def _tune(model: list[str] | None, budget_s: float, save: str | None, output_for
                            "dimensions": [_dimension_record(d) for d in tuner.dimensions], "profile": tuner.profile()})
     else:
         print(_tune_table(resolved.name, tuner), end="")
+    if plot is not None:
+        from llmcli.bench.environment import environment
+        from llmcli.bench.plot import plot_tune
+
+        _plotted(plot, plot_tune(resolved.name, tuner.dimensions, environment([resolved], []), plot))
     if save is not None:
         from llmcli import paths
         from llmcli.config_edit import save_profile
