@@ -7,9 +7,13 @@ back through pyte, a terminal emulator: the final screen, not the escape codes o
 from __future__ import annotations
 
 import io
+import os
 import random
+import re
+import sys
 import time
 
+import pexpect
 import pyte
 import pytest
 from conftest import run_cli, run_in_terminal
@@ -112,3 +116,37 @@ def test_the_thinking_stays_dimmed_and_apart_and_chat_replies_render_the_same_wa
     reply = run_in_terminal(["chat", "--temp", "0", "--grammar", FORCED, "-q"], COLOUR, stdin="a list\n")
     chat_screen = "\n".join(screen_of(reply))
     assert "• one" in chat_screen and "def double(x):" in chat_screen and "**" not in chat_screen
+
+
+def test_a_terminal_narrower_than_a_table_or_a_code_line_wraps_them_cleanly():
+    wide = ("| name | what it does |\n|---|---|\n| settled_blocks | finds the blocks later text cannot change |\n\n"
+            "```python\nprint('a string far too long for a terminal thirty columns wide')\n```\n")
+    out = io.StringIO()
+    console = Console(file=out, width=30, height=40, force_terminal=True, color_system="256")
+    stream = MarkdownStream(console)
+    for piece in wide.splitlines(keepends=True):
+        stream.feed(piece)
+    stream.close()
+    lines = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue()).split("\n")
+    assert max(len(line.rstrip()) for line in lines) <= 30  # wrapped by the renderer, never by the terminal
+    screen = " ".join(line.strip() for line in screen_of(out.getvalue().replace("\n", "\r\n"), 30, 40))
+    for word in ("finds", "change", "print('a", "string", "wide')"):
+        assert word in screen
+    assert "settled_blo" in screen and "…" not in screen  # a word wider than its column is folded, not cut
+
+
+def test_ctrl_c_ends_a_rendered_answer_with_what_was_shown_and_the_cursor_back():
+    child = pexpect.spawn(sys.executable, ["-m", "llmcli", "run", "--temp", "0", "-n", "2000", "--grammar",
+                                           'root ::= "- **la**\\n" root', "Sing"],
+                          env={**os.environ, **COLOUR}, timeout=60, dimensions=(30, 100))
+    child.expect("la")  # rendered: the list and its bold words are on the screen
+    child.sendintr()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 130
+    shown = child.before
+    assert shown.rstrip().endswith(b"\x1b[?25h") or b"\x1b[?25h" in shown  # the cursor is shown again
+    screen = [line for line in screen_of(shown, 100, 30) if line]
+    items = [line for line in screen if "la" in line]
+    assert len(items) > 3 and all(line == " • la" for line in items[:-1])  # (Ctrl-C may cut the last one short)
+    assert "interrupted" in screen[-1]

@@ -18,8 +18,10 @@ from typing import Any
 from markdown_it import MarkdownIt
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
-from rich.markdown import Markdown
+from rich.markdown import Markdown, TableElement
 from rich.segment import Segment
+from rich.style import StyleType
+from rich.table import Table
 
 REFRESHES_PER_SECOND = 4  # the open block's redraws: a few a second at most
 _PARSER = MarkdownIt("commonmark", {"html": False}).enable(["strikethrough", "table"])
@@ -42,8 +44,21 @@ def settled_blocks(source: str) -> tuple[list[str], str]:
     return [source[a:b] for a, b in pairwise(cuts)], source[cuts[-1]:]
 
 
+class _FoldedTable(TableElement):
+    """A table whose cells fold a word wider than its column onto the next line (rich cuts it with "…")."""
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        for renderable in super().__rich_console__(console, options):
+            if isinstance(renderable, Table):
+                for column in renderable.columns:
+                    column.overflow = "fold"
+            yield renderable
+
+
 class AnswerMarkdown(Markdown):
     """rich's Markdown, parsed with raw HTML as text (rich's own parser drops `<tags>` from the output)."""
+
+    elements = {**Markdown.elements, "table_open": _FoldedTable}
 
     def __init__(self, source: str, **options: Any):
         super().__init__("", **options)
@@ -55,16 +70,17 @@ class _Block:
     """Rendered Markdown without rich's blank lines around it, a blank line above it after earlier blocks, and, as
     the open block, no taller than the terminal (its last lines)."""
 
-    def __init__(self, source: str = "", gap: bool = False, crop: bool = False):
+    def __init__(self, source: str = "", gap: bool = False, crop: bool = False, style: StyleType = "none"):
         self.source = source  # the open block's is set by the decode loop and read by Live's thread: no lock
         self.gap = gap
         self.crop = crop
+        self.style = style
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         source = self.source
         if not source.strip():
             return
-        lines = console.render_lines(AnswerMarkdown(source), options, pad=False)
+        lines = console.render_lines(AnswerMarkdown(source, style=self.style), options, pad=False)
         while lines and _blank(lines[-1]):
             lines.pop()
         while lines and _blank(lines[0]):
@@ -84,12 +100,14 @@ def _blank(line: list[Segment]) -> bool:
 
 
 class MarkdownStream:
-    """Takes answer text piece by piece; commits finished blocks to `console` and redraws the open one."""
+    """Takes answer text piece by piece; commits finished blocks to `console` and redraws the open one. `style`:
+    the answer's own (its colour), under what Markdown adds."""
 
-    def __init__(self, console: Console):
+    def __init__(self, console: Console, style: StyleType = "none"):
         self.console = console
+        self.style = style
         self._pending = ""  # the source after the committed blocks
-        self._open = _Block(crop=True)
+        self._open = _Block(crop=True, style=style)
         self._live: Live | None = None
         self._committed = False
 
@@ -122,6 +140,6 @@ class MarkdownStream:
             self._print(pending)
 
     def _print(self, source: str) -> None:
-        self.console.print(_Block(source, gap=self._committed))
+        self.console.print(_Block(source, gap=self._committed, style=self.style))
         self._committed = True
 

@@ -50,7 +50,8 @@ class AnswerSink:
         self._thought_to: IO[str] | None = None if as_json else {
             "show": self.stream if self.terminal else None, "stderr": sys.stderr}.get(reasoning)
         self._thought_open = False  # thinking was printed and the answer has not begun yet
-        self._markdown = MarkdownStream(console) if markdown and self.terminal and not console.is_dumb_terminal else None
+        rendered = markdown and self.terminal and not console.is_dumb_terminal  # (TERM=dumb cannot redraw)
+        self._markdown = MarkdownStream(console, ANSWER_STYLE) if rendered else None
 
     def handle(self, event: Token | Done) -> None:
         if isinstance(event, Token):
