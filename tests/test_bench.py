@@ -42,30 +42,29 @@ def test_json_has_environment_plan_and_every_test(bench_json):
 def test_markdown_table_rows_and_thread_sweep(tmp_path):
     picture = tmp_path / "sweep.svg"
     result = run_cli("bench", "-p", "16", "-n", "8", "-r", "1", "-t", "1,2", "--depth", "0,16", "--parallel", "1,2",
-                     "-b", "8,16", "--plot", str(picture))
+                     "--plot", str(picture))
     assert result.code == 0, result.stderr
-    panels, text = svg_panels(picture)  # threads, depth, batch size, sequences at once
-    assert panels == 4 and f"plot: {picture} (4 panels)" in result.stderr
-    assert "smollm2" in text and "cores" in text and "Rate against threads" in text and "batch size" in text
+    panels, text = svg_panels(picture)  # threads, depth, sequences at once
+    assert panels == 3 and f"plot: {picture} (3 panels)" in result.stderr
+    assert "smollm2" in text and "cores" in text and "Rate against threads" in text and "sequences" in text
     lines = result.stdout.splitlines()
     assert lines[0] == "| model | size | params | quant | threads | test | path | t/s |"
     rows = [line.split(" | ") for line in lines[2:] if line.startswith("| ")]
     assert {row[4] for row in rows} == {"1", "2"}
     tests = {row[5] for row in rows}
-    assert {"pp16", "tg8", "pp16 @ d16", "tg8 @ d16", "ttft", "overhead tg8", "roofline tg8", "tg8 x1", "tg8 x2",
-            "pp16 b8", "pp16 b16"} <= tests
+    assert {"pp16", "tg8", "pp16 @ d16", "tg8 @ d16", "ttft", "overhead tg8", "roofline tg8", "tg8 x1", "tg8 x2"} <= tests
     assert all(row[3] == "Q4_1" for row in rows)
 
 
 def test_prompt_cache_and_kv_type_rows(tmp_path):
     picture = tmp_path / "cache.png"
     result = run_cli("bench", "-p", "32", "-n", "8", "-r", "1", "--prompt-cache", "160", "--kv-type", "f16,q8_0",
-                     "--format", "json", "--plot", str(picture))
+                     "-b", "16,32", "--format", "json", "--plot", str(picture))
     assert result.code == 0, result.stderr
-    with Image.open(picture) as image:  # a PNG that decodes: cold vs warm TTFT, KV types
+    with Image.open(picture) as image:  # a PNG that decodes: batch sizes, cold vs warm TTFT, KV types
         assert image.format == "PNG" and image.width > 600 and image.height > 300
         image.verify()
-    assert "(2 panels)" in result.stderr and oct(picture.stat().st_mode & 0o077) != "0o0"
+    assert "(3 panels)" in result.stderr and oct(picture.stat().st_mode & 0o077) != "0o0"
     rows = {(r["test"], r["path"]): r for r in json.loads(result.stdout)["results"]}
     cold, warm = rows[("ttft cold p160", "prompt cache")], rows[("ttft warm p160", "prompt cache")]
     assert cold["unit"] == warm["unit"] == "s" and cold["mean"] > 0 and warm["mean"] > 0
@@ -76,6 +75,7 @@ def test_prompt_cache_and_kv_type_rows(tmp_path):
     q8 = next(r for (test, _), r in rows.items() if test.startswith("kv cache") and test.endswith("kv q8_0"))
     assert q8["mean"] == pytest.approx(f16["mean"] * 34 / 64) and f16["unit"] == "MiB"
     assert ("tg8 @ d32 kv q8_0", "raw") in rows and ("pp32 kv q8_0", "raw") in rows
+    assert rows[("pp32 b16", "raw, batch size")]["mean"] > 0 and ("pp32 b32", "raw, batch size") in rows
     assert run_cli("bench", "--kv-type", "f32").code == 2
 
 
