@@ -53,14 +53,15 @@ def _installed() -> tuple[tuple[str, Path | None, str | None], ...]:
     """(distribution, shipped GGUF file or None for an assembled one, its RECORD sha256), from the
     installed file lists. Cached (the scan takes ~10 ms). It holds no path that depends on the environment."""
     found: list[tuple[str, Path | None, str | None]] = []
+    assembled_dirs = tuple(f"{module}/" for module, _ in ASSEMBLED_PACKAGES.values())
     for dist in importlib.metadata.distributions():
+        record = dist.read_text("RECORD")
+        if record is not None and ".gguf" not in record and not any(d in record for d in assembled_dirs):
+            continue  # most distributions: neither their metadata nor their file list is parsed (the scan's time)
         name = dist.metadata["Name"]
         if name and name.lower() in ASSEMBLED_PACKAGES:
             found.append((name, None, None))
             continue
-        record = dist.read_text("RECORD")
-        if record is not None and ".gguf" not in record:
-            continue  # most distributions: their file list is not parsed at all (that was most of the scan's time)
         for file in dist.files or ():
             if file.name.endswith(".gguf"):
                 path = Path(str(dist.locate_file(file))).resolve()
