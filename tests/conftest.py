@@ -113,21 +113,17 @@ def run_cli(*args: str, input: str | bytes | None = None, env: dict[str, str] | 
     return _forked_cli(list(args), data, environment, timeout)
 
 
-def _forked_cli(args: list[str], data: bytes | None, environment: dict[str, str], timeout: float) -> Result:
-    stdin = tempfile.TemporaryFile()
-    stdin.write(data or b"")
-    stdin.seek(0)
-    stdin_fd = stdin.fileno() if data is not None else os.open(os.devnull, os.O_RDONLY)
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
+def _fork_llmcli(args: list[str], environment: dict[str, str], stdin_fd: int, stdout_fd: int, stderr_fd: int,
+                 close: tuple[int, ...] = ()) -> int:
+    """Fork a child that becomes `llmcli ARGS` on these fds in this environment (llmcli already imported); its pid."""
     pid = os.fork()
-    if pid == 0:  # the child: become `llmcli ARGS` with these fds and this environment
+    if pid == 0:
         code = 70
         try:
             os.dup2(stdin_fd, 0)
-            os.dup2(out_w, 1)
-            os.dup2(err_w, 2)
-            for fd in (out_r, out_w, err_r, err_w):
+            os.dup2(stdout_fd, 1)
+            os.dup2(stderr_fd, 2)
+            for fd in {*close, stdout_fd, stderr_fd} - {0, 1, 2}:
                 os.close(fd)
             os.environ.clear()
             os.environ.update(environment)
@@ -156,6 +152,17 @@ def _forked_cli(args: list[str], data: bytes | None, environment: dict[str, str]
             except BaseException:
                 pass
             os._exit(code)
+    return pid
+
+
+def _forked_cli(args: list[str], data: bytes | None, environment: dict[str, str], timeout: float) -> Result:
+    stdin = tempfile.TemporaryFile()
+    stdin.write(data or b"")
+    stdin.seek(0)
+    stdin_fd = stdin.fileno() if data is not None else os.open(os.devnull, os.O_RDONLY)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = _fork_llmcli(args, environment, stdin_fd, out_w, err_w, (out_r, err_r))
     os.close(out_w)
     os.close(err_w)
     if data is None:
@@ -212,16 +219,25 @@ def cli():
 
 
 def run_in_terminal(args: list[str], env: dict[str, str], stdin: str | None = None, stderr: bool = False) -> bytes:
-    """Run `python -m llmcli ARGS` with stdout (and, with `stderr`, stderr) on a pseudo-terminal, `stdin` piped in;
-    return what it printed there."""
+    """Run `llmcli ARGS` with stdout (and, with `stderr`, stderr) on a pseudo-terminal, `stdin` piped in;
+    return what it printed there. Forked as run_cli's runs are, while this process is single-threaded."""
     leader, follower = pty.openpty()
     feed = tempfile.TemporaryFile()
     feed.write((stdin or "").encode())
     feed.seek(0)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmcli", *args], stdin=feed if stdin is not None else subprocess.DEVNULL,
-        stdout=follower, stderr=follower if stderr else subprocess.DEVNULL, env={**os.environ, **env},
-    )
+    environment = {**os.environ, **env}
+    if os.environ.get("LLMCLI_TEST_SUBPROCESS") or threading.active_count() > 1:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmcli", *args], stdin=feed if stdin is not None else subprocess.DEVNULL,
+            stdout=follower, stderr=follower if stderr else subprocess.DEVNULL, env=environment,
+        )
+        wait = lambda: proc.wait(timeout=120)  # noqa: E731
+    else:
+        quiet = os.open(os.devnull, os.O_RDWR)
+        pid = _fork_llmcli(args, environment, feed.fileno() if stdin is not None else quiet, follower,
+                           follower if stderr else quiet, (leader,))
+        os.close(quiet)
+        wait = lambda: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])  # noqa: E731
     feed.close()
     os.close(follower)
     output = b""
@@ -233,9 +249,9 @@ def run_in_terminal(args: list[str], env: dict[str, str], stdin: str | None = No
         if not chunk:
             break
         output += chunk
-    proc.wait(timeout=120)
+    code = wait()
     os.close(leader)
-    assert proc.returncode == 0
+    assert code == 0
     return output
 
 

@@ -132,7 +132,12 @@ def test_the_page_streams_an_answer_and_stops_regenerates_edits_and_keeps_it(bro
     messages = kept(page)[0]["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] == "Make a better plan"
 
-    use_grammar(page, 'root ::= "la " root', max_tokens=3000)  # an answer that would go on for a long time
+    # An answer that would go on for a long time: sampled words (greedy ones would loop, and the server's
+    # repetition guard would end the answer before Stop does).
+    use_grammar(page, 'root ::= [a-z]{2,8} " " root', max_tokens=3000)
+    page.click("#settings summary")
+    page.fill("#temperature", "1.5")
+    page.click("#settings summary")
     send(page, "Sing")
     wait_until(page, "(document.querySelector('article.message.assistant:last-of-type .body') || "
                            "{textContent: ''}).textContent.length > 30")

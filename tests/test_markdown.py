@@ -136,17 +136,20 @@ def test_a_terminal_narrower_than_a_table_or_a_code_line_wraps_them_cleanly():
 
 
 def test_ctrl_c_ends_a_rendered_answer_with_what_was_shown_and_the_cursor_back():
-    child = pexpect.spawn(sys.executable, ["-m", "llmcli", "run", "--temp", "0", "-n", "2000", "--grammar",
+    child = pexpect.spawn(sys.executable, ["-m", "llmcli", "run", "--temp", "0", "-n", "2000", "--no-repetition-guard", "--grammar",
                                            'root ::= "- **la**\\n" root', "Sing"],
                           env={**os.environ, **COLOUR}, timeout=60, dimensions=(30, 100))
-    child.expect("la")  # rendered: the list and its bold words are on the screen
+    shown = b""
+    while sum(line == " • la" for line in screen_of(shown, 100, 30)) < 6:  # rendered list items on the screen
+        child.expect(b"la")
+        shown += child.before + child.after
     child.sendintr()
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 130
-    shown = child.before
+    shown += child.before
     assert shown.rstrip().endswith(b"\x1b[?25h") or b"\x1b[?25h" in shown  # the cursor is shown again
     screen = [line for line in screen_of(shown, 100, 30) if line]
     items = [line for line in screen if "la" in line]
-    assert len(items) > 3 and all(line == " • la" for line in items[:-1])  # (Ctrl-C may cut the last one short)
+    assert len(items) >= 6 and all(line == " • la" for line in items[:-1])  # (Ctrl-C may cut the last one short)
     assert "interrupted" in screen[-1]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -99,8 +101,14 @@ def test_dropped_connection_is_resumed(hub, cli, isolated_env):
     assert cli("run", "-m", REPO, "-n", "4", "-q", "hi").code == 0
 
 
-def test_download_that_keeps_failing_fails_cleanly_and_restarts_later(hub, cli, isolated_env):
+def test_download_that_keeps_failing_fails_cleanly_and_restarts_later(hub, cli, isolated_env, monkeypatch):
     hub.faults[Q4] = Fault(drop_after=1_000_000, times=100)  # more drops than the client retries
+    # huggingface_hub waits 1 s before each of its 5 resumes: the forked runs inherit a clock that does not wait
+    # (the download code and its retries run as they are).
+    from huggingface_hub import file_download
+
+    clock = {name: getattr(time, name) for name in dir(time) if not name.startswith("_")}
+    monkeypatch.setattr(file_download, "time", types.SimpleNamespace(**{**clock, "sleep": lambda seconds: None}))
     failed = cli("pull", REPO)
     assert failed.code == 4, failed.stderr
     assert failed.stderr.startswith("Error: download of") and "Traceback" not in failed.stderr
