@@ -12,6 +12,7 @@ interpreted, and control characters are neutralised before rich sees them.
 
 from __future__ import annotations
 
+import time
 from itertools import pairwise
 from typing import Any
 
@@ -24,6 +25,7 @@ from rich.style import StyleType
 from rich.table import Table
 
 REFRESHES_PER_SECOND = 4  # the open block's redraws: a few a second at most
+RENDER_SHARE = 0.02  # ... and rendering it takes at most this share of the time (a long code block: fewer redraws)
 _PARSER = MarkdownIt("commonmark", {"html": False}).enable(["strikethrough", "table"])
 
 
@@ -75,11 +77,34 @@ class _Block:
         self.gap = gap
         self.crop = crop
         self.style = style
+        self._drawn: tuple[float, int, list[list[Segment]]] | None = None  # (fresh until, width, lines): the open block
+
+    def forget(self) -> None:
+        """The open block's source was cut (its start committed): the next redraw renders it again."""
+        self._drawn = None
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        drawn, now = self._drawn, time.monotonic()
+        if drawn is not None and now < drawn[0] and drawn[1] == options.max_width:
+            lines = drawn[2]  # rendered moments ago: the text that came since waits for the next redraw
+        else:
+            started = time.perf_counter()
+            lines = self._lines(console, options)
+            if self.crop:
+                self._drawn = (now + (time.perf_counter() - started) / RENDER_SHARE, options.max_width, lines)
+        if self.gap and lines:
+            yield Segment.line()
+        for line in lines:
+            yield from line
+            yield Segment.line()
+
+    def _lines(self, console: Console, options: ConsoleOptions) -> list[list[Segment]]:
         source = self.source
         if not source.strip():
-            return
+            return []
+        if self.crop and _open_fence(source):  # a long open code block: highlight only the lines that will show
+            first, _, code = source.partition("\n")
+            source = first + "\n" + "\n".join(code.split("\n")[-console.size.height:])
         lines = console.render_lines(AnswerMarkdown(source, style=self.style), options, pad=False)
         while lines and _blank(lines[-1]):
             lines.pop()
@@ -87,11 +112,14 @@ class _Block:
             lines.pop(0)
         if self.crop:
             lines = lines[-max(1, console.size.height - 1 - self.gap):]
-        if self.gap:
-            yield Segment.line()
-        for line in lines:
-            yield from line
-            yield Segment.line()
+        return lines
+
+
+def _open_fence(source: str) -> str | None:
+    """The fence (```, ~~~) of a code block that `source` opens and has not closed yet."""
+    head = source.lstrip(" ")
+    fence = head[:3] if head[:3] in ("```", "~~~") else None
+    return fence if fence is not None and fence not in source[source.find("\n") + 1:] else None
 
 
 def _blank(line: list[Segment]) -> bool:
@@ -113,9 +141,11 @@ class MarkdownStream:
 
     def feed(self, text: str) -> None:
         self._pending += text
-        if "\n" in text:
+        if "\n" in text and not _open_fence(self._pending):  # (nothing settles inside an open code block)
             settled, self._pending = settled_blocks(self._pending)
             self._open.source = self._pending  # before the prints, which redraw the open block below them
+            if settled:
+                self._open.forget()
             for block in settled:
                 self._print(block)
         self._open.source = self._pending
@@ -136,6 +166,7 @@ class MarkdownStream:
         self.pause()
         pending, self._pending = self._pending, ""
         self._open.source = ""
+        self._open.forget()
         if pending.strip():
             self._print(pending)
 
