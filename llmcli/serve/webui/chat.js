@@ -476,7 +476,7 @@ async function answer() {
     if (error.name !== "AbortError") reply.error = String(error.message || error);
     else finish = "stopped";
   } finally {
-    reply.stats = statsLine(timings, finish, started, firstAt, pieces);
+    reply.stats = reply.error ? "" : statsLine(timings, finish, started, firstAt, pieces);
     if (!reply.reasoning) delete reply.reasoning;
     page.controller = null;
     busy(false);
