@@ -171,6 +171,18 @@ def test_a_model_answer_with_html_runs_nothing(browser, server):
     page.context.close()
 
 
+def test_a_refused_request_shows_the_server_s_error_under_the_question(browser, server):
+    page = open_page(browser, server)
+    page.wait_for_selector("#model option", state="attached")
+    use_grammar(page, "root ::= (", max_tokens=8)  # not a grammar: the server says why, with a 400
+    send(page, "hi")
+    error = last_answer(page).locator(".error")
+    error.wait_for()
+    assert "grammar" in error.inner_text().lower() and last_answer(page).locator(".stats").count() == 0
+    assert page.locator("#send").is_visible()
+    page.context.close()
+
+
 def test_a_server_with_a_key_asks_for_it(browser, tmp_path):
     proc, url = start_server(tmp_path, "--temp", "0", "-P", "1", "--api-key", "sesame")
     try:
