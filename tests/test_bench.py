@@ -165,3 +165,25 @@ def test_help_does_not_import_llama_cpp_or_the_hub(args):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "Usage:" in proc.stdout
     assert proc.stderr.strip().endswith("HEAVY="), proc.stderr
+
+
+def test_an_endpoint_bench_or_no_sweep_still_draws_without_a_warning(tmp_path):
+    import warnings
+
+    from llmcli.bench.plot import plot_rows
+    from llmcli.bench.rows import Row
+
+    def row(test: str, path: str, unit: str, *samples: float) -> Row:
+        return Row("served", None, None, "", None, test, path, unit, list(samples))
+
+    rows = [row("ttft", "endpoint", "s", 0.2, 0.3), row("tg64", "endpoint", "t/s", 50.0, 52.0),
+            row("tg64 x4", "endpoint, aggregate", "t/s", 120.0, 125.0)]
+    environment = {"endpoint": "http://127.0.0.1:8080/v1"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (matplotlib warns, on stderr, of a legend with nothing in it)
+        assert plot_rows(rows, environment, tmp_path / "served.svg") == 1  # sequences at once
+        assert plot_rows(rows[:2], environment, tmp_path / "one.svg") == 1  # nothing swept: the rates themselves
+        assert plot_rows([], environment, tmp_path / "none.png") == 1
+    panels, text = svg_panels(tmp_path / "served.svg")
+    assert panels == 1 and "http://127.0.0.1:8080/v1" in text and "sequences" in text
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["none.png", "one.svg", "served.svg"]  # only

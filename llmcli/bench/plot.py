@@ -92,7 +92,7 @@ def _panels(rows: Sequence[Row]) -> list[Panel]:
     if batch:
         panels.append(_lines("Prefill rate against batch size", "batch size (tokens per step)", "tokens/s",
                              _series(batch, lambda r: _number(r.test, r" b(\d+)"), lambda r: f"t{r.threads}", models)))
-    parallel = [r for r in rows if r.path == "parallel"]
+    parallel = [r for r in rows if r.path in ("parallel", "endpoint, aggregate")]
     if parallel:
         panels.append(_lines("Aggregate decode against sequences at once", "sequences", "tokens/s (all together)",
                              _series(parallel, lambda r: _number(r.test, r" x(\d+)"), lambda r: f"t{r.threads}", models)))
@@ -165,7 +165,8 @@ def _lines(title: str, x_label: str, y_label: str, series: dict[str, list[tuple[
             axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set(title=title, xlabel=x_label, ylabel=y_label)
         axes.set_ylim(bottom=0)
-        axes.legend(fontsize=8)
+        if series:
+            axes.legend(fontsize=8)
 
     return draw
 
@@ -180,7 +181,8 @@ def _bars(title: str, y_label: str, bars: dict[str, dict[str, tuple[float, float
                      label=name)
         axes.set_xticks([g + width * (len(bars) - 1) / 2 for g in range(len(groups))], groups, fontsize=8)
         axes.set(title=title, ylabel=y_label)
-        axes.legend(fontsize=8)
+        if bars:
+            axes.legend(fontsize=8)
 
     return draw
 
