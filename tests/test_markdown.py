@@ -25,7 +25,7 @@ ANSWER = ("# Shopping\n\nSome **bold** and *italic* text with `code`.\n\n- one\n
           "| fruit | count |\n|---|---|\n| apple | 3 |\n\n```python\ndef double(x):\n    return x * 2\n```\n\n"
           "A <script>alert(1)</script> tag.\n")
 FORCED = 'root ::= "' + ANSWER.replace("\n", "\\n") + '"'
-COLOUR = {"NO_COLOR": "", "TERM": "xterm-256color"}
+COLOUR = {"NO_COLOR": "", "TERM": "xterm-256color", "COLORTERM": ""}  # 256 colours, whatever the CI sets
 
 
 def screen_of(output: str | bytes, width: int = 120, height: int = 60) -> list[str]:
