@@ -1,4 +1,4 @@
-"""The chat page at `/` of `llmcli serve`: three files shipped in the package (llmcli/serve/webui/), nothing fetched
+"""The chat page at `/` of `llmcli serve`: four files shipped in the package (llmcli/serve/webui/), nothing fetched
 from elsewhere, so it works offline and behind a firewall. It talks to the server's own OpenAI routes.
 
 Model output is text on that page, and the policy below says so to the browser as well: scripts, styles and requests
@@ -19,7 +19,8 @@ POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 
           "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 HEADERS = {"Content-Security-Policy": POLICY, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
            "Cache-Control": "no-cache"}
-FILES = {"chat.js": "text/javascript; charset=utf-8", "chat.css": "text/css; charset=utf-8"}
+FILES = {"chat.js": "text/javascript; charset=utf-8", "markdown.js": "text/javascript; charset=utf-8",
+         "chat.css": "text/css; charset=utf-8"}
 RUNNING = "llmcli is running (Ollama's API at /api, OpenAI's and Anthropic's at /v1)"
 
 
@@ -28,7 +29,8 @@ def _read(name: str) -> bytes:
 
 
 def routes(webui: bool) -> list[Route]:
-    """`/` (and, with the page, /ui/chat.js and /ui/chat.css); without it `/` says only that the server runs."""
+    """`/` (and, with the page, its script, Markdown renderer and style under /ui/); without it `/` says only that the
+    server runs."""
     if not webui:
         return [Route("/", lambda request: PlainTextResponse(RUNNING), methods=["GET", "HEAD"])]
     page = _read("index.html")
