@@ -60,7 +60,7 @@ def _stdio(pids: Path, **extra: object) -> dict:
 
 
 def test_mcp_list_shows_each_server_its_state_and_tools(tmp_path, pids, http_server):
-    garbage = {"command": sys.executable, "timeout": 2, "args": [
+    garbage = {"command": sys.executable, "timeout": 1, "args": [
         "-c", f"import os, time; open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n'); print('not json', flush=True); "
         "time.sleep(60)"]}
     config = _config(tmp_path, pids, local=_stdio(pids, tools=["shout", "add"]), remote={"url": http_server},
@@ -72,7 +72,7 @@ def test_mcp_list_shows_each_server_its_state_and_tools(tmp_path, pids, http_ser
     assert [t["name"] for t in rows["local"]["tools"]] == ["local_shout", "local_add"]  # the allow-list
     assert rows["remote"]["state"] == "running" and "remote_hang" in [t["name"] for t in rows["remote"]["tools"]]
     assert rows["broken"]["state"] == "failed" and rows["broken"]["error"]
-    assert rows["garbage"]["state"] == "failed" and "did not start within 2 s" in rows["garbage"]["error"]
+    assert rows["garbage"]["state"] == "failed" and "did not start within 1 s" in rows["garbage"]["error"]
     table = run_cli("mcp", "list", "--mcp", str(config))
     assert "local  running" in table.stdout and "broken  failed" in table.stdout
 

@@ -32,7 +32,7 @@ WEATHER = {"type": "function", "function": {
 TOOLS = [MULTIPLY, WEATHER]
 HERMES_TEMPLATE = Path(__file__).parent / "data" / "hermes-chatml.jinja"
 QUESTION = "What is 12 times 7, and what is the weather in Paris?"
-SAMPLED_CALLS = 12  # per format (issue 24 measured 50: 50/50 valid with the grammar, 0/50 without)
+SAMPLED_CALLS = 8  # per format (issue 24 measured 50: 50/50 valid with the grammar, 0/50 without)
 
 # -- the parser: recorded outputs, per format ----------------------------------------------------------------------
 
