@@ -48,7 +48,8 @@ def loaded(url: str) -> list[str]:
 
 def test_two_models_alternate_under_load_with_one_loaded_at_a_time(tmp_path, gemma3):
     """--max-models 1, requests for two models from three clients at once: none fails, each model answers as it
-    does alone, only one is ever loaded, and each swap gives the other's memory back (RSS within 10 %)."""
+    does alone, only one is ever loaded, and each swap gives the other's memory back (RSS grows by less than half of
+    the other model's file: the allocator's drift across swaps is ~10-20 MiB here, a model kept would be ~240)."""
     proc, url = start_server(tmp_path, "-P", "2", "-c", "256", "--max-models", "1")
     try:
         alone = {"smollm2": complete(url, "smollm2")["choices"][0]["text"]}
@@ -77,7 +78,8 @@ def test_two_models_alternate_under_load_with_one_loaded_at_a_time(tmp_path, gem
         assert len(results) == 7 and all(text == alone[model] for model, text in results)
         complete(url, "smollm2")
         assert [Path(p).name for p in loaded(url)] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
-        assert rss_mib(proc.pid) < 1.10 * baseline  # smollm2 alone again: gemma's memory went back
+        gemma_mib = gemma3.stat().st_size / 2**20
+        assert rss_mib(proc.pid) < baseline + gemma_mib / 2  # smollm2 alone again: gemma's memory went back
     finally:
         stop_server(proc)
 
