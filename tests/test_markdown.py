@@ -11,6 +11,7 @@ import os
 import random
 import re
 import sys
+import threading
 import time
 
 import pexpect
@@ -153,3 +154,32 @@ def test_ctrl_c_ends_a_rendered_answer_with_what_was_shown_and_the_cursor_back()
     items = [line for line in screen if "la" in line]
     assert len(items) >= 6 and all(line == " • la" for line in items[:-1])  # (Ctrl-C may cut the last one short)
     assert "interrupted" in screen[-1]
+
+
+def test_a_stalled_terminal_holds_up_the_printer_not_the_answer():
+    class Stalled(io.StringIO):
+        """A terminal that stops taking output while `flowing` is clear (Ctrl-S, a slow link)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.flowing = threading.Event()
+            self.flowing.set()
+
+        def write(self, text: str) -> int:
+            self.flowing.wait()
+            return super().write(text)
+
+    out = Stalled()
+    console = Console(file=out, width=60, height=40, force_terminal=True, color_system="256")
+    stream = MarkdownStream(console)
+    stream.feed("# Start\n\nA first paragraph.\n\n")  # the open block is on the screen
+    out.flowing.clear()
+    fed = threading.Thread(target=lambda: [stream.feed(f"Paragraph {n}.\n\n") for n in range(200)])
+    fed.start()
+    fed.join(timeout=30)
+    assert not fed.is_alive()  # 200 pieces handed over, 200 blocks settled, while nothing could be written
+    out.flowing.set()
+    stream.close()
+    screen = [line for line in screen_of(out.getvalue().replace("\n", "\r\n"), 60, 1000) if line]
+    assert screen[:2] == ["                           Start", "A first paragraph."]
+    assert screen[2:] == [f"Paragraph {n}." for n in range(200)]  # every block once, in order

@@ -12,8 +12,11 @@ interpreted, and control characters are neutralised before rich sees them.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from itertools import pairwise
+from queue import SimpleQueue
 from typing import Any
 
 from markdown_it import MarkdownIt
@@ -129,34 +132,45 @@ def _blank(line: list[Segment]) -> bool:
 
 class MarkdownStream:
     """Takes answer text piece by piece; commits finished blocks to `console` and redraws the open one. `style`:
-    the answer's own (its colour), under what Markdown adds."""
+    the answer's own (its colour), under what Markdown adds. Committed blocks are rendered and printed by a thread of
+    their own, in order: the decode loop hands them over and goes on (a slow or paused terminal holds up that thread,
+    not the answer); until one is printed it is shown with the open block."""
 
     def __init__(self, console: Console, style: StyleType = "none"):
         self.console = console
         self.style = style
-        self._pending = ""  # the source after the committed blocks
+        self._pending = ""  # the source after the settled blocks
+        self._unprinted: deque[str] = deque()  # settled blocks the printer has not printed yet, oldest first
         self._open = _Block(crop=True, style=style)
         self._live: Live | None = None
-        self._committed = False
+        self._committed = False  # a block is on the screen (the next one has a blank line above it)
+        self._blocks: SimpleQueue[str | threading.Event] = SimpleQueue()  # to the printer: a block, or "tell me"
+        self._printer: threading.Thread | None = None
+        self._failure: BaseException | None = None  # what stopped the printer (stdout closed)
 
     def feed(self, text: str) -> None:
+        self._raise_failure()
         self._pending += text
         if "\n" in text and not _open_fence(self._pending):  # (nothing settles inside an open code block)
             settled, self._pending = settled_blocks(self._pending)
-            self._open.source = self._pending  # before the prints, which redraw the open block below them
             if settled:
+                self._unprinted.extend(settled)
                 self._open.forget()
-            for block in settled:
-                self._print(block)
-        self._open.source = self._pending
-        self._open.gap = self._committed
-        if self._live is None and self._pending.strip():
+                for block in settled:
+                    self._blocks.put(block)
+                if self._printer is None:
+                    self._printer = threading.Thread(target=self._print_blocks, name="markdown", daemon=True)
+                    self._printer.start()
+        self._show()
+        if self._live is None and self._open.source.strip():
             self._live = Live(self._open, console=self.console, refresh_per_second=REFRESHES_PER_SECOND,
                               transient=True, redirect_stdout=False, redirect_stderr=False)
             self._live.start()
 
     def pause(self) -> None:
-        """Take the open block off the screen (something else is about to print); the next text draws it again."""
+        """Take the open block off the screen (something else is about to print), the committed blocks printed
+        first; the next text draws it again."""
+        self._drain()
         if self._live is not None:
             live, self._live = self._live, None
             live.stop()
@@ -164,13 +178,54 @@ class MarkdownStream:
     def close(self) -> None:
         """The answer is over: the open block is committed as it stands."""
         self.pause()
+        if self._printer is not None:
+            self._blocks.put(_STOP)
+            self._printer.join()
+            self._printer = None
+        self._raise_failure()
         pending, self._pending = self._pending, ""
         self._open.source = ""
         self._open.forget()
         if pending.strip():
             self._print(pending)
 
-    def _print(self, source: str) -> None:
-        self.console.print(_Block(source, gap=self._committed, style=self.style))
-        self._committed = True
+    def _show(self) -> None:
+        """What the open block shows: the blocks not printed yet, and the text after them."""
+        self._open.source = "".join(tuple(self._unprinted)) + self._pending
+        self._open.gap = self._committed
 
+    def _drain(self) -> None:
+        if self._printer is not None and self._printer.is_alive():
+            printed = threading.Event()
+            self._blocks.put(printed)
+            printed.wait()
+
+    def _print_blocks(self) -> None:
+        """The printer's loop: each block rendered and printed once, above the open one."""
+        while True:
+            item = self._blocks.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                if item is _STOP:
+                    return
+                continue
+            try:
+                self._print(item)
+            except BaseException as exc:  # stdout closed: the decode loop hears of it at its next piece
+                self._failure = exc
+            self._unprinted.popleft()
+            self._open.forget()
+            self._show()
+
+    def _print(self, source: str) -> None:
+        if self._failure is None:
+            self.console.print(_Block(source, gap=self._committed, style=self.style))
+            self._committed = True
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+
+
+_STOP = threading.Event()  # the printer's last item

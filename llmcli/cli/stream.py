@@ -64,7 +64,10 @@ class AnswerSink:
                 self._end_thought()
             self.parts.append(event.text)
             if self._markdown is not None:
-                self._markdown.feed(event.text.translate(_NEUTRALISE))
+                try:
+                    self._markdown.feed(event.text.translate(_NEUTRALISE))
+                except BrokenPipeError:
+                    raise StdoutClosed() from None
             elif not self.as_json:
                 self._write(event.text.translate(_NEUTRALISE) if self.terminal else event.text)
             return
