@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from itertools import pairwise
-from queue import SimpleQueue
+from queue import Empty, SimpleQueue
 from typing import Any
 
 from markdown_it import MarkdownIt
@@ -151,21 +151,24 @@ class MarkdownStream:
     def feed(self, text: str) -> None:
         self._raise_failure()
         self._pending += text
+        settled: list[str] = []
         if "\n" in text and not _open_fence(self._pending):  # (nothing settles inside an open code block)
             settled, self._pending = settled_blocks(self._pending)
+            self._unprinted.extend(settled)
             if settled:
-                self._unprinted.extend(settled)
                 self._open.forget()
-                for block in settled:
-                    self._blocks.put(block)
-                if self._printer is None:
-                    self._printer = threading.Thread(target=self._print_blocks, name="markdown", daemon=True)
-                    self._printer.start()
         self._show()
         if self._live is None and self._open.source.strip():
-            self._live = Live(self._open, console=self.console, refresh_per_second=REFRESHES_PER_SECOND,
-                              transient=True, redirect_stdout=False, redirect_stderr=False)
-            self._live.start()
+            # Redrawn by the printer's thread (not Live's own): one thread writes while the answer streams, so a
+            # block printed above the open one and a redraw of it never interleave on the terminal.
+            self._live = Live(self._open, console=self.console, auto_refresh=False, transient=True,
+                              redirect_stdout=False, redirect_stderr=False)
+            self._live.start(refresh=True)
+        if self._printer is None and self._live is not None:
+            self._printer = threading.Thread(target=self._print_blocks, name="markdown", daemon=True)
+            self._printer.start()
+        for block in settled:
+            self._blocks.put(block)
 
     def pause(self) -> None:
         """Take the open block off the screen (something else is about to print), the committed blocks printed
@@ -201,9 +204,19 @@ class MarkdownStream:
             printed.wait()
 
     def _print_blocks(self) -> None:
-        """The printer's loop: each block rendered and printed once, above the open one."""
+        """The printer's loop: each block rendered and printed once, above the open one, which it redraws a few
+        times a second in between."""
         while True:
-            item = self._blocks.get()
+            try:
+                item = self._blocks.get(timeout=1 / REFRESHES_PER_SECOND)
+            except Empty:
+                live = self._live
+                if live is not None and live.is_started and self._failure is None:
+                    try:
+                        live.refresh()
+                    except BaseException as exc:  # stdout closed: the decode loop hears of it at its next piece
+                        self._failure = exc
+                continue
             if isinstance(item, threading.Event):
                 item.set()
                 if item is _STOP:
@@ -211,7 +224,7 @@ class MarkdownStream:
                 continue
             try:
                 self._print(item)
-            except BaseException as exc:  # stdout closed: the decode loop hears of it at its next piece
+            except BaseException as exc:
                 self._failure = exc
             self._unprinted.popleft()
             self._open.forget()
