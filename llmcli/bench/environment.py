@@ -33,7 +33,8 @@ def memory_bandwidth(threads: int, megabytes: int = 256, repeats: int = 3) -> fl
     return best
 
 
-def environment(models: Sequence[ResolvedModel], threads: Sequence[int]) -> dict[str, object]:
+def machine() -> dict[str, object]:
+    """The machine and the builds (cheap: no file is read)."""
     return {
         "cpu": system.cpu_model(),
         "physical_cores": system.physical_cores(),
@@ -41,6 +42,12 @@ def environment(models: Sequence[ResolvedModel], threads: Sequence[int]) -> dict
         "python": platform.python_version(),
         "platform": platform.platform(),
         **backend.build_info(),
+    }
+
+
+def environment(models: Sequence[ResolvedModel], threads: Sequence[int]) -> dict[str, object]:
+    return {
+        **machine(),
         "threads": list(threads),
         "models": [{"name": m.name, "path": str(m.path), "sha256": sha256_of(m.path)} for m in models],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

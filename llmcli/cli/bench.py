@@ -126,9 +126,7 @@ def bench(
     measured_on = environment(resolved, benchmark.threads)
     print(_format(benchmark.rows, measured_on, plan, output_format), end="")
     if plot is not None:
-        from llmcli.bench.plot import plot_rows
-
-        _plotted(plot, plot_rows(benchmark.rows, measured_on, plot))
+        _plot_rows(plot, benchmark.rows, measured_on)
 
 
 def _check_plot(path: Path) -> None:
@@ -143,6 +141,12 @@ def _check_plot(path: Path) -> None:
         raise UsageError(f"--plot: no folder {str(path.parent)!r}")
     if importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs the plot extra (matplotlib is missing)", hint=install_hint("plot"))
+
+
+def _plot_rows(path: Path, rows: list[Any], environment: dict[str, Any]) -> None:
+    from llmcli.bench.plot import plot_rows
+
+    _plotted(path, plot_rows(rows, environment, path))
 
 
 def _plotted(path: Path, panels: int) -> None:
@@ -183,9 +187,7 @@ def _bench_endpoint(url: str, api_key: str | None, model: list[str] | None, n_ge
     print(_format(rows, environment, BenchPlan(gen_tokens=n_gen, repetitions=repetitions, parallel=parallel),
                   output_format), end="")
     if plot is not None:
-        from llmcli.bench.plot import plot_rows
-
-        _plotted(plot, plot_rows(rows, environment, plot))
+        _plot_rows(plot, rows, environment)
 
 
 def _seconds(text: str) -> float:
@@ -221,10 +223,10 @@ def _tune(model: list[str] | None, budget_s: float, save: str | None, output_for
     else:
         print(_tune_table(resolved.name, tuner), end="")
     if plot is not None:
-        from llmcli.bench.environment import environment
+        from llmcli.bench.environment import machine  # (the title's: not environment(), which hashes the model)
         from llmcli.bench.plot import plot_tune
 
-        _plotted(plot, plot_tune(resolved.name, tuner.dimensions, environment([resolved], []), plot))
+        _plotted(plot, plot_tune(resolved.name, tuner.dimensions, machine(), plot))
     if save is not None:
         from llmcli import paths
         from llmcli.config_edit import save_profile

@@ -120,9 +120,9 @@ class _Block:
 
 def _open_fence(source: str) -> str | None:
     """The fence (```, ~~~) of a code block that `source` opens and has not closed yet."""
-    head = source.lstrip(" ")
-    fence = head[:3] if head[:3] in ("```", "~~~") else None
-    return fence if fence is not None and fence not in source[source.find("\n") + 1:] else None
+    head = source[:6].lstrip(" ")[:3]  # (a fence is indented 3 spaces at most: no copy of the whole source)
+    fence = head if head in ("```", "~~~") else None
+    return fence if fence is not None and source.find(fence, source.find("\n") + 1) < 0 else None
 
 
 def _blank(line: list[Segment]) -> bool:
@@ -194,7 +194,8 @@ class MarkdownStream:
 
     def _show(self) -> None:
         """What the open block shows: the blocks not printed yet, and the text after them."""
-        self._open.source = "".join(tuple(self._unprinted)) + self._pending
+        unprinted = tuple(self._unprinted)
+        self._open.source = "".join(unprinted) + self._pending if unprinted else self._pending
         self._open.gap = self._committed
 
     def _drain(self) -> None:

@@ -154,7 +154,8 @@ def show_answer(events: Iterable[AnswerEvent], sink: AnswerSink, console: Consol
                     status.update(event.evaluated, event.total)
                 continue
             if isinstance(event, (CallStarted, CallArguments)):
-                sink.close()  # the text before a call is rendered whole: the call's output follows it
+                if isinstance(event, CallStarted):
+                    sink.close()  # the text before a call is rendered whole: the call's output follows it
                 continue  # a call is shown when it runs (--tools-debug), and kept in the Done
             if status is not None:
                 status.stop()

@@ -81,11 +81,7 @@ function messageView(message, index) {
   const view = el("article", "message " + message.role);
   view.dataset.index = String(index);
   view.append(el("div", "role", message.role));
-  if (message.reasoning) {
-    const thinking = el("details", "thinking");
-    thinking.append(el("summary", "", "thinking"), document.createTextNode(message.reasoning));
-    view.append(thinking);
-  }
+  if (message.reasoning) view.append(thinkingView(message.reasoning, false));
   const body = el("div", message.role === "assistant" ? "body" : "body plain");
   body.append(message.role === "assistant" ? markdown(message.content) : document.createTextNode(message.content));
   view.append(body);
@@ -99,6 +95,13 @@ function messageView(message, index) {
   }
   view.append(actions);
   return view;
+}
+
+function thinkingView(text, open) {
+  const thinking = el("details", "thinking");
+  thinking.open = open;
+  thinking.append(el("summary", "", "thinking"), el("span", "", text));
+  return thinking;
 }
 
 function button(label, className, onClick) {
@@ -235,12 +238,7 @@ async function answer() {
   const draw = () => {
     drawn = false;
     body.replaceChildren(markdown(reply.content));
-    if (reply.reasoning && !view.querySelector(".thinking")) {
-      const thinking = el("details", "thinking");
-      thinking.open = true;
-      thinking.append(el("summary", "", "thinking"), el("span", "", ""));
-      view.insertBefore(thinking, body);
-    }
+    if (reply.reasoning && !view.querySelector(".thinking")) view.insertBefore(thinkingView("", true), body);
     if (reply.reasoning) view.querySelector(".thinking span").textContent = reply.reasoning;
     $("messages").scrollTop = $("messages").scrollHeight;
   };
