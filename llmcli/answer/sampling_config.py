@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from llmcli.answer.grammar_limits import grammar_problem
 from llmcli.errors import UsageError
 from llmcli.settings import SETTINGS, default
 
@@ -48,6 +49,8 @@ class SamplingConfig:
             problem = setting.problem(value)
             if problem:
                 raise UsageError(f"{setting.flag} {problem} (got {value})")
+        if self.grammar is not None:  # the last gate before llama.cpp's parser, whatever made the grammar
+            check_grammar(self.grammar, self.grammar_origin)
 
     @classmethod
     def from_settings(cls, values: Mapping[str, Any], **extra: Any) -> SamplingConfig:
@@ -74,6 +77,14 @@ SETTING_FIELDS = tuple(f.name for f in fields(SamplingConfig) if f.name in SETTI
 # llama-server and vLLM read most; OpenAI itself refuses what it does not know, which says so rather than dropping it.
 WIRE_FIELDS: dict[str, str] = {name: "temperature" if name == "temp" else name
                                for name in (*SETTING_FIELDS, "repetition_guard")}
+
+
+def check_grammar(gbnf: str, origin: str) -> None:
+    """UsageError (exit 2; serve's 400) naming `origin` when a grammar passes a limit of llmcli/answer/grammar_limits.py."""
+    problem = grammar_problem(gbnf)
+    if problem:
+        raise UsageError(f"{origin}: the grammar is too large for llama.cpp: {problem}",
+                         hint="See the README's Grammar limits.")
 
 
 def greedy_without_end(end_of_generation: tuple[int, ...]) -> SamplingConfig:

@@ -66,6 +66,10 @@ WebuiOpt = Annotated[bool, typer.Option(
 CorsOpt = Annotated[Optional[list[str]], typer.Option(
     "--cors", help="Let web pages from this origin (https://app.example) call the server from a browser. Repeatable; "
     "off by default.", show_default=False, rich_help_panel=_SERVER)]
+AllowHostOpt = Annotated[Optional[list[str]], typer.Option(
+    "--allow-host", help="A name requests may give as their Host besides IP addresses, localhost and --host (a reverse "
+    "proxy's: llm.example.org; * for any). Repeatable. Others get a 403 (DNS rebinding).", show_default=False,
+    rich_help_panel=_SERVER)]
 
 
 @o.with_settings(exclude=SERVE_SKIPS)
@@ -80,6 +84,7 @@ def serve(
     max_answer: MaxAnswerOpt = 4096,
     api_key: ServeKeyOpt = None,
     cors: CorsOpt = None,
+    allow_host: AllowHostOpt = None,
     shutdown_grace: GraceOpt = 10.0,
     header_timeout: HeaderTimeoutOpt = 10.0,
     max_connections: MaxConnectionsOpt = 512,
@@ -142,7 +147,11 @@ def serve(
     pool = ModelPool(found.resolve, found.load, max_models, expiry)
     pool.preloaded(first, pinned=not exit_when_idle)
     state = ServerState(pool, max_body, api_key, shutdown_grace=shutdown_grace, body_timeout=header_timeout)
-    app = create_app(state, found.describe, found.loadable, tuple(cors or ()), webui=webui and socket_path is None)
+    import socket
+
+    hosts = None if socket_path is not None else (host, socket.gethostname(), *(allow_host or ()))
+    app = create_app(state, found.describe, found.loadable, tuple(cors or ()), webui=webui and socket_path is None,
+                     hosts=hosts)
     config = uvicorn.Config(app, **listen, log_level="warning", lifespan="on",
                             http=guarded(header_timeout, max_connections),
                             timeout_graceful_shutdown=int(shutdown_grace) + 5)  # (the cut answers' ends go out)

@@ -4,6 +4,12 @@ llama-cpp-python's `SchemaConverter` lags llama.cpp's C++ converter: `minimum`/`
 exclusive forms) of an integer are ignored, so a constrained answer could still break its schema.
 Here an integer with bounds becomes an alternation of digit patterns that matches exactly the integers
 in range, as llama.cpp's own converter writes them (the patterns are this module's own).
+
+It also writes a bounded repetition (`maxLength`, `maxItems`, a pattern's `{m,n}`) as llama.cpp's own `{m,n}`, which
+stays flat, instead of optional groups nested once per repeat (`maxLength: 30000` nested 30,000 deep and crashed
+llama.cpp's recursive parser). A bound above MAX_REPEAT is left to the check of the finished answer (a repeat count
+llama.cpp would make unbounded itself); a minimum above it is refused. Every grammar made here is measured against
+llmcli/answer/grammar_limits.py before it is returned.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from typing import Any
 from llama_cpp import llama_grammar
 
 from llmcli.answer.constraint import Constraint
-from llmcli.answer.sampling_config import SamplingConfig
+from llmcli.answer.grammar_limits import MAX_REPEAT
+from llmcli.answer.sampling_config import SamplingConfig, check_grammar
 from llmcli.answer.tool_calls import FORMATS, ToolSpec
 from llmcli.errors import UsageError
 
@@ -38,7 +45,9 @@ def with_grammar(constraint: Constraint) -> Constraint:
         raise UsageError(f"--json-schema cannot be turned into a grammar: {exc}") from None
     # llama-cpp-python's converter lets raw control characters (a newline) into strings, which
     # is not JSON; llama.cpp's own converter excludes them. Exclude them here too.
-    return dataclasses.replace(constraint, grammar=gbnf_text.replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR))
+    gbnf_text = gbnf_text.replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR)
+    check_grammar(gbnf_text, "--json-schema")
+    return dataclasses.replace(constraint, grammar=gbnf_text)
 
 
 _LOOSE_JSON_CHAR = r'char ::= [^"\\] |'
@@ -50,6 +59,42 @@ def schema_to_gbnf(schema: dict[str, Any]) -> str:
     resolved = converter.resolve_refs(schema, "schema")
     converter.visit(resolved, "")
     return str(converter.format_grammar())
+
+
+def _flat_repetition(item_rule: str, min_items: int, max_items: int | None, separator_rule: str | None = None,
+                     item_rule_is_literal: bool = False) -> str:
+    """`item_rule` repeated min..max times (max None: no limit), `separator_rule` between two: llama.cpp's `{m,n}`,
+    flat, where llama-cpp-python's `_build_repetition` nests an optional group per repeat (`item_rule` is one symbol: a
+    rule's name or a literal)."""
+    if not isinstance(min_items, int) or min_items < 0 or (max_items is not None and not isinstance(max_items, int)):
+        raise ValueError(f"a repetition of {min_items}..{max_items} is not a count")
+    if min_items > MAX_REPEAT:
+        raise ValueError(f"at least {min_items} items or characters is more than a grammar requires "
+                         f"(the most is {MAX_REPEAT})")
+    if max_items is not None and max_items > MAX_REPEAT:
+        max_items = None  # enforced by the check of the finished answer (and -n), not by the grammar
+    if max_items is not None and max_items < min_items:
+        raise ValueError(f"at most {max_items} is less than at least {min_items}")
+    if max_items == 0:
+        return '""'
+    if not separator_rule:
+        return _times(item_rule, min_items, max_items)
+    rest = _times(f"({separator_rule} {item_rule})", max(min_items - 1, 0), None if max_items is None else max_items - 1)
+    body = f"{item_rule} {rest}".rstrip()
+    return body if min_items > 0 else f"({body})?"
+
+
+def _times(symbol: str, low: int, high: int | None) -> str:
+    if high is None:
+        return f"{symbol}*" if low == 0 else f"{symbol}+" if low == 1 else f"{symbol}{{{low},}}"
+    if low == high:
+        return "" if low == 0 else symbol if low == 1 else f"{symbol}{{{low}}}"
+    return f"{symbol}?" if (low, high) == (0, 1) else f"{symbol}{{{low},{high}}}"
+
+
+# The converter builds every repetition through this module-level helper: it is the one private name of
+# llama-cpp-python this module replaces (tests/test_hostile.py checks that a long maxLength stays flat).
+llama_grammar._build_repetition = _flat_repetition
 
 
 class _Converter(llama_grammar.SchemaConverter):
@@ -164,6 +209,7 @@ def tool_grammar(spec: ToolSpec, thinking_open: bool = False) -> tuple[str, tupl
     if lazy:
         opening = re.escape(fmt.start) if fmt.start else r"\{"
         triggers = (r"[\s\S]*?(" + opening + r")[\s\S]*",) if fmt.start else (r"\s*(" + opening + r")[\s\S]*",)
+    check_grammar(root + rules, "the tools")
     return root + rules, triggers
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from llmcli.answer.constraint import Constraint
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.reasoning import opens_thinking
-from llmcli.answer.sampling_config import SamplingConfig
+from llmcli.answer.sampling_config import SamplingConfig, check_grammar
 from llmcli.answer.tool_calls import ToolSpec, tool_spec
 from llmcli.chat.answerer import RenderedPrompt
 from llmcli.chat.chat_template import Message
@@ -21,6 +21,7 @@ from llmcli.llama.schema_grammar import tool_grammar, with_grammar
 from llmcli.settings import SETTINGS, check_value
 
 MAX_STOPS = 16
+MAX_MESSAGES = 2048  # a conversation's messages (an earlier response's count): more is refused before any is read
 MAX_TOP_LOGPROBS = 20
 
 # HTTP status -> the kind of error, in OpenAI's and Anthropic's words (Ollama's errors have none)
@@ -142,6 +143,8 @@ def _render(request: AnswerRequest, prompter: Prompter) -> RenderedPrompt:
         return RenderedPrompt(prompt or "", prompter.tokenize(prompt or ""))
     if not request.messages:
         raise ApiError(400, f"{request.prompt_param} must not be empty", param=request.prompt_param)
+    if len(request.messages) > MAX_MESSAGES:
+        raise ApiError(400, f"{request.prompt_param}: at most {MAX_MESSAGES} messages", param=request.prompt_param)
     try:
         return prompter.render_chat(request.messages, request.think, request.tools)
     except LlmcliError as exc:  # the template refused the conversation
@@ -198,6 +201,11 @@ def constraint_of(kind: str | None, schema: Any = None, grammar: Any = None, par
     if grammar is not None and not isinstance(grammar, str):
         raise ApiError(400, "grammar must be a GBNF string", param="grammar")
     if kind in (None, "text"):
+        if grammar:
+            try:
+                check_grammar(grammar, "grammar")  # before llama.cpp's parser sees it (prepare's check_grammar)
+            except LlmcliError as exc:
+                raise ApiError(400, exc.message, param="grammar") from None
         return Constraint(grammar, "grammar") if grammar else Constraint()
     if grammar is not None:
         raise ApiError(400, f"grammar and {param} cannot be combined", param="grammar")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
@@ -57,9 +58,18 @@ def check_key(request: Request, state: ServerState) -> None:
                        code="invalid_api_key")
 
 
-async def read_body(request: Request, state: ServerState) -> Any:
-    """The key checked, then the JSON body read up to the server's limit (413 beyond it, before the rest is read)."""
+MAX_JSON_DEPTH = 64  # arrays and objects inside one another: deeper bodies are refused before anything reads them
+
+
+async def read_body(request: Request, state: ServerState) -> dict[str, Any]:
+    """The key checked, then the JSON object of the body, read up to the server's limit (413 beyond it, before the rest
+    is read). Only `application/json` is read: a web page can send `text/plain` (or no type) to any address without
+    asking first, so taking it would let any page the user opens drive the server (415)."""
     check_key(request, state)
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise ApiError(415, f"the request body must be JSON sent as Content-Type: application/json (got "
+                       f"{media or 'no Content-Type'})")
     limit = state.max_body
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -80,16 +90,37 @@ async def read_body(request: Request, state: ServerState) -> Any:
         raise ApiError(408, f"the request body did not arrive within {state.body_timeout:g} s") from None
     if not data:
         raise ApiError(400, "the request needs a JSON body")
+    if _nesting(data) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} deep")
     try:
         body = json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-    try:  # JSON may escape half of a UTF-16 pair ("\ud800"): no text holds one, and no tokenizer takes it
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:  # JSON may escape half of a UTF-16 pair ("\\ud800"): no text holds one, and no tokenizer takes it
         if b"\\ud" in data.lower():
             json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise ApiError(400, "the request body holds a lone UTF-16 surrogate (like \\ud800): not Unicode text") from None
     return body
+
+
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = re.compile(rb"[^\[\]{}]+")
+
+
+def _nesting(data: bytes) -> int:
+    """How deep a JSON text nests arrays and objects (its strings skipped), read without building anything."""
+    brackets = _NOT_BRACKETS.sub(b"", _STRINGS.sub(b"", data))
+    depth = deepest = 0
+    for byte in brackets:
+        depth += 1 if byte in b"[{" else -1
+        if depth > deepest:
+            deepest = depth
+            if deepest > MAX_JSON_DEPTH:
+                break
+    return deepest
 
 
 @dataclass(frozen=True)

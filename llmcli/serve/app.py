@@ -45,6 +45,7 @@ from llmcli.serve.answering import (
     read_body,
     requested_model,
 )
+from llmcli.serve.host_guard import HostGuard
 from llmcli.serve.model_facts import ModelFacts
 from llmcli.serve.model_pool import Served
 
@@ -54,10 +55,12 @@ Handler = Callable[[Request], Any]
 
 
 def create_app(state: ServerState, describe: Callable[[str, Any, int], ModelFacts],
-               loadable: Callable[[], list[tuple[str, Any]]], cors: tuple[str, ...] = (), webui: bool = True) -> Starlette:
+               loadable: Callable[[], list[tuple[str, Any]]], cors: tuple[str, ...] = (), webui: bool = True,
+               hosts: tuple[str, ...] | None = ()) -> Starlette:
     """The routes over the models' slots; `describe` and `loadable`: what the model lists say of models not loaded
     (setup.ServerModels); `cors`: the origins whose pages may call from a browser (none by default); `webui`: the
-    chat page at `/`."""
+    chat page at `/`; `hosts`: the names a request's `Host` may give besides IP addresses and localhost (None: any,
+    for a server on a Unix socket, which no browser reaches; llmcli/serve/host_guard.py)."""
     pool = state.pool
 
     @asynccontextmanager
@@ -137,11 +140,16 @@ def create_app(state: ServerState, describe: Callable[[str, Any, int], ModelFact
                 "expires_in_s": None if expires is None else round(expires, 1)}
 
     async def health(request: Request) -> Response:
+        """Open to anyone (a load balancer's probe); the pid and the models' paths only to a caller with the key, or
+        on a Unix socket (only its user reaches it)."""
         default = pool.default
         first = default.slots.status() if default is not None and default.key in pool.loaded else {}
-        return JSONResponse({"status": "ok", "model": default.name if default else None, **first,
-                             "models": [status(served) for served in pool.loaded.values()],
-                             "pid": os.getpid(), "version": __version__})
+        trusted = hosts is None if state.api_key is None else _has_key(request, state)
+        models = [status(served) for served in pool.loaded.values()]
+        found = {"status": "ok", "model": default.name if default else None, **first, "version": __version__}
+        if trusted:
+            return JSONResponse({**found, "models": models, "pid": os.getpid()})
+        return JSONResponse({**found, "models": [{k: v for k, v in m.items() if k != "path"} for m in models]})
 
     async def models_list(request: Request) -> Response:
         check_key(request, state)
@@ -234,8 +242,10 @@ def create_app(state: ServerState, describe: Callable[[str, Any, int], ModelFact
     middleware = [Middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST"],
                              allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"])
                   ] if cors else []
+    if hosts is not None:
+        middleware.insert(0, Middleware(HostGuard, allowed=hosts, shape_of=_shape_of))
     return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
-                     exception_handlers={404: _not_found, 405: _not_allowed})
+                     exception_handlers={404: _not_found, 405: _not_allowed, Exception: _internal})
 
 
 def _shape_of(path: str) -> ErrorShape:
@@ -249,6 +259,22 @@ def _shape_of(path: str) -> ErrorShape:
 
 async def _not_found(request: Request, exc: Exception) -> Response:
     return error_response(ApiError(404, f"no route {request.url.path}", code="not_found"), _shape_of(request.url.path))
+
+
+async def _internal(request: Request, exc: Exception) -> Response:
+    """A bug, not a request's fault: still the protocol's error shape, and the reason in the server's log."""
+    import logging
+
+    logging.getLogger("llmcli.serve").error("internal error on %s", request.url.path, exc_info=exc)
+    return error_response(ApiError(500, f"internal error: {type(exc).__name__}"), _shape_of(request.url.path))
+
+
+def _has_key(request: Request, state: ServerState) -> bool:
+    try:
+        check_key(request, state)
+    except ApiError:
+        return False
+    return True
 
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:

@@ -26,6 +26,9 @@ from llmcli.serve.model_facts import ModelFacts
 from llmcli.units import parse_keep_alive
 
 WAIT_FOR_ROOM_S = 120.0  # how long a request for an unloaded model waits for a loaded one to be idle
+MAX_NAME_BYTES = 1024  # a model name: an alias, a Hub reference or a path
+
+
 @dataclass
 class Served:
     """One loaded model: its slot server (on its own engine thread), how requests become its tokens, its facts."""
@@ -158,10 +161,12 @@ class ModelPool:
     async def key(self, name: str) -> Path:
         """The file a name means (404 if none)."""
         bare = name.removesuffix(":latest")
+        if len(bare.encode("utf-8", "replace")) > MAX_NAME_BYTES or "\0" in bare:
+            raise ApiError(400, f"model: a model's name is at most {MAX_NAME_BYTES} bytes, with no NUL", param="model")
         if bare not in self._names:
             try:
                 self._names[bare] = await asyncio.to_thread(self.resolve, bare)
-            except LlmcliError:
+            except (LlmcliError, OSError, ValueError):  # (a name the file system refuses: too long a component)
                 raise ApiError(404, f"model '{name}' not found (the server loads what `llmcli list` shows, a path, or "
                                "a Hub model already downloaded)", param="model", code="model_not_found") from None
         return self._names[bare]

@@ -67,6 +67,8 @@ def parse_response_request(body: Any, prompter: Prompter, kept: Mapping[str, lis
     earlier: list[Message] = []
     previous = body.get("previous_response_id")
     if previous is not None:
+        if not isinstance(previous, str):
+            raise ApiError(400, "previous_response_id must be a string", param="previous_response_id")
         if previous not in kept:
             raise ApiError(400, f"previous_response_id: {previous!r} is not kept here (a server keeps the latest "
                            f"{MAX_KEPT} stored responses while it runs; send the conversation as input instead)",
