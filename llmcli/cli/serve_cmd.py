@@ -163,6 +163,10 @@ def serve(
             cut = threading.Timer(shutdown_grace, pool.cancel_all)
             cut.daemon = True  # the answers done sooner, the process need not wait for it
             cut.start()
+            # and the process is gone soon after, whatever a worker thread is still doing (a C call, a slow disk)
+            last = threading.Timer(shutdown_grace + EXIT_AFTER_GRACE_S, _exit_now, (128 + sig,))
+            last.daemon = True
+            last.start()
         else:  # a second signal: now
             pool.cancel_all()
         stop(sig, frame)
@@ -183,6 +187,17 @@ def serve(
         for served in list(pool.loaded.values()):  # (uvicorn's lifespan closed them; a failed start did not)
             if served.thread is None:
                 served.close()
+
+
+EXIT_AFTER_GRACE_S = 10.0  # after the grace, the cut answers' ends and the models' closing have this long
+
+
+def _exit_now(code: int) -> None:
+    import sys
+
+    sys.stderr.write(f"llmcli serve: still busy {EXIT_AFTER_GRACE_S:g} s after the grace; exiting now\n")
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _private_socket(path: Path) -> Any:
