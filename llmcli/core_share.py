@@ -11,7 +11,9 @@ room before its first decode, so the two never run more threads than cores. A so
 did before: all its cores.
 
 A process registers as soon as its model is loaded and unregisters when an answer ends (an idle chat
-takes no share) or the model closes.
+takes no share) or the model closes. The folder is the user's alone (paths.private_dir: in a shared
+temporary dir another user could have made it first, with a link where a pid's file goes): one that is
+not means running alone, said once (`problem`); files are never opened through a link.
 """
 
 from __future__ import annotations
@@ -34,15 +36,22 @@ class CoreShare:
         self.folder = paths.runtime_dir() / "generating"
         self.mine: Path | None = None
         self.due = 0.0  # perf_counter() time of the next look at the others
+        self.problem: str | None = None  # why this process cannot share (it runs alone), to be said once
 
     def register(self, threads: int | None = None) -> None:
         """Count this process among those generating (idempotent)."""
-        if self.mine is not None:
+        if self.mine is not None or self.problem is not None:
             return
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            self.mine = self.folder / str(os.getpid())
+            paths.private_dir(self.folder, paths.runtime_dir())
+            mine = self.folder / str(os.getpid())
+            mine.unlink(missing_ok=True)  # a dead process's of the same pid (or anything else at the name)
+            os.close(paths.open_private(mine, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            self.mine = mine
             self.publish(threads or self.cores)
+        except paths.UnsafeDirectory as exc:
+            self.mine, self.problem = None, f"{exc.filename} is not this user's alone: running without sharing " \
+                                            "the cores with other llmcli processes"
         except OSError:
             self.mine = None  # no shared folder: behave as if alone
 
@@ -54,7 +63,11 @@ class CoreShare:
     def publish(self, threads: int) -> None:
         """Tell the others how many threads this process uses now."""
         if self.mine is not None:
-            self.mine.write_text(str(threads))
+            handle = paths.open_private(self.mine, os.O_WRONLY | os.O_TRUNC)
+            try:
+                os.write(handle, str(threads).encode())
+            finally:
+                os.close(handle)
 
     def threads(self, now: float | None = None) -> int:
         """This process's share of the cores now; the next look is due RECHECK_S later."""
@@ -84,7 +97,11 @@ class CoreShare:
                 (self.folder / name).unlink(missing_ok=True)
                 continue
             try:
-                others[int(name)] = int((self.folder / name).read_text() or self.cores)
+                handle = paths.open_private(self.folder / name, os.O_RDONLY | os.O_NONBLOCK)
+                try:
+                    others[int(name)] = int(os.read(handle, 16) or self.cores)
+                finally:
+                    os.close(handle)
             except (OSError, ValueError):
                 others[int(name)] = self.cores
         return others

@@ -5,7 +5,9 @@ Read at call time, never at import, so tests and `--cache-dir` can move them.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
 from platformdirs import user_cache_dir, user_config_dir, user_data_dir
@@ -83,14 +85,52 @@ def hash_memo_file() -> Path:
 
 
 def runtime_dir() -> Path:
-    """Short-lived state of running processes (which llmcli processes are generating):
-    `$XDG_RUNTIME_DIR/llmcli`, else `llmcli-UID` in the temporary dir (platformdirs warns there instead)."""
+    """Short-lived state of running processes (which llmcli processes are generating, the warm servers' sockets):
+    `$XDG_RUNTIME_DIR/llmcli`, else `llmcli-UID` in the temporary dir. Use it through `private_dir`: in a shared
+    temporary dir another user may have made that name first."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
         return Path(runtime) / APP
     import tempfile
 
     return Path(tempfile.gettempdir()) / f"{APP}-{os.getuid()}"
+
+
+class UnsafeDirectory(OSError):
+    """A directory llmcli keeps its own state in is not this user's alone: another user made it, or it is a link."""
+
+
+def private_dir(path: Path, top: Path) -> Path:
+    """`path` as a directory only this user may use. Each directory from `top` (llmcli's own: `path` or an ancestor)
+    down to `path` is made 0700, or, where it exists, checked: a directory, not a link, owned by this user (made 0700
+    if it was not). UnsafeDirectory otherwise: nothing may be written through it. Missing ancestors of `top` are made
+    0700 too (ancestors that exist are not llmcli's to judge)."""
+    missing = [parent for parent in top.parents if not parent.exists()]
+    for parent in reversed(missing):
+        try:
+            os.mkdir(parent, 0o700)
+        except FileExistsError:
+            pass
+    below = [path, *path.parents]
+    if top not in below:
+        raise ValueError(f"{top} is not {path} or one of its parents")
+    for directory in reversed(below[: below.index(top) + 1]):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            pass
+        found = os.lstat(directory)
+        if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
+            raise UnsafeDirectory(errno.EPERM, "not a directory of this user's alone (another user's, or a link)",
+                                  str(directory))
+        if found.st_mode & 0o077:
+            os.chmod(directory, 0o700)
+    return path
+
+
+def open_private(path: Path, flags: int) -> int:
+    """A file descriptor for `path` (os.open's `flags`), never through a link at its name; created 0600."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
 def debug_log() -> Path:
@@ -103,15 +143,13 @@ def debug() -> bool:
 
 
 def warm_servers_dir() -> Path:
-    """The Unix sockets of the private servers `--keep-alive` keeps warm: $LLMCLI_RUNTIME_DIR or the platform's
-    runtime dir (only the user may enter it)."""
+    """The Unix sockets of the private servers `--keep-alive` keeps warm: $LLMCLI_RUNTIME_DIR/servers, else `servers`
+    in the runtime dir. Only through `private_warm_servers_dir` when anything is written there."""
     given = os.environ.get("LLMCLI_RUNTIME_DIR")
-    if given:
-        return Path(given) / "servers"
-    import warnings
+    return Path(given) / "servers" if given else runtime_dir() / "servers"
 
-    from platformdirs import user_runtime_dir
 
-    with warnings.catch_warnings():  # no XDG_RUNTIME_DIR: platformdirs warns and uses /tmp/runtime-UID (0700)
-        warnings.simplefilter("ignore")
-        return Path(user_runtime_dir(APP)) / "servers"
+def private_warm_servers_dir() -> Path:
+    """The warm servers' directory, made or checked (`private_dir`): UnsafeDirectory if another user has it."""
+    folder = warm_servers_dir()
+    return private_dir(folder, folder if os.environ.get("LLMCLI_RUNTIME_DIR") else runtime_dir())

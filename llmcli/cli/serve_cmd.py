@@ -205,10 +205,11 @@ def _private_socket(path: Path) -> Any:
     (bound here: uvicorn's own `uds` makes it 0666). One that answers belongs to a running server: an error."""
     import socket
 
+    from llmcli import paths
     from llmcli.errors import LlmcliError
 
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path.parent.chmod(0o700)
+    if not path.parent.exists():  # made 0700 with any missing parent; one that exists is the user's choice (the
+        paths.private_dir(path.parent, path.parent)  # socket is 0600 whatever the folder); a warm server's is checked
     if path.exists():
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             try:

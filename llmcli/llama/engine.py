@@ -183,6 +183,11 @@ class Engine:
         self.close()
 
     @property
+    def sharing_problem(self) -> str | None:
+        """Why this engine cannot share the cores with other llmcli processes (it runs alone), or None."""
+        return self._share.problem if self._share is not None else None
+
+    @property
     def llama_context(self) -> Any:
         """The llama_context pointer, for a sampler chain that samples from its logits."""
         return self._ctx

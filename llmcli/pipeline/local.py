@@ -91,6 +91,8 @@ def open_local(request: Request, on_progress: ProgressCallback | None, cancel: C
         if engine.n_ctx > engine.n_ctx_train > 0:
             session.notices.append(f"the context of {engine.n_ctx} tokens exceeds the {engine.n_ctx_train} this model was "
                                    "trained on: answers that reach past it may lose coherence")
+        if engine.sharing_problem:
+            session.notices.append(engine.sharing_problem)
         cores = physical_cores()
         if effective["threads"] and effective["threads"] > cores:
             session.notices.append(f"--threads {effective['threads']} is more than the {counted(cores, 'physical core')} "

@@ -75,7 +75,11 @@ def running() -> list[tuple[Path, dict[str, Any]]]:
     """The warm servers of this user: each socket that answers, with its health."""
     folder = paths.warm_servers_dir()
     found = []
-    for socket in sorted(folder.glob("*.sock")) if folder.is_dir() else []:
+    try:
+        mine = folder.is_dir() and paths.private_warm_servers_dir() == folder
+    except OSError:  # another user's folder: none of its sockets is this user's server
+        mine = False
+    for socket in sorted(folder.glob("*.sock")) if mine else []:
         state = health(socket)
         if state is not None:
             found.append((socket, state))
@@ -99,10 +103,18 @@ def ensure(model_path: Path, effective: settings.Settings, template_file: Path |
 
 @contextmanager
 def _starting(socket: Path) -> Iterator[None]:
-    socket.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with open(socket.with_suffix(".lock"), "w") as lock:
+    """One start at a time, in a directory that is this user's alone (paths.private_dir); LlmcliError otherwise, and
+    the answer is this process's."""
+    try:
+        paths.private_warm_servers_dir()
+        lock = paths.open_private(socket.with_suffix(".lock"), os.O_WRONLY | os.O_CREAT)
+    except OSError as exc:
+        raise LlmcliError(f"the warm servers' directory cannot be used: {exc.filename}: {exc.strerror}") from None
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(lock)
 
 
 def _start(socket: Path, model_path: Path, effective: settings.Settings, template_file: Path | None) -> dict[str, Any]:
@@ -116,7 +128,8 @@ def _start(socket: Path, model_path: Path, effective: settings.Settings, templat
                                     for name in LOAD_SETTINGS if effective[name] is not None}}
     environment.pop("LLMCLI_KEEP_ALIVE", None)
     log = socket.with_suffix(".log")
-    with open(log, "wb") as output:
+    log.unlink(missing_ok=True)  # (a link planted at its name goes, never followed)
+    with os.fdopen(paths.open_private(log, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as output:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=output,
                                    env=environment, start_new_session=True, close_fds=True)
     deadline = time.monotonic() + START_TIMEOUT_S
