@@ -1,5 +1,6 @@
 """Backslash escapes in text a user types (a flag, an environment value, chat's /set): `--stop "\\n"` is a newline,
-as llama.cpp's tools read it."""
+as llama.cpp's tools read it; and the other way, control characters in text from elsewhere (a model, a tool, a
+server's stderr) made visible, so that it cannot drive the terminal it is shown on."""
 
 from __future__ import annotations
 
@@ -18,3 +19,13 @@ def unescape(text: str) -> str:
         return chr(int(code[1:], 16)) if code[0] in "ux" else _SIMPLE_ESCAPES[code]
 
     return re.sub(_ESCAPE, replace, text)
+
+
+# C0 and C1 control characters except tab and newline, in caret notation (ESC is ^[, CSI \x9b).
+NEUTRALISE = {c: f"^{chr(c + 64)}" for c in range(32) if chr(c) not in "\t\n"}
+NEUTRALISE.update({0x7F: "^?", **{c: f"\\x{c:02x}" for c in range(0x80, 0xA0)}})
+
+
+def neutralised(text: str) -> str:
+    """`text` with its control characters (but tab and newline) shown, not obeyed."""
+    return text.translate(NEUTRALISE)

@@ -13,7 +13,9 @@ The configuration is the `mcpServers` shape Claude Desktop, Cursor and LM Studio
 `tools` is an allow-list; `timeout` the seconds a server may take to start (10). The servers are started in
 parallel, on one asyncio loop in a thread of their own; a server that fails to start, or answers garbage, is one
 notice and the rest go on. A call past `--tool-timeout`, or a server that dies mid-call, is an error result for the
-model. Closing stops every server (a stdio server's process tree is terminated): no child outlives llmcli.
+model. A stdio server runs under llmcli/reaper.py, so that closing, SIGTERM, Ctrl-C and even `kill -9` of llmcli end
+its whole process tree (children it started in a new session too): no child outlives llmcli. Its stderr goes to a
+file of its own, and a server that fails to start says its last lines in its notice.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import logging
 import os
 import re
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -31,13 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmcli import paths
+from llmcli import paths, reaper
 from llmcli.answer.tool_calls import Tool, ToolCall, ToolResult
 from llmcli.errors import UsageError
+from llmcli.text_escapes import neutralised
 
 DEFAULT_START_TIMEOUT = 10.0
 DEFAULT_CALL_TIMEOUT = 60.0
 MAX_RESULT_CHARS = 32_000
+STDERR_LINES, STDERR_CHARS = 5, 400  # of a server that failed to start, in its notice
 
 
 def default_config() -> Path:
@@ -136,7 +142,8 @@ class McpServers:
         self._waited = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="llmcli-mcp", daemon=True)
-        self._devnull = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (a stdio server's stderr: not ours)
+        self._stderr: dict[str, Any] = {}  # server name -> the file its stderr goes to
+        self._sdk_log = _SdkLog()  # what the SDK logs (a server's garbage on stdout): one notice, not tracebacks
 
     def start(self) -> McpServers:
         """Start every server at once, in the background (the model loads meanwhile); `wait()` (or the first look at
@@ -147,6 +154,7 @@ class McpServers:
             from llmcli.install_hint import install_hint
 
             raise UsageError("MCP needs its extra (the mcp package is missing)", hint=install_hint("mcp")) from None
+        _SdkLog.install(self._sdk_log)
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start_all(), self._loop).result(timeout=10)
         return self
@@ -168,7 +176,11 @@ class McpServers:
                 server.state, server.error = "failed", f"did not start within {server.config.start_timeout:g} s"
                 self._loop.call_soon_threadsafe(server.task.cancel)  # its process is stopped as the task unwinds
             if server.state != "running":
+                said = self._last_stderr(server.config.name)
+                server.error = f"{server.error}; its stderr: {said}" if said else server.error
                 self.notices.append(f"MCP server {server.config.name}: {server.error}; going on without it")
+        if self._sdk_log.said:
+            self.notices.append(self._sdk_log.summary())
         return list(self.notices)
 
     @property
@@ -215,9 +227,31 @@ class McpServers:
             return streamable_http_client(config.url, http_client=client)
         from mcp.client.stdio import StdioServerParameters, stdio_client
 
-        parameters = StdioServerParameters(command=config.command or "", args=list(config.args),
-                                           env=dict(config.env) or None, cwd=config.cwd)
-        return stdio_client(parameters, errlog=self._devnull)
+        # through llmcli.reaper: whatever the server starts (in a new session too) ends with it, or with llmcli
+        program = reaper.command(os.getpid(), [config.command or "", *config.args])
+        parameters = StdioServerParameters(command=program[0], args=program[1:], env=dict(config.env) or None,
+                                           cwd=config.cwd)
+        return stdio_client(parameters, errlog=self._stderr_of(config.name))
+
+    def _stderr_of(self, name: str) -> Any:
+        """Where a stdio server's stderr goes: a file of its own, whose last lines explain a failed start."""
+        if name not in self._stderr:
+            self._stderr[name] = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")  # noqa: SIM115
+        return self._stderr[name]
+
+    def _last_stderr(self, name: str) -> str:
+        """The last lines a server wrote on stderr, as one line (empty: none)."""
+        handle = self._stderr.get(name)
+        if handle is None:
+            return ""
+        try:
+            handle.flush()
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 4096))
+            lines = [line.strip() for line in handle.read().splitlines() if line.strip()][-STDERR_LINES:]
+        except (OSError, ValueError):
+            return ""
+        return neutralised(" | ".join(lines))[:STDERR_CHARS]
 
     def call(self, server_name: str, tool: str, arguments: Mapping[str, Any]) -> tuple[str, bool]:
         """Call one server's tool: (the result as text, whether it is an error). Ctrl-C cancels it (and raises)."""
@@ -253,13 +287,18 @@ class McpServers:
     def close(self) -> None:
         """Stop every server and the loop: stdio servers' processes end (terminated, then killed) before this returns."""
         if not self._thread.is_alive():
-            self._devnull.close()
+            self._close_stderr()
             return
         with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):  # exiting anyway: what is left dies
             asyncio.run_coroutine_threadsafe(self._stop_all(), self._loop).result(timeout=30)  # with the process
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
-        self._devnull.close()
+        self._close_stderr()
+
+    def _close_stderr(self) -> None:
+        for handle in self._stderr.values():
+            handle.close()
+        self._stderr.clear()
 
     async def _stop_all(self) -> None:
         """Each server's context exits (a stdio server's process tree is terminated, then killed): awaited here, on
@@ -279,6 +318,31 @@ class McpServers:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _SdkLog(logging.Handler):
+    """The MCP SDK's log records (it logs a traceback for each line a server writes on stdout that is not JSON-RPC),
+    kept as one notice instead of reaching stderr."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.said: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage().splitlines()[0] if record.getMessage() else record.name
+        self.said[message] = self.said.get(message, 0) + 1
+
+    def summary(self) -> str:
+        return "the MCP SDK said: " + "; ".join(f"{text} ({count} times)" if count > 1 else text
+                                                for text, count in self.said.items())
+
+    @staticmethod
+    def install(handler: _SdkLog) -> None:
+        sdk = logging.getLogger("mcp")
+        for old in [h for h in sdk.handlers if isinstance(h, _SdkLog)]:
+            sdk.removeHandler(old)
+        sdk.addHandler(handler)
+        sdk.propagate = False
 
 
 def describe_result(result: Any) -> tuple[str, bool]:

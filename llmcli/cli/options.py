@@ -17,6 +17,7 @@ import typer
 
 from llmcli.errors import UsageError
 from llmcli.settings import DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SETTINGS, TOOLS, Setting
+from llmcli.text_escapes import neutralised
 
 if TYPE_CHECKING:
     from llmcli.pipeline import Request
@@ -179,15 +180,15 @@ def tool_runner(functions: list[str] | None, choice: str, chain_limit: int, debu
     runner = ToolRunner(source, parsed, tool_format, chain_limit)
     runner.approve = approver
     if debug:
-        def called(call: Any) -> None:
-            console.print(Text(f"tool call {call.name}({call.arguments})", style="dim"))
+        def called(call: Any) -> None:  # (a tool's text, the model's calls: shown, never obeyed by the terminal)
+            console.print(Text(neutralised(f"tool call {call.name}({call.arguments})"), style="dim"))
 
         def show(call: Any, result: Any) -> None:
             shown = result.content if len(result.content) <= 500 else result.content[:500] + "…"
-            console.print(Text(f"tool result {call.name}: {shown}", style="red" if result.error else "dim"))
+            console.print(Text(neutralised(f"tool result {call.name}: {shown}"), style="red" if result.error else "dim"))
 
         def prompt(text: str) -> None:
-            console.print(Text(f"next prompt ends: …{text[-300:]}", style="dim"))
+            console.print(Text(neutralised(f"next prompt ends: …{text[-300:]}"), style="dim"))
 
         runner.on_call, runner.on_result, runner.on_prompt = called, show, prompt
     return runner
@@ -206,7 +207,7 @@ def _approver(console: Any) -> Callable[[Any], bool]:
                          hint="Run it on a terminal, or drop --tools-approve.")
 
     def approve(call: Any) -> bool:
-        os.write(terminal, f"run {call.name}({call.arguments})? [y/N] ".encode())
+        os.write(terminal, neutralised(f"run {call.name}({call.arguments})? [y/N] ").encode())
         answer = b""
         while not answer.endswith(b"\n") and (chunk := os.read(terminal, 256)):
             answer += chunk

@@ -1,6 +1,8 @@
 """Everything a command prints besides the streamed answer: notices, errors, stats, tables, JSON, progress.
 
-stdout is data (tables, JSON); stderr is everything else. Nothing is parsed as rich markup.
+stdout is data (tables, JSON); stderr is everything else. Nothing is parsed as rich markup, and text from elsewhere in
+a notice, an error, a table or a field (a server's message, a tool's name or result, a file name) has its control
+characters shown, not obeyed (text_escapes.neutralised), as the model's text on a terminal.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from rich.text import Text
 
 from llmcli.answer.events import Done
 from llmcli.answer.stats import summary_line
+from llmcli.text_escapes import neutralised
 
 
 def stderr_console() -> Console:
@@ -33,13 +36,13 @@ def print_stats(console: Console, done: Done) -> None:
 
 
 def print_notice(console: Console, message: str) -> None:
-    console.print(Text.assemble(("Warning: ", "yellow"), message))
+    console.print(Text.assemble(("Warning: ", "yellow"), neutralised(message)))
 
 
 def print_error(console: Console, message: str, hint: str | None = None) -> None:
-    console.print(Text.assemble(("Error: ", "bold red"), message))
+    console.print(Text.assemble(("Error: ", "bold red"), neutralised(message)))
     if hint:
-        console.print(Text.assemble(("Hint: ", "bold"), hint))
+        console.print(Text.assemble(("Hint: ", "bold"), neutralised(hint)))
 
 
 def print_json(value: Any) -> None:
@@ -61,7 +64,7 @@ def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], right: Se
     for column in columns:
         table.add_column(column, justify="right" if column in right else "left")
     for row in rows:
-        table.add_row(*("" if cell is None else str(cell) for cell in row))
+        table.add_row(*("" if cell is None else neutralised(str(cell)) for cell in row))
     stdout_console().print(table)
 
 
@@ -69,7 +72,7 @@ def print_fields(rows: Sequence[tuple[str, Any]]) -> None:
     """`key  value` lines on stdout, keys aligned."""
     width = max((len(key) for key, _ in rows), default=0)
     for key, value in rows:
-        print(f"{key:<{width}}  {'' if value is None else value}")
+        print(f"{key:<{width}}  {'' if value is None else neutralised(str(value))}")
 
 
 @contextmanager

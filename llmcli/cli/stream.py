@@ -18,13 +18,11 @@ from llmcli.answer.events import AnswerEvent, Done, Notice, Prefill, Token, answ
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.cli.markdown_stream import MarkdownStream
 from llmcli.errors import StdoutClosed
+from llmcli.text_escapes import NEUTRALISE as _NEUTRALISE  # control characters shown in caret notation on a terminal
 
 ANSWER_STYLE = Style(color="cyan")
 REASONING_STYLE = Style(dim=True, italic=True)
 
-# C0 and C1 control characters except tab and newline, shown in caret notation on a terminal.
-_NEUTRALISE = {c: f"^{chr(c + 64)}" for c in range(32) if chr(c) not in "\t\n"}
-_NEUTRALISE.update({0x7F: "^?", **{c: f"\\x{c:02x}" for c in range(0x80, 0xA0)}})
 
 
 class AnswerSink:
