@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
+import os
+import tempfile
 from pathlib import Path
 
 from llmcli import paths
@@ -34,17 +37,46 @@ def _remembered(path: Path, compute: bool) -> str | None:
     stat = path.stat()
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
     store = paths.hash_memo_file()
-    try:
-        known = json.loads(store.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if not isinstance(known, dict):
-        known = {}
+    known = _read(store)
     if key not in known:
         if not compute:
             return None
-        known[key] = sha256_of(path)
+        digest = sha256_of(path)
         with contextlib.suppress(OSError):  # a memo, not a record: an unwritable data dir costs a re-hash next time
-            store.parent.mkdir(parents=True, exist_ok=True)
-            store.write_text(json.dumps(known))
+            _remember(store, key, digest)
+        return digest
     return str(known[key])
+
+
+MAX_REMEMBERED = 4096  # the newest hashes kept
+
+
+def _read(store: Path) -> dict[str, str]:
+    try:
+        known = json.loads(store.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in known.items() if isinstance(v, str)} if isinstance(known, dict) else {}
+
+
+def _remember(store: Path, key: str, digest: str) -> None:
+    """Add one hash to the memo: under a lock, merged with what other processes wrote meanwhile, and replaced whole
+    (a temporary file renamed over it): a full disk or a crash leaves the old memo, never a part of one."""
+    store.parent.mkdir(parents=True, exist_ok=True)
+    with open(store.with_name(store.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        known = _read(store)
+        known.pop(key, None)
+        known[key] = digest
+        kept = dict(list(known.items())[-MAX_REMEMBERED:])
+        handle, temporary = tempfile.mkstemp(dir=store.parent, prefix=store.name, suffix=".tmp")
+        try:
+            with os.fdopen(handle, "w") as out:
+                json.dump(kept, out)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temporary, store)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise

@@ -9,6 +9,7 @@ milliseconds with `IntegrityError` instead of spinning or exhausting memory (the
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -352,6 +353,10 @@ def _check_values(header: GGUFHeader, cur: _Cursor) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
             raise cur.fail(f"{arch}.{key} = {value!r} is out of range")
+    for key, value in meta.items():  # epsilons, rope bases and scales: llama.cpp asserts on a NaN (abort, exit 134)
+        if key.startswith(f"{arch}.") and isinstance(value, float):
+            if not math.isfinite(value) or ("epsilon" in key and value <= 0):
+                raise cur.fail(f"{key} = {value!r} is not a usable number")
     tokens = meta.get("tokenizer.ggml.tokens")
     n_vocab = tokens.length if isinstance(tokens, ArraySummary) else len(tokens) if isinstance(tokens, list) else None
     if n_vocab is None:
