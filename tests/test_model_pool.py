@@ -35,22 +35,26 @@ def rss_mib(pid: int) -> float:
     return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1)) / 1024
 
 
+KEY = "pool-key"  # with the key, /health tells each loaded model's path
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 def complete(url: str, model: str) -> dict:
-    reply = httpx2.post(f"{url}/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 8,
+    reply = httpx2.post(f"{url}/v1/completions", headers=AUTH, json={"model": model, "prompt": PROMPT, "max_tokens": 8,
                                                        "temperature": 0}, timeout=180)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
 
 def loaded(url: str) -> list[str]:
-    return [model["path"] for model in httpx2.get(f"{url}/health", timeout=30).json()["models"]]
+    return [model["path"] for model in httpx2.get(f"{url}/health", headers=AUTH, timeout=30).json()["models"]]
 
 
 def test_two_models_alternate_under_load_with_one_loaded_at_a_time(tmp_path, gemma3):
     """--max-models 1, requests for two models from three clients at once: none fails, each model answers as it
     does alone, only one is ever loaded, and each swap gives the other's memory back (RSS grows by less than half of
     the other model's file: the allocator's drift across swaps is ~10-20 MiB here, a model kept would be ~240)."""
-    proc, url = start_server(tmp_path, "-P", "2", "-c", "256", "--max-models", "1")
+    proc, url = start_server(tmp_path, "-P", "2", "-c", "256", "--max-models", "1", "--api-key", KEY)
     try:
         alone = {"smollm2": complete(url, "smollm2")["choices"][0]["text"]}
         alone[str(gemma3)] = complete(url, str(gemma3))["choices"][0]["text"]
@@ -85,11 +89,11 @@ def test_two_models_alternate_under_load_with_one_loaded_at_a_time(tmp_path, gem
 
 
 def test_keep_alive_expires_a_loaded_model_and_a_request_s_own_keep_alive_wins(tmp_path, gemma3):
-    proc, url = start_server(tmp_path, "-P", "1", "-c", "256", "--keep-alive", "1s")
+    proc, url = start_server(tmp_path, "-P", "1", "-c", "256", "--keep-alive", "1s", "--api-key", KEY)
     try:
         complete(url, str(gemma3))
         assert len(loaded(url)) == 2
-        shown = run_cli("ps", "--url", url, "--json")  # what `llmcli ps` prints of a server
+        shown = run_cli("ps", "--url", url, "--json", env={"LLMCLI_API_KEY": KEY})  # what `llmcli ps` prints of a server
         (record,) = [json.loads(line) for line in shown.stdout.splitlines()]
         assert [m["pinned"] for m in record["models"]] == [True, False] and record["pid"] == proc.pid
         assert record["models"][1]["expires_in_s"] <= 1 and record["models"][1]["size"] == gemma3.stat().st_size
@@ -97,22 +101,22 @@ def test_keep_alive_expires_a_loaded_model_and_a_request_s_own_keep_alive_wins(t
         while len(loaded(url)) == 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert [Path(p).name for p in loaded(url)] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]  # -m never expires
-        kept = httpx2.post(f"{url}/api/generate", timeout=180, json={
+        kept = httpx2.post(f"{url}/api/generate", headers=AUTH, timeout=180, json={
             "model": str(gemma3), "prompt": PROMPT, "raw": True, "stream": False, "keep_alive": "1h",
             "options": {"num_predict": 4}})
         assert kept.status_code == 200, kept.text
-        (ps,) = [m for m in httpx2.get(f"{url}/api/ps").json()["models"] if m["model"] != "smollm2:latest"]
+        (ps,) = [m for m in httpx2.get(f"{url}/api/ps", headers=AUTH).json()["models"] if m["model"] != "smollm2:latest"]
         assert ps["expires_at"][:4] == time.strftime("%Y")  # an hour from now, not 1 s
         time.sleep(2)
         assert len(loaded(url)) == 2
-        httpx2.post(f"{url}/api/generate", timeout=180, json={"model": str(gemma3), "prompt": "", "keep_alive": 0})
+        httpx2.post(f"{url}/api/generate", headers=AUTH, timeout=180, json={"model": str(gemma3), "prompt": "", "keep_alive": 0})
         deadline = time.monotonic() + 30
         while len(loaded(url)) == 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert len(loaded(url)) == 1  # keep_alive 0: unloaded as soon as its request ended
-        missing = httpx2.post(f"{url}/api/chat", json={"model": "no-such-model", "messages": []})
+        missing = httpx2.post(f"{url}/api/chat", headers=AUTH, json={"model": "no-such-model", "messages": []})
         assert missing.status_code == 404 and missing.json()["error"].startswith("model 'no-such-model' not found")
-        missing = httpx2.post(f"{url}/v1/chat/completions", json={"model": "no-such-model", "messages": []})
+        missing = httpx2.post(f"{url}/v1/chat/completions", headers=AUTH, json={"model": "no-such-model", "messages": []})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     finally:
         stop_server(proc)

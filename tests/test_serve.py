@@ -340,13 +340,13 @@ def test_slow_and_idle_connections_are_closed_and_their_number_is_capped(tmp_pat
         idle = socket.create_connection(("127.0.0.1", port))
         assert closed_within(idle, 8)
         slow_body = socket.create_connection(("127.0.0.1", port))
-        slow_body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        slow_body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                           b"Content-Length: 100\r\n\r\n{\"messages\":")
         slow_body.settimeout(8)
         assert slow_body.recv(4096).startswith(b"HTTP/1.1 408")
         held = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
         dropped = sum(closed_within(sock, 0.5) for sock in held)
-        assert dropped >= 4  # the cap: every connection past the fourth is closed at once
+        assert dropped >= 4  # the cap: past the fourth (a client's share: the second), the idlest one makes room
         for sock in [slowloris, idle, slow_body, *held]:
             sock.close()
         assert httpx2.get(f"{url}/health", timeout=10).json()["status"] == "ok"  # and the server serves on

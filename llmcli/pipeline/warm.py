@@ -60,10 +60,13 @@ def health(socket: Path, timeout: float = 2.0) -> dict[str, Any] | None:
 
 
 def served_at(url: str) -> dict[str, Any]:
-    """What the `llmcli serve` at `url` says of itself (its /health); LlmcliError if it does not answer as one."""
+    """What the `llmcli serve` at `url` says of itself (its /health; its pid and paths only given $LLMCLI_API_KEY);
+    LlmcliError if it does not answer as one."""
     base = url.rstrip("/").removesuffix("/v1")
+    key = os.environ.get("LLMCLI_API_KEY")  # with the server's key, its pid and the models' paths too
     try:
-        found: dict[str, Any] = httpx2.get(f"{base}/health", timeout=10).json()
+        found: dict[str, Any] = httpx2.get(f"{base}/health", timeout=10,
+                                           headers={"Authorization": f"Bearer {key}"} if key else None).json()
     except (httpx2.HTTPError, ValueError) as exc:
         raise LlmcliError(f"{base}/health did not answer: {exc}") from None
     if "models" not in found:

@@ -1,0 +1,468 @@
+"""Hostile input (issue 34): no request, file or neighbour can crash, exhaust or subvert llmcli. Each finding of the trial
+as a test — requests only to the test's own server on 127.0.0.1, each loop bounded — and a seeded fuzz test of every
+answering route (LLMCLI_FUZZ_EXAMPLES=N runs it longer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import pytest
+from conftest import run_cli, start_server, stop_server
+from gguf_tools import rewrite_metadata
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_protocols import SHAPES, assert_shape
+
+KEY = "hostile-key"
+HI = [{"role": "user", "content": "hi"}]
+DEEP_GRAMMAR = "root ::= " + "(" * 30000 + '"a"' + ")" * 30000
+LONG_STRING = {"type": "string", "maxLength": 30000}  # the 130-byte request's schema
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A server whose answers are short whatever a request asks (-n 8, --max-answer 16): the fuzz test stays bounded."""
+    proc, url = start_server(tmp_path_factory.mktemp("hostile"), "-P", "2", "-c", "1024", "--temp", "0", "-n", "8",
+                             "--max-answer", "16", "--api-key", KEY, "--max-connections", "8")
+    yield proc, url
+    stop_server(proc)
+
+
+def post(url: str, path: str, body: object, headers: dict[str, str] | None = None, timeout: float = 60) -> httpx2.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx2.post(f"{url}{path}", content=content, timeout=timeout,
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})})
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+# -- 1, 2: grammars: flat repetition, limits before llama.cpp's parser, memory back -----------------------------------
+
+
+def test_a_long_max_length_is_a_flat_repetition_not_groups_nested_30000_deep():
+    from llmcli.answer.grammar_limits import grammar_problem
+    from llmcli.llama.schema_grammar import schema_to_gbnf
+
+    gbnf = schema_to_gbnf({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 30000}, "tags": {"type": "array", "items": {"type": "string"},
+                                                                 "minItems": 2, "maxItems": 1500},
+        "code": {"type": "string", "pattern": "^[a-z]{3,900}$"}}})
+    assert "char{0,2000}" not in gbnf and "char*" in gbnf  # beyond llama.cpp's cap: unbounded, checked afterwards
+    assert '("," space string){1,1499}' in gbnf and "{3,900}" in gbnf
+    assert grammar_problem(gbnf) is None and gbnf.count("(") < 100
+
+
+def test_run_json_schema_of_a_long_string_answers_and_a_deep_grammar_is_a_usage_error(tmp_path):
+    result = run_cli("run", "--json", "-n", "4", "--temp", "0", "--json-schema", json.dumps(LONG_STRING), "hi")
+    assert result.code in (0, 8), result.stderr  # 8: cut off by -n, not valid JSON yet; never 139
+    assert json.loads(result.stdout)["finish_reason"] == "length"
+    deep = tmp_path / "deep.gbnf"
+    deep.write_text(DEEP_GRAMMAR)
+    refused = run_cli("run", "-n", "4", "--grammar-file", str(deep), "hi")
+    assert refused.code == 2 and refused.stderr.startswith("Error: --grammar-file: the grammar is too large for "
+                                                           "llama.cpp: groups nested more than 64 deep"), refused.stderr
+    huge = run_cli("run", "-n", "4", "--json-schema", '{"type":"string","minLength":100000000}', "hi")
+    assert huge.code == 2 and "at least 100000000" in huge.stderr and "Traceback" not in huge.stderr
+
+
+def test_every_structured_output_field_takes_long_bounds_and_refuses_costly_grammars(server):
+    proc, url = server
+    tool = {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": LONG_STRING}, "required": ["text"]}}}
+    fields = [  # (route, the request, the field's name) — each the trial's 130-byte request in that protocol
+        ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": LONG_STRING}}}, "response_format"),
+        ("/api/chat", {"model": "smollm2", "messages": HI, "format": LONG_STRING, "stream": False}, "format"),
+        ("/v1/messages", {"model": "smollm2", "max_tokens": 8, "messages": HI, "output_config": {"format": {
+            "type": "json_schema", "schema": LONG_STRING}}}, "output_config"),
+        ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                              "schema": LONG_STRING}}}, "text"),
+        ("/v1/chat/completions", {"messages": HI, "tools": [tool], "tool_choice": "required"}, "tools"),
+        ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "array", "items": {"type": "integer"}, "maxItems": 5000}}}},
+         "response_format"),
+    ]
+    for path, body, _ in fields:
+        reply = post(url, path, body)
+        assert reply.status_code == 200, (path, reply.text)
+    costly = [  # amplification: each a 400 naming its field, before a slot is taken
+        ("/v1/chat/completions", {"messages": HI, "grammar": DEEP_GRAMMAR}, "grammar", "nested more than 64"),
+        ("/v1/chat/completions", {"messages": HI, "grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(60000))},
+         "grammar", "bytes"),
+        ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "string", "minLength": 100000000}}}}, "response_format", "100000000"),
+        ("/api/chat", {"model": "smollm2", "messages": HI, "format": {"type": "string", "minLength": 100000000}},
+         "format", "100000000"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 30000}, "messages", "2048"),
+    ]
+    before = rss_mib(proc.pid)
+    for path, body, field, words in costly:
+        reply = post(url, path, body)
+        assert reply.status_code == 400 and words in reply.text, (field, reply.text[:300])
+        error = reply.json()["error"]
+        assert isinstance(error, str) or error.get("param") == field, (field, error)
+    assert rss_mib(proc.pid) - before < 100  # the trial's minLength request took RSS from 0.4 to 4.7 GB
+    assert post(url, "/v1/chat/completions", {"messages": HI, "max_tokens": 2}).status_code == 200
+
+
+# -- 4: cross-site requests and DNS rebinding -------------------------------------------------------------------------
+
+
+def test_a_web_page_cannot_drive_the_server(server):
+    _, url = server
+    body = {"model": "smollm2", "messages": HI, "max_tokens": 2, "prompt": "hi", "max_tokens_to_sample": 2}
+    for path, shape in SHAPES.items():
+        for media in ("text/plain", "application/x-www-form-urlencoded", ""):
+            reply = post(url, path, body, {"Content-Type": media})
+            assert reply.status_code == 415, (path, media, reply.text)
+            assert_shape(shape, reply.json(), (path, media))
+        rebound = post(url, path, body, {"Host": "attacker.example:8080"})
+        assert rebound.status_code == 403 and "Host" in rebound.text, (path, rebound.text)
+        assert_shape(shape, rebound.json(), path)
+    for host in ("localhost", "127.0.0.1", "[::1]:80", "llmcli.localhost"):
+        assert post(url, "/v1/chat/completions", {"messages": HI, "max_tokens": 1}, {"Host": host}).status_code == 200
+    health = httpx2.get(f"{url}/health", timeout=10).json()
+    assert "pid" not in health and all("path" not in m for m in health["models"])
+    keyed = httpx2.get(f"{url}/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+    assert keyed["pid"] > 0 and keyed["models"][0]["path"].endswith(".gguf")
+
+
+def test_allow_host_admits_a_reverse_proxy_s_name(tmp_path):
+    proc, url = start_server(tmp_path, "-c", "256", "--allow-host", "llm.example.org")
+    try:
+        headers = {"Content-Type": "application/json"}
+        body = json.dumps({"messages": HI, "max_tokens": 1})
+        ok = httpx2.post(f"{url}/v1/chat/completions", content=body, headers={**headers, "Host": "llm.example.org"})
+        other = httpx2.post(f"{url}/v1/chat/completions", content=body, headers={**headers, "Host": "evil.example.org"})
+        assert ok.status_code == 200 and other.status_code == 403
+    finally:
+        stop_server(proc)
+
+
+# -- 9: no 500 for odd bodies, names and ids; a seeded fuzz test --------------------------------------------------------
+
+
+def test_odd_bodies_names_and_ids_are_400s_in_the_protocol_s_shape(server):
+    _, url = server
+    long_name = "x" * 300
+    cases = [
+        ("/api/show", {"model": long_name}), ("/api/chat", {"model": long_name, "messages": HI}),
+        ("/v1/chat/completions", {"model": long_name, "messages": HI}), ("/v1/embeddings", {"model": long_name, "input": "x"}),
+        ("/v1/chat/completions", b"[" * 1000 + b"]" * 1000), ("/v1/messages", b'{"a":' * 900 + b"1" + b"}" * 900),
+        ("/v1/responses", {"input": "hi", "previous_response_id": {"a": 1}}), ("/llmcli/embed", b'"none"'),
+        ("/api/generate", {"model": "smollm2\x00", "prompt": "hi"}),
+    ]
+    for path, body in cases:
+        reply = post(url, path, body)
+        assert 400 <= reply.status_code < 500, (path, reply.status_code, reply.text[:200])
+        assert_shape(SHAPES.get(path, "openai"), reply.json(), path)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for name in (long_name, "a" * 5000):
+        reply = httpx2.get(f"{url}/v1/models/{name}", headers=headers, timeout=10)
+        assert reply.status_code in (400, 404) and "error" in reply.json()
+
+
+def _json_values() -> st.SearchStrategy[object]:
+    keys = st.sampled_from(["model", "messages", "prompt", "role", "content", "max_tokens", "stream", "tools",
+                            "tool_choice", "response_format", "format", "grammar", "options", "input", "system",
+                            "type", "text", "schema", "json_schema", "temperature", "stop", "n", "logit_bias",
+                            "previous_response_id", "output_config", "think", "images", "keep_alive", "seed"])
+    scalars = st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False) | st.text(max_size=40) \
+        | st.sampled_from(["smollm2", "user", "assistant", "system", "tool", "json_schema", "json", "text", "auto",
+                           "required", "none", "root ::= \"a\"", "function"])
+    return st.recursive(scalars, lambda children: st.lists(children, max_size=4)
+                        | st.dictionaries(keys | st.text(max_size=8), children, max_size=6), max_leaves=24)
+
+
+@st.composite
+def _bodies(draw: st.DrawFn) -> tuple[str, object]:
+    path = draw(st.sampled_from(sorted(SHAPES)))
+    body = draw(st.fixed_dictionaries({}, optional={"model": st.just("smollm2"), "messages": st.just(HI),
+                                                    "max_tokens": st.integers(1, 4)}))
+    body.update(draw(st.dictionaries(st.sampled_from(["messages", "prompt", "input", "tools", "tool_choice",
+                                                      "response_format", "format", "grammar", "options", "stream",
+                                                      "system", "stop", "logit_bias", "output_config", "text",
+                                                      "previous_response_id", "n", "temperature"]),
+                                     _json_values(), max_size=4)))
+    return path, body
+
+
+FUZZ_EXAMPLES = int(os.environ.get("LLMCLI_FUZZ_EXAMPLES", "120"))
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=_bodies())
+def test_fuzzed_bodies_never_get_a_5xx_hang_or_kill_the_server(server, case):
+    proc, url = server
+    path, body = case
+    reply = post(url, path, body, timeout=60)  # a hang fails here
+    assert reply.status_code < 500, (path, body, reply.status_code, reply.text[:300])
+    if reply.status_code >= 400:
+        assert_shape(SHAPES[path], reply.json(), (path, body))
+    assert proc.poll() is None
+
+
+# -- 13: idle connections cannot lock the others out ---------------------------------------------------------------
+
+
+def test_idle_connections_cannot_lock_other_clients_out(server):
+    _, url = server
+    port = int(url.rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(12)]  # --max-connections 8
+    try:
+        time.sleep(0.2)
+        reply = post(url, "/v1/chat/completions", {"messages": HI, "max_tokens": 1}, timeout=30)
+        assert reply.status_code == 200
+    finally:
+        for connection in idle:
+            connection.close()
+
+
+# -- 5, 6: templates: a budget that holds on serve's worker threads, memory bombs -------------------------------------
+
+LOOPING = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def looping_model(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return rewrite_metadata(smollm2, tmp_path_factory.mktemp("loop") / "looping.gguf",
+                            strings={"tokenizer.chat_template": LOOPING})
+
+
+def test_a_looping_template_is_stopped_on_serve_s_worker_thread_and_sigterm_ends_the_server(tmp_path, looping_model):
+    proc, url = start_server(tmp_path, "-m", str(looping_model), "-c", "256", "--shutdown-grace", "1")
+    try:
+        started = time.monotonic()
+        reply = httpx2.post(f"{url}/v1/chat/completions", json={"messages": HI, "max_tokens": 1}, timeout=60)
+        assert reply.status_code == 400 and "longer than 2 s" in reply.json()["error"]["message"], reply.text
+        pending = threading.Thread(target=lambda: httpx2.post(f"{url}/v1/chat/completions",
+                                                              json={"messages": HI}, timeout=60), daemon=True)
+        pending.start()  # a rendering in flight when SIGTERM comes
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143
+        assert time.monotonic() - started < 60
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+BOMBS = {
+    "format filter": "{{ '%2000000000s'|format('x') }}",
+    "percent": "{{ '%2000000000s' % 'x' }}",
+    "join separator": "{{ range(100000)|join('x' * 1000000) }}",
+    "str.format width": "{{ '{:2000000000}'.format('x') }}",
+    "nested width": "{{ '{:{}}'.format('x', 2000000000) }}",
+    "tojson indent": "{{ messages|tojson(indent=100000000) }}",
+    "ljust": "{{ 'x'.ljust(2000000000) }}",
+    "doubling ~": "{% set ns = namespace(x='ab') %}{% for i in range(40) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}",
+    "growing list": "{% set ns = namespace(l=[], x='a' * 1000000) %}{% for i in range(100000) %}"
+                    "{% set ns.l = ns.l + [ns.x ~ i] %}{% endfor %}",
+    "replace": "{{ ('a' * 100000)|replace('a', 'b' * 100000) }}",
+    "center": "{{ 'x'|center(2000000000) }}",
+    "batch fill": "{{ [1]|batch(2000000000, 'x')|list }}",
+    "expandtabs": "{{ ('\t' * 100000).expandtabs(100000) }}",
+    "indent": "{{ ('\n' * 100000)|indent(100000) }}",
+}
+
+
+@pytest.mark.parametrize("name", list(BOMBS))
+def test_template_memory_bombs_stop_with_one_line_and_no_memory(name):
+    from llmcli.chat.chat_template import ChatTemplate, Message
+    from llmcli.errors import TemplateError
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(TemplateError) as raised:
+        ChatTemplate(BOMBS[name], "gguf").render([Message("user", "hi")])
+    assert "stopped" in raised.value.message and "\n" not in raised.value.message, raised.value.message
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200 * 1024  # KiB: the trial saw 1-10 GB
+
+
+def test_the_time_budget_holds_on_any_thread():
+    from llmcli.chat.chat_template import ChatTemplate, Message
+    from llmcli.errors import TemplateError
+
+    outcome: list[str] = []
+
+    def render() -> None:
+        try:
+            ChatTemplate(LOOPING, "gguf").render([Message("user", "hi")])
+        except TemplateError as exc:
+            outcome.append(exc.message)
+
+    worker = threading.Thread(target=render)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive() and "longer than 2 s" in outcome[0]
+    assert sys.gettrace() is None or "coverage" in type(sys.gettrace()).__module__  # the tracer is gone afterwards
+
+
+# -- 3: a shared runtime dir another user made ----------------------------------------------------------------------
+
+
+def _run_module(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`python -m llmcli` (not forked: the temporary dir is read afresh from TMPDIR), threads not fixed (a fixed -t
+    shares no cores, and so has no runtime dir to use)."""
+    environment = {k: v for k, v in os.environ.items() if k != "LLMCLI_THREADS"}
+    return subprocess.run([sys.executable, "-m", "llmcli", *args], capture_output=True, text=True, timeout=180,
+                          stdin=subprocess.DEVNULL, env={**environment, **env})
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making a directory another user owns needs root")
+def test_a_runtime_dir_another_user_made_is_never_written_through(tmp_path):
+    shared = Path(tempfile.mkdtemp(prefix="llmcli-shared-"))  # short: a socket's path has 107 bytes at most
+    shared.chmod(0o1777)
+    try:
+        _planted_runtime_dir_is_refused(shared, tmp_path)
+    finally:
+        shutil.rmtree(shared)
+
+
+def _planted_runtime_dir_is_refused(shared: Path, tmp_path: Path) -> None:
+    planted = shared / f"llmcli-{os.getuid()}"
+    (planted / "generating").mkdir(parents=True)
+    (planted / "servers").mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    for name in ("generating/1", "servers/x.log"):
+        (planted / name).symlink_to(victim)
+    for directory in (planted, planted / "generating", planted / "servers"):
+        os.chown(directory, 65534, 65534, follow_symlinks=False)
+    env = {"TMPDIR": str(shared), "XDG_RUNTIME_DIR": ""}
+    alone = _run_module("run", "-n", "2", "--temp", "0", "hi", env=env)
+    assert alone.returncode == 0 and alone.stderr.count("is not this user's alone") == 1, alone.stderr
+    warm = _run_module("run", "--keep-alive", "1m", "-n", "2", "--temp", "0", "hi", env=env)
+    assert warm.returncode == 0 and "warm servers' directory cannot be used" in warm.stderr, warm.stderr
+    assert "Traceback" not in warm.stderr and "internal error" not in warm.stderr
+    assert victim.read_text() == "precious" and sorted(p.name for p in planted.rglob("*")) == ["1", "generating",
+                                                                                              "servers", "x.log"]
+
+
+def test_private_dirs_are_0700_all_the_way_and_a_link_is_refused(tmp_path):
+    from llmcli import paths
+
+    made = paths.private_dir(tmp_path / "a" / "b" / "c", tmp_path / "a")
+    for directory in (tmp_path / "a", tmp_path / "a" / "b", made):
+        assert directory.stat().st_mode & 0o777 == 0o700
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(paths.UnsafeDirectory):
+        paths.private_dir(tmp_path / "link" / "servers", tmp_path / "link")
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_a_link_planted_as_the_warm_servers_dir_means_an_answer_here(tmp_path):
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (runtime / "servers").symlink_to(tmp_path / "elsewhere")
+    result = run_cli("run", "--keep-alive", "1m", "-n", "2", "--temp", "0", "hi", env={"LLMCLI_RUNTIME_DIR": str(runtime)})
+    assert result.code == 0 and "answering in this process" in result.stderr, result.stderr
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+# -- 10, 11: a NaN in a GGUF; the hash memo under a full disk and concurrent writers ----------------------------------
+
+
+def test_a_nan_epsilon_is_exit_5_not_an_abort(smollm2, tmp_path):
+    bad = rewrite_metadata(smollm2, tmp_path / "nan.gguf", strings={"llama.attention.layer_norm_rms_epsilon": float("nan")})
+    result = run_cli("run", "-m", str(bad), "-n", "1", "hi")
+    assert result.code == 5 and "layer_norm_rms_epsilon = nan is not a usable number" in result.stderr, result.stderr
+
+
+def test_the_hash_memo_is_written_whole_and_merged(tmp_path, monkeypatch):
+    from llmcli import file_hashes, paths
+
+    models = [tmp_path / f"m{i}.bin" for i in range(8)]
+    for i, model in enumerate(models):
+        model.write_bytes(bytes([i]) * 100)
+    script = "import sys; from pathlib import Path; from llmcli.file_hashes import remembered_sha256; " \
+             "remembered_sha256(Path(sys.argv[1]))"
+    writers = [subprocess.Popen([sys.executable, "-c", script, str(model)]) for model in models]
+    assert all(w.wait(timeout=60) == 0 for w in writers)
+    memo = paths.hash_memo_file()
+    assert len(json.loads(memo.read_text())) == 8  # eight processes at once: every hash kept
+    before = memo.read_bytes()
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(file_hashes.json, "dump", disk_full)
+    (tmp_path / "new.bin").write_bytes(b"new")
+    assert len(file_hashes.remembered_sha256(tmp_path / "new.bin")) == 64  # the hash, though not remembered
+    assert memo.read_bytes() == before and not list(memo.parent.glob("*.tmp"))
+
+
+# -- 7, 8, 12: MCP servers' children, their garbage and stderr, tool text on the terminal -----------------------------
+
+MCP_SERVER = Path(__file__).parent / "data" / "mcp_server.py"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _mcp_config(tmp_path: Path, mode: str = "stdio", **env: str) -> Path:
+    config = tmp_path / "mcp.json"
+    config.write_text(json.dumps({"mcpServers": {"t": {"command": sys.executable, "args": [str(MCP_SERVER), mode],
+                                                       "env": env, "timeout": 5}}}))
+    return config
+
+
+@pytest.mark.parametrize("ending", ["exit", "SIGTERM", "SIGINT", "SIGKILL"])
+def test_an_mcp_server_s_children_never_outlive_llmcli(tmp_path, ending):
+    pids = tmp_path / "pids"
+    config = _mcp_config(tmp_path, MCP_PID_FILE=str(pids), MCP_SPAWN="1")
+    if ending == "exit":
+        assert run_cli("mcp", "list", "--mcp", str(config)).code == 0
+    else:
+        proc = subprocess.Popen([sys.executable, "-m", "llmcli", "mcp", "call", "--mcp", str(config), "t", "hang",
+                                 '{"seconds": 60}'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while (not pids.exists() or len(pids.read_text().split()) < 3) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the call is in flight
+        proc.send_signal(getattr(signal, ending))
+        proc.wait(timeout=30)
+    started = [int(p) for p in pids.read_text().split()]
+    assert len(started) == 3  # the server, its child, and a child in a session of its own
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in started if _alive(pid)], f"outlived llmcli ({ending})"
+
+
+def test_an_mcp_server_s_garbage_and_failure_are_one_notice_each(tmp_path):
+    garbage = run_cli("mcp", "list", "--mcp", str(_mcp_config(tmp_path, "garbage")))
+    assert "Traceback" not in garbage.stderr and garbage.stderr.count("Failed to parse JSONRPC") <= 1, garbage.stderr
+    broken = run_cli("mcp", "list", "--mcp", str(_mcp_config(tmp_path, "broken")))
+    assert "ModuleNotFoundError: No module named 'fastmcp_helpers'" in broken.stdout + broken.stderr, broken
+
+
+def test_tools_debug_shows_a_tool_s_control_sequences_without_obeying_them(tmp_path):
+    result = run_cli("run", "--mcp", str(_mcp_config(tmp_path)), "--tools-debug", "--tool-choice", "t_escapes",
+                     "--temp", "0", "-n", "64", "Use the tool.")
+    assert "tool result t_escapes: ^[]0;pwned^G^[[2J^[]52;c;cHduZWQ=^Gdone" in result.stderr, result.stderr
+    assert "\x1b" not in result.stderr and "\x07" not in result.stderr
