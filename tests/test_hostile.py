@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import os
 import resource
-import signal
 import shutil
+import signal
 import socket
 import subprocess
 import sys
