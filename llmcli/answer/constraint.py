@@ -20,7 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmcli.answer.grammar_limits import MAX_GRAMMAR_BYTES
 from llmcli.errors import UsageError
+
+MAX_SCHEMA_BYTES = 1 << 20  # a --json-schema file (a request's is bounded by serve's --max-body)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ def build_constraint(
     flag = chosen[0]
     if gbnf_file is not None:
         try:
+            if gbnf_file.stat().st_size > MAX_GRAMMAR_BYTES:  # refused before it is read (grammar_limits.py)
+                raise UsageError(f"--grammar-file {gbnf_file} is larger than a grammar may be ({MAX_GRAMMAR_BYTES} bytes)")
             return Constraint(gbnf_file.read_text(encoding="utf-8"), flag)
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"cannot read --grammar-file {gbnf_file}: {exc}") from None
@@ -86,12 +91,14 @@ def _load_schema(json_schema: str) -> dict[str, Any]:
     text = json_schema
     if not text.lstrip().startswith("{"):
         try:
+            if Path(text).stat().st_size > MAX_SCHEMA_BYTES:
+                raise UsageError(f"--json-schema {text} is larger than {MAX_SCHEMA_BYTES} bytes")
             text = Path(text).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"--json-schema is neither a JSON object nor a readable file: {exc}") from None
     try:
         schema = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise UsageError(f"--json-schema is not valid JSON: {exc}") from None
     if not isinstance(schema, dict):
         raise UsageError("--json-schema must be a JSON object (a schema)")
@@ -101,5 +108,7 @@ def _load_schema(json_schema: str) -> dict[str, Any]:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.exceptions.SchemaError as exc:
         raise UsageError(f"--json-schema is not a valid JSON Schema: {exc.message}") from None
+    except RecursionError:
+        raise UsageError("--json-schema nests too deep to be checked") from None
     return schema
 
