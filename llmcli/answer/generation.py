@@ -7,13 +7,16 @@ turns it into events (the answer's text and its reasoning, apart), decides the f
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmcli.answer.answer_text import AnswerText
 from llmcli.answer.constraint import Constraint
 from llmcli.answer.events import Done, Token, TokenLogprob
-from llmcli.answer.reasoning import ReasoningSplitter
+from llmcli.answer.reasoning import ReasoningSplitter, opens_thinking
 from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.answer.stats import Stats
 from llmcli.answer.tool_call_parser import CallEvent, ToolCallParser
@@ -37,6 +40,29 @@ class GenerationOptions:
     special: bool = default("special")  # control tokens' text is answer text (--special)
     tools: ToolSpec | None = None  # what the answer may call, and how (tool calls are parsed out of its text)
     logprobs: int | None = None  # each answer token's logprob and this many most likely alternatives (None: none)
+
+    @classmethod
+    def from_settings(cls, values: Mapping[str, Any], sampling: SamplingConfig, constraint: Constraint | None = None,
+                      **given: Any) -> GenerationOptions:
+        """The options effective settings describe: the one place settings become GenerationOptions, for run, chat,
+        --batch, the warm path, --endpoint and serve alike (-n, --stop, the repetition guard, --speculate,
+        --reasoning, --special, --logprobs); `given` sets what the caller knows better (a request's own -n, stops,
+        tools or logprobs; the draft limit)."""
+        found = cls(sampling, values["max_tokens"], tuple(values["stop"]), constraint or Constraint(),
+                    values["repetition_guard"], values["speculate"], reasoning=values["reasoning"] != "stdout",
+                    special=values["special"], logprobs=values["logprobs"])
+        return dataclasses.replace(found, **given) if given else found
+
+    def for_prompt(self, prompt_text: str, template_source: str | None) -> GenerationOptions:
+        """These options for one rendered prompt — the one place run, chat, --batch and serve decide it: a template
+        that opened a think block starts the answer inside it (`thinking_open`), and a reasoning model (its template
+        knows <think>) may think before a forced tool call (`think_first`)."""
+        options = self
+        if options.reasoning and opens_thinking(prompt_text):
+            options = dataclasses.replace(options, thinking_open=True)
+        if options.tools is not None and options.reasoning and "<think>" in (template_source or ""):
+            options = dataclasses.replace(options, tools=dataclasses.replace(options.tools, think_first=True))
+        return options
 
 
 # The repetition guard: an answer is caught in a loop when its last LOOP_SPAN tokens (or LOOP_REPEATS

@@ -258,10 +258,7 @@ class Session:
                 f"dropped {full - len(prompt.tokens)} tokens from the start of the message"
             )
         self._last_prompt_tokens = len(prompt.tokens)
-        if options.reasoning and opens_thinking(prompt.text):  # the template opened the think block itself
-            options = dataclasses.replace(options, thinking_open=True)
-        if tools is not None and options.reasoning and "<think>" in (self.template_source or ""):
-            options = dataclasses.replace(options, tools=dataclasses.replace(tools, think_first=True))
+        options = options.for_prompt(prompt.text, self.template_source)
         stable = None if stable_text is None or len(prompt.tokens) < self.split_min else (
             len(prompt.tokens) - 1 if stable_text == user_text else self._stable_tokens(prompt.tokens, stable_text))
         prompt_s = time.perf_counter() - started

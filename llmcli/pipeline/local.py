@@ -101,10 +101,8 @@ def open_local(request: Request, on_progress: ProgressCallback | None, cancel: C
         mode = effective["speculate"]
         if effective["draft_model"] and effective.sources["speculate"] == "default":
             mode = "auto"  # a draft model given is a draft model to use
-        generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]), constraint,
-                                       effective["repetition_guard"], mode, draft_max,
-                                       reasoning=effective["reasoning"] != "stdout", special=effective["special"],
-                                       logprobs=effective["logprobs"])
+        generation = GenerationOptions.from_settings(effective.values, sampling, constraint, speculate=mode,
+                                                     max_draft=draft_max)
         pipeline: Pipeline[Session] = Pipeline(effective, model, session, generation, cancel, resources.pop_all())
     return pipeline
 

@@ -60,9 +60,9 @@ def open_remote(request: Request, effective: settings.Settings, constraint: Cons
                                constraint.schema, constraint.json and constraint.schema is None, biases, extra or {})
         sampling = SamplingConfig.from_settings(effective.values)  # checked as for a local model
         prompt = PromptOptions(effective["system"], request.raw, None, effective["on_overflow"], effective["think"])
-        generation = GenerationOptions(sampling, effective["max_tokens"], tuple(effective["stop"]),
-                                       Constraint(json=constraint.json, schema=constraint.schema),
-                                       effective["repetition_guard"])
+        generation = GenerationOptions.from_settings(effective.values, sampling,  # (the server drafts, if it does)
+                                                     Constraint(json=constraint.json, schema=constraint.schema),
+                                                     speculate="off")
     except BaseException:
         client.close()
         raise

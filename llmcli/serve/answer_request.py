@@ -11,7 +11,6 @@ from typing import Any
 
 from llmcli.answer.constraint import Constraint
 from llmcli.answer.generation import GenerationOptions
-from llmcli.answer.reasoning import opens_thinking
 from llmcli.answer.sampling_config import SamplingConfig, check_grammar
 from llmcli.answer.tool_calls import ToolSpec, tool_spec
 from llmcli.chat.answerer import RenderedPrompt
@@ -60,6 +59,7 @@ class Prompter:
     tool_format: str = "generic"  # how this model writes a call (its template's, or --tool-format)
     n_vocab: int = 0  # token ids a prompt may hold are below it
     check_grammar: Callable[[str, str], None] = lambda gbnf, origin: None  # LlmcliError if llama.cpp refuses it
+    template_source: str = ""  # the model's chat template (what follows from a rendered prompt: GenerationOptions)
 
     def check_model(self, model: Any, message: Callable[[str], str] | None = None) -> None:
         """404 unless `model` (when given) names this server's model."""
@@ -125,10 +125,10 @@ def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
                                                 grammar_origin=constraint.origin)
     except LlmcliError as exc:
         raise ApiError(400, exc.message) from None
-    generation = GenerationOptions(sampling, max_tokens, stops, constraint, values["repetition_guard"],
-                                   speculate=values["speculate"], max_draft=limits.max_draft,
-                                   thinking_open=opens_thinking(rendered.text), tools=request.tools,
-                                   logprobs=request.logprobs)
+    generation = GenerationOptions.from_settings(values, sampling, constraint, max_tokens=max_tokens, stops=stops,
+                                                 max_draft=limits.max_draft, tools=request.tools,
+                                                 logprobs=request.logprobs).for_prompt(rendered.text,
+                                                                                        prompter.template_source)
     return Parsed(rendered.tokens, generation, sampling.effective_seed(), request.stream, request.include_usage)
 
 

@@ -84,7 +84,7 @@ def _served(pipeline: Pipeline[Session], request: Request, shape: ServerModels) 
     limits = Limits(engine.n_ctx, min(shape.max_answer, engine.n_ctx), shape.max_body, pipeline.generation.max_draft)
     prompter = Prompter(render_chat, lambda text: engine.vocab.tokenize(text, add_special=True), names,
                         dict(pipeline.settings.values), limits, session.tool_format(pipeline.settings["tool_format"]),
-                        engine.vocab.n_tokens, check_grammar)
+                        engine.vocab.n_tokens, check_grammar, session.template_source or "")
     template = session.template_source or ""
     facts = read_facts(names[0], engine.path, engine.n_ctx, template, _capabilities(template))
     slots = SlotServer(engine, shape.parallel, shape.queue, speculation=session.speculation)
