@@ -8,6 +8,7 @@ import json
 import re
 import threading
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx2
@@ -106,9 +107,10 @@ def test_keep_alive_expires_a_loaded_model_and_a_request_s_own_keep_alive_wins(t
             "options": {"num_predict": 4}})
         assert kept.status_code == 200, kept.text
         (ps,) = [m for m in httpx2.get(f"{url}/api/ps", headers=AUTH).json()["models"] if m["model"] != "smollm2:latest"]
-        assert ps["expires_at"][:4] == time.strftime("%Y")  # an hour from now, not 1 s
-        time.sleep(2)
-        assert len(loaded(url)) == 2
+        expires = datetime.fromisoformat(ps["expires_at"].replace("Z", "+00:00"))
+        assert expires - datetime.now(timezone.utc) > timedelta(minutes=55)  # an hour from now, not 1 s
+        (held,) = [m for m in httpx2.get(f"{url}/health", headers=AUTH).json()["models"] if not m["pinned"]]
+        assert held["expires_in_s"] > 3300 and len(loaded(url)) == 2
         httpx2.post(f"{url}/api/generate", headers=AUTH, timeout=180, json={"model": str(gemma3), "prompt": "", "keep_alive": 0})
         deadline = time.monotonic() + 30
         while len(loaded(url)) == 2 and time.monotonic() < deadline:

@@ -69,44 +69,11 @@ def test_sampled_answers_follow_the_seed_with_drafts_as_without():
     again = _chat("lookup", lines[:9], *args)
     assert [r["text"] for r in again] == [r["text"] for r in drafted[:3]]  # reproducible with a seed
     assert sum(r["timings"]["accepted_tokens"] for r in drafted) > 20
-    # The distribution of the first three words (tokens sampled inside drafts) over the 30 seeds: a chi-squared
-    # test of homogeneity, drafted against plain, at the 1 % level.
-    statistic, df = _chi_squared(Counter(_words(r["text"]) for r in plain), Counter(_words(r["text"]) for r in drafted))
-    assert statistic <= _chi_squared_critical(df), (statistic, df)
-    # Stronger: the sampler chain sees every token in order and draws one random number per token, drafted or
-    # not, so each seed gives the answer plain sampling gives.
+    # The sampler chain sees every token in order and draws one random number per token, drafted or not, so each
+    # seed gives the answer plain sampling gives (the same distribution, and more: the same draws).
     assert [r["text"] for r in drafted] == [r["text"] for r in plain]
     answers = Counter(r["text"] for r in drafted)
     assert len(answers) > 5  # really sampled: the seeds give different answers
-
-
-def _words(text: str) -> str:
-    return " ".join(text.split()[:3])
-
-
-def _chi_squared(a: Counter, b: Counter) -> tuple[float, int]:
-    """Pearson's statistic for two samples over the same categories, and its degrees of freedom."""
-    categories = sorted(set(a) | set(b))
-    n_a, n_b = sum(a.values()), sum(b.values())
-    statistic = 0.0
-    for category in categories:
-        total = a[category] + b[category]
-        for counts, n in ((a, n_a), (b, n_b)):
-            expected = total * n / (n_a + n_b)
-            statistic += (counts[category] - expected) ** 2 / expected
-    return statistic, max(1, len(categories) - 1)
-
-
-def _chi_squared_critical(df: int, z: float = 2.326) -> float:
-    """The 99th percentile of chi-squared with df degrees of freedom (Wilson-Hilferty)."""
-    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
-
-
-def test_chi_squared_helpers_reject_different_distributions():
-    assert _chi_squared(Counter(a=10, b=10), Counter(a=10, b=10))[0] == 0.0
-    statistic, df = _chi_squared(Counter(a=30), Counter(b=30))
-    assert df == 1 and statistic > _chi_squared_critical(df)  # 60.0 against 6.6
-    assert _chi_squared_critical(10) == pytest.approx(23.21, abs=0.1)
 
 
 def test_batch_drafts_per_sequence_with_the_answers_of_plain_decoding(tmp_path, smollm2):

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import httpx2
 from conftest import run_cli
 
 
@@ -136,7 +137,12 @@ def test_serve_ignores_a_config_file_endpoint(tmp_path):
     config.parent.mkdir(parents=True)
     config.write_text('endpoint = "http://127.0.0.1:9/v1"\n')
     proc, url = start_server(tmp_path, "-c", "256")  # starts: the config file's endpoint is run's and chat's
-    stop_server(proc)
+    try:  # and answers from its own model, not from the (dead) endpoint
+        reply = httpx2.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert reply.status_code == 200 and reply.json()["model"] == "smollm2", reply.text
+    finally:
+        stop_server(proc)
 
 
 # 8. everyday text searches the log literally; the FTS syntax stays; a bad query is a usage error

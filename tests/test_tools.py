@@ -296,6 +296,21 @@ def test_run_calls_a_function_and_feeds_its_result_back(functions):
     assert record["usage"]["completion_tokens"] > call_only["usage"]["completion_tokens"]  # the rounds add up
 
 
+def test_run_continue_after_a_tool_call_keeps_the_call_and_its_result(functions):
+    """One conversation record (issue 35): the log keeps what an exchange added — the call and its result — and
+    `run -C` continues the conversation as it was, not as a plain question and answer."""
+    first = run_cli("run", "--functions", functions, "--tool-choice", "multiply", "--temp", "0", "-n", "40", "--json",
+                    "What is 12 times 7?")
+    assert first.code == 0, first.stderr
+    (call,) = json.loads(first.stdout)["tool_calls"]
+    (logged,) = json.loads(run_cli("logs", "--json").stdout)
+    assert [m["role"] for m in logged["messages"]][:3] == ["user", "assistant", "tool"]
+    assert logged["messages"][1]["tool_calls"][0]["name"] == "multiply"
+    shown = run_cli("run", "-C", "--show-prompt", "And 3 times that?")
+    assert shown.code == 0, shown.stderr
+    assert '"name": "multiply"' in shown.stdout and f"<tool_response>\n{call['result']}\n</tool_response>" in shown.stdout
+
+
 def test_a_failing_tool_the_chain_limit_and_approval_without_a_terminal(functions):
     failed = run_cli("run", "--functions", functions, "--tool-choice", "fail", "--tools-debug", "--temp", "0", "-n", "40",
                      "--chain-limit", "1", "--json", "Try it.")

@@ -40,7 +40,8 @@ class Conversation:
     def __init__(self, session: Answerer, generation: GenerationOptions, model_name: str,
                  model_path: Path | None,
                  save: bool = True, conversation_id: str | None = None, pinned: frozenset[str] = frozenset(),
-                 log: Callable[[str, dict[str, Any]], str | None] | None = None, tools: ToolRunner | None = None,
+                 log: Callable[[str, dict[str, Any], list[Message]], str | None] | None = None,
+                 tools: ToolRunner | None = None,
                  cancel: Cancellation | None = None):
         self.session = session
         self.generation = generation
@@ -52,7 +53,8 @@ class Conversation:
         self.turn_stats: list[Done] = []
         self.pinned = pinned  # settings given now: a resumed conversation's saved values do not replace them
         self.save_failure: str | None = None  # why the record could not be written, until it is reported
-        self.log = log  # each exchange to the answer log: (user text, its --json record) -> a warning or None
+        self.log = log  # each exchange to the answer log: (user text, its --json record, the messages it added) -> a
+        # warning or None
         self._started = False
         self.tools = tools  # --functions: the calls run between a message and its reply
         self.cancel = cancel or Cancellation()
@@ -114,7 +116,8 @@ class Conversation:
                 if interrupted and self.history:
                     self.history[-1] = dataclasses.replace(self.history[-1], interrupted=True)
                 record = answer_record(event)
-                warning = self.log(text, record) if self.log is not None and not interrupted else None
+                warning = self.log(text, record, self.history[start:]) if self.log is not None and not interrupted \
+                    else None
                 if warning:
                     yield Notice(warning)
                 calls = {"messages": [dataclasses.asdict(m) for m in self.history[start:]]} if event.tool_calls else {}

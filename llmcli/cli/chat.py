@@ -59,7 +59,7 @@ def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, give
             pipeline.session, pipeline.generation, pipeline.model.name, pipeline.model.path,
             save=not no_save, conversation_id=resume_path.stem if resume_path else None,
             pinned=pipeline.settings.chosen_now(),
-            log=(lambda text, answer: record([log_entry(pipeline, "chat", text, answer, conversation.id)]))
+            log=(lambda text, answer, added: record([log_entry(pipeline, "chat", text, answer, conversation.id, added)]))
             if pipeline.settings["log"] else None, tools=runner, cancel=pipeline.cancel,
         )
         if runner is not None:

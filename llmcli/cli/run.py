@@ -164,9 +164,12 @@ def _answer(prompt_arg: str | None, stdin_text: str | None, message: str, prompt
         sink = AnswerSink(as_json=as_json, extra={"model": pipeline.model.name}, reasoning=pipeline.settings["reasoning"],
                           markdown=pipeline.settings["markdown"])
 
+        start = len(session.history)
+
         def logged(done: Any) -> None:
             if pipeline.settings["log"]:
-                warning = record([log_entry(pipeline, "run", message, sink.record(done), conversation_id)])
+                warning = record([log_entry(pipeline, "run", message, sink.record(done), conversation_id,
+                                            session.history[start:])])
                 if warning:
                     output.print_notice(console, warning)
 

@@ -9,7 +9,7 @@ loaded) or the local model (llmcli/pipeline/local.py) — as one `Pipeline` whos
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,16 +150,18 @@ def open_answering(request: Request, on_progress: ProgressCallback | None = None
 
 
 def log_entry(pipeline: Pipeline[Answerer], kind: str, prompt: str, record: Mapping[str, Any],
-              conversation_id: str | None = None) -> answer_log.Entry:
+              conversation_id: str | None = None, messages: Sequence[Message] | None = None) -> answer_log.Entry:
     """One answer (its `--json` record) as the log keeps it: model (and its sha256 when already known: nothing is
     hashed for the log), system prompt, prompt, answer, reasoning, the settings that shaped it, why it ended, its
-    timings."""
+    timings; and, for an exchange that called tools, the messages it added to its conversation (calls and results)."""
     generation = pipeline.generation
     path = pipeline.model.path
     used = {**generation.sampling.record(), "max_tokens": generation.max_tokens, "stop": list(generation.stops)}
     return answer_log.Entry(kind, pipeline.model.name, known_sha256(path) if path else None,
                             pipeline.session.options.system, prompt, record.get("text") or "", record.get("reasoning"),
-                            used, record.get("finish_reason") or "", record.get("timings") or {}, conversation_id)
+                            used, record.get("finish_reason") or "", record.get("timings") or {}, conversation_id,
+                            [dataclasses.asdict(m) for m in messages] if messages and any(
+                                m.tool_calls or m.role == "tool" for m in messages) else None)
 
 
 def new_conversation_id() -> str:
@@ -175,8 +177,10 @@ def continued(conversation_id: str | None) -> tuple[str, list[Message]]:
         raise UsageError(f"no conversation {conversation_id!r} in the log" if conversation_id else
                          "nothing to continue: the log holds no conversation yet", hint="llmcli logs lists what it holds.")
     history: list[Message] = []
-    for record in reversed(records):
-        history += [Message("user", record["prompt"]), Message("assistant", record["answer"])]
+    for record in reversed(records):  # an exchange that called tools as it was (calls, results); the others as pairs
+        kept = record.get("messages")
+        history += [Message.from_record(m) for m in kept] if kept else [Message("user", record["prompt"]),
+                                                                         Message("assistant", record["answer"])]
     return chosen, history
 
 

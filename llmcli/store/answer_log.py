@@ -42,6 +42,9 @@ MIGRATIONS = (  # MIGRATIONS[n] takes a database from version n to n + 1 (idempo
         VALUES ('delete', old.id, old.prompt, old.answer, old.reasoning);
     END;
     """,
+    # 2: the messages an exchange added to its conversation (the assistant's tool calls, the tools' results), so that
+    # `run -C/--cid` continues a conversation as it was, not as plain user/assistant pairs
+    "ALTER TABLE answers ADD COLUMN messages TEXT;",
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -59,6 +62,7 @@ class Entry:
     finish_reason: str
     timings: Mapping[str, Any]
     conversation_id: str | None = None
+    messages: Sequence[Mapping[str, Any]] | None = None  # what the exchange added (Message records), tool calls too
 
 
 class AnswerLog:
@@ -75,7 +79,11 @@ class AnswerLog:
         if version > SCHEMA_VERSION:
             raise sqlite3.DatabaseError(f"{self.path} was written by a newer llmcli (schema {version})")
         for step in range(version, SCHEMA_VERSION):
-            self.db.executescript(MIGRATIONS[step])
+            try:
+                self.db.executescript(MIGRATIONS[step])
+            except sqlite3.OperationalError as exc:  # another process ran this step meanwhile
+                if "duplicate column" not in str(exc):
+                    raise
         if version < SCHEMA_VERSION:
             self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
@@ -90,12 +98,14 @@ class AnswerLog:
 
     def add(self, entries: Sequence[Entry]) -> None:
         rows = [(time.time(), e.kind, e.model, e.model_sha256, e.system, e.prompt, e.answer, e.reasoning,
-                 json.dumps(dict(e.settings), default=str), e.finish_reason, json.dumps(dict(e.timings)), e.conversation_id)
+                 json.dumps(dict(e.settings), default=str), e.finish_reason, json.dumps(dict(e.timings)), e.conversation_id,
+                 None if e.messages is None else json.dumps([dict(m) for m in e.messages], default=str))
                 for e in entries]
         self.db.execute("BEGIN IMMEDIATE")
         try:
             self.db.executemany("INSERT INTO answers (time, kind, model, model_sha256, system, prompt, answer, reasoning, "
-                                "settings, finish_reason, timings, conversation_id) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+                                "settings, finish_reason, timings, conversation_id, messages) "
+                                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
@@ -165,8 +175,8 @@ def fts_query(text: str) -> str:
 
 def _record(row: sqlite3.Row) -> dict[str, Any]:
     record = dict(row)
-    for key in ("settings", "timings"):
-        record[key] = json.loads(record[key]) if record[key] else None
+    for key in ("settings", "timings", "messages"):
+        record[key] = json.loads(record[key]) if record.get(key) else None
     record["time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(record["time"]))
     return record
 
