@@ -417,3 +417,20 @@ def test_bad_bodies_get_a_4xx_in_each_protocol_s_shape_never_a_500(server):
         missing = httpx2.get(f"{server}{path}", headers=headers)
         assert missing.status_code == 404
         assert_shape(shape, missing.json(), path)
+
+
+def test_every_finish_reason_has_each_protocol_s_word_in_one_table():
+    """One FinishReason table (issue 35) instead of five: each of llmcli's reasons maps into each protocol's own
+    vocabulary, and the `--endpoint` client reads an OpenAI server's word back."""
+    from llmcli.answer.finish import REASONS, described, finish_reason, from_openai
+
+    assert set(REASONS) == {"stop", "stop_sequence", "length", "context_full", "repetition", "interrupted", "tool_calls"}
+    for reason in REASONS.values():
+        assert reason.openai in {"stop", "length", "tool_calls", "abort"}
+        assert reason.ollama in {"stop", "length", "abort"}
+        assert reason.anthropic in {"end_turn", "stop_sequence", "max_tokens", "tool_use", "pause_turn"}
+        assert reason.responses in {None, "max_output_tokens", "interrupted"}
+        assert from_openai(reason.openai) in REASONS
+    assert [from_openai(finish_reason(name).openai) for name in ("stop", "length", "tool_calls")] == \
+        ["stop", "length", "tool_calls"]
+    assert described("stop_sequence", "\n\n") == "stop sequence '\\n\\n'" and finish_reason("unknown").name == "stop"

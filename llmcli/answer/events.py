@@ -14,9 +14,6 @@ from llmcli.answer.stats import Stats
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.answer.tool_calls import ToolCall, ToolResult
 
-# Why an answer ended: the model's end of generation, -n, a stop sequence, a full context, Ctrl-C/SIGTERM.
-FINISH_REASONS = ("stop", "length", "stop_sequence", "context_full", "repetition", "interrupted", "tool_calls")
-
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -54,7 +51,7 @@ class Token:
 class Done:
     """The answer is over: why, its timings, and the answer itself (its text, and its reasoning apart)."""
 
-    finish_reason: str  # one of FINISH_REASONS
+    finish_reason: str  # why it ended: a name of llmcli/answer/finish.py's REASONS
     stats: Stats
     stop_sequence: str | None = None
     format_error: str | None = None  # why the answer is not the JSON --format json / --json-schema asked for

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
+from llmcli.answer.finish import described
+
 
 @dataclass(frozen=True)
 class Stats:
@@ -121,16 +123,5 @@ def summary_line(stats: Stats, finish_reason: str, stop_sequence: str | None = N
     if stats.draft_tokens:
         answer += f" ({stats.accepted_tokens}/{stats.draft_tokens} drafted accepted, {100 * stats.acceptance:.0f}%)"
     parts.append(answer)
-    parts.append(f"stop: {describe_finish(finish_reason, stop_sequence)}")
+    parts.append(f"stop: {described(finish_reason, stop_sequence)}")
     return " · ".join(parts)
-
-
-def describe_finish(finish_reason: str, stop_sequence: str | None = None) -> str:
-    return {
-        "stop": "eos",
-        "length": "max tokens",
-        "context_full": "context full",
-        "interrupted": "interrupted",
-        "repetition": "repetition (the answer was going round in a loop)",
-        "stop_sequence": f"stop sequence {stop_sequence!r}",
-    }.get(finish_reason, finish_reason)

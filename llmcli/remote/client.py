@@ -18,6 +18,7 @@ import httpx2
 
 from llmcli.answer.answer_text import StopMatcher
 from llmcli.answer.events import Done, Token
+from llmcli.answer.finish import from_openai
 from llmcli.answer.stats import AnswerClock
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.answer.tool_calls import ToolCall, ToolSpec, new_call_id
@@ -25,7 +26,6 @@ from llmcli.errors import ExitCode, LlmcliError, ModelNotFoundError, UsageError
 
 RETRIES = 3  # after the first try, for 429 and 5xx
 BACKOFF_S = 0.5  # doubled each retry; a Retry-After the server sends is honoured (up to 10 s)
-FINISH = {"stop": "stop", "length": "length", "content_filter": "stop", "tool_calls": "tool_calls"}
 
 
 class NetworkError(LlmcliError):
@@ -198,7 +198,7 @@ class StreamedAnswer:
             self.server_timings = chunk["timings"]
         for choice in chunk.get("choices") or ():
             if choice.get("finish_reason"):
-                self.finish = FINISH.get(choice["finish_reason"], "stop")
+                self.finish = from_openai(choice["finish_reason"])
             delta = (choice.get("delta") or {}) if chat else choice
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
             if isinstance(reasoning, str) and reasoning:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmcli.answer.events import DecodeEvent, Done, Token
+from llmcli.answer.finish import finish_reason
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.answer.tool_calls import ToolCall
 from llmcli.chat.chat_template import Message
@@ -35,9 +36,6 @@ from llmcli.serve.answer_request import (
 )
 from llmcli.serve.wire import Item
 
-STOP_REASONS = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens",
-                "context_full": "max_tokens", "tool_calls": "tool_use", "repetition": "end_turn",
-                "interrupted": "pause_turn"}  # cut before its end: Anthropic's word for a turn to send back and resume
 KINDS = {"server_error": "api_error"}  # llmcli's kind -> Anthropic's, where they differ
 SAMPLING = {"temperature": "temp", "top_k": "top_k", "top_p": "top_p"}
 # read and left on purpose: who asks, which tier or region, cache hints (every prompt is cached in the slots)
@@ -194,7 +192,7 @@ class MessagesReply:
         return error_body(error)
 
     def _message(self, content: list[Any], done: Done | None) -> dict[str, Any]:
-        reason = STOP_REASONS.get(done.finish_reason, "end_turn") if done else None
+        reason = finish_reason(done.finish_reason).anthropic if done else None
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": reason, "stop_sequence": done.stop_sequence if done else None,
                 "usage": usage(done) if done else {"input_tokens": self.prompt_tokens, "output_tokens": 0}}
@@ -231,7 +229,7 @@ class MessagesReply:
             return self._open("tool_use", {"type": "tool_use", "id": _use_id(event.id), "name": event.name, "input": {}})
         if isinstance(event, CallArguments):
             return [self._delta({"type": "input_json_delta", "partial_json": event.text})]
-        reason = STOP_REASONS.get(event.finish_reason, "end_turn")
+        reason = finish_reason(event.finish_reason).anthropic
         return [*self._close(), ("message_delta", {"type": "message_delta", "usage": usage(event),
                                                    "delta": {"stop_reason": reason,
                                                              "stop_sequence": event.stop_sequence}}),

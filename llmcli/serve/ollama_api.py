@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from llmcli.answer.events import DecodeEvent, Done, Token
+from llmcli.answer.finish import finish_reason
 from llmcli.answer.tool_calls import ToolCall
 from llmcli.chat.chat_template import Message
 from llmcli.serve.answer_request import (
@@ -51,8 +52,6 @@ CHAT_FIELDS = frozenset({"model", "messages", "tools", "format", "options", "str
 GENERATE_FIELDS = frozenset({"model", "prompt", "suffix", "images", "format", "options", "system", "template",
                              "stream", "raw", "context", "think", "logprobs", "top_logprobs"}) | LEFT
 EMBED_FIELDS = frozenset({"model", "input", "prompt", "truncate", "options", "dimensions"}) | LEFT
-DONE_REASONS = {"stop": "stop", "stop_sequence": "stop", "tool_calls": "stop", "repetition": "stop",
-                "interrupted": "abort", "length": "length", "context_full": "length"}
 
 
 def error_body(error: ApiError) -> dict[str, Any]:
@@ -193,7 +192,7 @@ def durations(done: Done) -> dict[str, Any]:
     """Ollama's counts and durations (nanoseconds) from llmcli's timings."""
     stats = done.stats
     ns = 1_000_000_000
-    return {"done_reason": DONE_REASONS.get(done.finish_reason, "stop"), "total_duration": int(stats.total_s * ns),
+    return {"done_reason": finish_reason(done.finish_reason).ollama, "total_duration": int(stats.total_s * ns),
             "load_duration": int(stats.load_s * ns), "prompt_eval_count": stats.prompt_tokens,
             "prompt_eval_duration": int(stats.prefill_s * ns), "eval_count": stats.completion_tokens,
             "eval_duration": int(max(0.0, stats.total_s - stats.prompt_s - stats.prefill_s) * ns)}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmcli.answer.events import DecodeEvent, Done, Token, TokenLogprob
+from llmcli.answer.finish import finish_reason
 from llmcli.answer.sampling_config import WIRE_FIELDS
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.answer.tool_calls import ToolCall, new_call_id
@@ -48,9 +49,6 @@ COMPLETION_FIELDS = SHARED | {"prompt", "echo", "suffix", "best_of"}
 NOT_HERE = {"audio": "text only", "modalities": "text only", "prediction": "no predicted outputs",
             "web_search_options": "no web search", "functions": "use tools", "function_call": "use tool_choice",
             "verbosity": "no verbosity control"}
-# finish reasons as OpenAI clients know them (llmcli's own is in `timings.finish_reason`)
-FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "context_full": "length",
-          "repetition": "stop", "interrupted": "abort", "tool_calls": "tool_calls"}  # abort: cut (vLLM's word)
 
 
 def error_body(error: ApiError) -> dict[str, Any]:
@@ -219,7 +217,7 @@ class Reply:
         if isinstance(event, (CallStarted, CallArguments)):
             return [self._chunk({"index": index, "delta": {**self._delta(index), "tool_calls": [_call_delta(event)]},
                                  "finish_reason": None})]
-        last: dict[str, Any] = {"index": index, "finish_reason": FINISH.get(event.finish_reason, "stop")}
+        last: dict[str, Any] = {"index": index, "finish_reason": finish_reason(event.finish_reason).openai}
         if self.chat:
             last["delta"] = {}
         else:
@@ -243,7 +241,7 @@ class Reply:
     def whole(self, dones: list[Done]) -> dict[str, Any]:
         choices = []
         for index, done in enumerate(dones):
-            finish = FINISH.get(done.finish_reason, "stop")
+            finish = finish_reason(done.finish_reason).openai
             wants_logprobs = self.requests[index].logprobs is not None
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": done.text or (None if done.tool_calls else "")}

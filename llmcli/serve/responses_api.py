@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmcli.answer.events import DecodeEvent, Done, Token
+from llmcli.answer.finish import finish_reason
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.answer.tool_calls import ToolCall
 from llmcli.chat.chat_template import Message
@@ -46,7 +47,6 @@ FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice", "p
 NOT_HERE = {"include": "no extra output", "background": "answers are not run in the background",
             "max_tool_calls": "tool calls are the client's to run", "top_logprobs": "logprobs: use /v1/chat/completions",
             "conversation": "use previous_response_id or send the input", "prompt": "no stored prompts"}
-INCOMPLETE = {"length": "max_output_tokens", "context_full": "max_output_tokens", "interrupted": "interrupted"}
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ class ResponsesReply:
         return kind, {"type": kind, "sequence_number": self.sequence - 1, **fields}
 
     def _response(self, status: str, done: Done | None) -> dict[str, Any]:
-        incomplete = INCOMPLETE.get(done.finish_reason) if done else None
+        incomplete = finish_reason(done.finish_reason).responses if done else None
         usage = None
         if done is not None:
             stats = done.stats
@@ -273,7 +273,7 @@ class ResponsesReply:
                                 output_index=len(self.outputs) - 1, delta=event.text)]
         items = self._finish_open()
         self._kept(event)
-        status = "incomplete" if event.finish_reason in INCOMPLETE else "completed"
+        status = "incomplete" if finish_reason(event.finish_reason).responses else "completed"
         return [*items, self._event(f"response.{status}", response=self._response(status, event))]
 
     def closing(self, dones: list[Done]) -> list[Item]:
@@ -290,7 +290,7 @@ class ResponsesReply:
             self.outputs.append(_Output(_message_item([{"type": "output_text", "text": done.text, "annotations": []}])))
         self.outputs += [_Output(_call_item(call)) for call in done.tool_calls]
         self._kept(done)
-        return self._response("incomplete" if done.finish_reason in INCOMPLETE else "completed", done)
+        return self._response("incomplete" if finish_reason(done.finish_reason).responses else "completed", done)
 
     def _kept(self, done: Done) -> None:
         if self.request.store:
