@@ -54,10 +54,19 @@ class Job:
     emit: Callable[[DecodeEvent], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     clock: AnswerClock = field(default_factory=AnswerClock)  # stamped from its arrival
-    failure: tuple[int, str] | None = None  # set before its Done when it failed: (HTTP-like status, why)
+    failure: Failure | None = None  # set before its Done when it failed
 
 
 Delivery = Callable[[list[tuple["Job", DecodeEvent]]], None]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a job failed: the request itself was `refused` (a grammar llama.cpp would not take), or the engine failed
+    (each way in says it in its own terms: serve's 400 or 500)."""
+
+    message: str
+    refused: bool
 
 
 def deliver_here(events: list[tuple[Job, DecodeEvent]]) -> None:
@@ -167,7 +176,7 @@ class SlotServer:
                 scheduler.start(free[0], job.tokens, job.generation, job.seed, job.clock, tag=job,
                                 reuse_at_least=MIN_REUSE)
             except Exception as exc:  # a grammar llama.cpp refuses: the request fails, the server goes on
-                job.failure = (400, str(exc))
+                job.failure = Failure(str(exc), refused=True)
                 self._events.append((job, _cancelled(job)))
 
     def _drop_cancelled(self) -> None:
@@ -184,7 +193,7 @@ class SlotServer:
     def _fail_all(self, reason: str) -> None:
         for slot in self.scheduler.slots:
             if slot is not None:
-                slot.tag.failure = (500, f"the engine failed: {reason}")
+                slot.tag.failure = Failure(f"the engine failed: {reason}", refused=False)
         self._take(self.scheduler.finish_all("interrupted"))
         self.engine.kv.clear()
 

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from llmcli.answer.events import DecodeEvent, Done
-from llmcli.decode.serving import Job, QueueFull, SlotServer
+from llmcli.decode.serving import Failure, Job, QueueFull, SlotServer
 from llmcli.serve.answer_request import AnswerRequest, ApiError, Parsed, prepare
 from llmcli.serve.model_pool import ModelPool, Served
 from llmcli.serve.wire import Exchange, Item
@@ -206,7 +206,7 @@ async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job
             index, event = await events.get()
             failure = jobs[index].failure
             if failure is not None:
-                for item in exchange.failed(ApiError(*failure)):
+                for item in exchange.failed(_api_error(failure)):
                     yield item
                 return
             for item in exchange.on_event(index, event):
@@ -254,10 +254,15 @@ async def _whole(request: Request, events: asyncio.Queue[tuple[int, DecodeEvent]
                 continue  # the Done holds the whole answer
             failure = jobs[index].failure
             if failure is not None:
-                error = ApiError(*failure)
+                error = _api_error(failure)
                 return JSONResponse(exchange.error_body(error), status_code=error.status)
             dones[index] = event
         return JSONResponse(exchange.whole([d for d in dones if d is not None]))
     finally:
         for job in jobs:
             job.cancelled.set()
+
+
+def _api_error(failure: Failure) -> ApiError:
+    """A job's failure as HTTP says it: the request's fault is a 400, the engine's a 500."""
+    return ApiError(400 if failure.refused else 500, failure.message)
