@@ -66,6 +66,10 @@ WebuiOpt = Annotated[bool, typer.Option(
 CorsOpt = Annotated[Optional[list[str]], typer.Option(
     "--cors", help="Let web pages from this origin (https://app.example) call the server from a browser. Repeatable; "
     "off by default.", show_default=False, rich_help_panel=_SERVER)]
+KeepaliveOpt = Annotated[float, typer.Option(
+    "--stream-keepalive", min=0.05, rich_help_panel=_SERVER,
+    help="Seconds a stream may stay silent (a long prompt being evaluated) before it sends its protocol's keep-alive: "
+    "an SSE comment (OpenAI), a ping (Anthropic), response.in_progress (Responses).")]
 AllowHostOpt = Annotated[Optional[list[str]], typer.Option(
     "--allow-host", help="A name requests may give as their Host besides IP addresses, localhost and --host (a reverse "
     "proxy's: llm.example.org; * for any). Repeatable. Others get a 403 (DNS rebinding).", show_default=False,
@@ -85,6 +89,7 @@ def serve(
     api_key: ServeKeyOpt = None,
     cors: CorsOpt = None,
     allow_host: AllowHostOpt = None,
+    stream_keepalive: KeepaliveOpt = 10.0,
     shutdown_grace: GraceOpt = 10.0,
     header_timeout: HeaderTimeoutOpt = 10.0,
     max_connections: MaxConnectionsOpt = 512,
@@ -146,7 +151,8 @@ def serve(
         output.print_notice(console, notice)
     pool = ModelPool(found.resolve, found.load, max_models, expiry)
     pool.preloaded(first, pinned=not exit_when_idle)
-    state = ServerState(pool, max_body, api_key, shutdown_grace=shutdown_grace, body_timeout=header_timeout)
+    state = ServerState(pool, max_body, api_key, shutdown_grace=shutdown_grace, body_timeout=header_timeout,
+                        keepalive_s=stream_keepalive)
     import socket
 
     hosts = None if socket_path is not None else (host, socket.gethostname(), *(allow_host or ()))

@@ -42,7 +42,7 @@ def with_grammar(constraint: Constraint) -> Constraint:
     try:
         gbnf_text = schema_to_gbnf(dict(constraint.schema))
     except Exception as exc:  # the converter raises plain exceptions on schemas it cannot express
-        raise UsageError(f"--json-schema cannot be turned into a grammar: {exc}") from None
+        raise UsageError(f"--json-schema cannot be turned into a grammar: {_reason(exc)}") from None
     # llama-cpp-python's converter lets raw control characters (a newline) into strings, which
     # is not JSON; llama.cpp's own converter excludes them. Exclude them here too.
     gbnf_text = gbnf_text.replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR)
@@ -97,13 +97,34 @@ def _times(symbol: str, low: int, high: int | None) -> str:
 llama_grammar._build_repetition = _flat_repetition
 
 
+# What makes a schema say something about its value; a schema with none of these (`{"description": …}`, `true`) takes
+# any JSON value, as JSON Schema says (llama-cpp-python's converter fails on one, or reads `{}` as an object).
+_STRUCTURAL = frozenset({"type", "$ref", "enum", "const", "anyOf", "oneOf", "allOf", "not", "properties", "items",
+                         "prefixItems", "additionalProperties", "required", "pattern", "format", "minLength",
+                         "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minItems", "maxItems",
+                         "patternProperties", "propertyNames", "minProperties", "maxProperties", "if", "then", "else"})
+
+
 class _Converter(llama_grammar.SchemaConverter):
-    def visit(self, schema: dict[str, Any], name: str) -> Any:
-        bounds = integer_bounds(schema) if isinstance(schema, dict) and schema.get("type") == "integer" else None
+    def visit(self, schema: Any, name: str) -> Any:
+        rule_name = name + "-" if name in llama_grammar.RESERVED_NAMES else name or "root"
+        if schema is False:
+            raise ValueError("a `false` schema allows no value")
+        if schema is True or (isinstance(schema, dict) and not _STRUCTURAL & schema.keys()):
+            return self._add_rule(rule_name, self._add_primitive("value", llama_grammar.PRIMITIVE_RULES["value"]))
+        if not isinstance(schema, dict):
+            raise ValueError(f"a schema is an object or true/false, not {type(schema).__name__}")
+        bounds = integer_bounds(schema) if schema.get("type") == "integer" else None
         if bounds is None or bounds == (None, None):
             return super().visit(schema, name)
-        rule_name = name + "-" if name in llama_grammar.RESERVED_NAMES else name or "root"
         return self._add_rule(rule_name, f"({integer_range(*bounds)}) space")
+
+
+def _reason(exc: Exception) -> str:
+    """What a user reads of a converter's failure: its own words for what it refuses, never a Python error's text."""
+    if isinstance(exc, (ValueError, UsageError)) and not isinstance(exc, (UnicodeError,)):
+        return str(exc)
+    return "it uses a construct the grammar converter does not take"
 
 
 def integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
@@ -183,14 +204,14 @@ def tool_grammar(spec: ToolSpec, thinking_open: bool = False) -> tuple[str, tupl
     fmt = FORMATS[spec.format]
     try:
         alternatives = [{"type": "object", "properties": {"name": {"const": t.name},
-                                                          fmt.args_key: _inline_refs(t.parameters, t.parameters)},
+                                                          fmt.args_key: _arguments_schema(t.parameters)},
                          "required": ["name", fmt.args_key], "additionalProperties": False} for t in spec.offered]
         schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
         converter = _Converter(prop_order={"name": 0, fmt.args_key: 1}, allow_fetch=False, dotall=False,
                                raw_pattern=False)
         converter.visit(converter.resolve_refs(schema, "tools"), "call")
     except Exception as exc:  # the converter raises plain exceptions on schemas it cannot express
-        raise UsageError(f"the tools' parameters cannot be turned into a grammar: {exc}") from None
+        raise UsageError(f"the tools' parameters cannot be turned into a grammar: {_reason(exc)}") from None
     rules = str(converter.format_grammar()).replace(_LOOSE_JSON_CHAR, _STRICT_JSON_CHAR)
     parallel = spec.parallel and spec.choice.mode != "function"  # a named tool is called once, as OpenAI does
     one = f"{_literal(fmt.start)} space call space {_literal(fmt.end)}" if fmt.end else "call"
@@ -211,6 +232,13 @@ def tool_grammar(spec: ToolSpec, thinking_open: bool = False) -> tuple[str, tupl
         triggers = (r"[\s\S]*?(" + opening + r")[\s\S]*",) if fmt.start else (r"\s*(" + opening + r")[\s\S]*",)
     check_grammar(root + rules, "the tools")
     return root + rules, triggers
+
+
+def _arguments_schema(parameters: dict[str, Any]) -> Any:
+    """A tool's parameters as the schema of its call's arguments: always an object (a schema that says nothing of its
+    value would take any JSON value), its local refs inlined."""
+    inlined = _inline_refs(parameters, parameters)
+    return inlined if _STRUCTURAL & inlined.keys() else {**inlined, "type": "object"}
 
 
 def _inline_refs(value: Any, root: dict[str, Any], depth: int = 0) -> Any:

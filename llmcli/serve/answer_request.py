@@ -103,14 +103,12 @@ def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
     values = {**prompter.defaults, **request.settings}
     limits = prompter.limits
     room = limits.n_ctx - len(rendered.tokens)
-    max_tokens = request.max_tokens
-    if max_tokens is not None and max_tokens > limits.max_tokens:
-        raise ApiError(400, f"{request.limit_param} is at most {limits.max_tokens} here", param=request.limit_param)
-    if room < 1 or (max_tokens is not None and max_tokens > room):
-        raise ApiError(400, f"the prompt ({len(rendered.tokens)} tokens) plus {request.limit_param} ({max_tokens or 1}) "
-                       f"do not fit the context of {limits.n_ctx} tokens", param=request.prompt_param,
-                       code="context_length_exceeded")
-    max_tokens = max_tokens or min(room, values["max_tokens"] or limits.max_tokens, limits.max_tokens)
+    if room < 1:
+        raise ApiError(400, f"the prompt ({len(rendered.tokens)} tokens) does not leave room for an answer in the context "
+                       f"of {limits.n_ctx} tokens", param=request.prompt_param, code="context_length_exceeded")
+    # As llama-server and Ollama do, an answer asked to be longer than fits is as long as fits (it ends `length`):
+    # agents ask for 32,000 tokens whatever the model (Claude Code does).
+    max_tokens = min(request.max_tokens or values["max_tokens"] or limits.max_tokens, room, limits.max_tokens)
     stops = tuple(request.stops if request.stops is not None else values["stop"])
     constraint = request.constraint
     try:
@@ -226,9 +224,11 @@ def constraint_of(kind: str | None, schema: Any = None, grammar: Any = None, par
         raise ApiError(400, exc.message.replace("--json-schema", param), param=param) from None
 
 
-def tools_of(tools: Any, choice: Any, prompter: Prompter, parallel: Any = True, param: str = "tools") -> ToolSpec | None:
+def tools_of(tools: Any, choice: Any, prompter: Prompter, parallel: Any = True, param: str = "tools",
+             grammar: bool = True) -> ToolSpec | None:
     """Function tools (OpenAI's objects, or their inner `{name, description, parameters}`), a choice (auto, none,
-    required, a tool's name) and whether calls may come several at once, as one spec (None without tools)."""
+    required, a tool's name) and whether calls may come several at once, as one spec (None without tools); `grammar`:
+    check now that their calls' grammar can be made (counting tokens needs none)."""
     if tools is None:
         if choice not in (None, "none", "auto"):
             raise ApiError(400, "tool_choice needs tools", param="tool_choice")
@@ -241,7 +241,7 @@ def tools_of(tools: Any, choice: Any, prompter: Prompter, parallel: Any = True, 
         spec = tool_spec(tools, choice, prompter.tool_format, parallel)
         if not spec.tools and spec.choice.mode == "required":
             raise LlmcliError("tool_choice required needs tools")
-        if spec.active:
+        if spec.active and grammar:
             tool_grammar(spec)  # a schema no grammar can hold is this request's 400, not a failed slot
     except LlmcliError as exc:
         raise ApiError(400, exc.message.replace("tools", param, 1),

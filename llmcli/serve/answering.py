@@ -23,7 +23,7 @@ from llmcli.answer.events import DecodeEvent, Done
 from llmcli.decode.serving import Failure, Job, QueueFull, SlotServer
 from llmcli.serve.answer_request import AnswerRequest, ApiError, Parsed, prepare
 from llmcli.serve.model_pool import ModelPool, Served
-from llmcli.serve.wire import Exchange, Item
+from llmcli.serve.wire import COMMENT, Exchange, Item
 
 RETRY_AFTER_S = 1
 SHUTDOWN_GRACE_S = 5.0  # SIGTERM: after the server's grace, how long a cut stream has to send its end
@@ -37,6 +37,7 @@ class ServerState:
     api_key: str | None = None
     shutdown_grace: float = 10.0  # SIGTERM: what the answers in flight have to finish (then they are cut)
     body_timeout: float = 10.0  # a request's body must arrive within it (408)
+    keepalive_s: float = 10.0  # a stream silent this long sends its protocol's keep-alive (a long prefill)
 
 
 ErrorShape = Callable[[ApiError], Any]
@@ -185,7 +186,7 @@ async def respond(request: Request, state: ServerState, slots: SlotServer, prepa
             return await _whole(request, events, jobs, exchange)
         finally:
             release()
-    items = _stream(events, jobs, exchange, release)
+    items = _stream(events, jobs, exchange, release, state.keepalive_s)
     if ndjson:
         return StreamingResponse(_ndjson(items), media_type="application/x-ndjson")
     # On SIGTERM sse-starlette waits `shutdown_grace_period` for the stream to end by itself before it cuts it: the
@@ -195,7 +196,7 @@ async def respond(request: Request, state: ServerState, slots: SlotServer, prepa
 
 
 async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job], exchange: Exchange,
-                  release: Callable[[], None]) -> AsyncGenerator[Item, None]:
+                  release: Callable[[], None], keepalive_s: float) -> AsyncGenerator[Item, None]:
     """The exchange's items as the engine produces the events; the client gone (the task cancelled): the jobs are
     cancelled."""
     dones: list[Done | None] = [None] * len(jobs)
@@ -203,7 +204,12 @@ async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job
         for item in exchange.opening():
             yield item
         while None in dones:
-            index, event = await events.get()
+            try:
+                index, event = await asyncio.wait_for(events.get(), keepalive_s)
+            except asyncio.TimeoutError:  # nothing for a while (a long prompt evaluated): what keeps clients waiting
+                for item in exchange.keepalive():
+                    yield item
+                continue
             failure = jobs[index].failure
             if failure is not None:
                 for item in exchange.failed(_api_error(failure)):
@@ -224,6 +230,9 @@ async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job
 async def _sse(items: AsyncGenerator[Item, None]) -> AsyncIterator[ServerSentEvent]:
     try:
         async for name, data in items:
+            if name == COMMENT:
+                yield ServerSentEvent(comment=data)
+                continue
             text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
             yield ServerSentEvent(data=text, event=name)
     finally:

@@ -38,13 +38,15 @@ from llmcli.serve.wire import Item
 
 KINDS = {"server_error": "api_error"}  # llmcli's kind -> Anthropic's, where they differ
 SAMPLING = {"temperature": "temp", "top_k": "top_k", "top_p": "top_p"}
-# read and left on purpose: who asks, which tier or region, cache hints (every prompt is cached in the slots)
+# read and left on purpose: who asks, which tier or region, cache hints (every prompt is cached in the slots), beta
+# switches and billing, context management (edits that clear old thinking or tool results to save a remote context:
+# the conversation is answered as sent), fallbacks (there is one model here)
 LEFT = frozenset({"metadata", "service_tier", "inference_geo", "cache_control", "speed", "diagnostics",
-                  "workspace_id", "user_profile_id"})
+                  "workspace_id", "user_profile_id", "context_management", "betas", "billing_policy", "compaction",
+                  "fallback_credit_token", "fallbacks", "thread"})
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"}) | LEFT
 MESSAGE_FIELDS = COUNT_FIELDS | {"max_tokens", "stop_sequences", "stream", *SAMPLING}
-NOT_HERE = {"container": "no code execution", "mcp_servers": "give the tools themselves",
-            "context_management": "the conversation is sent whole"}
+NOT_HERE = {"container": "no code execution", "mcp_servers": "give the tools themselves"}
 
 
 def error_body(error: ApiError) -> dict[str, Any]:
@@ -64,12 +66,17 @@ def parse_messages(body: Any, prompter: Prompter, counting: bool = False) -> lis
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages: at least one message is required", param="messages")
     system = body.get("system")
-    conversation = [Message("system", text_of(system, "system", "system"))] if system else []
+    systems = [text_of(system, "system", "system")] if system else []
+    conversation: list[Message] = []
     calls: dict[str, str] = {}  # tool_use id -> its tool's name
     for index, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("role") == "system":  # Claude Code's mid-conversation system
+            systems.append(text_of(message.get("content"), f"messages.{index}.content", "messages"))  # messages: joined
+            continue  # to the system prompt, where every chat template takes one
         conversation.extend(_message(message, index, calls))
+    conversation[:0] = [Message("system", "\n\n".join(systems))] if systems else []
     choice, parallel = _choice(body.get("tool_choice"))
-    tools = tools_of(_tools(body.get("tools")), choice, prompter, parallel)
+    tools = tools_of(_tools(body.get("tools")), choice, prompter, parallel, grammar=not counting)
     settings = {name: checked(name, body[wire], wire) for wire, name in SAMPLING.items() if body.get(wire) is not None}
     if settings.get("temp", 0) > 1:
         raise ApiError(400, "temperature: must be in [0, 1]", param="temperature")
@@ -200,6 +207,9 @@ class MessagesReply:
     def opening(self) -> list[Item]:
         return [("message_start", {"type": "message_start", "message": self._message([], None)}),
                 ("ping", {"type": "ping"})]
+
+    def keepalive(self) -> list[Item]:
+        return [("ping", {"type": "ping"})]
 
     def _open(self, kind: str, block: dict[str, Any]) -> list[Item]:
         items = self._close()

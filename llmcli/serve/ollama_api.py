@@ -51,6 +51,7 @@ CHAT_FIELDS = frozenset({"model", "messages", "tools", "format", "options", "str
                          "top_logprobs"}) | LEFT
 GENERATE_FIELDS = frozenset({"model", "prompt", "suffix", "images", "format", "options", "system", "template",
                              "stream", "raw", "context", "think", "logprobs", "top_logprobs"}) | LEFT
+IMAGE_GENERATION = {name: "no image generation (a text model)" for name in ("width", "height", "steps")}
 EMBED_FIELDS = frozenset({"model", "input", "prompt", "truncate", "options", "dimensions"}) | LEFT
 
 
@@ -87,7 +88,7 @@ def parse_chat(body: Any, prompter: Prompter) -> list[AnswerRequest]:
 
 def parse_generate(body: Any, prompter: Prompter) -> list[AnswerRequest]:
     body = _model(body, prompter)
-    check_fields(body, GENERATE_FIELDS)
+    check_fields(body, GENERATE_FIELDS, IMAGE_GENERATION)
     prompt = body.get("prompt") or ""
     if not isinstance(prompt, str):
         raise ApiError(400, "prompt must be a string")
@@ -222,6 +223,9 @@ class OllamaReply:
 
     def opening(self) -> list[Item]:
         return []
+
+    def keepalive(self) -> list[Item]:
+        return []  # NDJSON has no line a client would skip: Ollama's own server sends nothing either
 
     def on_event(self, index: int, event: DecodeEvent) -> list[Item]:
         if isinstance(event, Token):

@@ -31,24 +31,25 @@ from llmcli.serve.answer_request import (
     tools_of,
     top_logprobs_of,
 )
-from llmcli.serve.wire import Item
+from llmcli.serve.wire import COMMENT, Item
 
 # request fields -> llmcli settings: OpenAI's names, and llama-server's (llmcli's) for the rest
 FIELDS = {wire: name for name, wire in WIRE_FIELDS.items()}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_PROMPTS = 16  # /v1/completions: prompts in one request (each takes a slot)
-# Fields that change nothing here, read and left on purpose: who asks, what to store, which tier, caching hints
-# (this server caches every prompt in its slots).
-LEFT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "cache_prompt"})
+# Fields that cannot change a local answer, read and left on purpose: who asks, what to store, which tier, moderation,
+# caching hints (this server caches every prompt in its slots), a verbosity hint, a predicted output (a speed-up only).
+LEFT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "cache_prompt",
+                  "prompt_cache_options", "prompt_cache_retention", "moderation", "verbosity", "prediction"})
 # `keep_alive` (llmcli's and Ollama's): how long the model stays loaded after this request
 SHARED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "stop", "logit_bias", "logprobs", "seed",
                     "grammar", "response_format", "keep_alive", *FIELDS}) | LEFT
 CHAT_FIELDS = SHARED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                        "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort"}
+                        "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "modalities"}
 COMPLETION_FIELDS = SHARED | {"prompt", "echo", "suffix", "best_of"}
-NOT_HERE = {"audio": "text only", "modalities": "text only", "prediction": "no predicted outputs",
-            "web_search_options": "no web search", "functions": "use tools", "function_call": "use tool_choice",
-            "verbosity": "no verbosity control"}
+# Refused where honouring is impossible and ignoring would change what the client gets.
+NOT_HERE = {"audio": "text only", "web_search_options": "no web search", "functions": "use tools",
+            "function_call": "use tool_choice"}
 
 
 def error_body(error: ApiError) -> dict[str, Any]:
@@ -59,6 +60,8 @@ def parse_chat(body: Any, prompter: Prompter) -> list[AnswerRequest]:
     """A chat completions body -> one AnswerRequest; ApiError (400, 404) on anything invalid."""
     body = _common(body, prompter)
     check_fields(body, CHAT_FIELDS, NOT_HERE)
+    if body.get("modalities") not in (None, ["text"]):
+        raise ApiError(400, "modalities: this server answers with text only ([\"text\"])", param="modalities")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
@@ -201,6 +204,9 @@ class Reply:
 
     def opening(self) -> list[Item]:
         return []
+
+    def keepalive(self) -> list[Item]:
+        return [(COMMENT, "keep-alive")]  # OpenAI's clients skip SSE comments
 
     def on_event(self, index: int, event: DecodeEvent) -> list[Item]:
         wants_logprobs = self.requests[index].logprobs is not None

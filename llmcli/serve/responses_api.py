@@ -40,11 +40,16 @@ from llmcli.serve.wire import Item
 MAX_KEPT = 256  # responses kept for previous_response_id
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
-LEFT = frozenset({"metadata", "user", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options"})
+# cannot change a local answer, read and left on purpose: who asks, which tier, caching and moderation hints,
+# `include` (nothing here has more to include: no encrypted reasoning, no sources), client metadata (Codex), options
+# of features not asked for (background, image generation, compaction)
+LEFT = frozenset({"metadata", "user", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options",
+                  "include", "client_metadata", "prompt_cache_options", "prompt_cache_retention", "moderation",
+                  "access_programs", "background_options", "context_management", "image"})
 FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
                     "temperature", "top_p", "stream", "store", "previous_response_id", "text", "reasoning",
                     "truncation"}) | LEFT
-NOT_HERE = {"include": "no extra output", "background": "answers are not run in the background",
+NOT_HERE = {"background": "answers are not run in the background",
             "max_tool_calls": "tool calls are the client's to run", "top_logprobs": "logprobs: use /v1/chat/completions",
             "conversation": "use previous_response_id or send the input", "prompt": "no stored prompts"}
 
@@ -61,8 +66,8 @@ def parse_response_request(body: Any, prompter: Prompter, kept: Mapping[str, lis
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     check_fields(body, FIELDS, NOT_HERE)
-    if body.get("truncation", "disabled") != "disabled":
-        raise ApiError(400, "truncation must be disabled: a prompt that does not fit is a 400", param="truncation")
+    if body.get("truncation", "disabled") not in ("disabled", "auto"):  # (auto: a prompt that does not fit is a 400)
+        raise ApiError(400, "truncation must be disabled or auto", param="truncation")
     prompter.check_model(body.get("model"))
     earlier: list[Message] = []
     previous = body.get("previous_response_id")
@@ -219,6 +224,9 @@ class ResponsesReply:
         response = self._response("in_progress", None)
         return [self._event("response.created", response=response),
                 self._event("response.in_progress", response=response)]
+
+    def keepalive(self) -> list[Item]:
+        return [self._event("response.in_progress", response=self._response("in_progress", None))]
 
     def _add(self, item: dict[str, Any]) -> list[Item]:
         items = self._finish_open()

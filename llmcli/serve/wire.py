@@ -9,8 +9,9 @@ from llmcli.answer.events import DecodeEvent, Done
 from llmcli.serve.answer_request import ApiError
 
 # One item of a stream: an SSE event's name (None: a plain `data:` line; NDJSON has no names) and its data
-# (a JSON object, or text sent as it is: OpenAI's "[DONE]").
+# (a JSON object, or text sent as it is: OpenAI's "[DONE]"); COMMENT as the name: an SSE comment line.
 Item = tuple[str | None, Any]
+COMMENT = ":"
 
 
 class Exchange(Protocol):
@@ -31,6 +32,10 @@ class Exchange(Protocol):
 
     def failed(self, error: ApiError) -> list[Item]:
         """How a stream ends when an answer failed after it started."""
+
+    def keepalive(self) -> list[Item]:
+        """What a stream sends when nothing else has been sent for a while (a long prompt being evaluated), so that a
+        client with an idle timeout stays: what the protocol allows (none for NDJSON)."""
 
     def whole(self, dones: list[Done]) -> Any:
         """The whole response (not streamed)."""

@@ -1,0 +1,137 @@
+"""Coding agents' requests (issue 36, first part): every field of the official request types is honoured, left on
+purpose or refused with a reason — never "not a field this route takes"; Claude Code's and Codex's first requests as
+they send them; schemas as clients write them; max_tokens clamped to what fits; long prefills keep streams alive."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx2
+import pytest
+from conftest import start_server, stop_server
+
+
+def _fields(typed: type) -> set[str]:
+    found: set[str] = set()
+    for base in typed.__mro__:
+        found |= set(getattr(base, "__annotations__", {}))
+    return found
+
+
+def _official_fields() -> dict[str, set[str]]:
+    """Per route, the fields of the installed SDKs' request types (Ollama's client's pydantic models)."""
+    import ollama._types as ollama_types
+    from anthropic.types import message_count_tokens_params, message_create_params
+    from anthropic.types.beta import message_count_tokens_params as beta_count
+    from anthropic.types.beta import message_create_params as beta_create
+    from openai.types import completion_create_params, embedding_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+    from openai.types.responses import response_create_params
+
+    return {
+        "/v1/chat/completions": _fields(chat_create_params.CompletionCreateParamsBase),
+        "/v1/completions": _fields(completion_create_params.CompletionCreateParamsBase),
+        "/v1/responses": _fields(response_create_params.ResponseCreateParamsBase) | {"client_metadata"},  # Codex's
+        "/v1/embeddings": _fields(embedding_create_params.EmbeddingCreateParams),
+        "/v1/messages": _fields(message_create_params.MessageCreateParamsBase)
+        | _fields(beta_create.MessageCreateParamsBase),
+        "/v1/messages/count_tokens": _fields(message_count_tokens_params.MessageCountTokensParams)
+        | _fields(beta_count.MessageCountTokensParams),
+        "/api/chat": set(ollama_types.ChatRequest.model_fields),
+        "/api/generate": set(ollama_types.GenerateRequest.model_fields),
+        "/api/embed": set(ollama_types.EmbedRequest.model_fields),
+    }
+
+
+HI = [{"role": "user", "content": "hi"}]
+BASE = {
+    "/v1/chat/completions": {"messages": HI, "max_tokens": 1}, "/v1/completions": {"prompt": "hi", "max_tokens": 1},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 1}, "/v1/embeddings": {"input": "hi"},
+    "/v1/messages": {"model": "smollm2", "messages": HI, "max_tokens": 1},
+    "/v1/messages/count_tokens": {"model": "smollm2", "messages": HI},
+    "/api/chat": {"model": "smollm2", "messages": HI, "stream": False, "options": {"num_predict": 1}},
+    "/api/generate": {"model": "smollm2", "prompt": "hi", "stream": False, "options": {"num_predict": 1}},
+    "/api/embed": {"model": "smollm2", "input": "hi"},
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    proc, url = start_server(tmp_path_factory.mktemp("agents"), "-P", "2", "-c", "2048", "--temp", "0",
+                             "--max-answer", "16", "--stream-keepalive", "0.05")
+    yield url
+    stop_server(proc)
+
+
+def test_no_field_of_an_official_request_type_is_refused_as_unknown(server):
+    unknown = []
+    for path, fields in _official_fields().items():
+        for name in sorted(fields - set(BASE[path])):
+            reply = httpx2.post(f"{server}{path}", json={**BASE[path], name: None}, timeout=60)
+            if reply.status_code >= 400 and "not a field this route takes" in reply.text:
+                unknown.append((path, name))
+    assert unknown == []
+    refused = httpx2.post(f"{server}/v1/chat/completions", json={**BASE["/v1/chat/completions"], "frobnicate": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "frobnicate"  # typos stay caught
+
+
+def test_claude_code_s_first_request_is_answered(server):
+    tools = [{"name": "Bash", "description": "Run a command.", "input_schema": {
+        "type": "object", "properties": {"command": {"type": "string"}, "timeout": {"description": "ms, optional"},
+                                         "extra": True}, "required": ["command"]}, "cache_control": {"type": "ephemeral"}}]
+    body = {"model": "smollm2", "max_tokens": 32000, "stream": False, "tools": tools,
+            "system": [{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+                         {"role": "system", "content": "The user is in /tmp."}],
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "metadata": {"user_id": "x"}}
+    reply = httpx2.post(f"{server}/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"}, timeout=120)
+    assert reply.status_code == 200, reply.text[:500]
+    assert reply.json()["stop_reason"] in ("end_turn", "max_tokens", "tool_use")  # 32000 clamped to what fits
+    counted = httpx2.post(f"{server}/v1/messages/count_tokens", json={
+        "model": "smollm2", "messages": body["messages"], "system": body["system"],
+        "tools": [{**tools[0], "input_schema": {"type": "object", "properties": {"x": {"type": "string", "minLength": 5000}}}}]})
+    assert counted.status_code == 200, counted.text  # counting builds no grammar (this one would need 5000 repeats)
+    assert counted.json()["input_tokens"] > 10
+    closed = httpx2.post(f"{server}/v1/messages", json={**body, "tools": [{**tools[0], "input_schema": {
+        "type": "object", "properties": {"never": False}, "required": ["never"]}}], "tool_choice": {"type": "any"}})
+    assert closed.status_code == 400 and "false" in closed.json()["error"]["message"]
+    assert "object has no attribute" not in closed.text and "Traceback" not in closed.text
+
+
+def test_codex_s_responses_request_and_a_chat_client_s_new_fields_are_answered(server):
+    codex = {"model": "smollm2", "input": [{"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                                                               "text": "hi"}]}],
+             "instructions": "You are Codex.", "store": False, "stream": False, "max_output_tokens": 8,
+             "include": ["reasoning.encrypted_content"], "client_metadata": {"x": "y"}, "prompt_cache_key": "k",
+             "reasoning": {"effort": "low", "summary": "auto"}, "text": {"verbosity": "low"}, "truncation": "auto",
+             "parallel_tool_calls": False, "tool_choice": "auto", "tools": []}
+    reply = httpx2.post(f"{server}/v1/responses", json=codex, timeout=120)
+    assert reply.status_code == 200 and reply.json()["status"] in ("completed", "incomplete"), reply.text
+    chat = {"messages": HI, "max_tokens": 4, "modalities": ["text"], "verbosity": "low", "store": False,
+            "prompt_cache_key": "k", "safety_identifier": "s", "metadata": {"a": "b"}, "max_completion_tokens": 100000}
+    assert httpx2.post(f"{server}/v1/chat/completions", json=chat, timeout=60).status_code == 200
+    audio = httpx2.post(f"{server}/v1/chat/completions", json={**chat, "modalities": ["text", "audio"]}, timeout=60)
+    assert audio.status_code == 400 and audio.json()["error"]["param"] == "modalities"
+
+
+def test_a_long_prompt_keeps_each_stream_alive_in_its_protocol_s_way(server):
+    def long(word: str) -> str:  # ~1,250 tokens: a second or more of prefill on one thread, none of it cached
+        return f"Read this {word} carefully. " * 250
+
+    cases = {
+        "/v1/chat/completions": ({"messages": [{"role": "user", "content": long("chat")}], "max_tokens": 2,
+                                  "stream": True}, ": keep-alive"),
+        "/v1/messages": ({"model": "smollm2", "messages": [{"role": "user", "content": long("message")}],
+                          "max_tokens": 2, "stream": True}, "event: ping"),
+        "/v1/responses": ({"input": long("response"), "max_output_tokens": 2, "stream": True},
+                          "event: response.in_progress"),
+    }
+    for path, (body, keepalive) in cases.items():
+        with httpx2.stream("POST", f"{server}{path}", json=body, timeout=120) as stream:
+            lines = [line for line in stream.iter_lines()]
+        first_data = next(i for i, line in enumerate(lines) if line.startswith("data:") and "delta" in line
+                          or line.startswith("event: content_block") or line.startswith("event: response.output"))
+        assert sum(line.startswith(keepalive) for line in lines[:first_data]) >= 2, (path, lines[:12])
+        assert lines[-1] in ("data: [DONE]", "") or json.loads(lines[-1].removeprefix("data: "))  # still ends as usual
