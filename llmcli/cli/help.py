@@ -98,7 +98,7 @@ EXAMPLES = {
                       "llmcli bench --format json > a.json && llmcli bench compare a.json b.json"),
     "serve": examples("llmcli serve", "llmcli serve -m smollm2 --parallel 8 --port 8080",
                       "LLMCLI_API_KEY=secret llmcli serve --host 0.0.0.0",
-                      "curl -N localhost:8080/v1/chat/completions "
+                      "curl -N localhost:8080/v1/chat/completions -H 'Content-Type: application/json' "
                       '-d \'{"stream":true,"messages":[{"role":"user","content":"hi"}]}\''),
     "count": examples("llmcli count report.md notes.md", "cat report.md | llmcli count -m gemma3-270m",
                       'llmcli count --chat -s "Be brief." "What is a token?"', "llmcli count --json *.md | jq .total"),
