@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx2
 import pytest
-from conftest import start_server, stop_server
+from conftest import LOGS, start_server, stop_server
 
 
 def _fields(typed: type) -> set[str]:
@@ -56,10 +57,14 @@ BASE = {
 }
 
 
+SERVER_LOG: list[Path] = []  # the module's server's stderr
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     proc, url = start_server(tmp_path_factory.mktemp("agents"), "-P", "2", "-c", "2048", "--temp", "0",
                              "--max-answer", "16", "--stream-keepalive", "0.05")
+    SERVER_LOG.append(LOGS[proc.pid])
     yield url
     stop_server(proc)
 
@@ -114,6 +119,9 @@ def test_codex_s_responses_request_and_a_chat_client_s_new_fields_are_answered(s
     assert httpx2.post(f"{server}/v1/chat/completions", json=chat, timeout=60).status_code == 200
     audio = httpx2.post(f"{server}/v1/chat/completions", json={**chat, "modalities": ["text", "audio"]}, timeout=60)
     assert audio.status_code == 400 and audio.json()["error"]["param"] == "modalities"
+    said = SERVER_LOG[0].read_text()  # one line per answer on the server's stderr, as run's stats line
+    assert "POST /v1/responses · prompt " in said and "POST /v1/chat/completions · prompt " in said
+    assert " · TTFT " in said and "stop: max tokens" in said
 
 
 def test_a_long_prompt_keeps_each_stream_alive_in_its_protocol_s_way(server):

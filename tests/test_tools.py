@@ -311,6 +311,18 @@ def test_run_continue_after_a_tool_call_keeps_the_call_and_its_result(functions)
     assert '"name": "multiply"' in shown.stdout and f"<tool_response>\n{call['result']}\n</tool_response>" in shown.stdout
 
 
+def test_a_tool_call_cut_off_by_its_limit_is_never_run(functions):
+    """A call the answer's limit cut off is said to be cut off (a notice) and never runs; exit 8, as an answer that
+    is not the JSON asked for (issue 36)."""
+    result = run_cli("run", "--functions", functions, "--tool-choice", "multiply", "--tools-debug", "--temp", "0",
+                     "-n", "12", "--json", "What is 12 times 7?")
+    assert result.code == 8, result.stderr
+    record = json.loads(result.stdout)
+    assert record["finish_reason"] == "length" and record["tool_calls"][0]["error"]
+    assert record["tool_calls"][0].get("result") is None
+    assert "the tool call was cut off before it ended" in result.stderr and "tool result" not in result.stderr
+
+
 def test_a_failing_tool_the_chain_limit_and_approval_without_a_terminal(functions):
     failed = run_cli("run", "--functions", functions, "--tool-choice", "fail", "--tools-debug", "--temp", "0", "-n", "40",
                      "--chain-limit", "1", "--json", "Try it.")

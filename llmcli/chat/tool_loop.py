@@ -124,6 +124,8 @@ def answer_with_tools(answerer: Answerer, user_text: str, generation: Generation
         done = dataclasses.replace(done, stats=stats)
         calls += done.tool_calls
         if done.finish_reason != "tool_calls":
+            if cut_off(done):
+                yield Notice("the tool call was cut off before it ended (by -n or the context): it was not run")
             yield dataclasses.replace(done, tool_calls=tuple(calls), tool_results=tuple(results))
             return
         if round_number == runner.chain_limit:
@@ -142,3 +144,8 @@ def answer_with_tools(answerer: Answerer, user_text: str, generation: Generation
         text = None
         if runner.on_prompt is not None and answerer.context() is not None:  # (a server renders its own prompt)
             runner.on_prompt(answerer.render(None, tools=runner.spec(first=False)).text)
+
+
+def cut_off(done: Done) -> bool:
+    """Whether the answer ended (-n, the context) in the middle of a tool call: a call that must not run."""
+    return done.finish_reason in ("length", "context_full") and any(call.error for call in done.tool_calls)

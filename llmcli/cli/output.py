@@ -35,6 +35,11 @@ def print_stats(console: Console, done: Done) -> None:
     console.print(Text(summary_line(done.stats, done.finish_reason, done.stop_sequence), style="dim"))
 
 
+def print_stats_line(console: Console, line: str) -> None:
+    """A line of figures (serve's per-answer line), dimmed as run's stats line."""
+    console.print(Text(line, style="dim"))
+
+
 def print_notice(console: Console, message: str) -> None:
     console.print(Text.assemble(("Warning: ", "yellow"), neutralised(message)))
 

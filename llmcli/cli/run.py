@@ -135,6 +135,7 @@ def run(
 def _answer(prompt_arg: str | None, stdin_text: str | None, message: str, prompt_first: bool, given: dict[str, Any],
             runner: Any, show_prompt: bool, as_json: bool, quiet: bool, continue_conversation: bool, cid: str | None,
             console: Any) -> None:
+    from llmcli.chat.tool_loop import cut_off as tool_call_cut_off
     from llmcli.cli import output
     from llmcli.cli.stream import AnswerSink, show_answer
     from llmcli.pipeline import continued, log_entry, new_conversation_id, open_answering
@@ -184,9 +185,13 @@ def _answer(prompt_arg: str | None, stdin_text: str | None, message: str, prompt
                 events = session.ask(message, pipeline.generation, stable_text=stable)
             done = show_answer(events, sink, console, quiet, logged)
         format_error = done.format_error if done is not None else None
+        call_cut = runner is not None and done is not None and tool_call_cut_off(done)
         signum = pipeline.cancel.signum
     if signum is not None:
         raise typer.Exit(128 + signum)
+    if call_cut:  # (its notice said so): an answer its limit cut, as a --json-schema answer cut off
+        raise typer.Exit(ExitCode.INVALID_ANSWER)
     if format_error is not None:
         raise InvalidAnswer(format_error, hint="Raise -n, or simplify the schema; --json records the reason.")
     raise typer.Exit(ExitCode.OK)
+

@@ -152,7 +152,7 @@ def serve(
     pool = ModelPool(found.resolve, found.load, max_models, expiry)
     pool.preloaded(first, pinned=not exit_when_idle)
     state = ServerState(pool, max_body, api_key, shutdown_grace=shutdown_grace, body_timeout=header_timeout,
-                        keepalive_s=stream_keepalive)
+                        keepalive_s=stream_keepalive, report=lambda line: output.print_stats_line(console, line))
     import socket
 
     hosts = None if socket_path is not None else (host, socket.gethostname(), *(allow_host or ()))

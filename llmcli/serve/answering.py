@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from llmcli.answer.events import DecodeEvent, Done
+from llmcli.answer.stats import summary_line
 from llmcli.decode.serving import Failure, Job, QueueFull, SlotServer
 from llmcli.serve.answer_request import AnswerRequest, ApiError, Parsed, prepare
 from llmcli.serve.model_pool import ModelPool, Served
@@ -38,6 +39,7 @@ class ServerState:
     shutdown_grace: float = 10.0  # SIGTERM: what the answers in flight have to finish (then they are cut)
     body_timeout: float = 10.0  # a request's body must arrive within it (408)
     keepalive_s: float = 10.0  # a stream silent this long sends its protocol's keep-alive (a long prefill)
+    report: Callable[[str], None] | None = None  # one line per answer (serve prints it on stderr)
 
 
 ErrorShape = Callable[[ApiError], Any]
@@ -183,10 +185,10 @@ async def respond(request: Request, state: ServerState, slots: SlotServer, prepa
         raise ApiError(429, f"busy: {exc}; retry later", code="busy") from None
     if not prepared[0].stream:
         try:
-            return await _whole(request, events, jobs, exchange)
+            return await _whole(request, events, jobs, exchange, _reporter(request, state))
         finally:
             release()
-    items = _stream(events, jobs, exchange, release, state.keepalive_s)
+    items = _stream(events, jobs, exchange, release, state.keepalive_s, _reporter(request, state))
     if ndjson:
         return StreamingResponse(_ndjson(items), media_type="application/x-ndjson")
     # On SIGTERM sse-starlette waits `shutdown_grace_period` for the stream to end by itself before it cuts it: the
@@ -196,7 +198,8 @@ async def respond(request: Request, state: ServerState, slots: SlotServer, prepa
 
 
 async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job], exchange: Exchange,
-                  release: Callable[[], None], keepalive_s: float) -> AsyncGenerator[Item, None]:
+                  release: Callable[[], None], keepalive_s: float,
+                  report: Callable[[Done], None]) -> AsyncGenerator[Item, None]:
     """The exchange's items as the engine produces the events; the client gone (the task cancelled): the jobs are
     cancelled."""
     dones: list[Done | None] = [None] * len(jobs)
@@ -219,6 +222,7 @@ async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job
                 yield item
             if isinstance(event, Done):
                 dones[index] = event
+                report(event)
         for item in exchange.closing([d for d in dones if d is not None]):
             yield item
     finally:
@@ -248,7 +252,7 @@ async def _ndjson(items: AsyncGenerator[Item, None]) -> AsyncIterator[bytes]:
 
 
 async def _whole(request: Request, events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job],
-                 exchange: Exchange) -> Response:
+                 exchange: Exchange, report: Callable[[Done], None]) -> Response:
     """Wait for every answer, watching for the client going away meanwhile."""
     dones: list[Done | None] = [None] * len(jobs)
     try:
@@ -266,6 +270,7 @@ async def _whole(request: Request, events: asyncio.Queue[tuple[int, DecodeEvent]
                 error = _api_error(failure)
                 return JSONResponse(exchange.error_body(error), status_code=error.status)
             dones[index] = event
+            report(event)
         return JSONResponse(exchange.whole([d for d in dones if d is not None]))
     finally:
         for job in jobs:
@@ -275,3 +280,14 @@ async def _whole(request: Request, events: asyncio.Queue[tuple[int, DecodeEvent]
 def _api_error(failure: Failure) -> ApiError:
     """A job's failure as HTTP says it: the request's fault is a 400, the engine's a 500."""
     return ApiError(400 if failure.refused else 500, failure.message)
+
+
+def _reporter(request: Request, state: ServerState) -> Callable[[Done], None]:
+    """What says each finished answer of this request: its route and the stats line `llmcli run` prints (prompt tokens
+    cached and evaluated, TTFT, tokens, rate, why it ended)."""
+    def report(done: Done) -> None:
+        if state.report is not None:
+            state.report(f"{request.method} {request.url.path} · "
+                         + summary_line(done.stats, done.finish_reason, done.stop_sequence))
+
+    return report
