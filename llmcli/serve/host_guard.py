@@ -38,10 +38,10 @@ def host_allowed(header: str, allowed: Collection[str]) -> bool:
 
 
 class HostGuard:
-    """ASGI middleware: a request whose `Host` is not this server's gets a 403 (`shape_of(path)` writes it)."""
+    """ASGI middleware of one protocol's app: a request whose `Host` is not this server's gets a 403 in `shape`."""
 
-    def __init__(self, app: Asgi, allowed: Collection[str], shape_of: Callable[[str], ErrorShape]):
-        self.app, self.allowed, self.shape_of = app, frozenset(a.lower().rstrip(".") for a in allowed), shape_of
+    def __init__(self, app: Asgi, allowed: Collection[str], shape: ErrorShape):
+        self.app, self.allowed, self.shape = app, frozenset(a.lower().rstrip(".") for a in allowed), shape
 
     async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
                        send: Callable[[Any], Awaitable[None]]) -> None:
@@ -50,6 +50,6 @@ class HostGuard:
             if not host_allowed(header, self.allowed):
                 error = ApiError(403, f"the Host {header!r} is not this server's: a page from elsewhere may not call it "
                                  "(a reverse proxy's name is allowed with serve --allow-host NAME)", code="host_not_allowed")
-                await error_response(error, self.shape_of(scope.get("path", "")))(scope, receive, send)
+                await error_response(error, self.shape)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
