@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,8 @@ import httpx2
 import jsonschema
 import pytest
 from conftest import run_cli, start_server, stop_server
+from hypothesis import given
+from hypothesis import strategies as st
 
 KEY = "protocol-key"
 PROMPT = "Say hi."
@@ -434,3 +437,58 @@ def test_every_finish_reason_has_each_protocol_s_word_in_one_table():
     assert [from_openai(finish_reason(name).openai) for name in ("stop", "length", "tool_calls")] == \
         ["stop", "length", "tool_calls"]
     assert described("stop_sequence", "\n\n") == "stop sequence '\\n\\n'" and finish_reason("unknown").name == "stop"
+
+
+# -- the OpenAI wire, both ways: what serve writes is what the --endpoint client reads --------------------------------
+
+_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12)
+
+
+@st.composite
+def _answers(draw: st.DrawFn) -> list:
+    """An answer's events as the engine yields them: reasoning pieces, text pieces, calls in pieces, then a Done."""
+    from llmcli.answer.events import Done, Token
+    from llmcli.answer.stats import Stats
+    from llmcli.answer.tool_call_parser import CallArguments, CallStarted
+    from llmcli.answer.tool_calls import ToolCall
+
+    events: list = [Token(t, reasoning=True) for t in draw(st.lists(_TEXT, max_size=3))]
+    events += [Token(t) for t in draw(st.lists(_TEXT, max_size=5))]
+    calls = []
+    for index in range(draw(st.integers(0, 2))):
+        name, pieces = draw(st.sampled_from(["multiply", "weather"])), draw(st.lists(_TEXT, min_size=1, max_size=3))
+        events += [CallStarted(index, f"call_{index}", name), *(CallArguments(index, p) for p in pieces)]
+        calls.append(ToolCall(f"call_{index}", name, "".join(pieces)))
+    reason = "tool_calls" if calls else draw(st.sampled_from(["stop", "length", "stop_sequence", "repetition",
+                                                              "context_full", "interrupted"]))
+    stats = Stats(0.0, 0.0, 10, 4, 6, 0.1, 0.2, len(events), len(events), 0.3, 0.5)
+    text = "".join(e.text for e in events if isinstance(e, Token) and not e.reasoning)
+    events.append(Done(reason, stats, "\n\n" if reason == "stop_sequence" else None, text=text, tool_calls=tuple(calls)))
+    return events
+
+
+@given(events=_answers())
+def test_the_openai_wire_round_trips_from_serve_to_the_endpoint_client(events):
+    """Events → serve's OpenAI chunks (llmcli/serve/openai_api.py) → the --endpoint client's events
+    (llmcli/remote/client.py): the same text, reasoning, calls and finish reason, with no HTTP and no model."""
+    from llmcli.answer.events import Done, Token
+    from llmcli.answer.tool_call_parser import CallArguments, CallStarted
+    from llmcli.remote.client import StreamedAnswer
+    from llmcli.serve.answer_request import AnswerRequest
+    from llmcli.serve.openai_api import Reply
+
+    reply = Reply.new(True, "smollm2", [AnswerRequest(stream=True)])
+    client = StreamedAnswer((), time.perf_counter())
+    read: list = []
+    for event in events:
+        for _, chunk in reply.on_event(0, event):
+            read += list(client.events(json.loads(json.dumps(chunk)), chat=True))
+    _, done = client.done(interrupted=False)
+    sent = events[-1]
+    assert isinstance(sent, Done)
+    assert done.text == sent.text and (done.reasoning or "") == "".join(
+        e.text for e in events if isinstance(e, Token) and e.reasoning).strip()
+    assert [(c.id, c.name, c.arguments) for c in done.tool_calls] == [(c.id, c.name, c.arguments) for c in sent.tool_calls]
+    assert done.finish_reason == sent.finish_reason  # llmcli serve says its own reason in `timings`
+    assert [e for e in read if isinstance(e, (CallStarted, CallArguments))] == \
+        [e for e in events if isinstance(e, (CallStarted, CallArguments))]
