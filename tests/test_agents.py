@@ -119,6 +119,9 @@ def test_codex_s_responses_request_and_a_chat_client_s_new_fields_are_answered(s
     assert httpx2.post(f"{server}/v1/chat/completions", json=chat, timeout=60).status_code == 200
     audio = httpx2.post(f"{server}/v1/chat/completions", json={**chat, "modalities": ["text", "audio"]}, timeout=60)
     assert audio.status_code == 400 and audio.json()["error"]["param"] == "modalities"
+    (card,) = httpx2.get(f"{server}/v1/models", timeout=30).json()["data"][:1]
+    assert card["max_model_len"] == 2048  # the real limit, which a larger max_tokens is clamped to
+    assert "num_ctx 2048" in httpx2.post(f"{server}/api/show", json={"model": "smollm2"}, timeout=30).json()["parameters"]
     said = SERVER_LOG[0].read_text()  # one line per answer on the server's stderr, as run's stats line
     assert "POST /v1/responses · prompt " in said and "POST /v1/chat/completions · prompt " in said
     assert " · TTFT " in said and "stop: max tokens" in said

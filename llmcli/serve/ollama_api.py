@@ -304,7 +304,8 @@ def show(body: Any, facts: ModelFacts) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     info = {**facts.metadata, "general.architecture": facts.architecture, "general.parameter_count": facts.parameters}
-    return {"modelfile": f"FROM {facts.path}\n", "parameters": "", "template": facts.template,
+    parameters = f"num_ctx {facts.n_ctx}" if facts.n_ctx else ""  # a loaded model's context here, as Ollama says it
+    return {"modelfile": f"FROM {facts.path}\n", "parameters": parameters, "template": facts.template,
             "details": _details(facts), "model_info": info, "capabilities": list(facts.capabilities),
             "modified_at": datetime.fromtimestamp(facts.modified, timezone.utc).isoformat()}
 

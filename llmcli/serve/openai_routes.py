@@ -76,4 +76,7 @@ def app(state: ServerState, models: ModelLists, hosts: tuple[str, ...] | None) -
 
 
 def _model_card(facts: ModelFacts) -> dict[str, Any]:
-    return {"id": facts.name, "object": "model", "created": int(facts.modified), "owned_by": "llmcli"}
+    """OpenAI's model object; a loaded model's also says its context here (`max_model_len`, as vLLM names it): what a
+    prompt and its answer may take, the limit `max_tokens` is clamped to."""
+    card = {"id": facts.name, "object": "model", "created": int(facts.modified), "owned_by": "llmcli"}
+    return {**card, "max_model_len": facts.n_ctx} if facts.n_ctx else card
