@@ -73,7 +73,7 @@ def test_a_long_max_length_is_a_flat_repetition_not_groups_nested_30000_deep():
 def test_run_json_schema_of_a_long_string_answers_and_a_deep_grammar_is_a_usage_error(tmp_path):
     result = run_cli("run", "--json", "-n", "4", "--temp", "0", "--json-schema", json.dumps(LONG_STRING), "hi")
     assert result.code in (0, 8), result.stderr  # 8: cut off by -n, not valid JSON yet; never 139
-    assert json.loads(result.stdout)["finish_reason"] == "length"
+    assert json.loads(result.stdout)["finish_reason"] in ("length", "stop")  # (the model may close the string)
     deep = tmp_path / "deep.gbnf"
     deep.write_text(DEEP_GRAMMAR)
     refused = run_cli("run", "-n", "4", "--grammar-file", str(deep), "hi")

@@ -43,13 +43,12 @@ _TOKENS = re.compile(r"""
 
 def grammar_problem(gbnf: str) -> str | None:
     """Why this GBNF is too costly to hand to llama.cpp (one line), or None."""
-    return _problem(gbnf) if len(gbnf) <= MAX_GRAMMAR_BYTES else f"{len(gbnf.encode())} bytes (the limit is {MAX_GRAMMAR_BYTES})"
+    size = len(gbnf) if len(gbnf) > MAX_GRAMMAR_BYTES else len(gbnf.encode())  # (more characters: more bytes)
+    return f"{size} bytes (the limit is {MAX_GRAMMAR_BYTES})" if size > MAX_GRAMMAR_BYTES else _problem(gbnf)
 
 
 @functools.lru_cache(maxsize=128)  # a server's requests repeat their tools' and schemas' grammars
 def _problem(gbnf: str) -> str | None:
-    if len(gbnf.encode()) > MAX_GRAMMAR_BYTES:
-        return f"{len(gbnf.encode())} bytes (the limit is {MAX_GRAMMAR_BYTES})"
     rules = alternatives = repeats = depth = deepest = 0
     for match in _TOKENS.finditer(gbnf):
         token = match.group()

@@ -32,11 +32,11 @@ def stdout_console() -> Console:
 
 
 def print_stats(console: Console, done: Done) -> None:
-    console.print(Text(summary_line(done.stats, done.finish_reason, done.stop_sequence), style="dim"))
+    print_stats_line(console, summary_line(done.stats, done.finish_reason, done.stop_sequence))
 
 
 def print_stats_line(console: Console, line: str) -> None:
-    """A line of figures (serve's per-answer line), dimmed as run's stats line."""
+    """A line of figures (run's stats line; serve's per-answer line), dimmed."""
     console.print(Text(line, style="dim"))
 
 

@@ -194,4 +194,3 @@ def _answer(prompt_arg: str | None, stdin_text: str | None, message: str, prompt
     if format_error is not None:
         raise InvalidAnswer(format_error, hint="Raise -n, or simplify the schema; --json records the reason.")
     raise typer.Exit(ExitCode.OK)
-

@@ -124,6 +124,8 @@ def serve(
 
         raise UsageError(f"llmcli serve needs its extra ({exc.name} is missing)",
                          hint=install_hint("serve")) from None
+    import socket
+
     from llmcli.cli import output
     from llmcli.serve.model_pool import ModelPool
     from llmcli.serve.setup import ServerModels
@@ -153,8 +155,6 @@ def serve(
     pool.preloaded(first, pinned=not exit_when_idle)
     state = ServerState(pool, max_body, api_key, shutdown_grace=shutdown_grace, body_timeout=header_timeout,
                         keepalive_s=stream_keepalive, report=lambda line: output.print_stats_line(console, line))
-    import socket
-
     hosts = None if socket_path is not None else (host, socket.gethostname(), *(allow_host or ()))
     app = create_app(state, found.describe, found.loadable, tuple(cors or ()), webui=webui and socket_path is None,
                      hosts=hosts)

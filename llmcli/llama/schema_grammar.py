@@ -122,7 +122,7 @@ class _Converter(llama_grammar.SchemaConverter):
 
 def _reason(exc: Exception) -> str:
     """What a user reads of a converter's failure: its own words for what it refuses, never a Python error's text."""
-    if isinstance(exc, (ValueError, UsageError)) and not isinstance(exc, (UnicodeError,)):
+    if isinstance(exc, (ValueError, UsageError)) and not isinstance(exc, UnicodeError):
         return str(exc)
     return "it uses a construct the grammar converter does not take"
 

@@ -1,7 +1,8 @@
 """A small, bounded reader for GGUF headers: metadata and tensor table, never weights.
 
 It is the pre-flight check run before llama.cpp sees a file, and the source of
-`show`/`list` metadata. Every count and length is checked against the bytes that
+`show`/`list` metadata. The bytes are read through llmcli/store/gguf_cursor.py's bounded Cursor; this module says
+what a header holds and checks what llama.cpp would trust. Every count and length is checked against the bytes that
 remain before anything is allocated, so a hostile or truncated file fails in
 milliseconds with `IntegrityError` instead of spinning or exhausting memory (the
 `gguf` package's reader is not a validator).
@@ -12,30 +13,20 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from llmcli.errors import IntegrityError
-
-_U64 = struct.Struct("<Q")
+from llmcli.store.gguf_cursor import ARRAY, STRING, ArraySummary, Cursor
 
 MAGIC = b"GGUF"
 MAX_TENSORS = 1 << 20
 MAX_KV = 1 << 16
 MAX_DIMS = 4
-MAX_ARRAY_DEPTH = 2
-KEPT_ARRAY_LEN = 64  # longer arrays are summarised (type and length), not kept
 DEFAULT_ALIGNMENT = 32
 
-# GGUF metadata value types: id -> (struct format, size); 8 = string, 9 = array.
-_SCALARS = {
-    0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
-    6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8),
-}
-_STRING, _ARRAY = 8, 9
 
 # ggml tensor types: id -> (name, elements per block, bytes per block).
 TENSOR_TYPES = {
@@ -60,15 +51,6 @@ FILE_TYPES = {
     29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0",
     38: "MXFP4_MOE", 39: "NVFP4", 40: "Q1_0",
 }
-
-
-@dataclass(frozen=True)
-class ArraySummary:
-    """A metadata array too long to keep (e.g. the vocabulary): its type, length and where its items start."""
-
-    item_type: int
-    length: int
-    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -135,117 +117,6 @@ class GGUFHeader:
         return max(by_bytes, key=by_bytes.__getitem__) if by_bytes else "unknown"
 
 
-class _Cursor:
-    """Bounds-checked reads from a buffer; every failure is an IntegrityError."""
-
-    def __init__(self, buf: Any, size: int, path: Path):
-        self.buf, self.size, self.pos, self.path = buf, size, 0, path
-
-    def fail(self, what: str) -> IntegrityError:
-        return IntegrityError(
-            f"{self.path} is not a valid GGUF file: {what} (at byte {self.pos})",
-            hint="Re-download the model; the file is corrupt or truncated.",
-        )
-
-    def need(self, n_bytes: int, what: str) -> None:
-        if n_bytes < 0 or self.pos + n_bytes > self.size:
-            raise self.fail(f"{what} runs past the end of the file")
-
-    def unpack(self, fmt: str, size: int, what: str) -> Any:
-        self.need(size, what)
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += size
-        return value
-
-    def u32(self, what: str) -> int:
-        return int(self.unpack("<I", 4, what))
-
-    def u64(self, what: str) -> int:
-        return int(self.unpack("<Q", 8, what))
-
-    def string(self, what: str) -> str:
-        start, length = self._string_span(what)
-        try:
-            return bytes(self.buf[start : start + length]).decode("utf-8")
-        except UnicodeDecodeError:
-            raise self.fail(f"{what} is not valid UTF-8") from None
-
-    def strings(self, count: int, what: str, keep: bool) -> list[bytes]:
-        """Past the next `count` strings (a vocabulary, merges: ~100k of them) in one tight loop, each
-        bounds-checked; their bytes if `keep`."""
-        unpack, buf, size, pos = _U64.unpack_from, self.buf, self.size, self.pos
-        kept: list[bytes] = []
-        append = kept.append if keep else None
-        for _ in range(count):
-            if pos + 8 > size:
-                self.pos = pos
-                raise self.fail(f"{what} length runs past the end of the file")
-            start = pos + 8
-            pos = start + unpack(buf, pos)[0]
-            if pos > size:
-                self.pos = start
-                raise self.fail(f"{what} runs past the end of the file")
-            if append is not None:
-                append(buf[start:pos])
-        self.pos = pos
-        return kept
-
-    def vocabulary(self, what: str) -> Any:
-        """`tokenizer.ggml.tokens`: read like any value, and a long one checked for repeated tokens on the way
-        (llama.cpp aborts the whole process, GGML_ASSERT, on a vocabulary with a repeated token)."""
-        saved = self.pos
-        item_type, length = self.u32(f"{what} item type"), self.u64(f"{what} length")
-        if item_type != _STRING or length <= KEPT_ARRAY_LEN:
-            self.pos = saved
-            return self.value(_ARRAY, what)
-        start = self.pos
-        self.need(length * 8, what)
-        _check_unique(self, self.strings(length, "token", keep=True), start)
-        return ArraySummary(_STRING, length, start)
-
-    def _string_span(self, what: str) -> tuple[int, int]:
-        length = self.u64(f"{what} length")
-        self.need(length, what)
-        start = self.pos
-        self.pos += length
-        return start, length
-
-    def value(self, type_id: int, what: str, depth: int = 0) -> Any:
-        if type_id in _SCALARS:
-            fmt, size = _SCALARS[type_id]
-            return self.unpack(fmt, size, what)
-        if type_id == _STRING:
-            return self.string(what)
-        if type_id == _ARRAY and depth < MAX_ARRAY_DEPTH:
-            item_type = self.u32(f"{what} item type")
-            length = self.u64(f"{what} length")
-            start = self.pos
-            if item_type in _SCALARS:
-                self.need(length * _SCALARS[item_type][1], what)
-                if length > KEPT_ARRAY_LEN:
-                    self.pos += length * _SCALARS[item_type][1]
-                    return ArraySummary(item_type, length, start)
-            elif item_type in (_STRING, _ARRAY):
-                self.need(length * 8, what)  # each item is at least a u64 length
-            else:
-                raise self.fail(f"{what} has unknown item type {item_type}")
-            if length > KEPT_ARRAY_LEN:
-                if item_type == _STRING:
-                    self.strings(length, what, keep=False)
-                else:
-                    for _ in range(length):
-                        self.skip_value(item_type, what, depth + 1)
-                return ArraySummary(item_type, length, start)
-            return [self.value(item_type, what, depth + 1) for _ in range(length)]
-        raise self.fail(f"{what} has unknown value type {type_id}")
-
-    def skip_value(self, type_id: int, what: str, depth: int) -> None:
-        if type_id == _STRING:
-            self._string_span(what)
-        else:
-            self.value(type_id, what, depth)
-
-
 def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
     """Parse and validate the header of the GGUF file at `path` (remembered while the file is unchanged)."""
     path = Path(path)
@@ -266,10 +137,10 @@ def _read_header(path: Path, size: int, mtime_ns: int) -> GGUFHeader:
                 f"{path} is not a GGUF file (it does not start with 'GGUF')",
                 hint="Pass a .gguf model file; other formats (safetensors, GGML, PyTorch) are not supported.",
             )
-        return _parse(_Cursor(buf, size, path))
+        return _parse(Cursor(buf, size, path))
 
 
-def _parse(cur: _Cursor) -> GGUFHeader:
+def _parse(cur: Cursor) -> GGUFHeader:
     cur.pos = 4
     version = cur.u32("version")
     if version not in (2, 3):
@@ -283,7 +154,7 @@ def _parse(cur: _Cursor) -> GGUFHeader:
     for index in range(n_kv):
         key = cur.string(f"metadata key #{index}")
         type_id = cur.u32(f"type of {key!r}")
-        if key == "tokenizer.ggml.tokens" and type_id == _ARRAY:
+        if key == "tokenizer.ggml.tokens" and type_id == ARRAY:
             metadata[key] = cur.vocabulary(f"value of {key!r}")
         else:
             metadata[key] = cur.value(type_id, f"value of {key!r}")
@@ -339,7 +210,7 @@ _BOUNDED_COUNTS = {
 }
 
 
-def _check_values(header: GGUFHeader, cur: _Cursor) -> None:
+def _check_values(header: GGUFHeader, cur: Cursor) -> None:
     """What llama.cpp trusts without checking (it may assert and abort): counts, token ids, vocab arrays."""
     meta = header.metadata
     if meta.get("split.no", 0) != 0:
@@ -361,7 +232,7 @@ def _check_values(header: GGUFHeader, cur: _Cursor) -> None:
     n_vocab = tokens.length if isinstance(tokens, ArraySummary) else len(tokens) if isinstance(tokens, list) else None
     if n_vocab is None:
         return
-    if isinstance(tokens, ArraySummary) and tokens.item_type != _STRING:
+    if isinstance(tokens, ArraySummary) and tokens.item_type != STRING:
         raise cur.fail("tokenizer.ggml.tokens is not an array of strings")
     for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
         other = meta.get(key)
@@ -374,28 +245,17 @@ def _check_values(header: GGUFHeader, cur: _Cursor) -> None:
                 raise cur.fail(f"{key} = {value!r} is outside the vocabulary of {n_vocab}")
 
 
-def _check_unique(cur: _Cursor, texts: list[bytes], offset: int) -> None:
-    """No token repeats an earlier one, compared as llama.cpp reads them: as C strings (a NUL byte ends one)."""
-    if any(b"\0" in text for text in texts):
-        texts = [text.split(b"\0", 1)[0] for text in texts]
-    if len(set(texts)) < len(texts):
-        first: dict[bytes, int] = {}
-        index = next(i for i, text in enumerate(texts) if first.setdefault(text, i) != i)
-        cur.pos = offset
-        raise cur.fail(f"token {index} repeats an earlier token of the vocabulary")
-
-
 def string_items(header: GGUFHeader, key: str, indices: set[int]) -> dict[int, str]:
     """Items of a long string array (e.g. token texts of the BOS/EOS ids), read again from the file."""
     summary = header.get(key)
     if isinstance(summary, list):
         return {i: summary[i] for i in indices if 0 <= i < len(summary) and isinstance(summary[i], str)}
-    if not isinstance(summary, ArraySummary) or summary.item_type != _STRING:
+    if not isinstance(summary, ArraySummary) or summary.item_type != STRING:
         return {}
     wanted = {i for i in indices if 0 <= i < summary.length}
     found: dict[int, str] = {}
     with header.path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        cur = _Cursor(buf, header.file_size, header.path)
+        cur = Cursor(buf, header.file_size, header.path)
         cur.pos = summary.offset
         for index in range(max(wanted, default=-1) + 1):
             if index in wanted:
