@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from llmcli.store.prompt_store import BLOCK, MAGIC, PromptStore, all_entries, block_hashes, clear, fingerprint
+from llmcli.store.prompt_store import BLOCK, MAGIC, BadEntry, PromptStore, all_entries, block_hashes, clear, fingerprint
 
 GIB = 2**30
 FACTS = [
@@ -80,11 +80,16 @@ def _flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def _payload_offset(path: Path) -> int:
+def _header(path: Path) -> tuple[dict, int]:
+    """An entry file's header and where its tokens begin."""
     data = path.read_bytes()
     (header_len,) = struct.unpack_from("<I", data, len(MAGIC))
-    header = json.loads(data[len(MAGIC) + 4 : len(MAGIC) + 4 + header_len])
-    return len(MAGIC) + 4 + header_len + 4 * header["tokens"]
+    return json.loads(data[len(MAGIC) + 4 : len(MAGIC) + 4 + header_len]), len(MAGIC) + 4 + header_len
+
+
+def _payload_offset(path: Path) -> int:
+    header, tokens_at = _header(path)
+    return tokens_at + 4 * header["tokens"]
 
 
 def test_damaged_or_foreign_state_files_never_reach_llama_cpp(smollm2, no_template_model, isolated_env):
@@ -100,16 +105,25 @@ def test_damaged_or_foreign_state_files_never_reach_llama_cpp(smollm2, no_templa
     [foreign_file] = foreign_dir.glob("prompts/*/entries/*.kv")
 
     damages = {
-        "bit flipped in the KV data": lambda p: _flip(p, _payload_offset(p) + 5000),
-        "bit flipped in a token": lambda p: _flip(p, _payload_offset(p) - 40),
-        "bit flipped in the header": lambda p: _flip(p, len(MAGIC) + 12),
-        "truncated": lambda p: p.write_bytes(p.read_bytes()[: _payload_offset(p) + 1000]),
-        "another model's file": lambda p: p.write_bytes(foreign_file.read_bytes()),
-        "not a state file": lambda p: p.write_bytes(b"hello"),
+        "bit flipped in the KV data": (lambda p: _flip(p, _payload_offset(p) + 5000), "checksum"),
+        "bit flipped in a token": (lambda p: _flip(p, _payload_offset(p) - 40), "checksum"),
+        "bit flipped in the header": (lambda p: _flip(p, len(MAGIC) + 12), "damaged header"),
+        "truncated": (lambda p: p.write_bytes(p.read_bytes()[: _payload_offset(p) + 1000]), "truncated"),
+        "another model's file": (lambda p: p.write_bytes(foreign_file.read_bytes()), "another model"),
+        "not a state file": (lambda p: p.write_bytes(b"hello"), "not a prompt cache file"),
     }
-    for what, damage in damages.items():
+    # Every damage is caught by the store's reader before a byte reaches llama.cpp (in-process: no model needed)...
+    good = saved.read_bytes()
+    store = PromptStore(saved.parent.parent.parent, _header(saved)[0]["key"], 1 << 30)
+    for what, (damage, says) in damages.items():
+        damage(saved)
+        with pytest.raises(BadEntry, match=says):
+            store.read(saved)
+        saved.write_bytes(good)
+    # ... and through the CLI a damaged entry is removed with a notice, the answer unchanged.
+    for what in ("bit flipped in the KV data", "another model's file"):
         [path] = entries(isolated_env)
-        damage(path)
+        damages[what][0](path)
         damaged = path.read_bytes()
         again = ask("Which city studies lynxes?", doc, *args)
         assert again["text"] == baseline["text"], what

@@ -76,8 +76,9 @@ def test_max_tokens_stops_after_exactly_that_many():
 
 
 def test_end_of_generation_reports_stop():
-    record = answer_json("--temp", "0", "-n", "200", "Reply with just the word yes.")
-    assert record["finish_reason"] == "stop"
+    # The grammar ends the answer after "yes": the model's end-of-generation token is all it may write then.
+    record = answer_json("--temp", "0", "-n", "200", "--grammar", 'root ::= "yes"', "Reply with just the word yes.")
+    assert record["finish_reason"] == "stop" and record["text"] == "yes"
     assert record["usage"]["completion_tokens"] < 200
 
 

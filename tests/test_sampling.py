@@ -205,17 +205,17 @@ CITY_SCHEMA = {
 }
 
 
-def test_json_schema_answers_validate_over_twenty_seeds():
+def test_json_schema_answers_validate_over_ten_seeds():
     import jsonschema
 
     prompt = "Describe a French city as JSON."
-    lines = "".join(json.dumps({"prompt": "A French city as JSON:", "seed": seed}) + "\n" for seed in range(20))  # a seed a line
+    lines = "".join(json.dumps({"prompt": "A French city as JSON:", "seed": seed}) + "\n" for seed in range(10))  # a seed a line
     batch = run_cli("run", "--batch", "-", "--raw", "-P", "4", "--json-schema", json.dumps(CITY_SCHEMA), "--temp", "1",
                     "-n", "48", input=lines)
     assert batch.code == 0, batch.stderr
     records = [json.loads(line) for line in batch.stdout.splitlines()]
-    assert [r["timings"]["seed"] for r in records] == list(range(20))
-    assert len({r["text"] for r in records}) > 10  # sampled: different answers
+    assert [r["timings"]["seed"] for r in records] == list(range(10))
+    assert len({r["text"] for r in records}) > 5  # sampled: different answers
     for record in records:
         if record["format_error"] is None:
             jsonschema.validate(json.loads(record["text"]), CITY_SCHEMA)

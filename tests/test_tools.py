@@ -32,7 +32,7 @@ WEATHER = {"type": "function", "function": {
 TOOLS = [MULTIPLY, WEATHER]
 HERMES_TEMPLATE = Path(__file__).parent / "data" / "hermes-chatml.jinja"
 QUESTION = "What is 12 times 7, and what is the weather in Paris?"
-SAMPLED_CALLS = 8  # per format (issue 24 measured 50: 50/50 valid with the grammar, 0/50 without)
+SAMPLED_CALLS = 4  # per format (issue 24 measured 50: 50/50 valid with the grammar, 0/50 without)
 
 # -- the parser: recorded outputs, per format ----------------------------------------------------------------------
 
@@ -187,13 +187,14 @@ def test_a_named_choice_calls_that_tool_and_auto_never_leaks_markup(served):
 def test_streamed_calls_reassemble_to_the_whole_answer_and_parallel_gives_several(served):
     _, url = served
     client = _client(url)
+    # SmolLM2's end of generation (<|im_end|>, token 2) banned: the grammar lets the answer end only after a call, so
+    # parallel calls (parallel_tool_calls, the default) follow one another until max_tokens cuts the last one.
     request = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTION}], "tools": TOOLS,
-               "tool_choice": "required", "temperature": 1.0, "max_tokens": 120}
+               "tool_choice": "required", "temperature": 1.0, "max_tokens": 80, "logit_bias": {"2": -100}}
     # Both answers of a seed start from the same slot state: the prompt already cached. (A prompt evaluated whole and
     # one resumed from a cached prefix differ in the last bits of their logits, and a sampled answer can follow them.)
-    client.chat.completions.create(**request, seed=0)
-    several = 0
-    for seed in range(8):
+    client.chat.completions.create(**{**request, "max_tokens": 1}, seed=0)
+    for seed in range(2):
         whole = client.chat.completions.create(**request, seed=seed).choices[0]
         calls: dict[int, dict[str, str]] = {}
         finish = None
@@ -209,8 +210,7 @@ def test_streamed_calls_reassemble_to_the_whole_answer_and_parallel_gives_severa
         assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
             (c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
         assert all(c["id"].startswith("call_") for c in calls.values())
-        several += len(calls) >= 2
-    assert several > 0  # a sampled answer to two questions calls two tools (parallel_tool_calls, the default)
+        assert len(calls) >= 2 and all(_valid(c) for c in whole.message.tool_calls[:2])
 
 
 def test_bad_tools_are_400s_naming_what_is_wrong(served):
