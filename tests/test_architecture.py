@@ -119,3 +119,26 @@ def test_the_readme_lists_every_module():
     missing = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                if p.name not in ("__init__.py", "__main__.py") and f"{p.name}" not in built]
     assert missing == []
+
+
+def test_the_answerer_is_narrow_and_every_answerer_has_all_of_it():
+    """`Answerer` is what every model answers through; what only a local model can do is its optional `local` part. The
+    remote answerer has none of the local part, and the warm fallback forwards each member by name (no __getattr__)."""
+    from llmcli.chat.answerer import Answerer, LocalModel
+    from llmcli.chat.session import Session
+    from llmcli.pipeline.fallback import FallbackAnswerer
+    from llmcli.remote.session import RemoteSession
+
+    def members(protocol: type) -> set[str]:
+        return {name for name in vars(protocol) if not name.startswith("_")} | set(protocol.__annotations__)
+
+    answering, local = members(Answerer), members(LocalModel)
+    assert answering == {"options", "history", "notices", "not_sent", "where", "local", "ask", "take_notices", "batch",
+                         "close"}
+    assert not answering & local
+    for implementation in (Session, RemoteSession, FallbackAnswerer):
+        assert "__getattr__" not in vars(implementation)
+        given = set(dir(implementation)) | set(getattr(implementation, "__annotations__", {}))
+        assert answering - {"options", "history", "notices"} <= given, implementation  # (instance attributes)
+    assert local <= set(dir(Session))
+    assert not local & set(dir(RemoteSession)) and RemoteSession.local is None

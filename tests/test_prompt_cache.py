@@ -115,7 +115,7 @@ def test_damaged_or_foreign_state_files_never_reach_llama_cpp(smollm2, no_templa
     # Every damage is caught by the store's reader before a byte reaches llama.cpp (in-process: no model needed)...
     good = saved.read_bytes()
     store = PromptStore(saved.parent.parent.parent, _header(saved)[0]["key"], 1 << 30)
-    for what, (damage, says) in damages.items():
+    for damage, says in damages.values():
         damage(saved)
         with pytest.raises(BadEntry, match=says):
             store.read(saved)

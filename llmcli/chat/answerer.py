@@ -1,7 +1,7 @@
 """The one interface every model answers through — a local model (llmcli/chat/session.py) and a server
 (--endpoint, llmcli/remote/session.py) alike — and the prompt options both read. As `llm`'s
-`Model.execute()` is one contract for every model, `run`, `chat` and `--batch` never ask which one they have:
-what a server cannot tell (its context, its template, its KV cache) is `None` here, and said so to the user.
+`Model.execute()` is one contract for every model, `run`, `chat` and `--batch` ask every model the same way; what
+only a model in this process can do (its template, its context, its KV state) is one optional part, `local`.
 
 Imports no llama.cpp: `--endpoint` loads none.
 """
@@ -83,47 +83,31 @@ ResultCallback = Callable[[int, Record], None]
 ProgressCallback = Callable[[int, int, float], None]
 
 
-class Answerer(Protocol):
-    """Asks a model: a conversation (`history`, `options`) and its answers as events; `--batch`; what it can tell."""
-
-    options: PromptOptions
-    history: list[Message]
-    notices: list[str]  # for the user, printed by the CLI
-    not_sent: frozenset[str]  # settings this answerer cannot use (a server decides them itself)
-
-    @property
-    def where(self) -> str:
-        """Where the model is: its file, or the server's URL."""
-        ...
+class LocalModel(Protocol):
+    """What only a model loaded in this process can do: render its chat template, tell its context, fit and shift a
+    conversation in it, keep and restore its KV state. A server does all of this itself: its answerer has none."""
 
     @property
     def template_source(self) -> str | None:
-        """The chat template's source (None: raw, or rendered by a server)."""
+        """The chat template's source (None: raw)."""
         ...
 
     @property
     def template_system(self) -> str | None:
-        """The system prompt the chat template adds when none is given (None: it adds none, or a server renders)."""
-        ...
-
-    def ask(self, user_text: str | None, options: GenerationOptions,
-            stable_text: str | None = None) -> Iterator[AnswerEvent]:
-        """Answer `user_text` after the history (None: the history ends with tool results and the model goes on);
-        the exchange joins the history when the answer is done."""
+        """The system prompt the chat template adds when none is given (None: it adds none)."""
         ...
 
     def tool_format(self, setting: str = "auto") -> str:
-        """How this model writes a tool call (a server parses its own model's calls: `generic` here)."""
+        """How this model writes a tool call."""
         ...
 
     def render(self, user_text: str | None, history: list[Message] | None = None,
                tools: ToolSpec | None = None) -> RenderedPrompt:
-        """The exact prompt of this new message (None: of the history as it is; a UsageError where a server renders
-        it)."""
+        """The exact prompt of this new message (None: of the history as it is)."""
         ...
 
-    def context(self) -> ContextInfo | None:
-        """The context and what the conversation takes of it; None where a server keeps it."""
+    def context(self) -> ContextInfo:
+        """The context and what the conversation takes of it."""
         ...
 
     def fit(self, user_text: str, max_tokens: int | None) -> int:
@@ -139,7 +123,41 @@ class Answerer(Protocol):
         ...
 
     def keep_state(self) -> None:
-        """The conversation ends: keep its KV state for `chat --resume` (where there is one to keep)."""
+        """The conversation ends: keep its KV state for `chat --resume`."""
+        ...
+
+
+class Answerer(Protocol):
+    """Asks a model: a conversation (`history`, `options`) and its answers as events; `--batch`; notices. What only a
+    local model has is `local` (None for a server)."""
+
+    options: PromptOptions
+    history: list[Message]
+
+    @property
+    def notices(self) -> list[str]:
+        """For the user, printed by the CLI."""
+        ...
+
+    @property
+    def not_sent(self) -> frozenset[str]:
+        """Settings this answerer cannot use (a server decides them itself)."""
+        ...
+
+    @property
+    def where(self) -> str:
+        """Where the model is: its file, or the server's URL."""
+        ...
+
+    @property
+    def local(self) -> LocalModel | None:
+        """The model in this process (None: a server renders, keeps and fits the conversation itself)."""
+        ...
+
+    def ask(self, user_text: str | None, options: GenerationOptions,
+            stable_text: str | None = None) -> Iterator[AnswerEvent]:
+        """Answer `user_text` after the history (None: the history ends with tool results and the model goes on);
+        the exchange joins the history when the answer is done."""
         ...
 
     def take_notices(self) -> list[str]:
@@ -152,3 +170,13 @@ class Answerer(Protocol):
 
     def close(self) -> None:
         ...
+
+
+def tool_format(answerer: Answerer, setting: str = "auto") -> str:
+    """How the model writes a tool call: a server parses its own model's calls (`generic` on the wire)."""
+    return answerer.local.tool_format(setting) if answerer.local is not None else "generic"
+
+
+def template_source(answerer: Answerer) -> str | None:
+    """The chat template's source (None: raw, or rendered by a server)."""
+    return answerer.local.template_source if answerer.local is not None else None

@@ -23,7 +23,7 @@ from llmcli import paths
 from llmcli.answer.events import AnswerEvent, Done, Notice, answer_record
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.sampling_config import SETTING_FIELDS
-from llmcli.chat.answerer import Answerer, exchange_starts, last_exchange_start, oldest_exchange_end
+from llmcli.chat.answerer import Answerer, exchange_starts, last_exchange_start, oldest_exchange_end, template_source
 from llmcli.chat.chat_template import Message
 from llmcli.chat.tool_loop import ToolRunner, answer_with_tools
 from llmcli.errors import UsageError
@@ -69,7 +69,7 @@ class Conversation:
         if not self._started:
             self._started = True
             if not self.path.exists():
-                template = self.session.template_source or ""
+                template = template_source(self.session) or ""
                 records.insert(0, {
                     "type": "session", "id": self.id, "model": self.model_name, "model_path": str(self.model_path),
                     "model_sha256": remembered_sha256(self.model_path) if self.model_path else None,
@@ -100,8 +100,8 @@ class Conversation:
     def ask(self, text: str) -> Iterator[AnswerEvent]:
         """Answer `text`: fit the context first (dropping the oldest exchanges), then stream."""
         dropped = self._fit(text)
-        if dropped:
-            shifted = self.session.shift_for(text)
+        if dropped and self.session.local is not None:
+            shifted = self.session.local.shift_for(text)
             how = ("" if shifted is None else "; the rest of the KV cache was shifted, not evaluated again" if shifted
                    else "; this model's KV cache cannot shift: the conversation is evaluated again")
             yield Notice(f"context nearly full: dropped the {counted(dropped, 'oldest exchange')} "
@@ -135,7 +135,8 @@ class Conversation:
     def _fit(self, text: str) -> int:
         """Drop the oldest exchanges until the prompt plus room for the answer fits; returns how many (a server says
         itself when the conversation no longer fits)."""
-        dropped = self.session.fit(text, self.generation.max_tokens)
+        local = self.session.local
+        dropped = local.fit(text, self.generation.max_tokens) if local is not None else 0
         if dropped:
             self._write({"type": "drop", "exchanges": dropped})
         return dropped

@@ -128,6 +128,11 @@ class Session:
         return str(self.engine.path)
 
     @property
+    def local(self) -> Session:
+        """A Session is the model in this process: it renders, fits, shifts and keeps its conversation itself."""
+        return self
+
+    @property
     def template_source(self) -> str | None:
         return self.template.source if self.template is not None else None
 

@@ -142,8 +142,8 @@ def answer_with_tools(answerer: Answerer, user_text: str, generation: Generation
                                       tool_results=tuple(results))
             return
         text = None
-        if runner.on_prompt is not None and answerer.context() is not None:  # (a server renders its own prompt)
-            runner.on_prompt(answerer.render(None, tools=runner.spec(first=False)).text)
+        if runner.on_prompt is not None and answerer.local is not None:  # (a server renders its own prompt)
+            runner.on_prompt(answerer.local.render(None, tools=runner.spec(first=False)).text)
 
 
 def cut_off(done: Done) -> bool:

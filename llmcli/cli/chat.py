@@ -46,6 +46,7 @@ def chat(
 
 def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, given: dict[str, Any], runner: Any,
              console: Any) -> None:
+    from llmcli.chat.answerer import tool_format
     from llmcli.chat.conversation import Conversation, find_conversation, read_records
     from llmcli.cli import output
     from llmcli.pipeline import log_entry, open_answering
@@ -63,7 +64,7 @@ def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, give
             if pipeline.settings["log"] else None, tools=runner, cancel=pipeline.cancel,
         )
         if runner is not None:
-            runner.format = pipeline.session.tool_format(pipeline.settings["tool_format"])
+            runner.format = tool_format(pipeline.session, pipeline.settings["tool_format"])
             for notice in runner.notices():
                 output.print_notice(console, notice)
         if resume_path is not None:
@@ -77,19 +78,19 @@ def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, give
                     pipeline.settings["markdown"])
         interactive = sys.stdin is not None and sys.stdin.isatty()
         repl.interactive() if interactive else repl.lines()
-        if not no_save:
-            pipeline.session.keep_state()  # for --resume: its KV state, not only its text
+        if not no_save and pipeline.session.local is not None:
+            pipeline.session.local.keep_state()  # for --resume: its KV state, not only its text
             for notice in pipeline.session.take_notices():
                 output.print_notice(console, notice)
 
 
 def _restore_state(session: Any, conversation: Any, console: Any) -> None:
     """A resumed conversation: its KV state from the prompt cache, or a notice that it is evaluated again."""
-    from llmcli.chat.answerer import exchange_starts
+    from llmcli.chat.answerer import Resumed, exchange_starts
     from llmcli.cli import output
 
     exchanges = len(exchange_starts(conversation.history))
-    resumed = session.resume()
+    resumed = session.local.resume() if session.local is not None else Resumed()  # (a server keeps its own)
     for notice in session.take_notices():
         output.print_notice(console, notice)
     console.print(f"resumed {conversation.id}: {counted(exchanges, 'exchange')}" +

@@ -168,7 +168,7 @@ def _show(repl: Repl, argument: str) -> None:
     from llmcli.chat.answerer import exchange_starts
 
     exchanges = len(exchange_starts(conversation.history))
-    context = session.context()
+    context = session.local.context() if session.local is not None else None
     if context is None:
         repl.console.print(f"context  kept by the server (it does not say how much is used), {counted(exchanges, 'exchange')}")
     else:
@@ -177,7 +177,7 @@ def _show(repl: Repl, argument: str) -> None:
     if conversation.system:
         repl.console.print(f"system   {conversation.system}")
     else:
-        added = session.template_system
+        added = session.local.template_system if session.local is not None else None
         repl.console.print("system   (none given" + (f"; the chat template adds its own: {added}" if added else "") + ")")
     repl.console.print(_settings_lines(conversation.settings_record()))
     if conversation.path is not None:

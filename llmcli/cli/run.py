@@ -135,6 +135,7 @@ def run(
 def _answer(prompt_arg: str | None, stdin_text: str | None, message: str, prompt_first: bool, given: dict[str, Any],
             runner: Any, show_prompt: bool, as_json: bool, quiet: bool, continue_conversation: bool, cid: str | None,
             console: Any) -> None:
+    from llmcli.chat.answerer import tool_format
     from llmcli.chat.tool_loop import cut_off as tool_call_cut_off
     from llmcli.cli import output
     from llmcli.cli.stream import AnswerSink, show_answer
@@ -146,7 +147,7 @@ def _answer(prompt_arg: str | None, stdin_text: str | None, message: str, prompt
     with pipeline:
         session = pipeline.session
         if runner is not None:
-            runner.format = session.tool_format(pipeline.settings["tool_format"])
+            runner.format = tool_format(session, pipeline.settings["tool_format"])
             for text in runner.notices():
                 output.print_notice(console, text)
         for text in session.notices:
@@ -155,12 +156,13 @@ def _answer(prompt_arg: str | None, stdin_text: str | None, message: str, prompt
         if continue_conversation or cid:
             conversation_id, session.history = continued(cid)
         if show_prompt:
-            rendered = session.render(message)  # a server renders its own: a usage error says so
+            local = session.local
+            if local is None:
+                raise UsageError("the server renders the prompt with --endpoint: --show-prompt is not available")
+            rendered = local.render(message)
             sys.stdout.write(rendered.text + "\n")
-            mode = "raw" if session.template_source is None else "chat template"
-            context = session.context()
-            console.print(f"{len(rendered.tokens)} tokens ({pipeline.model.name}, {mode}"
-                          + (f", context {context.n_ctx})" if context is not None else ")"))
+            mode = "raw" if local.template_source is None else "chat template"
+            console.print(f"{len(rendered.tokens)} tokens ({pipeline.model.name}, {mode}, context {local.context().n_ctx})")
             return
         sink = AnswerSink(as_json=as_json, extra={"model": pipeline.model.name}, reasoning=pipeline.settings["reasoning"],
                           markdown=pipeline.settings["markdown"])

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
+from llmcli.answer.batch_jsonl import BatchItem, Summary
 from llmcli.answer.events import AnswerEvent, Notice, Token
 from llmcli.answer.generation import GenerationOptions
-from llmcli.chat.answerer import Answerer
+from llmcli.chat.answerer import Answerer, LocalModel, ProgressCallback, PromptOptions, ResultCallback
+from llmcli.chat.chat_template import Message
+from llmcli.interrupt import Cancellation
 from llmcli.remote.client import NetworkError
+
+if TYPE_CHECKING:
+    from llmcli.pipeline import Pipeline
 
 GONE = "the warm server went away; this process answers instead (loading the model)"
 PARTED = "the answer given here parts from what the warm server had begun: it starts again"
@@ -23,13 +29,50 @@ class FallbackAnswerer:
     """Delegates to `warm` (the warm server's session) until it fails; then to the local session `open_local()`
     makes, once."""
 
-    def __init__(self, warm: Answerer, open_local: Callable[[], Any]):
-        self._current: Any = warm
+    def __init__(self, warm: Answerer, open_local: Callable[[], Pipeline[Answerer]]):
+        self._current: Answerer = warm
         self._open_local = open_local
-        self._local: Any = None  # the local pipeline, once opened
+        self._local: Pipeline[Answerer] | None = None  # the local pipeline, once opened
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._current, name)
+    # The conversation is the current answerer's: the warm server's, then (with what it held) the local model's.
+    @property
+    def options(self) -> PromptOptions:
+        return self._current.options
+
+    @options.setter
+    def options(self, value: PromptOptions) -> None:
+        self._current.options = value
+
+    @property
+    def history(self) -> list[Message]:
+        return self._current.history
+
+    @history.setter
+    def history(self, value: list[Message]) -> None:
+        self._current.history = value
+
+    @property
+    def notices(self) -> list[str]:
+        return self._current.notices
+
+    @property
+    def not_sent(self) -> frozenset[str]:
+        return self._current.not_sent
+
+    @property
+    def where(self) -> str:
+        return self._current.where
+
+    @property
+    def local(self) -> LocalModel | None:
+        return self._current.local
+
+    def take_notices(self) -> list[str]:
+        return self._current.take_notices()
+
+    def batch(self, items: list[BatchItem], generation: GenerationOptions, parallel: int, cancel: Cancellation,
+              on_result: ResultCallback, on_progress: ProgressCallback | None = None) -> Summary:
+        return self._current.batch(items, generation, parallel, cancel, on_result, on_progress)
 
     def ask(self, user_text: str | None, options: GenerationOptions,
             stable_text: str | None = None) -> Iterator[AnswerEvent]:
@@ -47,7 +90,7 @@ class FallbackAnswerer:
         history, prompt = list(self._current.history), self._current.options
         self._local = self._open_local()
         self._current = self._local.session
-        self._current.history, self._current.options = history, prompt
+        self._current.history, self._current.options = history, prompt  # the conversation goes on here
         local = self._local.generation
         options = dataclasses.replace(options, constraint=local.constraint, sampling=dataclasses.replace(
             options.sampling, grammar=local.sampling.grammar, grammar_origin=local.sampling.grammar_origin))

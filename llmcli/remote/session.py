@@ -15,18 +15,9 @@ from llmcli.answer.batch_jsonl import BatchItem, Summary
 from llmcli.answer.events import AnswerEvent, DecodeEvent, Done, Token, answer_record
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.sampling_config import WIRE_FIELDS
-from llmcli.answer.tool_calls import ToolSpec
-from llmcli.chat.answerer import (
-    ContextInfo,
-    ProgressCallback,
-    PromptOptions,
-    RenderedPrompt,
-    ResultCallback,
-    Resumed,
-    with_system,
-)
+from llmcli.chat.answerer import ProgressCallback, PromptOptions, ResultCallback, with_system
 from llmcli.chat.chat_template import Message
-from llmcli.errors import LlmcliError, UsageError
+from llmcli.errors import LlmcliError
 from llmcli.interrupt import Cancellation
 from llmcli.remote.client import Client, NetworkError, StreamedAnswer
 
@@ -80,11 +71,10 @@ class RemoteRequest:
 
 
 class RemoteSession:
-    """The `Answerer` over an endpoint: the server renders the template and keeps the KV cache, so what it cannot
-    tell (the context, the template, a KV state to keep) is None or a clear error here."""
+    """The `Answerer` over an endpoint: the server renders the template, fits the conversation and keeps the KV cache
+    (no `local` part)."""
 
-    template_source = None  # the server renders the prompt
-    template_system = None
+    local = None
     not_sent = NOT_SENT
 
     def __init__(self, client: Client, request: RemoteRequest, options: PromptOptions):
@@ -104,28 +94,6 @@ class RemoteSession:
                 self.history += [*([Message("user", user_text)] if user_text is not None else []),
                                  Message("assistant", event.text, tool_calls=event.tool_calls)]
             yield event
-
-    def tool_format(self, setting: str = "auto") -> str:
-        return "generic"  # the server renders the tools and parses its model's calls
-
-    def render(self, user_text: str | None, history: list[Message] | None = None,
-               tools: ToolSpec | None = None) -> RenderedPrompt:
-        raise UsageError("the server renders the prompt with --endpoint: --show-prompt is not available")
-
-    def context(self) -> ContextInfo | None:
-        return None
-
-    def fit(self, user_text: str, max_tokens: int | None) -> int:
-        return 0  # the server says when the conversation no longer fits
-
-    def shift_for(self, user_text: str) -> None:
-        return None
-
-    def resume(self) -> Resumed:
-        return Resumed()  # the server holds (or rebuilds) the KV cache
-
-    def keep_state(self) -> None:
-        return None
 
     def take_notices(self) -> list[str]:
         return []
