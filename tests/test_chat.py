@@ -148,12 +148,19 @@ def test_long_conversation_in_a_small_context_drops_old_turns():
     assert all(r["usage"]["prompt_tokens"] + 40 <= 256 for r in records)
 
 
+def _recorded() -> dict[str, list[dict]]:
+    """Every conversation's record in the log: {id: records}."""
+    from llmcli import paths
+    from llmcli.store.answer_log import AnswerLog
+
+    with AnswerLog(paths.answer_log_file()) as log:
+        return {cid: log.events(cid) for cid, _ in log.conversations()}
+
+
 def test_resume_last_restores_the_history(isolated_env):
     first = run_cli("chat", "--temp", "0", "-n", "8", "-q", input="My secret word is PINEAPPLE.\n")
     assert first.code == 0, first.stderr
-    files = list((isolated_env / "data" / "conversations").glob("*.jsonl"))
-    assert len(files) == 1
-    records = [json.loads(line) for line in files[0].read_text().splitlines()]
+    (records,) = _recorded().values()
     header, exchange = records[0], records[1]
     assert header["type"] == "session" and len(header["model_sha256"]) == 64 and len(header["template_sha256"]) == 64
     assert exchange["user"] == "My secret word is PINEAPPLE." and exchange["sampling"]["temp"] == 0.0
@@ -161,7 +168,8 @@ def test_resume_last_restores_the_history(isolated_env):
     resumed = run_cli("chat", "--resume", "last", "--temp", "0", "-n", "8", "-q", input="/history\nWhat is my secret word?\n")
     assert resumed.code == 0, resumed.stderr
     assert "resumed" in resumed.stderr and "[user] My secret word is PINEAPPLE." in resumed.stderr
-    assert len(list((isolated_env / "data" / "conversations").glob("*.jsonl"))) == 1  # same conversation, appended
+    (records,) = _recorded().values()  # the same conversation, appended to
+    assert [r["type"] for r in records] == ["session", "exchange", "exchange"]
     rendered = run_cli("chat", "--resume", "last", "--no-save", "-q", input="/history\n").stderr
     assert rendered.count("[user]") == 2
 
@@ -171,7 +179,28 @@ def test_resume_last_restores_the_history(isolated_env):
 
 def test_no_save_leaves_no_record(isolated_env):
     assert run_cli("chat", "--no-save", "-n", "4", "-q", input="hi\n").code == 0
-    assert not (isolated_env / "data" / "conversations").exists()
+    assert _recorded() == {}
+
+
+def test_a_chat_saved_as_jsonl_by_an_older_llmcli_resumes_and_goes_on_in_the_log(isolated_env):
+    folder = isolated_env / "data" / "conversations"
+    folder.mkdir(parents=True)
+    old = folder / "20250101-120000-abcdef.jsonl"
+    lines = [{"type": "session", "id": old.stem, "model": "smollm2", "system": "You are terse."},
+             {"type": "exchange", "user": "My secret word is PINEAPPLE.", "assistant": "Noted."},  # the oldest shape
+             {"type": "set", "name": "temp", "value": 0.3}]
+    old.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    listed = json.loads(run_cli("chat", "--list", "--json").stdout)
+    assert [(c["id"], c["exchanges"], c["first_message"]) for c in listed] == [
+        (old.stem, 1, "My secret word is PINEAPPLE.")]
+    resumed = run_cli("chat", "--resume", "2025", "-n", "4", "-q", input="/show\n/history\nAnd now?\n")
+    assert resumed.code == 0, resumed.stderr
+    assert "[user] My secret word is PINEAPPLE." in resumed.stderr and "--temp = 0.3" not in resumed.stderr
+    assert "system   You are terse." in resumed.stderr and "temp 0.3" in resumed.stderr.replace("=", " ")
+    records = _recorded()[old.stem]  # carried into the log, whole, and continued there; the file left as it was
+    assert [r["type"] for r in records] == ["session", "exchange", "set", "exchange"]
+    assert old.read_text() == "".join(json.dumps(line) + "\n" for line in lines)
+    assert [c["id"] for c in json.loads(run_cli("chat", "--list", "--json").stdout)] == [old.stem]
 
 
 def test_bad_command_values_keep_the_session_in_line_mode():

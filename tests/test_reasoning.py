@@ -164,7 +164,11 @@ def test_batch_and_chat_records_carry_reasoning_apart(tmp_path, isolated_env):
     assert len(records) == 2 and all(r["reasoning"] and "<think>" not in r["text"] for r in records)
     chat = run_cli("chat", *GREEDY, "--grammar", THINK_THEN_ANSWER, "-q", input="Say hi\n")
     assert chat.code == 0, chat.stderr
-    (conversation,) = (isolated_env / "data" / "conversations").glob("*.jsonl")
-    exchange = [json.loads(line) for line in conversation.read_text().splitlines()][1]
+    from llmcli import paths
+    from llmcli.store.answer_log import AnswerLog
+
+    with AnswerLog(paths.answer_log_file()) as log:
+        ((conversation, _),) = log.conversations()
+        exchange = log.events(conversation)[1]
     assert exchange["reasoning"] == records[0]["reasoning"] and exchange["text"] == records[0]["text"]
     assert "<think>" not in chat.stdout

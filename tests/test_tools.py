@@ -356,12 +356,21 @@ def test_run_over_an_endpoint_runs_the_same_loop(functions, tmp_path):
 
 
 def test_chat_keeps_calls_in_its_history_and_resumes_them(functions):
+    """One conversation record (issue 35): what `chat --resume` and `run -C` read is the same — the calls and their
+    results, the system prompt and the /set changes of the chat."""
     first = run_cli("chat", "--functions", functions, "--tool-choice", "required", "--temp", "0", "-n", "40", "-q",
-                    input="What is 12 times 7?\n/history\n")
+                    input="/set system You are terse.\n/set top_k 7\nWhat is 12 times 7?\n/history\n")
     assert first.code == 0, first.stderr
     assert "[assistant] → multiply(" in first.stderr and "[tool] " in first.stderr
     resumed = run_cli("chat", "--resume", "last", "-q", input="/history\n")
     assert "[assistant] → multiply(" in resumed.stderr and "[tool] " in resumed.stderr
+    shown = run_cli("run", "-C", "--show-prompt", "And 3 times that?")
+    assert shown.code == 0, shown.stderr
+    assert "You are terse." in shown.stdout and '"name": "multiply"' in shown.stdout and "<tool_response>" in shown.stdout
+    again = run_cli("run", "-C", "--temp", "0", "-n", "4", "And 3 times that?")
+    assert again.code == 0, again.stderr
+    newest = json.loads(run_cli("logs", "--json", "-n", "1").stdout)[0]
+    assert newest["settings"]["top_k"] == 7 and newest["system"] == "You are terse."  # the chat's /set, kept
 
 
 def test_approval_on_a_terminal_and_ctrl_c_during_a_tool(tmp_path):

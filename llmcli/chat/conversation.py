@@ -2,9 +2,11 @@
 
 The KV cache is reused across turns by the engine (only tokens after the shared prefix are
 prefilled). When the next prompt would not fit, the oldest exchanges are dropped, never the
-system prompt. Every change is appended to a JSONL file under the data dir, so `--resume`
-replays it exactly; each exchange carries the model's sha256, the template's hash and the
-sampling settings that produced it.
+system prompt. Every change is appended to the conversation's record in the log (SQLite, the
+answers' own database), so `chat --resume` and `run -C` replay it exactly; the record's header
+carries the model's sha256 and the template's hash, each exchange the messages it added (tool
+calls and results too) and the sampling settings that produced it. Chats saved by older versions
+as JSONL files still resume (and continue in the log); `/save` and `/load` write and read JSON.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import dataclasses
 import hashlib
 import json
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from llmcli.errors import UsageError
 from llmcli.file_hashes import remembered_sha256
 from llmcli.interrupt import Cancellation
 from llmcli.settings import SETTINGS, check_value, parse_text, show_value
+from llmcli.store import answer_log
 from llmcli.units import counted
 
 # What chat's /set may change: every setting marked for chat in the table.
@@ -47,8 +49,8 @@ class Conversation:
         self.generation = generation
         self.model_name = model_name
         self.model_path = model_path
-        self.id = conversation_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-        self.path: Path | None = paths.conversations_dir() / f"{self.id}.jsonl" if save else None
+        self.id = conversation_id or answer_log.new_conversation_id()
+        self.saved = save  # whether changes are recorded in the log (until a write fails)
         self.system = session.options.system
         self.turn_stats: list[Done] = []
         self.pinned = pinned  # settings given now: a resumed conversation's saved values do not replace them
@@ -63,27 +65,21 @@ class Conversation:
 
     def _write(self, record: dict[str, Any]) -> None:
         """Append to the record (its header first); a failure turns saving off and is reported once."""
-        if self.path is None:
+        if not self.saved:
             return
         records = [record]
         if not self._started:
             self._started = True
-            if not self.path.exists():
-                template = template_source(self.session) or ""
-                records.insert(0, {
-                    "type": "session", "id": self.id, "model": self.model_name, "model_path": str(self.model_path),
-                    "model_sha256": remembered_sha256(self.model_path) if self.model_path else None,
-                    "template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
-                    "system": self.system, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                })
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a", encoding="utf-8") as handle:
-                for entry in records:
-                    handle.write(json.dumps({**entry, "time": time.time()}, ensure_ascii=False) + "\n")
-        except OSError as exc:
-            where, self.path = self.path, None  # one notice, then the session goes on unsaved
-            self.save_failure = f"cannot save the conversation to {where}: {exc.strerror or exc}; it is not saved from now on"
+            template = template_source(self.session) or ""
+            records.insert(0, {
+                "type": "session", "id": self.id, "model": self.model_name, "model_path": str(self.model_path),
+                "model_sha256": remembered_sha256(self.model_path) if self.model_path else None,
+                "template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
+                "system": self.system, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            })
+        failure = answer_log.record_conversation(self.id, records)
+        if failure is not None:  # one notice, then the session goes on unsaved
+            self.saved, self.save_failure = False, failure
 
     def settings_record(self) -> dict[str, Any]:
         """The settings that shape the next answer, as the record and /show list them."""
@@ -98,7 +94,8 @@ class Conversation:
         return self.session.history
 
     def ask(self, text: str) -> Iterator[AnswerEvent]:
-        """Answer `text`: fit the context first (dropping the oldest exchanges), then stream."""
+        """Answer `text`: fit the context first (dropping the oldest exchanges), then stream; the exchange is logged
+        and recorded."""
         dropped = self._fit(text)
         if dropped and self.session.local is not None:
             shifted = self.session.local.shift_for(text)
@@ -112,20 +109,25 @@ class Conversation:
         for event in events:
             if isinstance(event, Done):
                 self.turn_stats.append(event)
-                interrupted = event.finish_reason == "interrupted"
-                if interrupted and self.history:
-                    self.history[-1] = dataclasses.replace(self.history[-1], interrupted=True)
-                record = answer_record(event)
-                warning = self.log(text, record, self.history[start:]) if self.log is not None and not interrupted \
-                    else None
+                warning = self.record_exchange(text, event, start)
                 if warning:
                     yield Notice(warning)
-                calls = {"messages": [dataclasses.asdict(m) for m in self.history[start:]]} if event.tool_calls else {}
-                self._write({"type": "exchange", "user": text, **record, "interrupted": interrupted,
-                             "sampling": self.settings_record(), **calls})
             yield event
         if self.save_failure is not None:
             yield Notice(self.take_save_failure() or "")
+
+    def record_exchange(self, text: str, done: Done, start: int) -> str | None:
+        """The exchange that began at history[start] and ended with `done`: in the answer log (a warning if it could
+        not be) and in the conversation's record, with every message it added (tool calls and results too)."""
+        interrupted = done.finish_reason == "interrupted"
+        if interrupted and len(self.history) > start:
+            self.history[-1] = dataclasses.replace(self.history[-1], interrupted=True)
+        record = answer_record(done)
+        warning = self.log(text, record, self.history[start:]) if self.log is not None and not interrupted else None
+        self._write({"type": "exchange", "user": text, **record, "interrupted": interrupted,
+                     "sampling": self.settings_record(),
+                     "messages": [dataclasses.asdict(m) for m in self.history[start:]]})
+        return warning
 
     def take_save_failure(self) -> str | None:
         """Why the record could not be written (once)."""
@@ -218,7 +220,16 @@ class Conversation:
         return len(messages)
 
     def replay(self, records: list[dict[str, Any]]) -> None:
-        """Rebuild the state a conversation file describes (used by --resume); settings given now stay."""
+        """Rebuild the state a conversation's record describes (`chat --resume`, `run -C`); settings given now stay.
+        Later changes continue the same record."""
+        saved, self.saved = self.saved, False  # what is replayed is recorded already
+        try:
+            self._replay(records)
+        finally:
+            self.saved = saved
+        self._started = True  # continue appending to the same record, without a second header
+
+    def _replay(self, records: list[dict[str, Any]]) -> None:
         for record in records:
             kind = record.get("type")
             if kind in ("session", "system") and "system" in self.pinned:
@@ -237,7 +248,12 @@ class Conversation:
                     self.set(record["name"], json.dumps(value) if isinstance(value, list) else str(value))
                 except UsageError:
                     pass
-        self._started = True  # continue appending to the same file, without a second header
+
+    def carry_over(self, records: list[dict[str, Any]]) -> None:
+        """An older chat's JSONL records, copied into the log as they are: the conversation goes on there."""
+        failure = answer_log.record_conversation(self.id, records)
+        if failure is not None:
+            self.saved, self.save_failure = False, failure
 
 
 _HISTORY_RECORDS = ("exchange", "undo", "clear", "drop", "load")
@@ -263,21 +279,51 @@ def apply_to_history(history: list[Message], record: dict[str, Any]) -> None:
         history[:] = [Message.from_record(m) for m in record["messages"]]
 
 
-def find_conversation(which: str) -> Path:
-    """`last` or an id (or a unique prefix of one) -> the conversation's JSONL file."""
+@dataclass(frozen=True)
+class Recorded:
+    """A conversation that can be resumed: its id, when it last changed, and the file of a chat an older llmcli saved
+    as JSONL (None: its record is in the log)."""
+
+    id: str
+    changed: float  # seconds since the epoch
+    file: Path | None = None
+
+    def records(self) -> list[dict[str, Any]]:
+        if self.file is not None:
+            return read_records(self.file)
+        with answer_log.AnswerLog(paths.answer_log_file()) as log:
+            return log.events(self.id)
+
+
+def recorded_conversations() -> list[Recorded]:
+    """Every conversation that can be resumed — recorded in the log, or an older chat's JSONL file not yet carried
+    into it — the most recent last."""
+    found: dict[str, Recorded] = {}
     folder = paths.conversations_dir()
-    files = sorted(folder.glob("*.jsonl"), key=lambda p: p.stat().st_mtime) if folder.exists() else []
-    if not files:
-        raise UsageError("there is no saved conversation to resume", hint=f"Conversations are saved in {folder}.")
+    for path in folder.glob("*.jsonl") if folder.exists() else ():
+        found[path.stem] = Recorded(path.stem, path.stat().st_mtime, path)
+    if paths.answer_log_file().exists():
+        with answer_log.AnswerLog(paths.answer_log_file()) as log:
+            for conversation_id, changed in log.conversations():
+                found[conversation_id] = Recorded(conversation_id, changed)  # (the log's record wins over a file)
+    return sorted(found.values(), key=lambda c: c.changed)
+
+
+def find_conversation(which: str) -> Recorded:
+    """`last` or an id (or a unique prefix of one) -> the conversation."""
+    recorded = recorded_conversations()
+    if not recorded:
+        raise UsageError("there is no saved conversation to resume", hint="chat --list lists them once there are.")
     if which == "last":
-        return files[-1]
-    matches = [f for f in files if f.stem == which] or [f for f in files if f.stem.startswith(which)]
+        return recorded[-1]
+    matches = [c for c in recorded if c.id == which] or [c for c in recorded if c.id.startswith(which)]
     if len(matches) != 1:
-        raise UsageError(f"no single conversation matches {which!r}", hint="Use an id from " + str(folder) + " or `last`.")
+        raise UsageError(f"no single conversation matches {which!r}", hint="chat --list shows their ids; or use `last`.")
     return matches[0]
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
+    """An older chat's JSONL file: its records, as the log now keeps them."""
     records = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if line.strip():
@@ -291,7 +337,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 @dataclass(frozen=True)
 class SavedConversation:
     id: str
-    path: Path
+    where: Path  # the log, or an older chat's JSONL file
     modified: float  # seconds since the epoch
     model: str
     exchanges: int
@@ -299,15 +345,17 @@ class SavedConversation:
 
 
 def saved_conversations() -> list[SavedConversation]:
-    """The saved conversations, the most recent last (as --resume last picks it); damaged lines are skipped."""
-    folder = paths.conversations_dir()
+    """The saved conversations, the most recent last (as --resume last picks it); damaged records are skipped."""
     found = []
-    for path in sorted(folder.glob("*.jsonl"), key=lambda p: p.stat().st_mtime) if folder.exists() else []:
+    for conversation in recorded_conversations():
         model, first = "", ""
         history: list[Message] = []
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            records = conversation.records()
+        except UsageError:
+            records = []
+        for record in records:
             try:
-                record = json.loads(line)
                 if record.get("type") == "session":
                     model = str(record.get("model", ""))
                 elif record.get("type") in _HISTORY_RECORDS:
@@ -315,6 +363,6 @@ def saved_conversations() -> list[SavedConversation]:
             except (ValueError, AttributeError, KeyError, TypeError):
                 continue
             first = first or (history[0].content if history else "")
-        found.append(SavedConversation(path.stem, path, path.stat().st_mtime, model, len(exchange_starts(history)),
-                                       first))
+        found.append(SavedConversation(conversation.id, conversation.file or paths.answer_log_file(),
+                                       conversation.changed, model, len(exchange_starts(history)), first))
     return found

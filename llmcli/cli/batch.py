@@ -25,7 +25,8 @@ class BatchLog:
         from llmcli.pipeline import log_entry
 
         if self.pipeline.settings["log"] and "error" not in record:
-            self.entries.append(log_entry(self.pipeline, "batch", self.items[record["index"]].prompt or "", record))
+            self.entries.append(log_entry(self.pipeline, "batch", self.items[record["index"]].prompt or "", record,
+                                          self.pipeline.generation))
 
     def record(self, quiet: bool) -> None:
         from llmcli.cli import output

@@ -47,28 +47,32 @@ def chat(
 def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, given: dict[str, Any], runner: Any,
              console: Any) -> None:
     from llmcli.chat.answerer import tool_format
-    from llmcli.chat.conversation import Conversation, find_conversation, read_records
+    from llmcli.chat.conversation import Conversation, find_conversation
     from llmcli.cli import output
     from llmcli.pipeline import log_entry, open_answering
     from llmcli.store.answer_log import record
 
-    resume_path = find_conversation(resume) if resume else None
+    resumed = find_conversation(resume) if resume else None
     with output.download_progress() as progress:
         pipeline = open_answering(o.build_request(given), progress, on_waiting=output.waiting_for)
     with pipeline:
         conversation = Conversation(
             pipeline.session, pipeline.generation, pipeline.model.name, pipeline.model.path,
-            save=not no_save, conversation_id=resume_path.stem if resume_path else None,
+            save=not no_save, conversation_id=resumed.id if resumed else None,
             pinned=pipeline.settings.chosen_now(),
-            log=(lambda text, answer, added: record([log_entry(pipeline, "chat", text, answer, conversation.id, added)]))
+            log=(lambda text, answer, added: record([log_entry(pipeline, "chat", text, answer, conversation.generation,
+                                                               conversation.id, added)]))
             if pipeline.settings["log"] else None, tools=runner, cancel=pipeline.cancel,
         )
         if runner is not None:
             runner.format = tool_format(pipeline.session, pipeline.settings["tool_format"])
             for notice in runner.notices():
                 output.print_notice(console, notice)
-        if resume_path is not None:
-            conversation.replay(read_records(resume_path))
+        if resumed is not None:
+            records = resumed.records()
+            conversation.replay(records)
+            if resumed.file is not None and not no_save:  # an older chat's file: it goes on in the log, whole
+                conversation.carry_over(records)
             _restore_state(pipeline.session, conversation, console)
         for notice in pipeline.session.notices:
             output.print_notice(console, notice)
@@ -108,7 +112,7 @@ def _list_saved(as_json: bool) -> None:
 
     saved = saved_conversations()
     if as_json:
-        output.print_json([{"id": c.id, "path": str(c.path), "modified": c.modified, "model": c.model,
+        output.print_json([{"id": c.id, "path": str(c.where), "modified": c.modified, "model": c.model,
                             "exchanges": c.exchanges, "first_message": c.first_message} for c in saved])
         return
     rows = [(c.id, time.strftime("%Y-%m-%d %H:%M", time.localtime(c.modified)), c.model, c.exchanges,
@@ -116,4 +120,4 @@ def _list_saved(as_json: bool) -> None:
     from llmcli import paths
 
     output.print_table(("ID", "LAST CHANGE", "MODEL", "EXCHANGES", "FIRST MESSAGE"), rows, right=("EXCHANGES",), boxed=False,
-                       empty=f"no saved conversations yet (in {paths.conversations_dir()})")
+                       empty=f"no saved conversations yet (in {paths.answer_log_file()})")

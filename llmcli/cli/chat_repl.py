@@ -180,8 +180,10 @@ def _show(repl: Repl, argument: str) -> None:
         added = session.local.template_system if session.local is not None else None
         repl.console.print("system   (none given" + (f"; the chat template adds its own: {added}" if added else "") + ")")
     repl.console.print(_settings_lines(conversation.settings_record()))
-    if conversation.path is not None:
-        repl.console.print(f"saved as {conversation.path}")
+    if conversation.saved:
+        from llmcli import paths
+
+        repl.console.print(f"saved as {conversation.id} in {paths.answer_log_file()} (chat --resume {conversation.id})")
 
 
 def _settings_lines(record: dict[str, Any]) -> str:

@@ -136,10 +136,11 @@ def _answer(prompt_arg: str | None, stdin_text: str | None, message: str, prompt
             runner: Any, show_prompt: bool, as_json: bool, quiet: bool, continue_conversation: bool, cid: str | None,
             console: Any) -> None:
     from llmcli.chat.answerer import tool_format
+    from llmcli.chat.conversation import Conversation
     from llmcli.chat.tool_loop import cut_off as tool_call_cut_off
     from llmcli.cli import output
     from llmcli.cli.stream import AnswerSink, show_answer
-    from llmcli.pipeline import continued, log_entry, new_conversation_id, open_answering
+    from llmcli.pipeline import continued, log_entry, open_answering
     from llmcli.store.answer_log import record
 
     with output.download_progress() as progress:  # shown only if the model must be downloaded first
@@ -152,9 +153,15 @@ def _answer(prompt_arg: str | None, stdin_text: str | None, message: str, prompt
                 output.print_notice(console, text)
         for text in session.notices:
             output.print_notice(console, text)
-        conversation_id = new_conversation_id()
-        if continue_conversation or cid:
-            conversation_id, session.history = continued(cid)
+        conversation = Conversation(session, pipeline.generation, pipeline.model.name, pipeline.model.path,
+                                    save=pipeline.settings["log"], pinned=pipeline.settings.chosen_now())
+        if pipeline.settings["log"]:
+            conversation.log = lambda text, answer, added: record([log_entry(
+                pipeline, "run", text, answer, conversation.generation, conversation.id, added)])
+        if continue_conversation or cid:  # its exchanges (tool calls too), its system prompt and /set changes
+            conversation.id, records = continued(cid)
+            conversation.replay(records)
+        generation = conversation.generation
         if show_prompt:
             local = session.local
             if local is None:
@@ -169,12 +176,11 @@ def _answer(prompt_arg: str | None, stdin_text: str | None, message: str, prompt
 
         start = len(session.history)
 
-        def logged(done: Any) -> None:
-            if pipeline.settings["log"]:
-                warning = record([log_entry(pipeline, "run", message, sink.record(done), conversation_id,
-                                            session.history[start:])])
-                if warning:
-                    output.print_notice(console, warning)
+        def logged(done: Any) -> None:  # in the answer log, and in the conversation's record for run -C
+            warning = conversation.record_exchange(message, done, start)
+            failure = conversation.take_save_failure()  # (the same database: one warning says it)
+            if warning or failure:
+                output.print_notice(console, warning or failure or "")
 
         with pipeline.cancel.on_signals():
             # What a later run likely shares: the piped document (before the question), else the whole message.
@@ -182,9 +188,9 @@ def _answer(prompt_arg: str | None, stdin_text: str | None, message: str, prompt
             if runner is not None:
                 from llmcli.chat.tool_loop import answer_with_tools
 
-                events = answer_with_tools(session, message, pipeline.generation, runner, pipeline.cancel, stable)
+                events = answer_with_tools(session, message, generation, runner, pipeline.cancel, stable)
             else:
-                events = session.ask(message, pipeline.generation, stable_text=stable)
+                events = session.ask(message, generation, stable_text=stable)
             done = show_answer(events, sink, console, quiet, logged)
         format_error = done.format_error if done is not None else None
         call_cut = runner is not None and done is not None and tool_call_cut_off(done)

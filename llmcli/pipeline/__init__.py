@@ -150,11 +150,12 @@ def open_answering(request: Request, on_progress: ProgressCallback | None = None
 
 
 def log_entry(pipeline: Pipeline[Answerer], kind: str, prompt: str, record: Mapping[str, Any],
-              conversation_id: str | None = None, messages: Sequence[Message] | None = None) -> answer_log.Entry:
+              generation: GenerationOptions, conversation_id: str | None = None,
+              messages: Sequence[Message] | None = None) -> answer_log.Entry:
     """One answer (its `--json` record) as the log keeps it: model (and its sha256 when already known: nothing is
     hashed for the log), system prompt, prompt, answer, reasoning, the settings that shaped it, why it ended, its
-    timings; and, for an exchange that called tools, the messages it added to its conversation (calls and results)."""
-    generation = pipeline.generation
+    timings; and, for an exchange that called tools, the messages it added to its conversation (calls and results).
+    `generation`: the options the answer was given with (chat's /set changes them)."""
     path = pipeline.model.path
     used = {**generation.sampling.record(), "max_tokens": generation.max_tokens, "stop": list(generation.stops)}
     return answer_log.Entry(kind, pipeline.model.name, known_sha256(path) if path else None,
@@ -164,24 +165,20 @@ def log_entry(pipeline: Pipeline[Answerer], kind: str, prompt: str, record: Mapp
                                 m.tool_calls or m.role == "tool" for m in messages) else None)
 
 
-def new_conversation_id() -> str:
-    return answer_log.new_conversation_id()
-
-
-def continued(conversation_id: str | None) -> tuple[str, list[Message]]:
-    """`run --continue` (the latest conversation in the log) or `--cid ID`: its id and its exchanges, in order."""
+def continued(conversation_id: str | None) -> tuple[str, list[dict[str, Any]]]:
+    """`run --continue` (the latest conversation in the log, a run's or a chat's) or `--cid ID`: its id and its
+    record (what `Conversation.replay` reads: exchanges with their tool calls, /set, /system, /undo...)."""
     with answer_log.AnswerLog(paths.answer_log_file()) as log:
         chosen = conversation_id or log.latest_conversation()
-        records = log.find(limit=10_000, conversation_id=chosen) if chosen else []
+        records = log.events(chosen) if chosen else []
+        if chosen and not records:  # logged before conversations had a record: its answers, as exchanges
+            records = [{"type": "exchange", "user": a["prompt"], "text": a["answer"], "messages": a.get("messages")}
+                       for a in reversed(log.find(limit=10_000, conversation_id=chosen))]
+            records = [{k: v for k, v in r.items() if v is not None} for r in records]
     if not chosen or not records:
         raise UsageError(f"no conversation {conversation_id!r} in the log" if conversation_id else
                          "nothing to continue: the log holds no conversation yet", hint="llmcli logs lists what it holds.")
-    history: list[Message] = []
-    for record in reversed(records):  # an exchange that called tools as it was (calls, results); the others as pairs
-        kept = record.get("messages")
-        history += [Message.from_record(m) for m in kept] if kept else [Message("user", record["prompt"]),
-                                                                         Message("assistant", record["answer"])]
-    return chosen, history
+    return chosen, records
 
 
 def fetch_for(request: Request, effective: settings.Settings, on_progress: ProgressCallback | None = None,

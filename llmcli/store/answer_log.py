@@ -45,6 +45,18 @@ MIGRATIONS = (  # MIGRATIONS[n] takes a database from version n to n + 1 (idempo
     # 2: the messages an exchange added to its conversation (the assistant's tool calls, the tools' results), so that
     # `run -C/--cid` continues a conversation as it was, not as plain user/assistant pairs
     "ALTER TABLE answers ADD COLUMN messages TEXT;",
+    # 3: every conversation's record, in order (its header, each exchange with the messages it added, /set, /system,
+    # /undo, /clear, drops, /load): what `chat --resume`, `run -C/--cid` and `chat --list` read
+    """
+    CREATE TABLE IF NOT EXISTS conversation_events (
+        id INTEGER PRIMARY KEY,
+        conversation_id TEXT NOT NULL,
+        time REAL NOT NULL,
+        type TEXT NOT NULL,
+        record TEXT NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS conversation_events_by_conversation ON conversation_events(conversation_id, id);
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -138,9 +150,38 @@ class AnswerLog:
         return [_record(row) for row in rows]
 
     def latest_conversation(self) -> str | None:
-        row = self.db.execute("SELECT conversation_id FROM answers WHERE conversation_id IS NOT NULL "
-                              "ORDER BY id DESC LIMIT 1").fetchone()
+        """The conversation (a chat's or a run's) that changed last."""
+        row = self.db.execute("SELECT conversation_id FROM conversation_events ORDER BY id DESC LIMIT 1").fetchone() or \
+            self.db.execute("SELECT conversation_id FROM answers WHERE conversation_id IS NOT NULL "
+                            "ORDER BY id DESC LIMIT 1").fetchone()  # (logged before conversations had a record)
         return str(row[0]) if row else None
+
+    # -- conversations' records ------------------------------------------------------------
+
+    def append(self, conversation_id: str, records: Sequence[Mapping[str, Any]]) -> None:
+        """Add `records` (each with its "type") to the end of a conversation's record, at once."""
+        rows = [(conversation_id, time.time(), str(r.get("type")), json.dumps(dict(r), ensure_ascii=False, default=str))
+                for r in records]
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.executemany("INSERT INTO conversation_events (conversation_id, time, type, record) VALUES (?,?,?,?)",
+                                rows)
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+
+    def events(self, conversation_id: str) -> list[dict[str, Any]]:
+        """A conversation's record, oldest first (each record's "time" as it was written)."""
+        rows = self.db.execute("SELECT time, record FROM conversation_events WHERE conversation_id = ? ORDER BY id",
+                               (conversation_id,)).fetchall()
+        return [{**json.loads(row["record"]), "time": row["time"]} for row in rows]
+
+    def conversations(self) -> list[tuple[str, float]]:
+        """Every recorded conversation's id and when it last changed, the most recent last."""
+        rows = self.db.execute("SELECT conversation_id, max(time) AS changed FROM conversation_events "
+                               "GROUP BY conversation_id ORDER BY max(id)").fetchall()
+        return [(str(row["conversation_id"]), float(row["changed"])) for row in rows]
 
     def remove(self, record_id: int | None = None, before: float | None = None) -> int:
         if record_id is not None:
@@ -191,6 +232,19 @@ def record(entries: Sequence[Entry]) -> str | None:
             log.add(entries)
     except (sqlite3.Error, OSError) as exc:
         return f"the answer is not in the log ({path}: {exc}); --no-log stops trying"
+    return None
+
+
+def record_conversation(conversation_id: str, records: Sequence[Mapping[str, Any]]) -> str | None:
+    """Add `records` to a conversation's record in the log; why not (for one notice), None when they were."""
+    from llmcli import paths
+
+    path = paths.answer_log_file()
+    try:
+        with AnswerLog(path) as log:
+            log.append(conversation_id, records)
+    except (sqlite3.Error, OSError) as exc:
+        return f"cannot save the conversation to {path}: {exc}; it is not saved from now on"
     return None
 
 
