@@ -35,7 +35,7 @@ def prompt_cache_dir() -> Path:
     return cache_dir() / "prompts"
 
 
-# Other tools' model stores, read in place (never written): see llmcli/store/elsewhere.py.
+# Other tools' model stores, read in place (never written): see llmcli/store/foreign_stores.py.
 
 
 def ollama_models_dir() -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from llmcli.settings import SETTINGS
+from llmcli.config.settings import SETTINGS
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "llmcli"
@@ -42,16 +42,18 @@ def test_the_import_contract_holds():
 
 
 @pytest.mark.parametrize("module, added, broken", [
-    ("settings.py", "import llama_cpp", "llama_cpp only in llmcli.llama and the bench's raw baseline BROKEN"),
+    ("config/settings.py", "import llama_cpp", "llama_cpp only in llmcli.llama and the bench's raw baseline BROKEN"),
     ("answer/stats.py", "import llmcli.llama.vocab", "The answer logic imports no llama_cpp, not even indirectly BROKEN"),
     ("remote/client.py", "import numpy", "--endpoint imports neither llama_cpp nor numpy, not even indirectly BROKEN"),
-    ("chat/conversation.py", "import llmcli.remote.session", "Layers: cli > serve > bench"),
-    ("paths.py", "import llmcli.units", "Layers: cli > serve > bench"),
+    ("chat/conversation.py", "import llmcli.remote.session", "Layers: the CLI over serve"),
+    ("paths.py", "import llmcli.units", "Layers: the CLI over serve"),
     ("store/models.py", "import huggingface_hub", "huggingface_hub and filelock only in llmcli.store.hub BROKEN"),
     ("llama/engine.py", "import rich", "typer, click and rich only in llmcli.cli BROKEN"),
-    ("store/models.py", "import llmcli.cli.output", "Layers: cli > serve > bench"),
+    ("store/models.py", "import llmcli.cli.output", "Layers: the CLI over serve"),
     ("store/cache.py", "import llmcli.store.catalog", "No import cycles between sibling modules BROKEN"),
-    ("chat/tool_loop.py", "import mcp", "mcp (the SDK, the mcp extra) only in llmcli.chat.mcp_servers BROKEN"),
+    ("answer/generation.py", "import llmcli.store.cache", "Layers: the CLI over serve"),  # the stores over the answer logic
+    ("tools/tool_loop.py", "import llmcli.chat.conversation", "Layers: the CLI over serve"),  # a conversation over its tools
+    ("tools/tool_loop.py", "import mcp", "mcp (the SDK, the mcp extra) only in llmcli.tools.mcp_servers BROKEN"),
 ])
 def test_a_forbidden_import_breaks_the_contract(tree_copy: Path, module: str, added: str, broken: str):
     target = tree_copy / "llmcli" / module
@@ -124,7 +126,7 @@ def test_the_readme_lists_every_module():
 def test_the_answerer_is_narrow_and_every_answerer_has_all_of_it():
     """`Answerer` is what every model answers through; what only a local model can do is its optional `local` part. The
     remote answerer has none of the local part, and the warm fallback forwards each member by name (no __getattr__)."""
-    from llmcli.chat.answerer import Answerer, LocalModel
+    from llmcli.answer.answerer import Answerer, LocalModel
     from llmcli.chat.session import Session
     from llmcli.pipeline.fallback import FallbackAnswerer
     from llmcli.remote.session import RemoteSession

@@ -287,8 +287,9 @@ BOMBS = {
 
 @pytest.mark.parametrize("name", list(BOMBS))
 def test_template_memory_bombs_stop_with_one_line_and_no_memory(name):
-    from llmcli.chat.chat_template import ChatTemplate, Message
+    from llmcli.answer.message import Message
     from llmcli.errors import TemplateError
+    from llmcli.prompt.chat_template import ChatTemplate
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with pytest.raises(TemplateError) as raised:
@@ -298,8 +299,9 @@ def test_template_memory_bombs_stop_with_one_line_and_no_memory(name):
 
 
 def test_the_time_budget_holds_on_any_thread():
-    from llmcli.chat.chat_template import ChatTemplate, Message
+    from llmcli.answer.message import Message
     from llmcli.errors import TemplateError
+    from llmcli.prompt.chat_template import ChatTemplate
 
     outcome: list[str] = []
 

@@ -46,9 +46,8 @@ def test_bad_chat_commands_never_end_the_session(tmp_path):
 
 
 def test_an_unwritable_record_stops_saving_but_not_the_chat(isolated_env):
-    (isolated_env / "data").mkdir(parents=True)
-    (isolated_env / "data" / "conversations").write_text("a file where the folder should be")
-    result = run_cli("chat", "--temp", "0", "-n", "4", "--json", "-q", input="hi\nhi again\n")
+    (isolated_env / "data" / "logs.db").mkdir(parents=True)  # a folder where the log's database should be
+    result = run_cli("chat", "--no-log", "--temp", "0", "-n", "4", "--json", "-q", input="hi\nhi again\n")
     assert result.code == 0, result.stderr
     assert len(result.stdout.splitlines()) == 2
     assert result.stderr.count("Warning: cannot save the conversation") == 1
@@ -140,14 +139,14 @@ def _threads_used(*prefix: str, env: dict[str, str] | None = None) -> int:
 
 
 def test_threads_follow_the_cpu_affinity():
-    from llmcli.cpu_topology import physical_cores
+    from llmcli.llama.cpu_topology import physical_cores
 
     assert _threads_used() == physical_cores()  # this process may use every core
     assert _threads_used("taskset", "-c", "0") == 1  # pinned to one CPU: one thread
 
 
 def test_a_generating_llmcli_takes_its_share_of_the_cores(isolated_env):
-    from llmcli.cpu_topology import physical_cores
+    from llmcli.llama.cpu_topology import physical_cores
 
     generating = isolated_env / "xdg-runtime" / "llmcli" / "generating"
     generating.mkdir(parents=True)

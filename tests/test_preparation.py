@@ -10,7 +10,7 @@ from conftest import run_cli, start_server, stop_server
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.answer.tool_calls import tool_spec
-from llmcli.settings import SETTINGS
+from llmcli.config.settings import SETTINGS
 
 MARKED = 'root ::= "<start_of_image>Paris"'  # a control token's text, forced: --special shows it, else it is dropped
 

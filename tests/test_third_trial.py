@@ -229,7 +229,7 @@ def test_completion_offers_the_choices_of_an_option():
 # 11. more threads than cores is said
 
 def test_more_threads_than_cores_is_a_notice():
-    from llmcli.cpu_topology import physical_cores
+    from llmcli.llama.cpu_topology import physical_cores
 
     cores = physical_cores()
     over = run_cli("run", "-t", str(cores + 1), "-n", "1", "-q", "hi")

@@ -6,9 +6,10 @@ import json
 
 from conftest import run_cli, svg_panels
 
-from llmcli import paths, settings
+from llmcli import paths
 from llmcli.bench.tune import Candidate, Dimension, thread_candidates
-from llmcli.config_edit import save_profile
+from llmcli.config import settings
+from llmcli.config.config_file import save_profile
 
 
 def test_tune_measures_within_its_budget_reports_the_rest_and_saves_a_usable_profile(isolated_env, tmp_path):

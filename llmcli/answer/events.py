@@ -14,6 +14,8 @@ from llmcli.answer.stats import Stats
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.answer.tool_calls import ToolCall, ToolResult
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprob lists (OpenAI's limit on top_logprobs)
+
 
 @dataclass(frozen=True)
 class TokenLogprob:

@@ -21,7 +21,7 @@ from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.answer.stats import Stats
 from llmcli.answer.tool_call_parser import CallEvent, ToolCallParser
 from llmcli.answer.tool_calls import ToolSpec
-from llmcli.settings import default
+from llmcli.config.settings import default
 
 SPECULATE_MODES = ("auto", "lookup", "draft", "off")
 

@@ -70,7 +70,7 @@ class ReasoningSplitter:
                     buf = buf[at + len(CLOSE):]
                     self._state = self._AFTER
                     continue
-                keep = _partial_suffix(buf, CLOSE)
+                keep = partial_suffix(buf, CLOSE)
                 self._held = buf[len(buf) - keep:] if keep else ""
                 return reasoning + buf[: len(buf) - keep], answer
             elif self._state == self._AFTER:  # the blank lines between the block and the answer are not shown
@@ -90,8 +90,9 @@ class ReasoningSplitter:
         return "", ""
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that is a proper beginning of `tag`."""
+def partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a proper beginning of `tag` (a tag, or a tool call's opening,
+    still being streamed: held back until it is whole or is not the tag)."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-size:]):
             return size

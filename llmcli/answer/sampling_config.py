@@ -1,7 +1,7 @@
-"""Step 4, how the next token is chosen: one frozen, validated config (pure data; llmcli/inference/sampler.py
+"""Step 4, how the next token is chosen: one frozen, validated config (pure data; llmcli/llama/sampler_chain.py
 maps it to llama.cpp's sampler chain).
 
-Its fields are the settings of the same names (llmcli/settings.py), with the same defaults and checks.
+Its fields are the settings of the same names (llmcli/config/settings.py), with the same defaults and checks.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from llmcli.answer.grammar_limits import grammar_problem
+from llmcli.config.settings import SETTINGS, default
 from llmcli.errors import UsageError
-from llmcli.settings import SETTINGS, default
 
 
 @dataclass(frozen=True)
@@ -92,17 +92,22 @@ def greedy_without_end(end_of_generation: tuple[int, ...]) -> SamplingConfig:
     return SamplingConfig(temp=0, logit_bias=tuple((t, -math.inf) for t in end_of_generation))
 
 
+def split_logit_bias(spec: str) -> tuple[str, float]:
+    """One `--logit-bias TOKEN=BIAS`: the token as given (an id or a text) and the bias (a number, or -inf)."""
+    token_text, sep, bias_text = spec.rpartition("=")
+    if not sep or not token_text:
+        raise UsageError(f"--logit-bias {spec!r}: expected TOKEN=BIAS, e.g. 15043=-inf or 'Hello=2.5'")
+    try:
+        return token_text, float(bias_text)
+    except ValueError:
+        raise UsageError(f"--logit-bias {spec!r}: {bias_text!r} is not a number (or -inf)") from None
+
+
 def parse_logit_bias(specs: list[str], tokenize: Callable[[str], list[int]], n_vocab: int) -> tuple[tuple[int, float], ...]:
     """`TOKEN=BIAS` pairs: TOKEN is a token id or a text that is exactly one token; BIAS a number or -inf."""
     biases = []
     for spec in specs:
-        token_text, sep, bias_text = spec.rpartition("=")
-        if not sep or not token_text:
-            raise UsageError(f"--logit-bias {spec!r}: expected TOKEN=BIAS, e.g. 15043=-inf or 'Hello=2.5'")
-        try:
-            bias = float(bias_text)
-        except ValueError:
-            raise UsageError(f"--logit-bias {spec!r}: {bias_text!r} is not a number (or -inf)") from None
+        token_text, bias = split_logit_bias(spec)
         if token_text.lstrip("-").isdigit():
             token = int(token_text)
             if not 0 <= token < n_vocab:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from llmcli.answer.reasoning import partial_suffix
 from llmcli.answer.tool_calls import FORMATS, ToolCall, ToolSpec, new_call_id
 
 
@@ -171,7 +172,7 @@ class ToolCallParser:
                 shown.append(buffer[:at])
                 self._state = "opened"
                 return buffer[at + len(fmt.start):]
-            hold = _partial_suffix(buffer, fmt.start)
+            hold = partial_suffix(buffer, fmt.start)
             shown.append(buffer[: len(buffer) - hold])
             self._pending = buffer[len(buffer) - hold:]
             return ""
@@ -255,14 +256,6 @@ class ToolCallParser:
         if len(arguments) > self._sent:
             events.append(CallArguments(index, arguments[self._sent:]))
         self.calls.append(ToolCall(self._id, name or "", arguments, error))
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """How many characters at the end of `text` could be the start of `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
 
 
 def parse_calls(text: str, spec: ToolSpec) -> tuple[str, list[ToolCall]]:

@@ -1,6 +1,6 @@
 """The baseline: llama.cpp driven with no Python work per token beyond the C calls themselves.
 
-`llmcli bench` divides the rates of `Engine.generate` by these to show what the Python layer costs.
+`llmcli bench` divides the rates of the engine's own loop (`bench/measure.py`) by these to show what the Python layer costs.
 Both leave the engine's KV cache empty.
 """
 

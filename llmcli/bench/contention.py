@@ -1,7 +1,7 @@
 """Two llmcli processes decoding at once, as `xargs -P 2` or a chat beside a batch run them.
 
 Each pair runs `llmcli run` twice side by side and reports the mean of the two decode rates: with the
-default threads (each process takes its share of the cores, llmcli/inference/sharing.py) and with
+default threads (each process takes its share of the cores, llmcli/llama/core_share.py) and with
 `--threads` fixed at every core for both (llama.cpp's default: their spinning threads collide).
 """
 

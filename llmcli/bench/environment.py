@@ -8,8 +8,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from llmcli import cpu_topology as system
 from llmcli.file_hashes import sha256_of
+from llmcli.llama import cpu_topology
 from llmcli.llama import llama_log as backend
 from llmcli.store.models import ResolvedModel
 
@@ -36,8 +36,8 @@ def memory_bandwidth(threads: int, megabytes: int = 256, repeats: int = 3) -> fl
 def machine() -> dict[str, object]:
     """The machine and the builds (cheap: no file is read)."""
     return {
-        "cpu": system.cpu_model(),
-        "physical_cores": system.physical_cores(),
+        "cpu": cpu_topology.cpu_model(),
+        "physical_cores": cpu_topology.physical_cores(),
         "logical_cpus": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),

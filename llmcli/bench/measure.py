@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from llmcli import cpu_topology as system
 from llmcli.answer.batch_jsonl import BatchItem
 from llmcli.answer.events import Done
 from llmcli.answer.generation import GenerationOptions
@@ -32,6 +31,7 @@ from llmcli.chat.session import Session
 from llmcli.decode.batch_run import BatchRun
 from llmcli.decode.batch_run import plan as batch_planned
 from llmcli.interrupt import Cancellation
+from llmcli.llama import cpu_topology
 from llmcli.llama.engine import Engine, EngineConfig
 from llmcli.store.gguf_header import GGUFHeader
 from llmcli.store.models import ResolvedModel
@@ -117,7 +117,7 @@ class Benchmark:
 
     def __init__(self, models: Sequence[ResolvedModel], headers: Sequence[GGUFHeader], plan: BenchPlan):
         self.models, self.headers, self.plan = models, headers, plan
-        self.threads = plan.threads or (system.physical_cores(),)
+        self.threads = plan.threads or (cpu_topology.physical_cores(),)
         self.rows: list[Row] = []
 
     def run(self) -> Iterator[Progress]:

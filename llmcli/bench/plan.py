@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmcli.settings import default
+from llmcli.config.settings import default
 
 
 @dataclass(frozen=True)

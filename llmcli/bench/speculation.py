@@ -11,11 +11,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from llmcli.answer.answerer import PromptOptions
 from llmcli.answer.events import Done
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.bench.rows import Row
-from llmcli.chat.answerer import PromptOptions
 from llmcli.chat.session import Session
 from llmcli.llama.engine import Engine, EngineConfig
 

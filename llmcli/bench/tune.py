@@ -18,13 +18,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from llmcli import cpu_topology as system
 from llmcli.answer.sampling_config import greedy_without_end
 from llmcli.bench.baseline_loop import RawLoop
 from llmcli.bench.compare import welch_significant
 from llmcli.bench.measure import FILLER, Progress
+from llmcli.config.settings import default
+from llmcli.llama import cpu_topology
 from llmcli.llama.engine import Engine, EngineConfig
-from llmcli.settings import default
 
 DECODE_SAMPLE = 16  # decode steps timed per sample (the answer's time is extrapolated from their rate)
 BATCH_SIZES = (64, 128, 256, 512, 1024)
@@ -91,12 +91,12 @@ class Tuner:
     def __init__(self, path: Path, budget_s: float, prompt_tokens: int = 512, answer_tokens: int = 128, rounds: int = 8):
         self.path, self.budget_s, self.rounds = path, budget_s, rounds
         self.prompt_tokens, self.answer_tokens = prompt_tokens, answer_tokens
-        cores = system.physical_cores()
+        cores = cpu_topology.physical_cores()
         self.config = EngineConfig(n_ctx=prompt_tokens + DECODE_SAMPLE + 64, n_threads=cores)
         # batch sizes beyond the prompt would all evaluate it in one step: the default stands for them
         batch_sizes = sorted({b for b in BATCH_SIZES if b <= prompt_tokens} | {default("batch_size")})
         self.dimensions = [
-            Dimension("threads", [Candidate(t) for t in thread_candidates(cores, system.logical_cpus())], cores),
+            Dimension("threads", [Candidate(t) for t in thread_candidates(cores, cpu_topology.logical_cpus())], cores),
             Dimension("batch_size", [Candidate(b) for b in batch_sizes], default("batch_size")),
             Dimension("flash_attn", [Candidate(v) for v in ("auto", "on", "off")], default("flash_attn")),
             Dimension("kv_type", [Candidate(v) for v in ("f16", "q8_0")], default("kv_type")),

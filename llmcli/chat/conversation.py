@@ -21,17 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from llmcli import paths
+from llmcli.answer.answerer import Answerer, exchange_starts, last_exchange_start, oldest_exchange_end, template_source
 from llmcli.answer.events import AnswerEvent, Done, Notice, answer_record
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.message import Message
 from llmcli.answer.sampling_config import SETTING_FIELDS
-from llmcli.chat.answerer import Answerer, exchange_starts, last_exchange_start, oldest_exchange_end, template_source
-from llmcli.chat.chat_template import Message
-from llmcli.chat.tool_loop import ToolRunner, answer_with_tools
+from llmcli.config.settings import SETTINGS, check_value, parse_text, show_value
 from llmcli.errors import UsageError
 from llmcli.file_hashes import remembered_sha256
 from llmcli.interrupt import Cancellation
-from llmcli.settings import SETTINGS, check_value, parse_text, show_value
 from llmcli.store import answer_log
+from llmcli.tools.tool_loop import ToolRunner, answer_with_tools
 from llmcli.units import counted
 
 # What chat's /set may change: every setting marked for chat in the table.

@@ -1,6 +1,6 @@
 """Step 2 and the conversation around it, on a local model: messages -> chat template -> tokens -> the scheduler.
 
-A `Session` is the local `Answerer` (llmcli/chat/answerer.py): it holds the loaded engine, its scheduler, the
+A `Session` is the local `Answerer` (llmcli/answer/answerer.py): it holds the loaded engine, its scheduler, the
 template, the system prompt and the history; `ask` renders the conversation with the new message, tokenizes it
 and lets the scheduler evaluate only what the KV cache does not hold yet; `batch` answers many prompts in slots.
 """
@@ -11,14 +11,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
-from llmcli.answer.batch_jsonl import BatchItem, Summary
-from llmcli.answer.events import AnswerEvent, Done, Notice
-from llmcli.answer.generation import GenerationOptions
-from llmcli.answer.reasoning import opens_thinking
-from llmcli.answer.stats import AnswerClock
-from llmcli.answer.tool_calls import ToolSpec, detect_format
-from llmcli.chat import chat_template as templates
-from llmcli.chat.answerer import (
+from llmcli.answer.answerer import (
     ContextInfo,
     ProgressCallback,
     PromptOptions,
@@ -29,8 +22,16 @@ from llmcli.chat.answerer import (
     oldest_exchange_end,
     with_system,
 )
-from llmcli.chat.chat_template import ChatTemplate, Message
-from llmcli.context_budget import overflow
+from llmcli.answer.batch_jsonl import BatchItem, Summary
+from llmcli.answer.context_budget import overflow
+from llmcli.answer.events import AnswerEvent, Done, Notice
+from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.message import Message
+from llmcli.answer.reasoning import opens_thinking
+from llmcli.answer.shared_prefix import shared_prefix
+from llmcli.answer.stats import AnswerClock
+from llmcli.answer.tool_calls import ToolSpec, detect_format
+from llmcli.config.settings import default
 from llmcli.decode import batch_run
 from llmcli.decode.prompt_cache import PromptCache
 from llmcli.decode.scheduler import Scheduler
@@ -39,8 +40,8 @@ from llmcli.errors import ResourceError, UsageError
 from llmcli.interrupt import Cancellation
 from llmcli.llama.engine import Engine
 from llmcli.llama.vocab import Vocabulary
-from llmcli.settings import default
-from llmcli.shared_prefix import shared_prefix
+from llmcli.prompt import chat_template as templates
+from llmcli.prompt.chat_template import ChatTemplate
 from llmcli.store.gguf_header import GGUFHeader
 
 # Checks that a KV cache of this many cells fits in memory before --batch makes it (raises ResourceError).

@@ -81,10 +81,10 @@ def bench(
     """Run the benchmark (the default when no subcommand is given)."""
     if ctx.invoked_subcommand is not None:
         return
-    from llmcli import settings
     from llmcli.bench.environment import environment
     from llmcli.bench.measure import Benchmark
     from llmcli.cli import output
+    from llmcli.config import settings
     from llmcli.store import models
     from llmcli.store.gguf_header import read_header
 
@@ -204,9 +204,9 @@ def _seconds(text: str) -> float:
 
 def _tune(model: list[str] | None, budget_s: float, save: str | None, output_format: str, n_prompt: int,
           n_gen: int, plot: Path | None) -> None:
-    from llmcli import settings
     from llmcli.bench.tune import Tuner
     from llmcli.cli import output
+    from llmcli.config import settings
     from llmcli.store import models
 
     if model and len(model) > 1:
@@ -229,7 +229,7 @@ def _tune(model: list[str] | None, budget_s: float, save: str | None, output_for
         _plotted(plot, plot_tune(resolved.name, tuner.dimensions, machine(), plot))
     if save is not None:
         from llmcli import paths
-        from llmcli.config_edit import save_profile
+        from llmcli.config.config_file import save_profile
 
         chosen = tuner.profile()
         save_profile(save, chosen, f"llmcli bench --tune on {resolved.name}: the settings that beat the default "
@@ -248,7 +248,7 @@ def _dimension_record(dimension: Any) -> dict[str, Any]:
 def _tune_table(name: str, tuner: Any) -> str:
     from statistics import fmean
 
-    from llmcli.settings import show_value
+    from llmcli.config.settings import show_value
 
     lines = [f"{name}: a {tuner.prompt_tokens}-token prompt and a {tuner.answer_tokens}-token answer per sample "
              f"({tuner.elapsed_s:.0f} s of a {tuner.budget_s:.0f} s budget)", "",
@@ -269,7 +269,7 @@ def _tune_table(name: str, tuner: Any) -> str:
 
 
 def _kv_types(text: str) -> tuple[str, ...]:
-    from llmcli.settings import SETTINGS
+    from llmcli.config.settings import SETTINGS
 
     types = tuple(part.strip() for part in text.split(",") if part.strip())
     choices = SETTINGS["kv_type"].choices

@@ -38,7 +38,7 @@ def info(as_json: o.JsonOpt = False) -> None:
     """Where the prompt cache is, how much it holds and its budget."""
     from llmcli import paths
     from llmcli.cli import output
-    from llmcli.settings import resolve
+    from llmcli.config.settings import resolve
     from llmcli.store.prompt_store import all_entries
     from llmcli.units import human_size
 

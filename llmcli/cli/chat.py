@@ -46,7 +46,7 @@ def chat(
 
 def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, given: dict[str, Any], runner: Any,
              console: Any) -> None:
-    from llmcli.chat.answerer import tool_format
+    from llmcli.answer.answerer import tool_format
     from llmcli.chat.conversation import Conversation, find_conversation
     from llmcli.cli import output
     from llmcli.pipeline import log_entry, open_answering
@@ -90,7 +90,7 @@ def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, give
 
 def _restore_state(session: Any, conversation: Any, console: Any) -> None:
     """A resumed conversation: its KV state from the prompt cache, or a notice that it is evaluated again."""
-    from llmcli.chat.answerer import Resumed, exchange_starts
+    from llmcli.answer.answerer import Resumed, exchange_starts
     from llmcli.cli import output
 
     exchanges = len(exchange_starts(conversation.history))

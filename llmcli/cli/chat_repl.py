@@ -165,7 +165,7 @@ def _show(repl: Repl, argument: str) -> None:
     conversation = repl.conversation
     session = conversation.session
     repl.console.print(f"model    {conversation.model_name} ({session.where})")
-    from llmcli.chat.answerer import exchange_starts
+    from llmcli.answer.answerer import exchange_starts
 
     exchanges = len(exchange_starts(conversation.history))
     context = session.local.context() if session.local is not None else None
@@ -191,7 +191,7 @@ def _settings_lines(record: dict[str, Any]) -> str:
     import shutil
     import textwrap
 
-    from llmcli.settings import SETTINGS
+    from llmcli.config.settings import SETTINGS
 
     def changed(name: str, value: Any) -> bool:
         return name in SETTINGS and value != SETTINGS[name].default and not (value == [] and SETTINGS[name].default is None)
@@ -205,7 +205,7 @@ def _settings_lines(record: dict[str, Any]) -> str:
 
 def _shown(name: str, value: Any) -> str:
     """A setting's value as a person reads it (no Python reprs); an unset seed is a random one."""
-    from llmcli.settings import show_value
+    from llmcli.config.settings import show_value
 
     return "random" if name == "seed" and value is None else show_value(value)
 

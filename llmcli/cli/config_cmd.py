@@ -18,8 +18,8 @@ def show(*, as_json: o.JsonOpt = False, **given: Any) -> None:
     """Print each effective setting, its value and where it came from (flag > env > profile > config > model > default)."""
     from llmcli import paths
     from llmcli.cli import output
+    from llmcli.config.settings import SETTINGS
     from llmcli.pipeline import Request, resolve_settings
-    from llmcli.settings import SETTINGS
 
     effective, model = resolve_settings(Request(settings=o.given_settings(given), profile=given["profile"]))
     if as_json:

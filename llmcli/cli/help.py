@@ -10,7 +10,7 @@ from typing import Any
 
 from typer.core import TyperCommand
 
-from llmcli.settings import CACHE, DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SAMPLING, TOOLS
+from llmcli.config.settings import CACHE, DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SAMPLING, TOOLS
 
 # Panels in the order a reader looks for them; any other panel follows, in the order it appears.
 PANEL_ORDER = (MODEL, "Input and conversation", "Saved conversations", SAMPLING, "Constrained output", TOOLS, OUTPUT,

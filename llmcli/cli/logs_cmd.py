@@ -80,7 +80,8 @@ def path() -> None:
 @app.command("status")
 def status() -> None:
     """Whether answers are logged (and why), where, and how many there are."""
-    from llmcli import paths, settings
+    from llmcli import paths
+    from llmcli.config import settings
     from llmcli.store.answer_log import AnswerLog
 
     effective = settings.resolve({})
@@ -106,7 +107,7 @@ def turn_off() -> None:
 
 def _switch(value: bool) -> None:
     from llmcli import paths
-    from llmcli.config_edit import save_setting
+    from llmcli.config.config_file import save_setting
 
     save_setting("log", value)
     print(f"logging {'on' if value else 'off'} ({paths.config_file()})")

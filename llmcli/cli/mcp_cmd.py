@@ -20,8 +20,8 @@ TimeoutOpt = Annotated[float, typer.Option("--tool-timeout", min=0.1, help="Seco
 def list_servers(mcp: FileOpt = None, as_json: Annotated[bool, typer.Option("--json", help="One JSON array.")] = False,
                  ) -> None:
     """Each server: its state (running, or why it failed) and the tools it offers (as SERVER_TOOL)."""
-    from llmcli.chat.mcp_servers import McpServers, default_config, read_config
     from llmcli.cli import output
+    from llmcli.tools.mcp_servers import McpServers, default_config, read_config
 
     with McpServers(read_config(mcp or default_config())).start() as servers:
         servers.wait()
@@ -44,8 +44,8 @@ def call(server: Annotated[str, typer.Argument(help="The server's name.", show_d
          arguments: Annotated[str, typer.Argument(help="The arguments, a JSON object.")] = "{}",
          mcp: FileOpt = None, tool_timeout: TimeoutOpt = 60.0) -> None:
     """Call one tool of one server and print its result (exit 1 if the tool reports an error)."""
-    from llmcli.chat.mcp_servers import McpServers, default_config, read_config
     from llmcli.cli import output
+    from llmcli.tools.mcp_servers import McpServers, default_config, read_config
 
     try:
         values = json.loads(arguments)

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmcli.cli import options as o
-from llmcli.settings import SETTINGS
+from llmcli.config.settings import SETTINGS
 from llmcli.units import counted
 
 ReferenceArg = Annotated[str, typer.Argument(
@@ -18,7 +18,7 @@ ReferenceArg = Annotated[str, typer.Argument(
 
 
 def _aliases() -> dict[str, str]:
-    from llmcli.settings import load_config_file
+    from llmcli.config.settings import load_config_file
 
     return load_config_file().aliases
 
@@ -34,8 +34,8 @@ PullOfflineOpt = Annotated[bool, typer.Option("--offline", help="Only check the 
 def pull(reference: ReferenceArg, offline: PullOfflineOpt = False, force: PullForceOpt = False, quiet: PullQuietOpt = False,
          hub_timeout: HubTimeoutOpt = None) -> None:
     """Download a model into the cache (or check it is up to date), with progress on stderr."""
-    from llmcli import settings
     from llmcli.cli import output
+    from llmcli.config import settings
     from llmcli.store import models
     from llmcli.store.cache import Fetch
 

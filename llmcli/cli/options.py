@@ -1,4 +1,4 @@
-"""Command-line options: the settings' options generated from the one table (llmcli/settings.py), and
+"""Command-line options: the settings' options generated from the one table (llmcli/config/settings.py), and
 the options that are not settings, declared once here and shared by the commands that take them.
 
 Setting options default to None ("not given") so that the precedence rule
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar
 
 import typer
 
+from llmcli.config.settings import DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SETTINGS, TOOLS, Setting
 from llmcli.errors import UsageError
-from llmcli.settings import DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SETTINGS, TOOLS, Setting
 from llmcli.text_escapes import neutralised
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def complete_model(incomplete: str) -> list[str]:
     """Shell completion for model names: installed models, aliases, the cache."""
-    from llmcli.settings import load_config_file
+    from llmcli.config.settings import load_config_file
     from llmcli.store import catalog
 
     try:
@@ -157,16 +157,16 @@ def tool_runner(functions: list[str] | None, choice: str, chain_limit: int, debu
     from rich.text import Text
 
     from llmcli.answer.tool_calls import ToolChoice
-    from llmcli.chat.tool_loop import ToolRunner, ToolSource, ToolSources
+    from llmcli.tools.tool_loop import ToolRunner, ToolSource, ToolSources
 
     approver = _approver(console) if approve else None  # refused before anything starts
     sources: list[ToolSource] = []
     if functions:
-        from llmcli.chat.functions import load_functions
+        from llmcli.tools.functions import load_functions
 
         sources.append(load_functions(functions))
     if mcp is not None or mcp_servers:
-        from llmcli.chat.mcp_servers import McpServers, default_config, read_config
+        from llmcli.tools.mcp_servers import McpServers, default_config, read_config
 
         servers = McpServers(read_config(mcp or default_config(), tuple(mcp_servers or ())), tool_timeout)
         sources.append(servers.start())

@@ -57,7 +57,7 @@ def _variables(specs: list[str] | None) -> dict[str, str]:
 
 def _save_template(name: str, prompt: str | None, given: dict[str, Any], console: Any) -> None:
     from llmcli import paths
-    from llmcli.saved_templates import PromptTemplate, save
+    from llmcli.config.saved_templates import PromptTemplate, save
 
     values = o.given_settings(given)
     system = values.pop("system", None)
@@ -106,7 +106,7 @@ def run(
         _save_template(save, prompt, given, console)
     chosen = None
     if template is not None:
-        from llmcli.saved_templates import load
+        from llmcli.config.saved_templates import load
 
         chosen = load(template)
         given.update({name: value for name, value in chosen.settings.items() if given.get(name) in (None, [])})
@@ -135,13 +135,13 @@ def run(
 def _answer(prompt_arg: str | None, stdin_text: str | None, message: str, prompt_first: bool, given: dict[str, Any],
             runner: Any, show_prompt: bool, as_json: bool, quiet: bool, continue_conversation: bool, cid: str | None,
             console: Any) -> None:
-    from llmcli.chat.answerer import tool_format
+    from llmcli.answer.answerer import tool_format
     from llmcli.chat.conversation import Conversation
-    from llmcli.chat.tool_loop import cut_off as tool_call_cut_off
     from llmcli.cli import output
     from llmcli.cli.stream import AnswerSink, show_answer
     from llmcli.pipeline import continued, log_entry, open_answering
     from llmcli.store.answer_log import record
+    from llmcli.tools.tool_loop import cut_off as tool_call_cut_off
 
     with output.download_progress() as progress:  # shown only if the model must be downloaded first
         pipeline = open_answering(o.build_request(given), progress, on_waiting=output.waiting_for)
@@ -186,7 +186,7 @@ def _answer(prompt_arg: str | None, stdin_text: str | None, message: str, prompt
             # What a later run likely shares: the piped document (before the question), else the whole message.
             stable = stdin_text if stdin_text and prompt_arg and not prompt_first else message
             if runner is not None:
-                from llmcli.chat.tool_loop import answer_with_tools
+                from llmcli.tools.tool_loop import answer_with_tools
 
                 events = answer_with_tools(session, message, generation, runner, pipeline.cancel, stable)
             else:

@@ -19,7 +19,7 @@ NameArg = Annotated[str, typer.Argument(help="The template's name.", show_defaul
 @app.command("list")
 def list_templates() -> None:
     """Every template: its name and the start of its prompt or system prompt."""
-    from llmcli.saved_templates import all_templates
+    from llmcli.config.saved_templates import all_templates
 
     templates = all_templates()
     if not templates:
@@ -34,8 +34,8 @@ def list_templates() -> None:
 @app.command("show")
 def show(name: NameArg) -> None:
     """One template as it is saved."""
-    from llmcli.saved_templates import load
-    from llmcli.settings import show_value
+    from llmcli.config.saved_templates import load
+    from llmcli.config.settings import show_value
 
     template = load(name)
     for key in ("system", "prompt"):
@@ -53,8 +53,8 @@ def edit(name: NameArg) -> None:
     import tempfile
     from pathlib import Path
 
-    from llmcli.config_edit import check_name
-    from llmcli.saved_templates import as_text, replace_from_text
+    from llmcli.config.config_file import check_name
+    from llmcli.config.saved_templates import as_text, replace_from_text
 
     check_name(name, "template")
     editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
@@ -70,7 +70,7 @@ def edit(name: NameArg) -> None:
 @app.command("rm")
 def remove(name: NameArg) -> None:
     """Remove a template from the config file."""
-    from llmcli.saved_templates import remove as remove_template
+    from llmcli.config.saved_templates import remove as remove_template
 
     remove_template(name)
     print(f"removed template {name}")

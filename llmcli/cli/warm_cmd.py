@@ -63,7 +63,7 @@ def stop(model: ModelArg = None) -> None:
 
 def _path_of(model: str) -> Path | None:
     """The file a model reference means here (None if it means none)."""
-    from llmcli.settings import load_config_file
+    from llmcli.config.settings import load_config_file
     from llmcli.store.catalog import local_model
 
     try:

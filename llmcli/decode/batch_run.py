@@ -31,13 +31,13 @@ from typing import Any
 from llmcli.answer.batch_jsonl import BatchItem, Record, Summary
 from llmcli.answer.events import Done, answer_record
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.shared_prefix import shared_prefix
 from llmcli.answer.stats import AnswerClock
 from llmcli.decode.scheduler import Scheduler
 from llmcli.decode.speculative import Speculation
 from llmcli.errors import LlmcliError
 from llmcli.interrupt import Cancellation
 from llmcli.llama.engine import Engine
-from llmcli.shared_prefix import shared_prefix
 
 DEFAULT_ANSWER_ROOM = 256  # cells for an answer without -n at first (the cache grows for longer ones)
 

@@ -26,11 +26,11 @@ from typing import Any
 
 from llmcli.answer.events import DecodeEvent, Done
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.shared_prefix import shared_prefix
 from llmcli.answer.stats import AnswerClock
 from llmcli.decode.scheduler import Scheduler
 from llmcli.decode.speculative import Speculation
 from llmcli.llama.engine import Engine
-from llmcli.shared_prefix import shared_prefix
 
 # A slot's cache is reused for a prompt that shares at least this many tokens with it, or all of it (a prompt asked
 # again). A shorter prefix (the template's first tokens, which every chat prompt has) saves under a millisecond,

@@ -22,18 +22,18 @@ from typing import Any
 
 import llama_cpp
 
+from llmcli.answer.context_budget import overflow
 from llmcli.answer.sampling_config import SamplingConfig
-from llmcli.context_budget import overflow
-from llmcli.core_share import CoreShare
-from llmcli.cpu_topology import physical_cores
+from llmcli.config.settings import default
 from llmcli.errors import IntegrityError, LlmcliError, ResourceError
 from llmcli.interrupt import Cancellation
 from llmcli.llama.batch import Batch
+from llmcli.llama.core_share import CoreShare
+from llmcli.llama.cpu_topology import physical_cores
 from llmcli.llama.kv_cache import KVCache
 from llmcli.llama.llama_log import llama_backend
 from llmcli.llama.sampler_chain import Sampler
 from llmcli.llama.vocab import Vocabulary
-from llmcli.settings import default
 from llmcli.store.gguf_header import GGUFHeader, read_header
 
 DEFAULT_MAX_CTX = 4096  # llama-cpp-python's 512 is too small for chat; the training context is often too big

@@ -14,7 +14,7 @@ from typing import Any
 
 import llama_cpp
 
-from llmcli.shared_prefix import shared_prefix
+from llmcli.answer.shared_prefix import shared_prefix
 
 
 class KVCache:

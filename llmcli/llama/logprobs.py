@@ -11,8 +11,6 @@ import numpy as np
 from llmcli.answer.events import TokenLogprob
 from llmcli.llama.vocab import Vocabulary
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
-
 
 def token_logprob(ctx: Any, vocab: Vocabulary, index: int, token: int, n_top: int) -> TokenLogprob:
     """`token`'s logprob at batch `index` of the last decode (-1: its last logits), and the `n_top` most likely."""

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
-from llmcli import paths, settings
+from llmcli import paths
+from llmcli.answer.answerer import Answerer
 from llmcli.answer.constraint import Constraint, build_constraint
 from llmcli.answer.generation import GenerationOptions
-from llmcli.chat.answerer import Answerer
-from llmcli.chat.chat_template import Message
+from llmcli.answer.message import Message
+from llmcli.config import settings
 from llmcli.errors import LlmcliError, UsageError
 from llmcli.file_hashes import known_sha256
 from llmcli.interrupt import Cancellation

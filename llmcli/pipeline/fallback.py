@@ -10,11 +10,11 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from llmcli.answer.answerer import Answerer, LocalModel, ProgressCallback, PromptOptions, ResultCallback
 from llmcli.answer.batch_jsonl import BatchItem, Summary
 from llmcli.answer.events import AnswerEvent, Notice, Token
 from llmcli.answer.generation import GenerationOptions
-from llmcli.chat.answerer import Answerer, LocalModel, ProgressCallback, PromptOptions, ResultCallback
-from llmcli.chat.chat_template import Message
+from llmcli.answer.message import Message
 from llmcli.interrupt import Cancellation
 from llmcli.remote.client import NetworkError
 

@@ -7,23 +7,25 @@ import dataclasses
 from contextlib import ExitStack
 from dataclasses import dataclass
 
-from llmcli import paths, settings
+from llmcli import paths
+from llmcli.answer.answerer import PromptOptions, RenderedPrompt, with_system
 from llmcli.answer.constraint import Constraint
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.message import Message
 from llmcli.answer.sampling_config import SamplingConfig, parse_logit_bias
-from llmcli.chat.answerer import PromptOptions, RenderedPrompt, with_system
-from llmcli.chat.chat_template import ChatTemplate, Message
 from llmcli.chat.session import Session, find_template, render_prompt
-from llmcli.cpu_topology import physical_cores
+from llmcli.config import settings
 from llmcli.decode.prompt_cache import GIB, PromptCache, PromptCacheConfig
 from llmcli.decode.speculative import DraftModel, Speculation
 from llmcli.embed.embedding import Embedder, pooling_of
 from llmcli.errors import UsageError
 from llmcli.interrupt import Cancellation
+from llmcli.llama.cpu_topology import physical_cores
 from llmcli.llama.engine import CELL_PADDING, Engine, EngineConfig, default_context
 from llmcli.llama.schema_grammar import with_grammar
 from llmcli.llama.vocab import VocabularyFile
 from llmcli.pipeline import Pipeline, Request, fetch_for, resolve_settings
+from llmcli.prompt.chat_template import ChatTemplate
 from llmcli.store import memory, models
 from llmcli.store.cache import Fetch, ProgressCallback, WaitingNotice
 from llmcli.store.gguf_header import GGUFHeader, read_header

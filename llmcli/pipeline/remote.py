@@ -7,12 +7,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from llmcli import settings
+from llmcli.answer.answerer import Answerer, PromptOptions
 from llmcli.answer.constraint import Constraint
 from llmcli.answer.generation import GenerationOptions
-from llmcli.answer.sampling_config import SamplingConfig
-from llmcli.chat.answerer import Answerer, PromptOptions
-from llmcli.errors import ModelNotFoundError, UsageError
+from llmcli.answer.sampling_config import SamplingConfig, split_logit_bias
+from llmcli.config import settings
+from llmcli.errors import ModelNotFoundError
 from llmcli.interrupt import Cancellation
 from llmcli.pipeline import Pipeline, Request
 from llmcli.remote.client import Client, Endpoint
@@ -85,11 +85,7 @@ def _logit_bias(specs: tuple[str, ...]) -> tuple[dict[str, float], list[str]]:
     biases: dict[str, float] = {}
     unsent: list[str] = []
     for spec in specs:
-        token, _, bias_text = spec.rpartition("=")
-        try:
-            bias = float(bias_text)
-        except ValueError:
-            raise UsageError(f"--logit-bias {spec!r}: {bias_text!r} is not a number (or -inf)") from None
+        token, bias = split_logit_bias(spec)
         if token.isdigit():
             biases[token] = max(-100.0, min(100.0, bias))
         else:

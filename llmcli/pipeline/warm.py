@@ -25,7 +25,8 @@ from typing import Any
 
 import httpx2
 
-from llmcli import __version__, paths, settings
+from llmcli import __version__, paths
+from llmcli.config import settings
 from llmcli.errors import LlmcliError
 
 # What the server fixes when it loads the model: sent once, when it starts (each request sends the rest).

@@ -11,12 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from llmcli.answer.answerer import ProgressCallback, PromptOptions, ResultCallback, with_system
 from llmcli.answer.batch_jsonl import BatchItem, Summary
 from llmcli.answer.events import AnswerEvent, DecodeEvent, Done, Token, answer_record
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.message import Message
 from llmcli.answer.sampling_config import WIRE_FIELDS
-from llmcli.chat.answerer import ProgressCallback, PromptOptions, ResultCallback, with_system
-from llmcli.chat.chat_template import Message
 from llmcli.errors import LlmcliError
 from llmcli.interrupt import Cancellation
 from llmcli.remote.client import Client, NetworkError, StreamedAnswer

@@ -9,19 +9,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmcli.answer.answerer import RenderedPrompt
 from llmcli.answer.constraint import Constraint
+from llmcli.answer.events import MAX_TOP_LOGPROBS
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.message import Message
 from llmcli.answer.sampling_config import SamplingConfig, check_grammar
 from llmcli.answer.tool_calls import ToolSpec, tool_spec
-from llmcli.chat.answerer import RenderedPrompt
-from llmcli.chat.chat_template import Message
+from llmcli.config.settings import SETTINGS, check_value
 from llmcli.errors import LlmcliError
 from llmcli.llama.schema_grammar import tool_grammar, with_grammar
-from llmcli.settings import SETTINGS, check_value
 
 MAX_STOPS = 16
 MAX_MESSAGES = 2048  # a conversation's messages (an earlier response's count): more is refused before any is read
-MAX_TOP_LOGPROBS = 20
 
 # HTTP status -> the kind of error, in OpenAI's and Anthropic's words (Ollama's errors have none)
 KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",

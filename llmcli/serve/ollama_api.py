@@ -20,8 +20,8 @@ from typing import Any
 
 from llmcli.answer.events import DecodeEvent, Done, Token
 from llmcli.answer.finish import finish_reason
+from llmcli.answer.message import Message
 from llmcli.answer.tool_calls import ToolCall
-from llmcli.chat.chat_template import Message
 from llmcli.serve.answer_request import (
     AnswerRequest,
     ApiError,

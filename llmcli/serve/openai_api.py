@@ -12,10 +12,10 @@ from typing import Any
 
 from llmcli.answer.events import DecodeEvent, Done, Token, TokenLogprob
 from llmcli.answer.finish import finish_reason
+from llmcli.answer.message import Message
 from llmcli.answer.sampling_config import WIRE_FIELDS
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.answer.tool_calls import ToolCall, new_call_id
-from llmcli.chat.chat_template import Message
 from llmcli.serve.answer_request import (
     AnswerRequest,
     ApiError,

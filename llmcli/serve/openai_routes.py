@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llmcli.chat.chat_template import Message
+from llmcli.answer.message import Message
 from llmcli.serve import openai_api, responses_api
 from llmcli.serve.answering import Asked, ServerState, check_key, requested_model
 from llmcli.serve.model_facts import ModelFacts

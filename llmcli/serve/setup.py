@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmcli.answer.answerer import with_system
+from llmcli.answer.message import Message
 from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.answer.tool_calls import ToolSpec
-from llmcli.chat.answerer import with_system
-from llmcli.chat.chat_template import Message
 from llmcli.chat.session import Session, render_prompt, thinking_variables
 from llmcli.decode.serving import SlotServer
 from llmcli.pipeline import Pipeline, Request, Shape, resolve_settings

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmcli import paths
+from llmcli.config.settings import default
 from llmcli.errors import ModelNotFoundError
-from llmcli.settings import default
 from llmcli.store.references import Choice, HubReference, choices, select
 
 REPO_PREFIX = "models--"

@@ -74,9 +74,9 @@ def entries(everywhere: bool = False) -> list[Entry]:
             entry = Entry(entry.name, entry.path, entry.source, entry.size, entry.header, entry.problem, total)
         found.append(entry)
     if everywhere:
-        from llmcli.store import foreign_stores as elsewhere
+        from llmcli.store import foreign_stores
 
-        found += [_entry(model.name, model.path, model.source) for model in elsewhere.all_models()]
+        found += [_entry(model.name, model.path, model.source) for model in foreign_stores.all_models()]
     return found
 
 
@@ -135,9 +135,9 @@ def assembled_copy(reference: str) -> Path | None:
 
 def removable(reference: str, aliases: dict[str, str] | None = None) -> list[CachedModel]:
     """The cached models `reference` names: OWNER/REPO (all of it), OWNER/REPO:QUANT or …/FILE.gguf."""
-    from llmcli.store import foreign_stores as elsewhere
+    from llmcli.store import foreign_stores
 
-    if elsewhere.is_foreign(reference):
+    if foreign_stores.is_foreign(reference):
         tool = reference.split(":", 1)[0]
         raise UsageError(f"{reference} belongs to {'Ollama' if tool.lower() == 'ollama' else 'LM Studio'}: llmcli reads "
                          "it in place and never removes another tool's files", hint=f"Remove it with {tool} itself.")

@@ -140,7 +140,7 @@ def _digest(layer: dict[str, Any], label: str) -> str:
 
 def _ollama_extras(root: Path, layers: list[dict[str, Any]], label: str) -> tuple[dict[str, Any], tuple[str, ...]]:
     """The settings Ollama keeps for the model (params and system layers), and what does not translate."""
-    from llmcli.settings import SETTINGS, coerce
+    from llmcli.config.settings import SETTINGS, coerce
 
     defaults: dict[str, Any] = {}
     ignored: list[str] = []

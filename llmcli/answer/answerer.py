@@ -16,10 +16,10 @@ from typing import Protocol
 from llmcli.answer.batch_jsonl import BatchItem, Record, Summary
 from llmcli.answer.events import AnswerEvent
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.message import Message
 from llmcli.answer.tool_calls import ToolSpec
-from llmcli.chat.chat_template import Message
+from llmcli.config.settings import default
 from llmcli.interrupt import Cancellation
-from llmcli.settings import default
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Chat templates: the messages they read, rendering one safely, and the tools in a prompt.
 
 A template stored in a GGUF is code written by a stranger: it is compiled and rendered in the bounded sandbox of
-llmcli/chat/template_sandbox.py (its size capped here, its output capped here, everything else there).
+llmcli/prompt/template_sandbox.py (its size capped here, its output capped here, everything else there).
 """
 
 from __future__ import annotations
@@ -12,50 +12,14 @@ from typing import Any
 
 import jinja2
 
-from llmcli.answer.tool_calls import ToolCall, ToolSpec, call_markup, describe_tools, template_reads_tools
-from llmcli.chat.template_sandbox import HINT as _HINT
-from llmcli.chat.template_sandbox import RENDER_SECONDS, TemplateLimit, environment, rendering_budget
+from llmcli.answer.message import Message
+from llmcli.answer.tool_calls import ToolSpec, call_markup, describe_tools, template_reads_tools
 from llmcli.errors import TemplateError
+from llmcli.prompt.template_sandbox import HINT as _HINT
+from llmcli.prompt.template_sandbox import RENDER_SECONDS, TemplateLimit, environment, rendering_budget
 
 MAX_TEMPLATE_CHARS = 64 * 1024
 MAX_RENDERED_CHARS = 4 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Message:
-    role: str
-    content: str
-    interrupted: bool = False  # a reply cut short by Ctrl-C (kept in the history, marked in records)
-    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
-    tool_call_id: str | None = None  # a `tool` message: the call it answers
-    name: str | None = None  # ... and the tool's name
-
-    def openai_dict(self) -> dict[str, Any]:
-        """As OpenAI's chat API takes a message (a call's arguments as JSON text)."""
-        found = self.template_dict()
-        if self.tool_calls:  # (content stays a string: OpenAI takes "", and some servers refuse null)
-            found["tool_calls"] = [call.openai() for call in self.tool_calls]
-        return found
-
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> Message:
-        """A message saved with dataclasses.asdict (/save, conversation records)."""
-        calls = tuple(ToolCall(str(c["id"]), str(c["name"]), str(c.get("arguments") or "{}"), c.get("error"))
-                      for c in record.get("tool_calls") or ())
-        return cls(record["role"], record["content"], bool(record.get("interrupted")), calls,
-                   record.get("tool_call_id"), record.get("name"))
-
-    def template_dict(self) -> dict[str, Any]:
-        """As chat templates read a message (OpenAI's shape: a call's arguments as an object, as templates expect)."""
-        found: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.tool_calls:
-            found["tool_calls"] = [{"id": c.id, "type": "function",
-                                    "function": {"name": c.name, "arguments": c.arguments_value()}} for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            found["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            found["name"] = self.name
-        return found
 
 
 @dataclass(frozen=True)

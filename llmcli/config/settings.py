@@ -242,7 +242,7 @@ class ConfigFile:
     settings: dict[str, Any]
     profiles: dict[str, dict[str, Any]]
     aliases: dict[str, str]
-    templates: dict[str, Any] = field(default_factory=dict)  # [templates.NAME], checked by llmcli/prompt_templates.py
+    templates: dict[str, Any] = field(default_factory=dict)  # [templates.NAME], checked by llmcli/config/saved_templates.py
 
 
 def load_config_file() -> ConfigFile:

@@ -13,12 +13,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from llmcli.answer.answerer import Answerer
 from llmcli.answer.events import AnswerEvent, Done, Notice
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.message import Message
 from llmcli.answer.stats import Stats
 from llmcli.answer.tool_calls import Tool, ToolCall, ToolChoice, ToolResult, ToolSpec
-from llmcli.chat.answerer import Answerer
-from llmcli.chat.chat_template import Message
 from llmcli.interrupt import Cancellation
 
 DEFAULT_CHAIN_LIMIT = 5

@@ -1,0 +1,47 @@
+"""A message of a conversation, as templates, records and every protocol read it: its role, its text, the tool
+calls an assistant made and the call a tool's result answers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from llmcli.answer.tool_calls import ToolCall
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+    interrupted: bool = False  # a reply cut short by Ctrl-C (kept in the history, marked in records)
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str | None = None  # a `tool` message: the call it answers
+    name: str | None = None  # ... and the tool's name
+
+    def openai_dict(self) -> dict[str, Any]:
+        """As OpenAI's chat API takes a message (a call's arguments as JSON text)."""
+        found = self.template_dict()
+        if self.tool_calls:  # (content stays a string: OpenAI takes "", and some servers refuse null)
+            found["tool_calls"] = [call.openai() for call in self.tool_calls]
+        return found
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Message:
+        """A message saved with dataclasses.asdict (/save, conversation records)."""
+        calls = tuple(ToolCall(str(c["id"]), str(c["name"]), str(c.get("arguments") or "{}"), c.get("error"))
+                      for c in record.get("tool_calls") or ())
+        return cls(record["role"], record["content"], bool(record.get("interrupted")), calls,
+                   record.get("tool_call_id"), record.get("name"))
+
+    def template_dict(self) -> dict[str, Any]:
+        """As chat templates read a message (OpenAI's shape: a call's arguments as an object, as templates expect)."""
+        found: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            found["tool_calls"] = [{"id": c.id, "type": "function",
+                                    "function": {"name": c.name, "arguments": c.arguments_value()}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            found["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            found["name"] = self.name
+        return found
