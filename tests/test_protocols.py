@@ -469,16 +469,17 @@ def _answers(draw: st.DrawFn) -> list:
 
 @given(events=_answers())
 def test_the_openai_wire_round_trips_from_serve_to_the_endpoint_client(events):
-    """Events → serve's OpenAI chunks (llmcli/serve/openai_api.py) → the --endpoint client's events
-    (llmcli/remote/client.py): the same text, reasoning, calls and finish reason, with no HTTP and no model."""
+    """Events → serve's OpenAI chunks (llmcli/serve/openai_api.py over llmcli/answer/openai_wire.py) → the --endpoint
+    client's events (openai_wire's ChunkReader): the same text, reasoning, calls and finish reason, with no HTTP and no
+    model."""
     from llmcli.answer.events import Done, Token
+    from llmcli.answer.openai_wire import ChunkReader
     from llmcli.answer.tool_call_parser import CallArguments, CallStarted
-    from llmcli.remote.client import StreamedAnswer
     from llmcli.serve.answer_request import AnswerRequest
     from llmcli.serve.openai_api import Reply
 
     reply = Reply.new(True, "smollm2", [AnswerRequest(stream=True)])
-    client = StreamedAnswer((), time.perf_counter())
+    client = ChunkReader((), time.perf_counter())
     read: list = []
     for event in events:
         for _, chunk in reply.on_event(0, event):

@@ -16,12 +16,6 @@ from typing import Any
 
 import httpx2
 
-from llmcli.answer.answer_text import StopMatcher
-from llmcli.answer.events import Done, Token
-from llmcli.answer.finish import from_openai
-from llmcli.answer.stats import AnswerClock
-from llmcli.answer.tool_call_parser import CallArguments, CallStarted
-from llmcli.answer.tool_calls import ToolCall, ToolSpec, new_call_id
 from llmcli.errors import ExitCode, LlmcliError, ModelNotFoundError, UsageError
 
 RETRIES = 3  # after the first try, for 429 and 5xx
@@ -171,92 +165,3 @@ def _message(body: Any) -> str:
         text = str(body)
     folded = " ".join(text.split())
     return (folded[:300] + "…" if len(folded) > 300 else folded) or "no reason given"
-
-
-class StreamedAnswer:
-    """Chunks in, the events of a local answer out: text (never a stop sequence), reasoning, then Done with
-    timings measured here (TTFT, decode rate) and the server's token counts when it sends them."""
-
-    def __init__(self, stops: tuple[str, ...], started: float, tools: ToolSpec | None = None):
-        self.stops = StopMatcher(stops)
-        self.tools = tools  # to check the calls the server sends against (it is not trusted to have)
-        self.calls: dict[int, list[str]] = {}  # index -> [id, name, arguments so far]
-        self.clock = AnswerClock(started)
-        self.clock.prefill_started = started  # the server's prefill is what the first chunk waits for
-        self.text: list[str] = []
-        self.thought: list[str] = []
-        self.pieces = 0  # chunks with text: the token count when the server gives none
-        self.finish: str | None = None
-        self.stop: str | None = None
-        self.usage: dict[str, Any] = {}
-        self.server_timings: dict[str, Any] = {}
-
-    def events(self, chunk: dict[str, Any], chat: bool) -> Iterator[Token | CallStarted | CallArguments]:
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        if isinstance(chunk.get("timings"), dict):
-            self.server_timings = chunk["timings"]
-        for choice in chunk.get("choices") or ():
-            if choice.get("finish_reason"):
-                self.finish = from_openai(choice["finish_reason"])
-            delta = (choice.get("delta") or {}) if chat else choice
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if isinstance(reasoning, str) and reasoning:
-                self._arrived()
-                self.thought.append(reasoning)
-                yield Token(reasoning, reasoning=True)
-            yield from self._call_events(delta.get("tool_calls") if chat else None)
-            text = delta.get("content") if chat else delta.get("text")
-            if isinstance(text, str) and text and self.stop is None:
-                self._arrived()
-                shown, self.stop = self.stops.feed(text)
-                if shown:
-                    self.text.append(shown)
-                    yield Token(shown)
-
-    def _call_events(self, deltas: Any) -> Iterator[CallStarted | CallArguments]:
-        """OpenAI's streamed tool calls: index, id and name once, then pieces of the arguments."""
-        for delta in deltas if isinstance(deltas, list) else ():
-            if not isinstance(delta, dict) or not isinstance(delta.get("index", 0), int):
-                continue
-            index = delta.get("index", 0)
-            found = delta.get("function")
-            function: dict[str, Any] = found if isinstance(found, dict) else {}
-            if index not in self.calls:
-                self._arrived()
-                self.calls[index] = [str(delta.get("id") or new_call_id()), str(function.get("name") or ""), ""]
-                yield CallStarted(index, self.calls[index][0], self.calls[index][1])
-            piece = function.get("arguments")
-            if isinstance(piece, str) and piece:
-                self.calls[index][2] += piece
-                yield CallArguments(index, piece)
-
-    def _arrived(self) -> None:
-        self.clock.token(time.perf_counter(), True)
-        self.pieces += 1
-
-    def done(self, interrupted: bool) -> tuple[str, Done]:
-        """What the stop matcher still held, and the Done event."""
-        tail = ""
-        if self.stop is None:
-            tail, self.stop = self.stops.finish()
-        if tail:
-            self.text.append(tail)
-        prompt = int(self.usage.get("prompt_tokens") or 0)
-        details = self.usage.get("prompt_tokens_details") or {}
-        cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
-        completion = int(self.usage.get("completion_tokens") or self.pieces)
-        self.clock.prefill_done = self.clock.first_token
-        stats = self.clock.stats(prompt_tokens=prompt, cached_tokens=cached, prefill_tokens=max(0, prompt - cached),
-                                 completion_tokens=completion, decode_steps=max(0, completion - 1))
-        own = self.server_timings.get("finish_reason")  # llmcli serve says why, in llmcli's words
-        finish = ("interrupted" if interrupted else "stop_sequence" if self.stop is not None
-                  else own if isinstance(own, str) and own else self.finish or "stop")
-        stop = self.stop if self.stop is not None else self.server_timings.get("stop_sequence")
-        calls = tuple(ToolCall(call_id, name, arguments or "{}",
-                               self.tools.check(name, arguments or "{}") if self.tools is not None else None)
-                      for _, (call_id, name, arguments) in sorted(self.calls.items()))
-        if calls and finish in ("stop", "tool_calls"):
-            finish = "tool_calls"
-        return tail, Done(finish, stats, stop if isinstance(stop, str) else None, text="".join(self.text),
-                          reasoning="".join(self.thought).strip() or None, tool_calls=calls)

@@ -16,10 +16,10 @@ from llmcli.answer.batch_jsonl import BatchItem, Summary
 from llmcli.answer.events import AnswerEvent, DecodeEvent, Done, Token, answer_record
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.message import Message
-from llmcli.answer.sampling_config import WIRE_FIELDS
+from llmcli.answer.openai_wire import ChunkReader, message_dict, sampling_fields, tool_fields
 from llmcli.errors import LlmcliError
 from llmcli.interrupt import Cancellation
-from llmcli.remote.client import Client, NetworkError, StreamedAnswer
+from llmcli.remote.client import Client, NetworkError
 
 # What a server decides for itself: settings of a local model's engine, cache and context. Given for a run with
 # --endpoint, they are named in a notice, never dropped without a word.
@@ -41,20 +41,11 @@ class RemoteRequest:
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # sent as they are (a warm server's keep_alive)
 
     def body(self, generation: GenerationOptions, think: bool | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, **self.extra}
-        for name, field in WIRE_FIELDS.items():  # from this answer's options: chat's /set changes them between turns
-            value = generation.repetition_guard if name == "repetition_guard" else getattr(generation.sampling, name)
-            if value is not None and (value != self.defaults.get(name) or name == "temp"):
-                body[field] = value
+        # from this answer's options: chat's /set changes them between turns
+        body: dict[str, Any] = {"model": self.model, **self.extra, **sampling_fields(generation, self.defaults)}
         if self.logit_bias:
             body["logit_bias"] = dict(self.logit_bias)
-        spec = generation.tools
-        if spec is not None and spec.tools:  # the server renders them and constrains the calls itself
-            body["tools"] = [tool.openai() for tool in spec.tools]
-            choice = spec.choice
-            body["tool_choice"] = {"type": "function", "function": {"name": choice.name}} if choice.mode == "function" \
-                else choice.mode
-            body["parallel_tool_calls"] = spec.parallel
+        body.update(tool_fields(generation.tools))
         if think is not None:  # llama-server, vLLM and llmcli serve pass it to the chat template
             body["chat_template_kwargs"] = {"enable_thinking": think}
         if generation.max_tokens:
@@ -147,10 +138,10 @@ def exchange(session: RemoteSession, user_text: str | None, options: GenerationO
     if chat:
         new = [Message("user", user_text)] if user_text is not None else []
         messages = with_system(session.options.system, [*history, *new])
-        body["messages"] = [m.openai_dict() for m in messages]
+        body["messages"] = [message_dict(m) for m in messages]
     else:
         body["prompt"] = user_text or ""
-    answer = StreamedAnswer(options.stops, started, options.tools)
+    answer = ChunkReader(options.stops, started, options.tools)
     for chunk in session.client.stream("chat/completions" if chat else "completions", body):
         yield from answer.events(chunk, chat)
         if answer.stop is not None:

@@ -14,6 +14,7 @@ from llmcli.answer.constraint import Constraint
 from llmcli.answer.events import MAX_TOP_LOGPROBS
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.message import Message
+from llmcli.answer.openai_wire import WireError
 from llmcli.answer.sampling_config import SamplingConfig, check_grammar
 from llmcli.answer.tool_calls import ToolSpec, tool_spec
 from llmcli.config.settings import SETTINGS, check_value
@@ -28,13 +29,14 @@ KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
          413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
-class ApiError(Exception):
-    """An error response: its HTTP status, what went wrong, and where (each protocol writes it in its own shape)."""
+class ApiError(WireError):
+    """An error response: its HTTP status, what went wrong, and where (each protocol writes it in its own shape). A
+    body that is not its protocol's shape is a plain WireError: a 400."""
 
     def __init__(self, status: int, message: str, kind: str | None = None, param: str | None = None,
                  code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        super().__init__(message, param)
+        self.status, self.code = status, code
         self.kind = kind or KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
 
 
@@ -278,19 +280,6 @@ def count_of(value: Any, param: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOP_LOGPROBS:
         raise ApiError(400, f"{param} must be an integer in [0, {MAX_TOP_LOGPROBS}]", param=param)
     return value
-
-
-def text_of(content: Any, where: str, param: str = "messages",
-            part_types: tuple[str, ...] = ("text",)) -> str:
-    """A message's text: a string, or a list of text parts (`{"type": "text", "text": …}`)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in part_types
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    if isinstance(content, list) and any(isinstance(p, dict) and "image" in str(p.get("type", "")) for p in content):
-        raise ApiError(400, f"{where}: images are not supported (this server's model reads text only)", param=param)
-    raise ApiError(400, f"{where}.content must be a string or a list of text parts", param=param)
 
 
 def count_tokens(request: AnswerRequest, prompter: Prompter) -> int:

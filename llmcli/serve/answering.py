@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from llmcli.answer.events import DecodeEvent, Done
+from llmcli.answer.openai_wire import WireError
 from llmcli.answer.stats import summary_line
 from llmcli.decode.serving import Failure, Job, QueueFull, SlotServer
 from llmcli.serve.answer_request import AnswerRequest, ApiError, Parsed, prepare
@@ -42,10 +43,10 @@ class ServerState:
     report: Callable[[str], None] | None = None  # one line per answer (serve prints it on stderr)
 
 
-ErrorShape = Callable[[ApiError], Any]
+ErrorShape = Callable[[WireError], Any]
 
 
-def error_response(error: ApiError, shape: ErrorShape) -> JSONResponse:
+def error_response(error: WireError, shape: ErrorShape) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 429 else None
     return JSONResponse(shape(error), status_code=error.status, headers=headers)
 
@@ -161,7 +162,7 @@ async def answer(request: Request, state: ServerState, parse: Callable[[Any, Ser
             return JSONResponse(asked)
         prepared = await asyncio.to_thread(lambda: [prepare(a, served.prompter) for a in asked.requests])
         return await respond(request, state, served.slots, prepared, asked.reply(prepared), ndjson, release)
-    except ApiError as error:
+    except WireError as error:  # (an ApiError, or a body not in its protocol's shape: 400)
         release()
         return error_response(error, shape)
 

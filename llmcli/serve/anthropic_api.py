@@ -20,6 +20,7 @@ from typing import Any
 from llmcli.answer.events import DecodeEvent, Done, Token
 from llmcli.answer.finish import finish_reason
 from llmcli.answer.message import Message
+from llmcli.answer.openai_wire import WireError, text_of
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.answer.tool_calls import ToolCall
 from llmcli.serve.answer_request import (
@@ -31,7 +32,6 @@ from llmcli.serve.answer_request import (
     constraint_of,
     max_tokens_of,
     stops_of,
-    text_of,
     tools_of,
 )
 from llmcli.serve.wire import Item
@@ -49,7 +49,7 @@ MESSAGE_FIELDS = COUNT_FIELDS | {"max_tokens", "stop_sequences", "stream", *SAMP
 NOT_HERE = {"container": "no code execution", "mcp_servers": "give the tools themselves"}
 
 
-def error_body(error: ApiError) -> dict[str, Any]:
+def error_body(error: WireError) -> dict[str, Any]:
     kind = "overloaded_error" if error.status == 503 else KINDS.get(error.kind, error.kind)
     return {"type": "error", "error": {"type": kind, "message": error.message}}
 

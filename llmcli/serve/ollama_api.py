@@ -21,6 +21,7 @@ from typing import Any
 from llmcli.answer.events import DecodeEvent, Done, Token
 from llmcli.answer.finish import finish_reason
 from llmcli.answer.message import Message
+from llmcli.answer.openai_wire import WireError
 from llmcli.answer.tool_calls import ToolCall
 from llmcli.serve.answer_request import (
     AnswerRequest,
@@ -55,7 +56,7 @@ IMAGE_GENERATION = {name: "no image generation (a text model)" for name in ("wid
 EMBED_FIELDS = frozenset({"model", "input", "prompt", "truncate", "options", "dimensions"}) | LEFT
 
 
-def error_body(error: ApiError) -> dict[str, Any]:
+def error_body(error: WireError) -> dict[str, Any]:
     return {"error": error.message}
 
 

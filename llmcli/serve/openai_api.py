@@ -1,9 +1,9 @@
-"""OpenAI's chat and completions wire format, both ways: a request body -> AnswerRequests
-(llmcli/serve/answer_request.py), and llmcli's events -> response objects and stream chunks. No HTTP here."""
+"""serve's side of OpenAI's chat and completions: a request body -> AnswerRequests (llmcli/serve/answer_request.py),
+and llmcli's events -> response objects and stream chunks. The wire format itself — fields, messages, deltas, usage,
+timings — is llmcli/answer/openai_wire.py's, which the --endpoint client reads with. No HTTP here."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -12,10 +12,8 @@ from typing import Any
 
 from llmcli.answer.events import DecodeEvent, Done, Token, TokenLogprob
 from llmcli.answer.finish import finish_reason
-from llmcli.answer.message import Message
-from llmcli.answer.sampling_config import WIRE_FIELDS
+from llmcli.answer.openai_wire import SAMPLING_FIELDS, WireError, call_delta, message_of, timings, usage
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
-from llmcli.answer.tool_calls import ToolCall, new_call_id
 from llmcli.serve.answer_request import (
     AnswerRequest,
     ApiError,
@@ -27,15 +25,11 @@ from llmcli.serve.answer_request import (
     max_tokens_of,
     settings_of,
     stops_of,
-    text_of,
     tools_of,
     top_logprobs_of,
 )
 from llmcli.serve.wire import COMMENT, Item
 
-# request fields -> llmcli settings: OpenAI's names, and llama-server's (llmcli's) for the rest
-FIELDS = {wire: name for name, wire in WIRE_FIELDS.items()}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_PROMPTS = 16  # /v1/completions: prompts in one request (each takes a slot)
 # Fields that cannot change a local answer, read and left on purpose: who asks, what to store, which tier, moderation,
 # caching hints (this server caches every prompt in its slots), a verbosity hint, a predicted output (a speed-up only).
@@ -43,7 +37,7 @@ LEFT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key
                   "prompt_cache_options", "prompt_cache_retention", "moderation", "verbosity", "prediction"})
 # `keep_alive` (llmcli's and Ollama's): how long the model stays loaded after this request
 SHARED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "stop", "logit_bias", "logprobs", "seed",
-                    "grammar", "response_format", "keep_alive", *FIELDS}) | LEFT
+                    "grammar", "response_format", "keep_alive", *SAMPLING_FIELDS}) | LEFT
 CHAT_FIELDS = SHARED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                         "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "modalities"}
 COMPLETION_FIELDS = SHARED | {"prompt", "echo", "suffix", "best_of"}
@@ -52,7 +46,7 @@ NOT_HERE = {"audio": "text only", "web_search_options": "no web search", "functi
             "function_call": "use tool_choice"}
 
 
-def error_body(error: ApiError) -> dict[str, Any]:
+def error_body(error: WireError) -> dict[str, Any]:
     return {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
 
 
@@ -79,7 +73,7 @@ def parse_chat(body: Any, prompter: Prompter) -> list[AnswerRequest]:
     if tools is not None and tools.active and (body.get("grammar") is not None or body.get("response_format") not in (
             None, "text", {"type": "text"})):
         raise ApiError(400, "tools cannot be combined with grammar or response_format", param="tools")
-    return [AnswerRequest(messages=[_message(m, i) for i, m in enumerate(messages)], tools=tools, think=think,
+    return [AnswerRequest(messages=[message_of(m, i) for i, m in enumerate(messages)], tools=tools, think=think,
                           logprobs=top_logprobs_of(body.get("logprobs"), body.get("top_logprobs")),
                           **_answer_fields(body))]
 
@@ -137,39 +131,10 @@ def _answer_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     if kind == "json_schema" and not isinstance(schema, dict):
         raise ApiError(400, "response_format.json_schema.schema must be an object", param="response_format")
     constraint = constraint_of("json" if kind == "json_object" else kind, schema, body.get("grammar"))
-    return dict(settings=settings_of(body, FIELDS),
+    return dict(settings=settings_of(body, SAMPLING_FIELDS),
                 max_tokens=max_tokens_of(body.get("max_completion_tokens", body.get("max_tokens")), "max_tokens"),
                 stops=stops_of(body.get("stop")), constraint=constraint, logit_bias=logit_bias_of(body.get("logit_bias")),
                 stream=bool(body.get("stream")), include_usage=bool(stream_options.get("include_usage")))
-
-
-def _message(message: Any, index: int) -> Message:
-    """One message of a chat request: a role, its text; an assistant's `tool_calls`, a tool's `tool_call_id`."""
-    role = message.get("role") if isinstance(message, dict) else None
-    if role not in ROLES:
-        raise ApiError(400, f"messages[{index}].role must be one of {', '.join(ROLES)}", param="messages")
-    calls = (message.get("tool_calls") or []) if role == "assistant" else []
-    if not isinstance(calls, list):
-        raise ApiError(400, f"messages[{index}].tool_calls must be a list", param="messages")
-    parsed_calls = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        name = function.get("name") if isinstance(function, dict) else None
-        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
-        if not isinstance(name, str) or not isinstance(arguments, (str, dict)):
-            raise ApiError(400, f"messages[{index}].tool_calls: each is {{id, type, function: {{name, arguments}}}}",
-                           param="messages")
-        parsed_calls.append(ToolCall(str(call.get("id") or new_call_id()), name,
-                                     arguments if isinstance(arguments, str) else json.dumps(arguments)))
-    content = message.get("content")
-    text = "" if content is None and role == "assistant" else text_of(content, f"messages[{index}]")
-    if role == "tool":
-        call_id = message.get("tool_call_id")
-        if not isinstance(call_id, str):
-            raise ApiError(400, f"messages[{index}]: a tool message needs its tool_call_id", param="messages")
-        name = message.get("name")
-        return Message("tool", text, tool_call_id=call_id, name=name if isinstance(name, str) else None)
-    return Message(ROLES[role], text, tool_calls=tuple(parsed_calls))
 
 
 # -- responses -------------------------------------------------------------------------------------------
@@ -221,7 +186,7 @@ class Reply:
                 choice["logprobs"] = {"content": [lp.to_dict() for lp in event.logprobs]}
             return [self._chunk(choice)]
         if isinstance(event, (CallStarted, CallArguments)):
-            return [self._chunk({"index": index, "delta": {**self._delta(index), "tool_calls": [_call_delta(event)]},
+            return [self._chunk({"index": index, "delta": {**self._delta(index), "tool_calls": [call_delta(event)]},
                                  "finish_reason": None})]
         last: dict[str, Any] = {"index": index, "finish_reason": finish_reason(event.finish_reason).openai}
         if self.chat:
@@ -271,28 +236,6 @@ class Reply:
         return {"tokens": [lp.text for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
                 "top_logprobs": [{piece.decode("utf-8", "replace"): value for _, piece, value in lp.top}
                                  for lp in logprobs], "text_offset": offsets}
-
-
-def _call_delta(event: CallStarted | CallArguments) -> dict[str, Any]:
-    """A tool call's delta, as OpenAI streams it: index, id, type and name once, then pieces of the arguments."""
-    if isinstance(event, CallStarted):
-        return {"index": event.index, "id": event.id, "type": "function",
-                "function": {"name": event.name, "arguments": ""}}
-    return {"index": event.index, "function": {"arguments": event.text}}
-
-
-def usage(dones: list[Done]) -> dict[str, Any]:
-    prompt = sum(done.stats.prompt_tokens for done in dones)
-    completion = sum(done.stats.completion_tokens for done in dones)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(done.stats.cached_tokens for done in dones)}}
-
-
-def timings(done: Done) -> dict[str, Any]:
-    """llmcli's own record: every phase, the rates, and why the answer ended in llmcli's words."""
-    invalid = [{"index": i, "id": c.id, "error": c.error} for i, c in enumerate(done.tool_calls) if c.error]
-    return {**done.stats.to_dict(), "finish_reason": done.finish_reason, "stop_sequence": done.stop_sequence,
-            "format_error": done.format_error, **({"tool_call_errors": invalid} if invalid else {})}
 
 
 # -- embeddings ------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any
 from llmcli.answer.events import DecodeEvent, Done, Token
 from llmcli.answer.finish import finish_reason
 from llmcli.answer.message import Message
+from llmcli.answer.openai_wire import text_of
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.answer.tool_calls import ToolCall
 from llmcli.serve.answer_request import (
@@ -31,7 +32,6 @@ from llmcli.serve.answer_request import (
     checked,
     constraint_of,
     max_tokens_of,
-    text_of,
     tools_of,
 )
 from llmcli.serve.openai_api import error_body

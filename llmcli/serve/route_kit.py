@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import Receive, Scope, Send
 
+from llmcli.answer.openai_wire import WireError
 from llmcli.errors import LlmcliError
 from llmcli.serve.answer_request import ApiError
 from llmcli.serve.answering import ErrorShape, ServerState, answer, error_response, read_body
@@ -76,7 +77,7 @@ def guarded(route: Handler, shape: ErrorShape) -> Handler:
     async def handle(request: Request) -> Response:
         try:
             return await route(request)
-        except ApiError as error:
+        except WireError as error:
             return error_response(error, shape)
 
     return handle
@@ -87,7 +88,7 @@ def posted(state: ServerState, shape: ErrorShape, make: Callable[[Any], Awaitabl
     async def handle(request: Request) -> Response:
         try:
             return JSONResponse(await make(await read_body(request, state)))
-        except ApiError as error:
+        except WireError as error:
             return error_response(error, shape)
 
     return handle

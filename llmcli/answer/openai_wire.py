@@ -1,0 +1,232 @@
+"""OpenAI's chat and text completions wire format, both ways, as plain data — what `serve` writes and the `--endpoint`
+client reads, in one place (as Ollama's `openai/` package): the sampling fields of a request, a message, a tool call's
+streamed delta, usage and llmcli's timings, the finish reason (answer/finish.py's names), and a stream of chunks read
+back into llmcli's events. No HTTP here: serve's routes (llmcli/serve/openai_api.py) and the client's transport
+(llmcli/remote/client.py) carry it."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from llmcli.answer.answer_text import StopMatcher
+from llmcli.answer.events import Done, Token
+from llmcli.answer.finish import from_openai
+from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.message import Message
+from llmcli.answer.sampling_config import WIRE_FIELDS
+from llmcli.answer.stats import AnswerClock
+from llmcli.answer.tool_call_parser import CallArguments, CallStarted
+from llmcli.answer.tool_calls import ToolCall, ToolSpec, new_call_id
+
+# request fields -> llmcli settings: OpenAI's names, and llama-server's (llmcli's) for the rest
+SAMPLING_FIELDS = {wire: name for name, wire in WIRE_FIELDS.items()}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+class WireError(ValueError):
+    """A request that is not in its protocol's shape: what is wrong and the field — a 400 (a server writes it in the
+    protocol's error shape; its own errors, with other statuses, are this too)."""
+
+    status = 400
+    kind = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+# -- a request -------------------------------------------------------------------------------------------
+
+
+def sampling_fields(generation: GenerationOptions, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """An answer's sampling settings as request fields: those that differ from the built-in defaults (a server's own
+    defaults stand for the rest), and always the temperature."""
+    fields: dict[str, Any] = {}
+    for name, wire in WIRE_FIELDS.items():
+        value = generation.repetition_guard if name == "repetition_guard" else getattr(generation.sampling, name)
+        if value is not None and (value != defaults.get(name) or name == "temp"):
+            fields[wire] = value
+    return fields
+
+
+def tool_fields(spec: ToolSpec | None) -> dict[str, Any]:
+    """The tools an answer may call, as a request offers them (the server renders them and constrains the calls)."""
+    if spec is None or not spec.tools:
+        return {}
+    choice = spec.choice
+    return {"tools": [tool.openai() for tool in spec.tools],
+            "tool_choice": {"type": "function", "function": {"name": choice.name}} if choice.mode == "function"
+            else choice.mode,
+            "parallel_tool_calls": spec.parallel}
+
+
+def message_dict(message: Message) -> dict[str, Any]:
+    """A message as a request carries it (a call's arguments as JSON text; content always a string)."""
+    return message.openai_dict()
+
+
+def message_of(message: Any, index: int) -> Message:
+    """One message of a request: a role, its text; an assistant's `tool_calls`, a tool's `tool_call_id`. WireError
+    when it is not OpenAI's shape."""
+    role = message.get("role") if isinstance(message, dict) else None
+    if role not in ROLES:
+        raise WireError(f"messages[{index}].role must be one of {', '.join(ROLES)}", "messages")
+    calls = (message.get("tool_calls") or []) if role == "assistant" else []
+    if not isinstance(calls, list):
+        raise WireError(f"messages[{index}].tool_calls must be a list", "messages")
+    parsed_calls = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not isinstance(arguments, (str, dict)):
+            raise WireError(f"messages[{index}].tool_calls: each is {{id, type, function: {{name, arguments}}}}",
+                            "messages")
+        parsed_calls.append(ToolCall(str(call.get("id") or new_call_id()), name,
+                                     arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    content = message.get("content")
+    text = "" if content is None and role == "assistant" else text_of(content, f"messages[{index}]")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise WireError(f"messages[{index}]: a tool message needs its tool_call_id", "messages")
+        name = message.get("name")
+        return Message("tool", text, tool_call_id=call_id, name=name if isinstance(name, str) else None)
+    return Message(ROLES[role], text, tool_calls=tuple(parsed_calls))
+
+
+def text_of(content: Any, where: str, param: str = "messages", part_types: tuple[str, ...] = ("text",)) -> str:
+    """A message's text: a string, or a list of text parts (`{"type": "text", "text": …}`; every protocol's
+    messages read it, each with its part types)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in part_types
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    if isinstance(content, list) and any(isinstance(p, dict) and "image" in str(p.get("type", "")) for p in content):
+        raise WireError(f"{where}: images are not supported (this server's model reads text only)", param)
+    raise WireError(f"{where}.content must be a string or a list of text parts", param)
+
+
+# -- an answer, written ----------------------------------------------------------------------------------
+
+
+def call_delta(event: CallStarted | CallArguments) -> dict[str, Any]:
+    """A tool call's delta, as OpenAI streams it: index, id, type and name once, then pieces of the arguments."""
+    if isinstance(event, CallStarted):
+        return {"index": event.index, "id": event.id, "type": "function",
+                "function": {"name": event.name, "arguments": ""}}
+    return {"index": event.index, "function": {"arguments": event.text}}
+
+
+def usage(dones: list[Done]) -> dict[str, Any]:
+    """Token counts of a response (every choice): prompt, cached part of it, completion."""
+    prompt = sum(done.stats.prompt_tokens for done in dones)
+    completion = sum(done.stats.completion_tokens for done in dones)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(done.stats.cached_tokens for done in dones)}}
+
+
+def timings(done: Done) -> dict[str, Any]:
+    """llmcli's own record (llama-server's field): every phase, the rates, and why the answer ended in llmcli's
+    words — which OpenAI's finish reason cannot all tell."""
+    invalid = [{"index": i, "id": c.id, "error": c.error} for i, c in enumerate(done.tool_calls) if c.error]
+    return {**done.stats.to_dict(), "finish_reason": done.finish_reason, "stop_sequence": done.stop_sequence,
+            "format_error": done.format_error, **({"tool_call_errors": invalid} if invalid else {})}
+
+
+# -- an answer, read -------------------------------------------------------------------------------------
+
+
+class ChunkReader:
+    """Chunks in (chat's `delta`s or completions' `text`), the events of a local answer out: text (never a stop
+    sequence), reasoning, tool calls, then Done with timings measured here (TTFT, decode rate) and the server's token
+    counts and finish reason when it sends them (llmcli's own in `timings`)."""
+
+    def __init__(self, stops: tuple[str, ...], started: float, tools: ToolSpec | None = None):
+        self.stops = StopMatcher(stops)
+        self.tools = tools  # to check the calls the server sends against (it is not trusted to have)
+        self.calls: dict[int, list[str]] = {}  # index -> [id, name, arguments so far]
+        self.clock = AnswerClock(started)
+        self.clock.prefill_started = started  # the server's prefill is what the first chunk waits for
+        self.text: list[str] = []
+        self.thought: list[str] = []
+        self.pieces = 0  # chunks with text: the token count when the server gives none
+        self.finish: str | None = None
+        self.stop: str | None = None
+        self.usage: dict[str, Any] = {}
+        self.server_timings: dict[str, Any] = {}
+
+    def events(self, chunk: dict[str, Any], chat: bool) -> Iterator[Token | CallStarted | CallArguments]:
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        if isinstance(chunk.get("timings"), dict):
+            self.server_timings = chunk["timings"]
+        for choice in chunk.get("choices") or ():
+            if choice.get("finish_reason"):
+                self.finish = from_openai(choice["finish_reason"])
+            delta = (choice.get("delta") or {}) if chat else choice
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if isinstance(reasoning, str) and reasoning:
+                self._arrived()
+                self.thought.append(reasoning)
+                yield Token(reasoning, reasoning=True)
+            yield from self._call_events(delta.get("tool_calls") if chat else None)
+            text = delta.get("content") if chat else delta.get("text")
+            if isinstance(text, str) and text and self.stop is None:
+                self._arrived()
+                shown, self.stop = self.stops.feed(text)
+                if shown:
+                    self.text.append(shown)
+                    yield Token(shown)
+
+    def _call_events(self, deltas: Any) -> Iterator[CallStarted | CallArguments]:
+        """The inverse of `call_delta`: index, id and name once, then pieces of the arguments."""
+        for delta in deltas if isinstance(deltas, list) else ():
+            if not isinstance(delta, dict) or not isinstance(delta.get("index", 0), int):
+                continue
+            index = delta.get("index", 0)
+            found = delta.get("function")
+            function: dict[str, Any] = found if isinstance(found, dict) else {}
+            if index not in self.calls:
+                self._arrived()
+                self.calls[index] = [str(delta.get("id") or new_call_id()), str(function.get("name") or ""), ""]
+                yield CallStarted(index, self.calls[index][0], self.calls[index][1])
+            piece = function.get("arguments")
+            if isinstance(piece, str) and piece:
+                self.calls[index][2] += piece
+                yield CallArguments(index, piece)
+
+    def _arrived(self) -> None:
+        self.clock.token(time.perf_counter(), True)
+        self.pieces += 1
+
+    def done(self, interrupted: bool) -> tuple[str, Done]:
+        """What the stop matcher still held, and the Done event: the inverse of `usage` and `timings`."""
+        tail = ""
+        if self.stop is None:
+            tail, self.stop = self.stops.finish()
+        if tail:
+            self.text.append(tail)
+        prompt = int(self.usage.get("prompt_tokens") or 0)
+        details = self.usage.get("prompt_tokens_details") or {}
+        cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+        completion = int(self.usage.get("completion_tokens") or self.pieces)
+        self.clock.prefill_done = self.clock.first_token
+        stats = self.clock.stats(prompt_tokens=prompt, cached_tokens=cached, prefill_tokens=max(0, prompt - cached),
+                                 completion_tokens=completion, decode_steps=max(0, completion - 1))
+        own = self.server_timings.get("finish_reason")  # llmcli serve says why, in llmcli's words
+        finish = ("interrupted" if interrupted else "stop_sequence" if self.stop is not None
+                  else own if isinstance(own, str) and own else self.finish or "stop")
+        stop = self.stop if self.stop is not None else self.server_timings.get("stop_sequence")
+        calls = tuple(ToolCall(call_id, name, arguments or "{}",
+                               self.tools.check(name, arguments or "{}") if self.tools is not None else None)
+                      for _, (call_id, name, arguments) in sorted(self.calls.items()))
+        if calls and finish in ("stop", "tool_calls"):
+            finish = "tool_calls"
+        return tail, Done(finish, stats, stop if isinstance(stop, str) else None, text="".join(self.text),
+                          reasoning="".join(self.thought).strip() or None, tool_calls=calls)
