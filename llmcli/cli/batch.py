@@ -41,7 +41,6 @@ def run_batch_command(source: str, request: Request, parallel: int, quiet: bool)
     from llmcli.answer.batch_jsonl import in_order, parse_items
     from llmcli.cli import output
     from llmcli.cli.stream import write_json_line
-    from llmcli.pipeline import open_answering
 
     if source == "-":
         lines = sys.stdin.read().splitlines()
@@ -52,11 +51,7 @@ def run_batch_command(source: str, request: Request, parallel: int, quiet: bool)
             raise UsageError(f"cannot read --batch {source}: {exc.strerror}") from None
     items = parse_items(lines)
     console = output.stderr_console()
-    with output.download_progress() as progress:
-        pipeline = open_answering(request, progress, on_waiting=output.waiting_for)
-    with pipeline:
-        for notice in pipeline.session.notices:
-            output.print_notice(console, notice)
+    with output.open_pipeline(request, console) as pipeline:
         logged = BatchLog(pipeline, items)
 
         def write(record: dict[str, Any]) -> None:

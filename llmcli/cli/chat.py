@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from llmcli.cli import options as o
+from llmcli.cli.tool_options import ToolOptions
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from llmcli.answer.answerer import Answerer
+    from llmcli.chat.conversation import Conversation
+    from llmcli.pipeline import Request
+    from llmcli.tools.tool_loop import ToolRunner
 from llmcli.units import counted
 
 _SAVED = "Saved conversations"
@@ -37,25 +46,22 @@ def chat(
         _list_saved(as_json)
         return
     console = output.stderr_console()
-    runner = o.tool_runner_of(given, console)
+    runner = ToolOptions.of(given).runner(console)
     with contextlib.ExitStack() as stack:
         if runner is not None:
             stack.enter_context(runner)  # MCP servers stay up for the session, and stop with it
-        _session(resume, no_save, as_json, quiet, given, runner, console)
+        _session(resume, no_save, as_json, quiet, o.build_request(given), runner, console)
 
 
-def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, given: dict[str, Any], runner: Any,
-             console: Any) -> None:
-    from llmcli.answer.answerer import tool_format
+def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, request: Request,
+             runner: ToolRunner | None, console: Console) -> None:
     from llmcli.chat.conversation import Conversation, find_conversation
     from llmcli.cli import output
-    from llmcli.pipeline import log_entry, open_answering
+    from llmcli.pipeline import log_entry
     from llmcli.store.answer_log import record
 
     resumed = find_conversation(resume) if resume else None
-    with output.download_progress() as progress:
-        pipeline = open_answering(o.build_request(given), progress, on_waiting=output.waiting_for)
-    with pipeline:
+    with output.open_pipeline(request, console, runner) as pipeline:
         conversation = Conversation(
             pipeline.session, pipeline.generation, pipeline.model.name, pipeline.model.path,
             save=not no_save, conversation_id=resumed.id if resumed else None,
@@ -64,18 +70,12 @@ def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, give
                                                                conversation.id, added)]))
             if pipeline.settings["log"] else None, tools=runner, cancel=pipeline.cancel,
         )
-        if runner is not None:
-            runner.format = tool_format(pipeline.session, pipeline.settings["tool_format"])
-            for notice in runner.notices():
-                output.print_notice(console, notice)
         if resumed is not None:
             records = resumed.records()
             conversation.replay(records)
             if resumed.file is not None and not no_save:  # an older chat's file: it goes on in the log, whole
                 conversation.carry_over(records)
             _restore_state(pipeline.session, conversation, console)
-        for notice in pipeline.session.notices:
-            output.print_notice(console, notice)
         from llmcli.cli.chat_repl import Repl
 
         repl = Repl(conversation, pipeline.cancel, console, quiet, as_json, pipeline.settings["reasoning"],
@@ -88,7 +88,7 @@ def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, give
                 output.print_notice(console, notice)
 
 
-def _restore_state(session: Any, conversation: Any, console: Any) -> None:
+def _restore_state(session: Answerer, conversation: Conversation, console: Console) -> None:
     """A resumed conversation: its KV state from the prompt cache, or a notice that it is evaluated again."""
     from llmcli.answer.answerer import Resumed, exchange_starts
     from llmcli.cli import output

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmcli.units import counted
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from llmcli.chat.conversation import Conversation
+    from llmcli.interrupt import Cancellation
 
 
 def help_text() -> str:
@@ -36,7 +42,8 @@ A line with only \"\"\" starts and ends a multi-line message; a line ending in \
 
 
 class Repl:
-    def __init__(self, conversation: Any, cancel: Any, console: Any, quiet: bool, as_json: bool, reasoning: str = "show",
+    def __init__(self, conversation: Conversation, cancel: Cancellation, console: Console, quiet: bool, as_json: bool,
+                 reasoning: str = "show",
                  markdown: bool = False):
         self.conversation = conversation
         self.reasoning = reasoning  # where a reasoning model's thinking goes (--reasoning)

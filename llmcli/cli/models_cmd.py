@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from llmcli.cli import options as o
 from llmcli.config.settings import SETTINGS
 from llmcli.units import counted
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 ReferenceArg = Annotated[str, typer.Argument(
     help="OWNER/REPO[:QUANT][@REV], OWNER/REPO/FILE.gguf, an alias, an installed model or a path.",
@@ -160,7 +163,7 @@ def _confirm(question: str, yes: bool) -> None:
         raise typer.Exit(ExitCode.ERROR)
 
 
-def _remove_assembled(reference: str, path: Path, yes: bool, console: Any) -> None:
+def _remove_assembled(reference: str, path: Path, yes: bool, console: Console) -> None:
     from llmcli.errors import ModelNotFoundError
     from llmcli.units import human_size
 

@@ -15,9 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar
 
 import typer
 
-from llmcli.config.settings import DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SETTINGS, TOOLS, Setting
-from llmcli.errors import UsageError
-from llmcli.text_escapes import neutralised
+from llmcli.config.settings import DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SETTINGS, Setting
 
 if TYPE_CHECKING:
     from llmcli.pipeline import Request
@@ -95,127 +93,6 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Do not print the 
 JsonOpt = Annotated[bool, typer.Option(
     "--json", help="Print one JSON object (text, finish reason, token counts, timings) on stdout.", rich_help_panel=OUTPUT)]
 
-FunctionsOpt = Annotated[Optional[list[str]], typer.Option(
-    "--functions", help="Python functions the model may call: a .py file or code (repeatable); each public function's "
-    "signature and docstring are its tool's schema.", show_default=False, rich_help_panel=TOOLS)]
-ToolChoiceOpt = Annotated[str, typer.Option(
-    "--tool-choice", help="auto (the model decides), required (it calls one), none, or a function's name; a forced "
-    "choice applies to the first call.", rich_help_panel=TOOLS)]
-ChainLimitOpt = Annotated[int, typer.Option(
-    "--chain-limit", min=0, help="The most rounds of calls before llmcli stops running them.", rich_help_panel=TOOLS)]
-ToolsDebugOpt = Annotated[bool, typer.Option(
-    "--tools-debug", help="Show each call and its result on stderr.", rich_help_panel=TOOLS)]
-ToolsApproveOpt = Annotated[bool, typer.Option(
-    "--tools-approve", help="Ask before each call (on a terminal; refused without one).", rich_help_panel=TOOLS)]
-
-
-McpOpt = Annotated[Optional[Path], typer.Option(
-    "--mcp", help="Tools from the MCP servers of this mcpServers JSON file (Claude Desktop's, Cursor's, LM Studio's "
-    "shape); --mcp-server alone reads the config dir's mcp.json.", show_default=False, dir_okay=False,
-    rich_help_panel=TOOLS)]
-McpServerOpt = Annotated[Optional[list[str]], typer.Option(
-    "--mcp-server", help="Use only this server of the MCP file. Repeatable.", show_default=False, rich_help_panel=TOOLS)]
-ToolTimeoutOpt = Annotated[float, typer.Option(
-    "--tool-timeout", min=0.1, help="Seconds an MCP call may take before it is an error result for the model.",
-    rich_help_panel=TOOLS)]
-
-
-# The tool options of run and chat: name -> (annotation, default), added by with_settings(tools=True).
-TOOL_OPTIONS: dict[str, tuple[Any, Any]] = {
-    "functions": (FunctionsOpt, None),
-    "tool_choice": (ToolChoiceOpt, "auto"),
-    "chain_limit": (ChainLimitOpt, 5),
-    "tools_debug": (ToolsDebugOpt, False),
-    "tools_approve": (ToolsApproveOpt, False),
-    "mcp": (McpOpt, None),
-    "mcp_server": (McpServerOpt, None),
-    "tool_timeout": (ToolTimeoutOpt, 60.0),
-}
-
-
-def uses_tools(given: Mapping[str, Any]) -> bool:
-    return bool(given.get("functions") or given.get("mcp") or given.get("mcp_server"))
-
-
-def tool_runner_of(given: Mapping[str, Any], console: Any) -> Any:
-    """The ToolRunner that a command's TOOL_OPTIONS describe (see tool_runner)."""
-    return tool_runner(given["functions"], given["tool_choice"], given["chain_limit"], given["tools_debug"],
-                       given["tools_approve"], "generic", console, given["mcp"], given["mcp_server"],
-                       given["tool_timeout"])
-
-
-def tool_runner(functions: list[str] | None, choice: str, chain_limit: int, debug: bool, approve: bool,
-                tool_format: str, console: Any, mcp: Path | None = None, mcp_servers: list[str] | None = None,
-                tool_timeout: float = 60.0) -> Any:
-    """The ToolRunner of --functions, --mcp and their flags (None without either; close() it: MCP servers run);
-    the approval prompt and the debug lines are the CLI's. Checked before the model loads: a bad file, or
-    --tools-approve without a terminal. MCP servers start here, in the background, while the model loads."""
-    if not functions and mcp is None and not mcp_servers:
-        if approve or debug or choice != "auto":
-            raise UsageError("--tool-choice, --tools-debug and --tools-approve apply to --functions and --mcp")
-        return None
-    from rich.text import Text
-
-    from llmcli.answer.tool_calls import ToolChoice
-    from llmcli.tools.tool_loop import ToolRunner, ToolSource, ToolSources
-
-    approver = _approver(console) if approve else None  # refused before anything starts
-    sources: list[ToolSource] = []
-    if functions:
-        from llmcli.tools.functions import load_functions
-
-        sources.append(load_functions(functions))
-    if mcp is not None or mcp_servers:
-        from llmcli.tools.mcp_servers import McpServers, default_config, read_config
-
-        servers = McpServers(read_config(mcp or default_config(), tuple(mcp_servers or ())), tool_timeout)
-        sources.append(servers.start())
-    source = ToolSources(tuple(sources))
-    try:
-        parsed = ToolChoice.parse(choice, source.tools if choice not in ("auto", "none", "required") else (),
-                                  "--tool-choice")
-    except BaseException:
-        ToolRunner(source, ToolChoice(), tool_format).close()
-        raise
-    runner = ToolRunner(source, parsed, tool_format, chain_limit)
-    runner.approve = approver
-    if debug:
-        def called(call: Any) -> None:  # (a tool's text, the model's calls: shown, never obeyed by the terminal)
-            console.print(Text(neutralised(f"tool call {call.name}({call.arguments})"), style="dim"))
-
-        def show(call: Any, result: Any) -> None:
-            shown = result.content if len(result.content) <= 500 else result.content[:500] + "…"
-            console.print(Text(neutralised(f"tool result {call.name}: {shown}"), style="red" if result.error else "dim"))
-
-        def prompt(text: str) -> None:
-            console.print(Text(neutralised(f"next prompt ends: …{text[-300:]}"), style="dim"))
-
-        runner.on_call, runner.on_result, runner.on_prompt = called, show, prompt
-    return runner
-
-
-def _approver(console: Any) -> Callable[[Any], bool]:
-    """Ask on the terminal (not stdin, which may carry the prompt) before each call; no terminal: refused."""
-    import os
-
-    try:
-        terminal = os.open("/dev/tty", os.O_RDWR) if os.isatty(2) else None  # kept open for the run
-    except OSError:
-        terminal = None
-    if terminal is None:
-        raise UsageError("--tools-approve asks before each call on a terminal, and there is none",
-                         hint="Run it on a terminal, or drop --tools-approve.")
-
-    def approve(call: Any) -> bool:
-        os.write(terminal, neutralised(f"run {call.name}({call.arguments})? [y/N] ").encode())
-        answer = b""
-        while not answer.endswith(b"\n") and (chunk := os.read(terminal, 256)):
-            answer += chunk
-        return answer.decode(errors="replace").strip().lower() in ("y", "yes")
-
-    return approve
-
-
 # The options every command that answers prompts takes, besides the settings: name -> (annotation, default).
 REQUEST_OPTIONS: dict[str, tuple[Any, Any]] = {
     "profile": (ProfileOpt, None),
@@ -245,7 +122,10 @@ def with_settings(*, request: bool = True, only: tuple[str, ...] | None = None,
                     if p.kind is not inspect.Parameter.VAR_KEYWORD]
         added = [(name, annotation, default) for name, (annotation, default) in REQUEST_OPTIONS.items()
                  if name not in exclude] if request else [("profile", ProfileOpt, None)]
-        added += [(name, annotation, default) for name, (annotation, default) in TOOL_OPTIONS.items()] if tools else []
+        if tools:
+            from llmcli.cli.tool_options import TOOL_OPTIONS
+
+            added += [(name, annotation, default) for name, (annotation, default) in TOOL_OPTIONS.items()]
         added += [(name, setting_option(setting), None) for name, setting in SETTINGS.items()
                   if (only is None or name in only) and name not in exclude]
         params = explicit + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -19,6 +19,11 @@ from rich.text import Text
 from llmcli.answer.events import Done
 from llmcli.answer.stats import summary_line
 from llmcli.text_escapes import neutralised
+
+if TYPE_CHECKING:
+    from llmcli.answer.answerer import Answerer
+    from llmcli.pipeline import Pipeline, Request
+    from llmcli.tools.tool_loop import ToolRunner
 
 
 def stderr_console() -> Console:
@@ -201,3 +206,20 @@ class PrefillStatus:
             if self._live is not None:
                 self._live.stop()
                 self._live = None
+
+
+def open_pipeline(request: Request, console: Console, runner: ToolRunner | None = None) -> Pipeline[Answerer]:
+    """A command's pipeline, opened as every answering command opens it: a download's progress while the model is
+    fetched, the tools told how this model writes a call, then the tools' and the pipeline's notices."""
+    from llmcli.answer.answerer import tool_format
+    from llmcli.pipeline import open_answering
+
+    with download_progress() as progress:  # shown only if the model must be downloaded first
+        pipeline = open_answering(request, progress, on_waiting=waiting_for)
+    if runner is not None:
+        runner.format = tool_format(pipeline.session, pipeline.settings["tool_format"])
+        for notice in runner.notices():
+            print_notice(console, notice)
+    for notice in pipeline.session.notices:
+        print_notice(console, notice)
+    return pipeline

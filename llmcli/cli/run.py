@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Annotated, Any, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from llmcli.cli import options as o
+from llmcli.cli.tool_options import ToolOptions
 from llmcli.errors import ExitCode, InvalidAnswer, UsageError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from llmcli.answer.events import Done
+    from llmcli.pipeline import Request
+    from llmcli.tools.tool_loop import ToolRunner
 
 PromptArg = Annotated[Optional[str], typer.Argument(
     help="The prompt. With text piped in, the message is stdin, a blank line, then the prompt "
@@ -45,6 +54,32 @@ VarOpt = Annotated[Optional[list[str]], typer.Option(
 DEFAULT_PARALLEL = 4
 
 
+@dataclass(frozen=True)
+class Message:
+    """What run asks: the message, and the parts it came from (a piped document comes before the question)."""
+
+    text: str
+    prompt_arg: str | None = None
+    stdin_text: str | None = None
+    prompt_first: bool = False
+
+    @property
+    def stable(self) -> str:
+        """What a later run likely shares: the piped document (before the question), else the whole message."""
+        return self.stdin_text if self.stdin_text and self.prompt_arg and not self.prompt_first else self.text
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """run's own options (those that are not settings), read once."""
+
+    show_prompt: bool = False
+    as_json: bool = False
+    quiet: bool = False
+    continue_conversation: bool = False
+    cid: str | None = None
+
+
 def _variables(specs: list[str] | None) -> dict[str, str]:
     found = {}
     for spec in specs or ():
@@ -55,7 +90,7 @@ def _variables(specs: list[str] | None) -> dict[str, str]:
     return found
 
 
-def _save_template(name: str, prompt: str | None, given: dict[str, Any], console: Any) -> None:
+def _save_template(name: str, prompt: str | None, given: dict[str, Any], console: Console) -> None:
     from llmcli import paths
     from llmcli.config.saved_templates import PromptTemplate, save
 
@@ -93,7 +128,7 @@ def run(
 
         if prompt is not None:
             raise UsageError("--batch reads its prompts from the file; drop the prompt argument")
-        if o.uses_tools(given):
+        if ToolOptions.of(given).used:
             raise UsageError("--batch answers without tools: drop --functions and --mcp")
         n_parallel = parallel or DEFAULT_PARALLEL
         run_batch_command(batch, o.build_request(given, n_parallel), n_parallel, quiet)
@@ -113,85 +148,73 @@ def run(
         if chosen.system and not given.get("system"):
             given["system"] = chosen.system
     if chosen is not None and not chosen.needs_input and prompt is None and (sys.stdin is None or sys.stdin.isatty()):
-        prompt_arg, stdin_text, message = None, None, chosen.render(None, _variables(var))
+        message = Message(chosen.render(None, _variables(var)))
     else:
         prompt_arg, stdin_text, notice = read_message(prompt, wait_stdin)
         if notice and not quiet:
             output.print_notice(console, notice)
-        message = combine_input(prompt_arg, stdin_text, prompt_first)
-        if chosen is not None:
-            message = chosen.render(message, _variables(var))
-    if o.uses_tools(given) and (given.get("grammar") or given.get("grammar_file") or given.get("json_schema")
-                                or given.get("output_format")):
+        text = combine_input(prompt_arg, stdin_text, prompt_first)
+        message = Message(chosen.render(text, _variables(var)) if chosen is not None else text, prompt_arg, stdin_text,
+                          prompt_first)
+    tools = ToolOptions.of(given)
+    if tools.used and (given.get("grammar") or given.get("grammar_file") or given.get("json_schema")
+                       or given.get("output_format")):
         raise UsageError("tools constrain the answer themselves: drop --grammar, --json-schema, --format")
-    runner = o.tool_runner_of(given, console)
+    options = RunOptions(show_prompt, as_json, quiet, continue_conversation, cid)
+    runner = tools.runner(console)
     with contextlib.ExitStack() as stack:
         if runner is not None:
             stack.enter_context(runner)  # MCP servers stop when the run ends, however it ends
-        _answer(prompt_arg, stdin_text, message, prompt_first, given, runner, show_prompt, as_json, quiet,
-                continue_conversation, cid, console)
+        _answer(message, options, o.build_request(given), runner, console)
 
 
-def _answer(prompt_arg: str | None, stdin_text: str | None, message: str, prompt_first: bool, given: dict[str, Any],
-            runner: Any, show_prompt: bool, as_json: bool, quiet: bool, continue_conversation: bool, cid: str | None,
-            console: Any) -> None:
-    from llmcli.answer.answerer import tool_format
+def _answer(message: Message, options: RunOptions, request: Request, runner: ToolRunner | None,
+            console: Console) -> None:
     from llmcli.chat.conversation import Conversation
     from llmcli.cli import output
     from llmcli.cli.stream import AnswerSink, show_answer
-    from llmcli.pipeline import continued, log_entry, open_answering
+    from llmcli.pipeline import continued, log_entry
     from llmcli.store.answer_log import record
     from llmcli.tools.tool_loop import cut_off as tool_call_cut_off
 
-    with output.download_progress() as progress:  # shown only if the model must be downloaded first
-        pipeline = open_answering(o.build_request(given), progress, on_waiting=output.waiting_for)
-    with pipeline:
+    with output.open_pipeline(request, console, runner) as pipeline:
         session = pipeline.session
-        if runner is not None:
-            runner.format = tool_format(session, pipeline.settings["tool_format"])
-            for text in runner.notices():
-                output.print_notice(console, text)
-        for text in session.notices:
-            output.print_notice(console, text)
         conversation = Conversation(session, pipeline.generation, pipeline.model.name, pipeline.model.path,
                                     save=pipeline.settings["log"], pinned=pipeline.settings.chosen_now())
         if pipeline.settings["log"]:
             conversation.log = lambda text, answer, added: record([log_entry(
                 pipeline, "run", text, answer, conversation.generation, conversation.id, added)])
-        if continue_conversation or cid:  # its exchanges (tool calls too), its system prompt and /set changes
-            conversation.id, records = continued(cid)
+        if options.continue_conversation or options.cid:  # its exchanges (tool calls too), system prompt, /set changes
+            conversation.id, records = continued(options.cid)
             conversation.replay(records)
         generation = conversation.generation
-        if show_prompt:
+        if options.show_prompt:
             local = session.local
             if local is None:
                 raise UsageError("the server renders the prompt with --endpoint: --show-prompt is not available")
-            rendered = local.render(message)
+            rendered = local.render(message.text)
             sys.stdout.write(rendered.text + "\n")
             mode = "raw" if local.template_source is None else "chat template"
             console.print(f"{len(rendered.tokens)} tokens ({pipeline.model.name}, {mode}, context {local.context().n_ctx})")
             return
-        sink = AnswerSink(as_json=as_json, extra={"model": pipeline.model.name}, reasoning=pipeline.settings["reasoning"],
-                          markdown=pipeline.settings["markdown"])
-
+        sink = AnswerSink(as_json=options.as_json, extra={"model": pipeline.model.name},
+                          reasoning=pipeline.settings["reasoning"], markdown=pipeline.settings["markdown"])
         start = len(session.history)
 
-        def logged(done: Any) -> None:  # in the answer log, and in the conversation's record for run -C
-            warning = conversation.record_exchange(message, done, start)
+        def logged(done: Done) -> None:  # in the answer log, and in the conversation's record for run -C
+            warning = conversation.record_exchange(message.text, done, start)
             failure = conversation.take_save_failure()  # (the same database: one warning says it)
             if warning or failure:
                 output.print_notice(console, warning or failure or "")
 
         with pipeline.cancel.on_signals():
-            # What a later run likely shares: the piped document (before the question), else the whole message.
-            stable = stdin_text if stdin_text and prompt_arg and not prompt_first else message
             if runner is not None:
                 from llmcli.tools.tool_loop import answer_with_tools
 
-                events = answer_with_tools(session, message, generation, runner, pipeline.cancel, stable)
+                events = answer_with_tools(session, message.text, generation, runner, pipeline.cancel, message.stable)
             else:
-                events = session.ask(message, generation, stable_text=stable)
-            done = show_answer(events, sink, console, quiet, logged)
+                events = session.ask(message.text, generation, stable_text=message.stable)
+            done = show_answer(events, sink, console, options.quiet, logged)
         format_error = done.format_error if done is not None else None
         call_cut = runner is not None and done is not None and tool_call_cut_off(done)
         signum = pipeline.cancel.signum
