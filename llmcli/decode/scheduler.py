@@ -1,12 +1,14 @@
 """Step 5, the one answer loop: slots, and one `step()` that decodes them all.
 
 A slot is one answer in one sequence of the KV cache: its prompt, its sampler chain, its `Answer` (the finish
-rule and the text), its drafter and its clock. Each `step()` builds one batch — the pending token of every
-decoding slot and, when no slot is still prefilling, the drafts the cost model buys (speculative decoding), then
-prompt chunks of the slots still prefilling in the room left — decodes it in one `llama_decode`, samples each
-slot with its own chain (a draft is verified position by position: kept while the sampled token is the drafted
-one, the rest leaves the slot's cells), and returns what each answer gained as events. A slot whose answer is
-over gets its `Done` (its stats built in one place, `AnswerClock`) and frees its sequence.
+rule and the text), its drafter and its clock. Each `step()` is plan → pass → apply (vLLM's SchedulerOutput shape):
+`plan()` decides, changing nothing, what one pass holds — the pending token of every decoding slot and, when no
+slot is still prefilling, the drafts the cost model buys (speculative decoding), then prompt chunks of the slots
+still prefilling in the room left (a `StepPlan`); the pass evaluates it in one `llama_decode` (the engine records
+what it stored); `apply` moves the slots on — their prompts, the samples of each slot's own chain (a draft is
+verified position by position: kept while the sampled token is the drafted one, the rest leaves the slot's cells)
+— and returns what each answer gained as events. A slot whose answer is over gets its `Done` (its stats built in
+one place, `AnswerClock`) and frees its sequence.
 
 Its three clients differ only in where the prompts come from: `answer` (run, chat: one slot, sequence 0),
 llmcli/decode/batch_run.py (--batch: a finite queue, a shared prefix evaluated once and copied into each slot,
@@ -64,6 +66,39 @@ class Slot:
     def pos(self) -> int:
         """Position of the pending token: right after the prompt and the answer's tokens decoded so far."""
         return self.prefilled + self.answer.n_out - 1
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A decoding slot's part of a pass: its pending token, then the draft to verify (and where the draft came
+    from: an n-gram size, or 0 for the draft model)."""
+
+    slot: Slot
+    draft: list[int]
+    draft_source: int = 0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A prefilling slot's part of a pass: its prompt's tokens [begin, end)."""
+
+    slot: Slot
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one pass holds (the scheduler's decision, nothing done yet). `single`: one answer's plain step — one
+    token of sequence 0, no batch to build."""
+
+    decoding: list[Planned]
+    chunks: list[Chunk]
+    single: bool = False
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(1 + len(p.draft) for p in self.decoding) + sum(c.end - c.begin for c in self.chunks)
 
 
 @dataclass
@@ -163,79 +198,94 @@ class Scheduler:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[Event]:
-        """One decode of every slot: their pending tokens (and drafts), then prompt chunks; the events it made."""
-        engine = self.engine
+        """One pass over every slot: their pending tokens (and drafts), then prompt chunks; the events it made."""
+        plan = self.plan()
+        if plan.n_tokens == 0:
+            return []
+        started = time.perf_counter()
+        outcome, to_sample = self._pass(plan)
+        if outcome != "ok":
+            return self._not_decoded(outcome, plan.chunks)
+        return self._apply(plan, to_sample, started)
+
+    def plan(self) -> StepPlan:
+        """What the next pass holds: every decoding slot's pending token and the drafts the cost model buys (when no
+        slot is prefilling), then prompt chunks in the room left, each ending where a saved state ends or will end.
+        Changes nothing."""
         active = [slot for slot in self.slots if slot is not None]
         decoding = [slot for slot in active if slot.pending is not None]
         prefilling = [slot for slot in active if slot.prefilled < len(slot.prompt)]
         drafts = self._drafts(decoding) if decoding and not prefilling else {}
-        chunks: list[tuple[Slot, int]] = []  # slot, where its chunk began
         if not drafts and not prefilling and len(active) == 1 and len(decoding) == 1 and decoding[0].seq == 0:
-            # a single answer's plain step: one token, no batch to build (positions from the cache itself)
-            to_sample: list[tuple[Slot, int, list[int]]] = [(decoding[0], -1, _NO_DRAFT)]
-            n_passed = 1
-            started = time.perf_counter()
-            outcome = engine.decode_one(decoding[0].pending or 0)
-        else:
-            to_sample = self._fill(decoding, drafts, prefilling, chunks)
-            n_passed = self._batch.n
-            if n_passed == 0:
-                return []
-            started = time.perf_counter()
-            outcome = engine.decode(self._batch, "evaluating the prompt" if chunks else "decoding", abortable=bool(chunks))
-        if outcome != "ok":
-            return self._not_decoded(outcome, chunks)
-        now = time.perf_counter()
-        elapsed = now - started
-        kv = engine.kv
-        for slot, begin in chunks:
-            kv.appended(slot.prompt[begin : slot.prefilled], slot.seq)
-            self.totals.prefill_tokens += slot.prefilled - begin
-            if slot.prefilled == len(slot.prompt):
-                slot.clock.prefill_done = now
-            elif slot.prefilled == slot.split_at and slot.seq == 0 and not kv.checkpoint_here():
-                slot.prefilled = slot.cached = 0  # llama.cpp refused its own state: evaluate the prompt again
-        if not chunks:
-            self.speculation.cost.observe_pass(n_passed, elapsed)
-        engine.adapt_threads(now)
-        events: list[Event] = []
-        sampled = sum(self._sample(slot, first, draft, events, elapsed, n_passed, len(decoding))
-                      for slot, first, draft in to_sample)
-        if not chunks:
-            self.totals.decode_steps_s += time.perf_counter() - started
-            self.totals.decode_step_tokens += sampled
-        for slot in active:
-            if slot.answer.finish is not None:
-                events += self.finish(slot, slot.answer.finish)
-        return events
-
-    def _fill(self, decoding: list[Slot], drafts: dict[int, tuple[list[int], int]], prefilling: list[Slot],
-              chunks: list[tuple[Slot, int]]) -> list[tuple[Slot, int, list[int]]]:
-        """The step's batch: each decoding slot's pending token and draft, then prompt chunks in the room left (each
-        recorded in `chunks`); what to sample after it: slot, the batch index of its first logits, its draft."""
-        batch = self._batch
-        batch.clear()
-        to_sample: list[tuple[Slot, int, list[int]]] = []
-        for slot in decoding:
-            draft, slot.draft_source = drafts.get(slot.seq, (_NO_DRAFT, 0))
-            pos, seq = slot.pos, slot.seq
-            to_sample.append((slot, batch.add(slot.pending or 0, pos, seq, True), draft))
-            for i, token in enumerate(draft):
-                batch.add(token, pos + 1 + i, seq, True)
+            return StepPlan([Planned(decoding[0], _NO_DRAFT)], [], single=True)
+        planned = [Planned(slot, *drafts.get(slot.seq, (_NO_DRAFT, 0))) for slot in decoding]
+        capacity = self._batch.capacity
+        used = sum(1 + len(p.draft) for p in planned)
+        chunks = []
         for slot in prefilling:
-            if batch.full:
+            if used >= capacity:
                 break
             begin, end = slot.prefilled, len(slot.prompt)
             if slot.split_at is not None and begin < slot.split_at:
                 end = slot.split_at
-            end = min(end, begin + batch.capacity - batch.n)
-            for pos in range(begin, end):
-                batch.add(slot.prompt[pos], pos, slot.seq, pos == len(slot.prompt) - 1)
-            if end == len(slot.prompt):
-                to_sample.append((slot, batch.n - 1, _NO_DRAFT))
-            chunks.append((slot, begin))
-            slot.prefilled = end
-        return to_sample
+            end = min(end, begin + capacity - used)
+            chunks.append(Chunk(slot, begin, end))
+            used += end - begin
+        return StepPlan(planned, chunks)
+
+    def _pass(self, plan: StepPlan) -> tuple[str, list[tuple[Slot, int, list[int]]]]:
+        """Evaluate the plan in one llama_decode: its outcome, and what to sample after it (slot, the batch index of
+        its first logits, its draft)."""
+        if plan.single:
+            slot = plan.decoding[0].slot
+            return self.engine.decode_one(slot.pending or 0), [(slot, -1, _NO_DRAFT)]
+        batch = self._batch
+        batch.clear()
+        to_sample: list[tuple[Slot, int, list[int]]] = []
+        for planned in plan.decoding:
+            slot = planned.slot
+            pos, seq = slot.pos, slot.seq
+            to_sample.append((slot, batch.add(slot.pending or 0, pos, seq, True), planned.draft))
+            for i, token in enumerate(planned.draft):
+                batch.add(token, pos + 1 + i, seq, True)
+        for chunk in plan.chunks:
+            prompt, seq, last = chunk.slot.prompt, chunk.slot.seq, len(chunk.slot.prompt) - 1
+            for pos in range(chunk.begin, chunk.end):
+                batch.add(prompt[pos], pos, seq, pos == last)
+            if chunk.end == len(prompt):
+                to_sample.append((chunk.slot, batch.n - 1, _NO_DRAFT))
+        what = "evaluating the prompt" if plan.chunks else "decoding"
+        return self.engine.decode(batch, what, abortable=bool(plan.chunks)), to_sample
+
+    def _apply(self, plan: StepPlan, to_sample: list[tuple[Slot, int, list[int]]], started: float) -> list[Event]:
+        """The pass was evaluated: the chunks' slots move on, each slot samples, finished answers end."""
+        now = time.perf_counter()
+        elapsed = now - started
+        engine, kv = self.engine, self.engine.kv
+        for chunk in plan.chunks:
+            slot = chunk.slot
+            slot.prefilled = chunk.end
+            self.totals.prefill_tokens += chunk.end - chunk.begin
+            if slot.prefilled == len(slot.prompt):
+                slot.clock.prefill_done = now
+            elif slot.prefilled == slot.split_at and slot.seq == 0 and not kv.checkpoint_here():
+                slot.prefilled = slot.cached = 0  # llama.cpp refused its own state: evaluate the prompt again
+        n_passed = plan.n_tokens
+        if not plan.chunks:
+            self.speculation.cost.observe_pass(n_passed, elapsed)
+        engine.adapt_threads(now)
+        for planned in plan.decoding:
+            planned.slot.draft_source = planned.draft_source
+        events: list[Event] = []
+        sampled = sum(self._sample(slot, first, draft, events, elapsed, n_passed, len(plan.decoding))
+                      for slot, first, draft in to_sample)
+        if not plan.chunks:
+            self.totals.decode_steps_s += time.perf_counter() - started
+            self.totals.decode_step_tokens += sampled
+        for slot in [p.slot for p in plan.decoding] + [c.slot for c in plan.chunks]:
+            if slot.answer.finish is not None:
+                events += self.finish(slot, slot.answer.finish)
+        return events
 
     def _drafts(self, decoding: list[Slot]) -> dict[int, tuple[list[int], int]]:
         candidates = []
@@ -257,8 +307,6 @@ class Scheduler:
         the draft leaves the slot's cells. The number of tokens sampled."""
         sampler, answer, vocab, drafter = slot.sampler, slot.answer, self.engine.vocab, slot.drafter
         was_pending, before = slot.pending is not None, slot.pos
-        if was_pending:
-            self.engine.kv.appended([slot.pending or 0, *draft], slot.seq)
         i = 0
         while True:
             token = sampler.sample(first + i)
@@ -291,14 +339,12 @@ class Scheduler:
             drafter.account(slot.draft_source, share_s, plain_s, i + 1, bool(draft), i == len(draft))
         return i + 1
 
-    def _not_decoded(self, outcome: str, chunks: list[tuple[Slot, int]]) -> list[Event]:
-        """The pass was not evaluated (`full`: nothing of it; `aborted`: what llama.cpp stored stays)."""
-        for slot, begin in chunks:
-            slot.prefilled = begin
+    def _not_decoded(self, outcome: str, chunks: list[Chunk]) -> list[Event]:
+        """The pass was not evaluated (`full`: nothing of it; `aborted`: what llama.cpp stored stays, as the engine
+        recorded it)."""
         if outcome == "aborted":
-            for slot, _ in chunks:
-                self.engine.kv.resync(slot.seq)
-                slot.prefilled = max(slot.cached, self.engine.kv.n_held(slot.seq))
+            for chunk in chunks:
+                chunk.slot.prefilled = max(chunk.slot.cached, self.engine.kv.n_held(chunk.slot.seq))
             return self.finish_all("interrupted")
         if self.cells < self.engine.n_ctx:
             self.grow()
@@ -340,7 +386,6 @@ class Scheduler:
                 raise LlmcliError("the KV cache is too small for the prompts' shared prefix", hint="Use a larger --ctx-size.")
             if outcome == "aborted":
                 return
-            self.engine.kv.appended(tokens[start : start + batch.n], self.prefix_seq)
         self.totals.prefill_tokens += len(tokens)
 
     # -- one answer: run, chat ------------------------------------------------------------------

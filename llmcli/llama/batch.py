@@ -12,6 +12,7 @@ class Batch:
         self.capacity = capacity
         self.raw = llama_cpp.llama_batch_init(capacity, 0, 1)
         self.n = 0
+        self.runs: list[tuple[int, list[int]]] = []  # what it holds, as the KV bookkeeping records it: (seq, tokens)
 
     def add(self, token: int, pos: int, seq: int, logits: bool) -> int:
         """Append one token at `pos` of sequence `seq`; returns its index (where its logits will be)."""
@@ -20,6 +21,11 @@ class Batch:
         raw.seq_id[i][0] = seq
         self.n += 1
         raw.n_tokens = self.n
+        runs = self.runs
+        if runs and runs[-1][0] == seq:
+            runs[-1][1].append(token)
+        else:
+            runs.append((seq, [token]))
         return i
 
     @property
@@ -29,6 +35,7 @@ class Batch:
     def clear(self) -> None:
         self.n = 0
         self.raw.n_tokens = 0
+        self.runs = []
 
     def close(self) -> None:
         if self.raw is not None:

@@ -266,9 +266,10 @@ class Engine:
         return True
 
     def decode(self, batch: Batch, what: str = "decoding a batch", abortable: bool = False) -> str:
-        """Evaluate a batch of any sequences (their positions and tokens are the caller's to track): `ok`; `full`
-        when the KV cache has no room for it (nothing was evaluated then); `aborted` when Ctrl-C stopped it
-        (`abortable`: at once, inside the pass — a prompt chunk; what llama.cpp had stored stays)."""
+        """Evaluate a batch of any sequences: `ok`; `full` when the KV cache has no room for it (nothing was
+        evaluated then); `aborted` when Ctrl-C stopped it (`abortable`: at once, inside the pass — a prompt chunk;
+        what llama.cpp had stored stays). As every evaluation here, what it stored is recorded in the KV
+        bookkeeping (`kv`): the caller never records it."""
         if abortable:
             llama_cpp.llama_set_abort_callback(self._ctx, self._abort, None)
         try:
@@ -277,19 +278,24 @@ class Engine:
             if abortable:  # the callback runs once per graph node: too costly to leave on for token passes
                 llama_cpp.llama_set_abort_callback(self._ctx, llama_cpp.ggml_abort_callback(), None)
         if rc == 0:
+            for seq, tokens in batch.runs:
+                self.kv.appended(tokens, seq)
             return "ok"
         if rc == 1:
             return "full"
         if rc == 2 and self.cancel:
+            for seq in {seq for seq, _ in batch.runs}:
+                self.kv.resync(seq)  # the micro-batches llama.cpp stored before it stopped stay
             return "aborted"
         raise self._decode_error(rc, what)
 
     def decode_one(self, token: int) -> str:
-        """Evaluate one token appended to sequence 0 (the caller tracks it): a single answer's plain step, without
-        building a batch (positions from the cache itself). `ok`, `full` or, failing, an error."""
+        """Evaluate one token appended to sequence 0: a single answer's plain step, without building a batch
+        (positions from the cache itself); recorded as `decode`'s. `ok`, `full` or, failing, an error."""
         self._one[0] = token
         rc = llama_cpp.llama_decode(self._ctx, llama_cpp.llama_batch_get_one(self._one, 1))
         if rc == 0:
+            self.kv.appended((token,))
             return "ok"
         if rc == 1:
             return "full"
