@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx2
 import pytest
-from conftest import LOGS, start_server, stop_server
+from conftest import LOGS, run_cli, start_server, stop_server
 
 
 def _fields(typed: type) -> set[str]:
@@ -146,3 +146,43 @@ def test_a_long_prompt_keeps_each_stream_alive_in_its_protocol_s_way(server):
                           or line.startswith("event: content_block") or line.startswith("event: response.output"))
         assert sum(line.startswith(keepalive) for line in lines[:first_data]) >= 2, (path, lines[:12])
         assert lines[-1] in ("data: [DONE]", "") or json.loads(lines[-1].removeprefix("data: "))  # still ends as usual
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3-270m"])  # a full KV cache, and a sliding-window one
+def test_an_agent_s_long_prefix_is_evaluated_once_across_slots_sessions_and_restarts(tmp_path, model, gemma3):
+    """Issue 36: the standing part of a long prompt (an agent's system prompt and tools) is kept in the prompt store
+    where it ends: a second conversation — in the other slot, or after `serve` restarted — restores it instead of
+    evaluating it, and answers as the first did."""
+    system = " ".join(f"Rule {i}: keep the file tidy and name things plainly." for i in range(30))  # ~430 tokens
+    tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+    flags = ("-m", model, "-P", "2", "-c", "2048", "--temp", "0", "--prompt-cache-min", "64")
+
+    def ask(url: str, question: str) -> dict:
+        reply = httpx2.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "max_tokens": 6, "tools": tools, "messages": [{"role": "system", "content": system},
+                                                            {"role": "user", "content": question}]})
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    proc, url = start_server(tmp_path, *flags)  # (its prompt store: tmp_path/cache)
+    try:
+        cold = ask(url, "What is rule 3?")
+        second = ask(url, "Which rule is about names?")
+        both = [ask(url, "What is rule 3?"), ask(url, "Say hi.")]
+    finally:
+        stop_server(proc)
+    prompt = cold["usage"]["prompt_tokens"]
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    standing = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert prompt - 20 < standing < prompt  # the system prompt and tools, up to the question
+    assert all(r["usage"]["prompt_tokens_details"]["cached_tokens"] >= standing for r in both)
+    proc, url = start_server(tmp_path, *flags)
+    try:
+        warm = ask(url, "What is rule 3?")
+    finally:
+        stop_server(proc)
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == standing  # from the prompt store, on disk
+    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]  # the same greedy answer
+    listed = run_cli("cache", "list", env={"LLMCLI_CACHE_DIR": str(tmp_path / "cache")})
+    assert model in listed.stdout, listed.stdout + listed.stderr

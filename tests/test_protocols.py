@@ -276,8 +276,22 @@ def test_openai_responses_whole_streamed_continued_and_with_tools(server):
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}])
     assert answered.status in ("completed", "incomplete") and answered.output_text
-    with pytest.raises(openai_module.BadRequestError, match="only function tools"):
-        client.responses.create(model="smollm2", input="x", tools=[{"type": "web_search"}])
+    # Codex's tools: a namespace's tools are offered as NAMESPACE__NAME and called back in their namespace; a hosted
+    # tool (web_search, run by OpenAI's servers) is left out of the prompt; a custom tool (free-form) is refused.
+    namespaced = client.responses.create(model="smollm2", input=QUESTION, max_output_tokens=60, tool_choice="required",
+                                         tools=[{"type": "web_search"}, {"type": "namespace", "name": "crm",
+                                                                        "description": "The CRM.", "tools": [tool]}])
+    (called,) = [item for item in namespaced.output if item.type == "function_call"]
+    assert (called.namespace, called.name) == ("crm", tool["name"])
+    back = client.responses.create(model="smollm2", max_output_tokens=8, tools=[{"type": "namespace", "name": "crm",
+                                                                                 "description": "The CRM.", "tools": [tool]}],
+                                   input=[{"role": "user", "content": QUESTION},
+                                          {"type": "function_call", "call_id": called.call_id, "name": called.name,
+                                           "namespace": "crm", "arguments": called.arguments},
+                                          {"type": "function_call_output", "call_id": called.call_id, "output": "Sunny"}])
+    assert back.status in ("completed", "incomplete")
+    with pytest.raises(openai_module.BadRequestError, match="only function and namespace tools"):
+        client.responses.create(model="smollm2", input="x", tools=[{"type": "custom", "name": "apply_patch"}])
 
 
 def test_logprobs_equal_run_s_and_completions_take_lists_and_token_ids(server):

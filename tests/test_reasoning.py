@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx2
 import pytest
-from conftest import run_cli, run_in_terminal
+from conftest import run_cli, run_in_terminal, start_server, stop_server
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -172,3 +173,42 @@ def test_batch_and_chat_records_carry_reasoning_apart(tmp_path, isolated_env):
         exchange = log.events(conversation)[1]
     assert exchange["reasoning"] == records[0]["reasoning"] and exchange["text"] == records[0]["text"]
     assert "<think>" not in chat.stdout
+
+
+NO_CLOSE = ("--logit-bias", "9617=-inf")  # SmolLM2's "</": the model never closes the think block itself
+
+
+def test_a_think_budget_closes_the_block_and_the_answer_follows_in_run_the_warm_run_and_serve(tmp_path):
+    template = tmp_path / "thinking.jinja"
+    template.write_text(THINKING_TEMPLATE)  # opens the think block: all the output is thinking until it closes
+    args = ("--chat-template-file", str(template), *GREEDY, "-n", "30", *NO_CLOSE)
+    unbounded = answer(*args, "Say hi")
+    assert unbounded["text"] == "" and unbounded["usage"]["reasoning_tokens"] == 30  # it never stops thinking
+    bounded = answer(*args, "--think-budget", "8", "Say hi")
+    assert 8 <= bounded["usage"]["reasoning_tokens"] <= 8 + 5  # 8 of thinking, then the closing tag's tokens
+    assert bounded["reasoning"] and bounded["text"].strip() and "</think>" not in bounded["text"]
+    assert bounded["reasoning"] == unbounded["reasoning"][: len(bounded["reasoning"])].rstrip()
+    runtime = {"LLMCLI_RUNTIME_DIR": str(tmp_path / "rt")}
+    warm = run_cli("run", "--keep-alive", "30s", "--json", *args, "--think-budget", "8", "Say hi", env=runtime)
+    run_cli("stop", env=runtime)
+    assert warm.code == 0, warm.stderr
+    assert {k: json.loads(warm.stdout)[k] for k in ("text", "reasoning")} == {k: bounded[k] for k in ("text", "reasoning")}
+    proc, url = start_server(tmp_path, "--chat-template-file", str(template), "-c", "512")
+    try:
+        body = {"max_tokens": 30, "temperature": 0, "messages": [{"role": "user", "content": "Say hi"}]}
+        openai = httpx2.post(f"{url}/v1/chat/completions", timeout=60,
+                             json={**body, "think_budget": 8, "logit_bias": {"9617": -100}}).json()
+        anthropic = httpx2.post(f"{url}/v1/messages", timeout=60, json={
+            **body, "thinking": {"type": "enabled", "budget_tokens": 8}}).json()
+    finally:
+        stop_server(proc)
+    message = openai["choices"][0]["message"]
+    assert message["content"] and message["reasoning_content"] and openai["timings"]["reasoning_tokens"] <= 13
+    assert anthropic["usage"]["output_tokens"] >= 1 and anthropic["content"][0]["type"] == "thinking"
+
+
+def test_effort_levels_are_thinking_budgets():
+    from llmcli.serve.answer_request import think_budget_of
+
+    assert [think_budget_of(level) for level in ("minimal", "low", "medium", "high", True, None)] == [
+        {"think_budget": 256}, {"think_budget": 1024}, {"think_budget": 4096}, {}, {}, {}]

@@ -19,7 +19,7 @@ from llmcli.decode.speculative import Drafter
 @dataclass
 class FakeKv:
     calls: list[tuple[Any, ...]] = field(default_factory=list)
-    checkpoint: Any = None
+    checkpoints: dict[int, Any] = field(default_factory=dict)
 
     def keep_prefix(self, prompt: list[int], seq: int, at_least: int) -> int:
         self.calls.append(("keep_prefix", seq))

@@ -103,6 +103,7 @@ def answer_record(done: Done, notices: Sequence[str] = ()) -> dict[str, Any]:
             "prompt_tokens": stats.prompt_tokens,
             "cached_tokens": stats.cached_tokens,
             "completion_tokens": stats.completion_tokens,
+            "reasoning_tokens": stats.reasoning_tokens,
             "total_tokens": stats.prompt_tokens + stats.completion_tokens,
         },
         "timings": stats.to_dict(),

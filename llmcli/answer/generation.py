@@ -40,6 +40,7 @@ class GenerationOptions:
     special: bool = default("special")  # control tokens' text is answer text (--special)
     tools: ToolSpec | None = None  # what the answer may call, and how (tool calls are parsed out of its text)
     logprobs: int | None = None  # each answer token's logprob and this many most likely alternatives (None: none)
+    think_budget: int | None = None  # tokens of thinking before the think block is closed (None: no limit)
 
     @classmethod
     def from_settings(cls, values: Mapping[str, Any], sampling: SamplingConfig, constraint: Constraint | None = None,
@@ -50,7 +51,7 @@ class GenerationOptions:
         tools or logprobs; the draft limit)."""
         found = cls(sampling, values["max_tokens"], tuple(values["stop"]), constraint or Constraint(),
                     values["repetition_guard"], values["speculate"], reasoning=values["reasoning"] != "stdout",
-                    special=values["special"], logprobs=values["logprobs"])
+                    special=values["special"], logprobs=values["logprobs"], think_budget=values["think_budget"])
         return dataclasses.replace(found, **given) if given else found
 
     def for_prompt(self, prompt_text: str, template_source: str | None) -> GenerationOptions:
@@ -80,6 +81,9 @@ class Answer:
 
     def __init__(self, options: GenerationOptions, n_prompt: int, n_ctx: int):
         splitter = ReasoningSplitter(options.thinking_open) if options.reasoning else None
+        self.splitter = splitter
+        self.think_budget = options.think_budget
+        self.thought_tokens = 0  # tokens sampled inside the think block
         self.calls = ToolCallParser(options.tools) if options.tools is not None and options.tools.active else None
         self.stream = AnswerText(options.stops, splitter, self.calls)  # token bytes -> printable text and calls
         self.limit = options.max_tokens if options.max_tokens is not None else sys.maxsize
@@ -103,7 +107,10 @@ class Answer:
         self.n_out += 1
         if logprob is not None:
             self._unsent.append(logprob)
+        thinking = self.splitter is not None and self.splitter.thinking
         events = self._events(self.stream.feed(piece))
+        if thinking or (self.splitter is not None and self.splitter.thinking):
+            self.thought_tokens += 1
         tokens = self.tokens
         if tokens is not None:
             tokens.append(token)
@@ -116,6 +123,12 @@ class Answer:
         elif tokens is not None and self.n_out % LOOP_EVERY == 0 and looping(tokens):
             self.finish = "repetition"
         return events
+
+    @property
+    def thinking_spent(self) -> bool:
+        """The think block is still open and has had its --think-budget of tokens: the decode loop closes it."""
+        return self.think_budget is not None and self.splitter is not None and self.splitter.thinking \
+            and self.thought_tokens >= self.think_budget
 
     def close(self) -> tuple[Token | CallEvent, ...]:
         """No more tokens: release what was held back (a stop sequence completing now ends it there)."""

@@ -16,7 +16,7 @@ from llmcli.answer.events import Done, Token
 from llmcli.answer.finish import from_openai
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.message import Message
-from llmcli.answer.sampling_config import WIRE_FIELDS
+from llmcli.answer.sampling_config import ANSWER_FIELDS, WIRE_FIELDS
 from llmcli.answer.stats import AnswerClock
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.answer.tool_calls import ToolCall, ToolSpec, new_call_id
@@ -47,7 +47,7 @@ def sampling_fields(generation: GenerationOptions, defaults: Mapping[str, Any]) 
     defaults stand for the rest), and always the temperature."""
     fields: dict[str, Any] = {}
     for name, wire in WIRE_FIELDS.items():
-        value = generation.repetition_guard if name == "repetition_guard" else getattr(generation.sampling, name)
+        value = getattr(generation if name in ANSWER_FIELDS else generation.sampling, name)
         if value is not None and (value != defaults.get(name) or name == "temp"):
             fields[wire] = value
     return fields

@@ -32,6 +32,11 @@ class ReasoningSplitter:
         self._lead = open_at_start  # whitespace right after an opening tag is not shown
 
     @property
+    def thinking(self) -> bool:
+        """Inside the think block now (its opening seen, its closing not yet)."""
+        return self._state == self._THINKING
+
+    @property
     def answering(self) -> bool:
         """The answer has begun: nothing more can be reasoning."""
         return self._state == self._ANSWER

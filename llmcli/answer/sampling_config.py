@@ -76,7 +76,8 @@ SETTING_FIELDS = tuple(f.name for f in fields(SamplingConfig) if f.name in SETTI
 # where it has one, llama-server's for the rest (its names are llmcli's). `llmcli serve` reads every one of them;
 # llama-server and vLLM read most; OpenAI itself refuses what it does not know, which says so rather than dropping it.
 WIRE_FIELDS: dict[str, str] = {name: "temperature" if name == "temp" else name
-                               for name in (*SETTING_FIELDS, "repetition_guard")}
+                               for name in (*SETTING_FIELDS, "repetition_guard", "think_budget")}
+ANSWER_FIELDS = ("repetition_guard", "think_budget")  # of those, the answer's options (GenerationOptions), not sampling
 
 
 def check_grammar(gbnf: str, origin: str) -> None:

@@ -28,6 +28,7 @@ class Stats:
     restore_s: float = 0.0  # finding, checking and loading that saved state (part of the TTFT)
     draft_tokens: int = 0  # speculative decoding: tokens drafted and verified
     accepted_tokens: int = 0  # of those, the ones the model agreed with (each saved a pass)
+    reasoning_tokens: int = 0  # of the completion, the tokens of the think block (--think-budget bounds them)
 
     @property
     def acceptance(self) -> float:
@@ -87,7 +88,7 @@ class AnswerClock:
 
     def stats(self, *, prompt_tokens: int, cached_tokens: int = 0, prefill_tokens: int = 0, completion_tokens: int = 0,
               decode_steps: int = 0, seed: int | None = None, threads: int | None = None, draft_tokens: int = 0,
-              accepted_tokens: int = 0) -> Stats:
+              accepted_tokens: int = 0, reasoning_tokens: int = 0) -> Stats:
         now = time.perf_counter()
         first = self.first_token or now
         prefill_end = self.prefill_done or first
@@ -98,7 +99,7 @@ class AnswerClock:
             ttft_s=(self.first_text or first) - self.submitted, completion_tokens=completion_tokens,
             decode_steps=decode_steps, decode_s=(self.last_token or first) - first if decode_steps else 0.0,
             total_s=now - self.submitted, seed=seed, threads=threads, draft_tokens=draft_tokens,
-            accepted_tokens=accepted_tokens,
+            accepted_tokens=accepted_tokens, reasoning_tokens=reasoning_tokens,
         )
 
 

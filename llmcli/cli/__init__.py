@@ -48,6 +48,7 @@ def _register() -> None:
         cache_cmd,
         config_cmd,
         embed_cmd,
+        launch_cmd,
         logs_cmd,
         mcp_cmd,
         models_cmd,
@@ -66,7 +67,7 @@ def _register() -> None:
     models_cmd.register(app)
     tools: tuple[tuple[str, Any], ...] = (("count", tokens_cmd.count), ("tokenize", tokens_cmd.tokenize),
                                           ("embed", embed_cmd.embed), ("similar", embed_cmd.similar),
-                                          ("ps", warm_cmd.ps), ("stop", warm_cmd.stop))
+                                          ("ps", warm_cmd.ps), ("stop", warm_cmd.stop), ("launch", launch_cmd.launch))
     for name, command in tools:
         app.command(name, short_help=SHORT_HELP[name], epilog=EXAMPLES[name])(command)
     app.add_typer(bench.app, name="bench", short_help=SHORT_HELP["bench"], epilog=EXAMPLES["bench"])

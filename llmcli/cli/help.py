@@ -106,6 +106,8 @@ EXAMPLES = {
                       "cat lines.txt | llmcli embed --format npy > v.npy"),
     "similar": examples('llmcli similar --collection vectors.jsonl "query" -n 5'),
     "ps": examples("llmcli ps", "llmcli ps --json"),
+    "launch": examples("llmcli launch claude -m gemma3-270m", "llmcli launch codex -m gemma3-270m -- exec 'list the files'",
+                       "llmcli launch aider --config"),
     "stop": examples("llmcli stop", "llmcli stop smollm2"),
     "logs": examples("llmcli logs", 'llmcli logs -q "lighthouse" --json', "llmcli logs -m smollm2 --since 7d",
                      "llmcli logs rm --before 30d", "llmcli logs off"),
@@ -140,6 +142,7 @@ SHORT_HELP = {
     "logs": "Every answer, recorded: list, search, remove (SQLite).",
     "tokenize": "Show the tokens of a text: ids and pieces.",
     "mcp": "MCP servers: their tools (list), one call (call).",
-    "ps": "The warm servers of --keep-alive: model, memory, when each exits.",
-    "stop": "End warm servers (--keep-alive): one model's, or every one.",
+    "ps": "The warm servers of --keep-alive and launch: model, memory, when each exits.",
+    "launch": "Run a coding agent (Claude Code, Codex, OpenCode, aider) on a local model.",
+    "stop": "End warm servers (--keep-alive, launch): one model's, or every one.",
 }

@@ -22,9 +22,11 @@ ModelArg = Annotated[Optional[str], typer.Argument(help="The model whose server 
 def ps(as_json: JsonOpt = False, url: UrlOpt = None) -> None:
     """The warm servers (`--keep-alive`): model, process, memory, when each exits; with --url, a server's models."""
     from llmcli.cli.output import print_table
+    from llmcli.pipeline import launch
     from llmcli.pipeline.warm import running, served_at
 
-    servers: list[tuple[Any, dict[str, Any]]] = running() if url is None else [(url, served_at(url))]
+    servers: list[tuple[Any, dict[str, Any]]] = [*running(), *launch.running()] if url is None \
+        else [(url, served_at(url))]
     if as_json:
         for where, state in servers:
             print(json.dumps(_record(where, state)))
@@ -36,7 +38,7 @@ def ps(as_json: JsonOpt = False, url: UrlOpt = None) -> None:
             slots = model.get("slots") or {}
             rows.append((model["name"], str(record["pid"]), human_size(model.get("size") or 0),
                          f"{record['rss_mib']:.0f} MiB", f"{slots.get('busy', 0)}/{slots.get('slots', 0)}",
-                         _expiry(model), str(where)))
+                         _expiry(model), record["socket"]))
     print_table(("model", "pid", "file", "memory", "busy", "exits", "where"), rows, right=("pid", "file", "memory"),
                 empty="No warm server: `llmcli run --keep-alive 10m …` starts one.")
 
@@ -44,11 +46,12 @@ def ps(as_json: JsonOpt = False, url: UrlOpt = None) -> None:
 def stop(model: ModelArg = None) -> None:
     """End warm servers (each finishes its answers first): the one of MODEL, or every one."""
     from llmcli.cli.output import stderr_console
+    from llmcli.pipeline import launch
     from llmcli.pipeline.warm import running
     from llmcli.pipeline.warm import stop as stop_server
 
     path = _path_of(model) if model is not None else None
-    chosen = [(socket, state) for socket, state in running()
+    chosen = [(socket, state) for socket, state in [*running(), *launch.running()]
               if model is None or model in {state.get("model"), *(m["name"] for m in state.get("models", []))}
               or str(path) in {m.get("path") for m in state.get("models", [])}]
     if not chosen:
@@ -74,7 +77,7 @@ def _path_of(model: str) -> Path | None:
 
 def _record(where: Any, state: dict[str, Any]) -> dict[str, Any]:
     pid = int(state.get("pid") or 0)
-    return {"model": state.get("model"), "pid": pid, "socket": str(where), "rss_mib": _rss_mib(pid),
+    return {"model": state.get("model"), "pid": pid, "socket": state.get("url") or str(where), "rss_mib": _rss_mib(pid),
             "models": state.get("models") or [], "version": state.get("version")}
 
 

@@ -110,6 +110,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _s("think", bool, None, "Reasoning models: let the model think first, or not (the chat template's "
        "enable_thinking); no effect on models without the switch.", "--think/--no-think", panel=MODEL,
        default_text="the template's default", chat=True),
+    _s("think_budget", int, None, "Reasoning models: after this many tokens of thinking the think block is closed "
+       "and the answer follows.", panel=MODEL, default_text="none: as long as the model thinks", chat=True,
+       check=lambda v: v >= 0, rule="must be >= 0"),
     _s("reasoning", str, "show", "Where a reasoning model's thinking goes: show (dimmed before the answer on a "
        "terminal, left out when piped), hide, stderr, or stdout (kept in the answer with its <think> tags).",
        choices=("show", "hide", "stderr", "stdout"), panel=OUTPUT),

@@ -53,14 +53,15 @@ class PromptCache:
             store.notices = []
         return found
 
-    def restore(self, prompt: Sequence[int], limit: int | None = None) -> int:
-        """Before prefill: load the saved state sharing the most of `prompt` (of its first `limit` tokens) if it
-        shares at least a block more than the KV cache holds now. Returns the prompt tokens it covers (0: none)."""
+    def restore(self, prompt: Sequence[int], limit: int | None = None, seq: int = 0) -> int:
+        """Before prefill: load into sequence `seq` the saved state sharing the most of `prompt` (of its first
+        `limit` tokens) if it shares at least a block more than the sequence holds now. Returns the prompt tokens it
+        covers (0: none)."""
         engine = self.engine
         usable = len(prompt) - 1  # the last prompt token is always evaluated: its logits give the first token
         if limit is not None:
             usable = min(usable, limit)
-        held = engine.kv.shared_prefix(prompt[:usable])
+        held = engine.kv.shared_prefix(prompt[:usable], seq)
         if usable - held < BLOCK:
             return 0
         store = self._open(compute_sha=False)
@@ -69,15 +70,15 @@ class PromptCache:
         found = store.find(prompt[:usable], at_least=held + BLOCK, whole=whole) if store is not None else None
         if store is None or found is None:
             return 0
-        if not engine.kv.restore_state(found.tokens, found.payload):
+        if not engine.kv.restore_state(found.tokens, found.payload, seq):
             self.notices.append(f"prompt cache: llama.cpp refused {found.path.name}; removed it, evaluating the prompt")
             store.remove(found.path)
             return 0
         if len(found.tokens) > usable:
-            engine.kv.remove(0, usable, -1)
+            engine.kv.remove(seq, usable, -1)
         return min(found.shared, usable)
 
-    def save(self, evaluated: int, stable: int | None = None) -> None:
+    def save(self, evaluated: int, stable: int | None = None, seq: int = 0) -> None:
         """After an answer: save the KV state if `evaluated` (prompt tokens evaluated now) reaches the threshold.
 
         `stable`: the prompt's tokens that a later prompt is likely to share (a piped document before the
@@ -87,12 +88,12 @@ class PromptCache:
             return
         engine = self.engine
         if engine.n_swa > 0:
-            checkpoint = engine.kv.checkpoint
+            checkpoint = engine.kv.checkpoints.get(seq)
             if checkpoint is None or len(checkpoint[0]) != stable:
                 return
             self._write(*checkpoint)
         else:
-            self._write(*engine.kv.save_state())
+            self._write(*engine.kv.save_state(seq))
 
     def keep(self, resume_at: int) -> None:
         """A conversation ends: save its state for `chat --resume` (if not saved already). A sliding-window

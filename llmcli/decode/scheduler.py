@@ -28,6 +28,7 @@ from typing import Any
 
 from llmcli.answer.events import DecodeEvent, Prefill
 from llmcli.answer.generation import Answer, GenerationOptions
+from llmcli.answer.reasoning import CLOSE as THINK_CLOSE
 from llmcli.answer.stats import AnswerClock
 from llmcli.decode.speculative import Candidate, Drafter, Speculation, choose_drafts
 from llmcli.errors import LlmcliError
@@ -61,6 +62,8 @@ class Slot:
     drafted: int = 0
     accepted: int = 0
     finished: bool = False
+    forced: list[int] = field(default_factory=list)  # tokens the loop writes next, unsampled (a think block's close)
+    thinking_closed: bool = False  # its think block was closed at --think-budget
 
     @property
     def pos(self) -> int:
@@ -133,6 +136,7 @@ class Scheduler:
         self.slots = [None] * self.n_slots
         self.cells = self.cells or self.engine.n_ctx
         self._batch = Batch(max(self.engine.config.n_batch, self.n_slots))
+        self._closing: list[int] | None = None
 
     def close(self) -> None:
         self._batch.close()
@@ -161,8 +165,7 @@ class Scheduler:
             cached = shared
         else:
             cached = kv.keep_prefix(prompt, seq, reuse_at_least)
-        if seq == 0:
-            kv.checkpoint = None
+        kv.checkpoints.pop(seq, None)
         clock = clock or AnswerClock()
         clock.prefill_started = time.perf_counter()
         drafter = Drafter.for_mode(options.speculate, prompt, self.speculation.draft_model)
@@ -184,7 +187,7 @@ class Scheduler:
             prompt_tokens=len(slot.prompt), cached_tokens=slot.cached, prefill_tokens=slot.prefilled - slot.cached,
             completion_tokens=slot.answer.n_out, decode_steps=max(0, slot.sampled - 1),
             seed=None if slot.options.sampling.greedy else slot.sampler.seed, threads=self.engine.n_threads,
-            draft_tokens=slot.drafted, accepted_tokens=slot.accepted)
+            draft_tokens=slot.drafted, accepted_tokens=slot.accepted, reasoning_tokens=slot.answer.thought_tokens)
         events.append((slot, slot.answer.done(reason, stats)))
         slot.sampler.close()
         if not self.keep_cells:
@@ -268,7 +271,7 @@ class Scheduler:
             self.totals.prefill_tokens += chunk.end - chunk.begin
             if slot.prefilled == len(slot.prompt):
                 slot.clock.prefill_done = now
-            elif slot.prefilled == slot.split_at and slot.seq == 0 and not kv.checkpoint_here():
+            elif slot.prefilled == slot.split_at and not kv.checkpoint_here(slot.seq):
                 slot.prefilled = slot.cached = 0  # llama.cpp refused its own state: evaluate the prompt again
         n_passed = plan.n_tokens
         if not plan.chunks:
@@ -309,7 +312,11 @@ class Scheduler:
         was_pending, before = slot.pending is not None, slot.pos
         i = 0
         while True:
-            token = sampler.sample(first + i)
+            if slot.forced:
+                token = slot.forced.pop(0)
+                sampler.accept(token)
+            else:
+                token = sampler.sample(first + i)
             slot.sampled += 1
             n_top = slot.options.logprobs
             logprob = None if n_top is None else token_logprob(sampler.ctx, vocab, first + i, token, n_top)
@@ -319,6 +326,8 @@ class Scheduler:
             events.extend((slot, event) for event in gained)
             if drafter is not None:
                 drafter.appended(token)
+            if answer.thinking_spent and not slot.thinking_closed and sampler.free:
+                slot.forced, slot.thinking_closed = list(self._close_thinking()), True
             if answer.finish is not None or i == len(draft) or token != draft[i]:
                 break
             i += 1
@@ -338,6 +347,12 @@ class Scheduler:
             share_s = elapsed * (1 + len(draft)) / n_batch
             drafter.account(slot.draft_source, share_s, plain_s, i + 1, bool(draft), i == len(draft))
         return i + 1
+
+    def _close_thinking(self) -> list[int]:
+        """The tokens that close a think block and begin the answer (--think-budget), as this vocabulary writes them."""
+        if self._closing is None:
+            self._closing = self.engine.vocab.tokenize(f"\n{THINK_CLOSE}\n\n", add_special=False)
+        return self._closing
 
     def _not_decoded(self, outcome: str, chunks: list[Chunk]) -> list[Event]:
         """The pass was not evaluated (`full`: nothing of it; `aborted`: what llama.cpp stored stays, as the engine

@@ -28,6 +28,7 @@ from llmcli.answer.events import DecodeEvent, Done
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.shared_prefix import shared_prefix
 from llmcli.answer.stats import AnswerClock
+from llmcli.decode.prompt_cache import PromptCache
 from llmcli.decode.scheduler import Scheduler
 from llmcli.decode.speculative import Speculation
 from llmcli.llama.engine import Engine
@@ -55,6 +56,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     clock: AnswerClock = field(default_factory=AnswerClock)  # stamped from its arrival
     failure: Failure | None = None  # set before its Done when it failed
+    stable: int | None = None  # where its prompt's standing part ends: its KV state is restored and saved there
 
 
 Delivery = Callable[[list[tuple["Job", DecodeEvent]]], None]
@@ -79,9 +81,10 @@ class SlotServer:
     loop in one wake-up per step rather than one per token (the default calls each job's `emit` right away)."""
 
     def __init__(self, engine: Engine, n_slots: int, queue_size: int, deliver: Delivery = deliver_here,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, prompt_cache: PromptCache | None = None):
         self.engine, self.n_slots, self.queue_size = engine, n_slots, queue_size
         self.deliver = deliver
+        self.prompt_cache = prompt_cache  # long prompts' standing parts, kept across slots, unloads and restarts
         self.scheduler = Scheduler(engine, n_slots, speculation or Speculation())
         self._events: list[tuple[Job, DecodeEvent]] = []
         self.waiting: deque[Job] = deque()
@@ -172,9 +175,11 @@ class SlotServer:
                 continue
             if self.engine.n_swa == 0:  # a sliding-window cache holds only its last window: any slot will do
                 free.sort(key=lambda seq: -shared_prefix(kv.tokens_of(seq), job.tokens))
+            if self.prompt_cache is not None and job.stable is not None:  # (when the slot holds less of it)
+                self.prompt_cache.restore(job.tokens, job.stable, free[0])
             try:
                 scheduler.start(free[0], job.tokens, job.generation, job.seed, job.clock, tag=job,
-                                reuse_at_least=MIN_REUSE)
+                                split_at=job.stable, reuse_at_least=MIN_REUSE)
             except Exception as exc:  # a grammar llama.cpp refuses: the request fails, the server goes on
                 job.failure = Failure(str(exc), refused=True)
                 self._events.append((job, _cancelled(job)))
@@ -189,6 +194,9 @@ class SlotServer:
             self._events.append((slot.tag, event))
             if isinstance(event, Done):
                 self.served += 1
+                if self.prompt_cache is not None and slot.split_at is not None and event.finish_reason != "interrupted":
+                    self.prompt_cache.save(event.stats.prefill_tokens, slot.split_at, slot.seq)  # (its cells, as left)
+                    self.prompt_cache.take_notices()  # (a damaged entry was removed: nothing to tell a client)
 
     def _fail_all(self, reason: str) -> None:
         for slot in self.scheduler.slots:

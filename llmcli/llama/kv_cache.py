@@ -24,8 +24,8 @@ class KVCache:
         self.n_ctx = n_ctx  # cells one sequence may use
         self.n_swa = n_swa  # the model's sliding-window span (0: none): its state holds only the last window
         self._held: dict[int, list[int]] = {0: []}  # sequence -> the tokens whose keys and values are cached, in order
-        # Where a prefill of a sliding-window model was split: (tokens, state bytes); see `checkpoint_here`.
-        self.checkpoint: tuple[list[int], memoryview] | None = None
+        # Where a prefill of a sliding-window model was split, per sequence: (tokens, state bytes); `checkpoint_here`.
+        self.checkpoints: dict[int, tuple[list[int], memoryview]] = {}
 
     @property
     def _tokens(self) -> list[int]:
@@ -125,37 +125,36 @@ class KVCache:
         source = (ctypes.c_uint8 * payload.nbytes).from_buffer(payload)
         return bool(llama_cpp.llama_state_seq_set_data(self._ctx, source, payload.nbytes, seq))
 
-    def save_state(self) -> tuple[list[int], memoryview]:
-        """Sequence 0: its tokens and llama.cpp's state of them (bytes)."""
-        return list(self._tokens), self.state_of(0)
+    def save_state(self, seq: int = 0) -> tuple[list[int], memoryview]:
+        """A sequence's tokens and llama.cpp's state of them (bytes)."""
+        return self.tokens_of(seq), self.state_of(seq)
 
-    def restore_state(self, tokens: Sequence[int], payload: memoryview) -> bool:
-        """Replace sequence 0 with a saved state of `tokens`; False (and an empty sequence) if llama.cpp refuses it.
-
-        The caller checks the bytes first: llama.cpp detects a damaged header but not damaged values."""
-        self.remove(0)
-        self._held[0] = []
+    def restore_state(self, tokens: Sequence[int], payload: memoryview, seq: int = 0) -> bool:
+        """Replace sequence `seq` with a saved state of `tokens`; False (and an empty sequence) if llama.cpp refuses
+        it. The caller checks the bytes first: llama.cpp detects a damaged header but not damaged values."""
+        self.remove(seq)
+        self._held[seq] = []
         if len(tokens) > self.n_ctx:
             return False
-        if not self.load_state(0, payload) or llama_cpp.llama_memory_seq_pos_max(self._memory, 0) + 1 != len(tokens):
-            self.remove(0)
+        if not self.load_state(seq, payload) or llama_cpp.llama_memory_seq_pos_max(self._memory, seq) + 1 != len(tokens):
+            self.remove(seq)
             return False
-        self._held[0] = list(tokens)
+        self._held[seq] = list(tokens)
         return True
 
-    def checkpoint_here(self) -> bool:
-        """At the split point of a prefill: keep the state of sequence 0 for the prompt cache to save later.
+    def checkpoint_here(self, seq: int = 0) -> bool:
+        """At the split point of a prefill: keep the state of sequence `seq` for the prompt cache to save later.
 
         A sliding-window model's state holds only the last window, and restoring it lays the cells out
         differently from a context that evaluated everything, which changes the rounding of later steps.
         So such a model continues from the restored checkpoint, cold or warm: the same numbers, and the same
         greedy answer, with or without the prompt cache (a copy of the window: milliseconds). False if
-        llama.cpp refused its own state (sequence 0 is empty then)."""
+        llama.cpp refused its own state (the sequence is empty then)."""
         if self.n_swa <= 0:
             return True
-        tokens, payload = self.save_state()
+        tokens, payload = self.save_state(seq)
         data = memoryview(bytearray(payload))
-        if not self.restore_state(tokens, data):
+        if not self.restore_state(tokens, data, seq):
             return False
-        self.checkpoint = (tokens, data)
+        self.checkpoints[seq] = (tokens, data)
         return True

@@ -39,6 +39,7 @@ class Sampler:
     def __init__(self, config: SamplingConfig, vocab: Any, seed: int, ctx: Any, n_ctx: int):
         self.seed = seed
         self.ctx = ctx
+        self.free = config.grammar is None  # any token may be given (`accept`): no grammar to keep in step
         self.chain: Any = None
         self.constrained: Any = None  # the chain with the grammar first: for a token the grammar rejected
         self.grammar: Any = None  # the grammar alone, to check one token
@@ -81,6 +82,11 @@ class Sampler:
             token = int(llama_cpp.llama_sampler_sample(self.constrained, self.ctx, index))
         llama_cpp.llama_sampler_accept(self.grammar, token)
         return token
+
+    def accept(self, token: int) -> None:
+        """A token chosen by the decode loop itself (the closing of a think block over its budget), not sampled: the
+        chain's state (penalties, the random draws' sequence) takes it as if sampled. Only where `free`."""
+        llama_cpp.llama_sampler_accept(self.chain, token)
 
     def close(self) -> None:
         for name in ("chain", "constrained", "grammar"):

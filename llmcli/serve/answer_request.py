@@ -5,6 +5,7 @@ its body into an AnswerRequest and llmcli's events into its own wire format. No 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.message import Message
 from llmcli.answer.openai_wire import WireError
 from llmcli.answer.sampling_config import SamplingConfig, check_grammar
+from llmcli.answer.shared_prefix import shared_prefix
 from llmcli.answer.tool_calls import ToolSpec, tool_spec
 from llmcli.config.settings import SETTINGS, check_value
 from llmcli.errors import LlmcliError
@@ -62,6 +64,7 @@ class Prompter:
     n_vocab: int = 0  # token ids a prompt may hold are below it
     check_grammar: Callable[[str, str], None] = lambda gbnf, origin: None  # LlmcliError if llama.cpp refuses it
     template_source: str = ""  # the model's chat template (what follows from a rendered prompt: GenerationOptions)
+    split_min: int = 0  # a conversation this long is split where its standing part ends (0: never; the prompt cache)
 
     def check_model(self, model: Any, message: Callable[[str], str] | None = None) -> None:
         """404 unless `model` (when given) names this server's model."""
@@ -97,6 +100,7 @@ class Parsed:
     seed: int
     stream: bool
     include_usage: bool
+    stable: int | None = None  # where the conversation's standing part ends (its KV state is kept there)
 
 
 def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
@@ -129,7 +133,23 @@ def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
                                                  max_draft=limits.max_draft, tools=request.tools,
                                                  logprobs=request.logprobs).for_prompt(rendered.text,
                                                                                         prompter.template_source)
-    return Parsed(rendered.tokens, generation, sampling.effective_seed(), request.stream, request.include_usage)
+    return Parsed(rendered.tokens, generation, sampling.effective_seed(), request.stream, request.include_usage,
+                  _stable(request, prompter, rendered.tokens))
+
+
+def _stable(request: AnswerRequest, prompter: Prompter, tokens: list[int]) -> int | None:
+    """Where a long conversation's standing part ends — its system prompt and tools, which an agent sends first in
+    every session: the tokens the prompt shares with the same request whose conversation is one placeholder message
+    (its user header included). None for a short or raw prompt, or when the prompt cache is off."""
+    if not prompter.split_min or request.messages is None or len(tokens) < prompter.split_min:
+        return None
+    leading = list(itertools.takewhile(lambda message: message.role == "system", request.messages))
+    try:
+        probe = prompter.render_chat([*leading, Message("user", "\ue000")], request.think, request.tools)
+    except LlmcliError:
+        return None
+    stable = min(shared_prefix(probe.tokens, tokens), len(tokens) - 1)
+    return stable if stable >= prompter.split_min else None
 
 
 def _render(request: AnswerRequest, prompter: Prompter) -> RenderedPrompt:
@@ -152,6 +172,16 @@ def _render(request: AnswerRequest, prompter: Prompter) -> RenderedPrompt:
 
 
 # -- the pieces each protocol checks the same way ----------------------------------------------------------
+
+
+# A reasoning effort's thinking budget (--think-budget): OpenAI's reasoning_effort and Ollama's think levels.
+EFFORT_BUDGETS: dict[str, int | None] = {"minimal": 256, "low": 1024, "medium": 4096, "high": None}
+
+
+def think_budget_of(effort: Any) -> dict[str, Any]:
+    """The settings an effort level sets: its thinking budget (none for high, or for a plain switch)."""
+    budget = EFFORT_BUDGETS.get(effort) if isinstance(effort, str) else None
+    return {"think_budget": budget} if budget is not None else {}
 
 
 def checked(setting_name: str, value: Any, param: str) -> Any:

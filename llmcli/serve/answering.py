@@ -176,7 +176,7 @@ async def respond(request: Request, state: ServerState, slots: SlotServer, prepa
     def emitter(index: int) -> Callable[[DecodeEvent], None]:  # called on this loop (deliver)
         return lambda event: events.put_nowait((index, event))
 
-    jobs = [Job(p.tokens, p.generation, p.seed, emitter(i)) for i, p in enumerate(prepared)]
+    jobs = [Job(p.tokens, p.generation, p.seed, emitter(i), stable=p.stable) for i, p in enumerate(prepared)]
     try:
         for job in jobs:
             slots.submit(job)

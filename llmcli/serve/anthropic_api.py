@@ -44,6 +44,7 @@ SAMPLING = {"temperature": "temp", "top_k": "top_k", "top_p": "top_p"}
 LEFT = frozenset({"metadata", "service_tier", "inference_geo", "cache_control", "speed", "diagnostics",
                   "workspace_id", "user_profile_id", "context_management", "betas", "billing_policy", "compaction",
                   "fallback_credit_token", "fallbacks", "thread"})
+BILLING_HEADER = "x-anthropic-billing-header:"  # a system block Anthropic's API takes for itself (Claude Code sends it)
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"}) | LEFT
 MESSAGE_FIELDS = COUNT_FIELDS | {"max_tokens", "stop_sequences", "stream", *SAMPLING}
 NOT_HERE = {"container": "no code execution", "mcp_servers": "give the tools themselves"}
@@ -66,7 +67,10 @@ def parse_messages(body: Any, prompter: Prompter, counting: bool = False) -> lis
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages: at least one message is required", param="messages")
     system = body.get("system")
-    systems = [text_of(system, "system", "system")] if system else []
+    if isinstance(system, list):  # Claude Code's first block is billing metadata that changes every session, not
+        system = [block for block in system if not (isinstance(block, dict) and str(block.get("text", ""))  # words
+                                                     .startswith(BILLING_HEADER))]  # for the model: left out, so
+    systems = [text_of(system, "system", "system")] if system else []  # the prompt's prefix stays the same
     conversation: list[Message] = []
     calls: dict[str, str] = {}  # tool_use id -> its tool's name
     for index, message in enumerate(messages):
@@ -78,6 +82,9 @@ def parse_messages(body: Any, prompter: Prompter, counting: bool = False) -> lis
     choice, parallel = _choice(body.get("tool_choice"))
     tools = tools_of(_tools(body.get("tools")), choice, prompter, parallel, grammar=not counting)
     settings = {name: checked(name, body[wire], wire) for wire, name in SAMPLING.items() if body.get(wire) is not None}
+    budget = body["thinking"].get("budget_tokens") if isinstance(body.get("thinking"), dict) else None
+    if budget is not None:  # after this many tokens of thinking the block is closed (--think-budget)
+        settings["think_budget"] = checked("think_budget", budget, "thinking.budget_tokens")
     if settings.get("temp", 0) > 1:
         raise ApiError(400, "temperature: must be in [0, 1]", param="temperature")
     return [AnswerRequest(messages=conversation, settings=settings, constraint=_format(body.get("output_config")),

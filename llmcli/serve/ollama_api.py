@@ -31,6 +31,7 @@ from llmcli.serve.answer_request import (
     checked,
     constraint_of,
     stops_of,
+    think_budget_of,
     tools_of,
     top_logprobs_of,
 )
@@ -124,6 +125,7 @@ def _answer_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     think = body.get("think")
     if think is not None and not isinstance(think, (bool, str)):
         raise ApiError(400, "think must be true, false, or high, medium or low")
+    settings = {**think_budget_of(think), **settings}  # a level's thinking budget (--think-budget)
     return dict(settings=settings, max_tokens=predict if predict is not None and predict > 0 else None,
                 stops=stops_of(options.get("stop"), "options.stop"), constraint=_format(body.get("format")),
                 think=bool(think) if think is not None else None, stream=body.get("stream", True) is not False,

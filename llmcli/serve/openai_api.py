@@ -25,6 +25,7 @@ from llmcli.serve.answer_request import (
     max_tokens_of,
     settings_of,
     stops_of,
+    think_budget_of,
     tools_of,
     top_logprobs_of,
 )
@@ -73,9 +74,10 @@ def parse_chat(body: Any, prompter: Prompter) -> list[AnswerRequest]:
     if tools is not None and tools.active and (body.get("grammar") is not None or body.get("response_format") not in (
             None, "text", {"type": "text"})):
         raise ApiError(400, "tools cannot be combined with grammar or response_format", param="tools")
+    fields = _answer_fields(body)
+    fields["settings"] = {**think_budget_of(effort), **fields["settings"]}  # (an effort's budget: --think-budget)
     return [AnswerRequest(messages=[message_of(m, i) for i, m in enumerate(messages)], tools=tools, think=think,
-                          logprobs=top_logprobs_of(body.get("logprobs"), body.get("top_logprobs")),
-                          **_answer_fields(body))]
+                          logprobs=top_logprobs_of(body.get("logprobs"), body.get("top_logprobs")), **fields)]
 
 
 def parse_completion(body: Any, prompter: Prompter) -> list[AnswerRequest]:

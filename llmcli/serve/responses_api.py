@@ -128,6 +128,8 @@ def _input(given: Any) -> list[Message]:
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
             if not all(isinstance(v, str) for v in (call_id, name, arguments)):
                 raise ApiError(400, f"{where}: a function_call has call_id, name and arguments", param="input")
+            if isinstance(item.get("namespace"), str):  # a namespace's tool, as the model saw its name
+                name = f"{item['namespace']}{NAMESPACED}{name}"
             names[call_id] = name
             call = ToolCall(call_id, name, arguments)
             last = messages[-1] if messages else None
@@ -148,16 +150,40 @@ def _input(given: Any) -> list[Message]:
     return messages
 
 
+NAMESPACED = "__"  # a namespace's tool as the model sees it: NAMESPACE__NAME (Codex groups its MCP tools so)
+# OpenAI's hosted tools: run by OpenAI's servers, not by the client. Offered alongside the client's own (Codex always
+# offers web_search), they are left out of the prompt: the model answers without them, as with tool_choice auto.
+HOSTED = frozenset({"web_search", "web_search_preview", "web_search_2025_08_26", "file_search", "code_interpreter",
+                    "image_generation", "computer_use_preview", "computer_use", "mcp", "local_shell", "tool_search"})
+
+
 def _tools(tools: Any) -> Any:
+    """Function tools, and the function tools of namespaces (each named NAMESPACE__NAME for the model)."""
     if tools is None or not isinstance(tools, list):
         return tools
+    flat = []
     for index, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise ApiError(400, f"tools[{index}]: only function tools are supported here (not {kind!r})",
-                           param="tools")
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            flat.append(tool)
+        elif kind in HOSTED:
+            continue
+        elif kind == "namespace" and isinstance(tool.get("name"), str) and isinstance(tool.get("tools"), list):
+            for inner in tool["tools"]:
+                if not isinstance(inner, dict) or inner.get("type") != "function":
+                    raise ApiError(400, f"tools[{index}].tools: only function tools are supported here", param="tools")
+                flat.append({**inner, "name": f"{tool['name']}{NAMESPACED}{inner.get('name')}"})
+        else:
+            raise ApiError(400, f"tools[{index}]: only function and namespace tools (and hosted ones, left to the model "
+                           f"unused) are supported here (not {kind!r})", param="tools")
     return [{"name": t.get("name"), "description": t.get("description") or "", "parameters": t.get("parameters")}
-            for t in tools]
+            for t in flat]
+
+
+def _namespaces(tools: Any) -> frozenset[str]:
+    """The namespaces a request's tools name."""
+    return frozenset(t["name"] for t in tools if isinstance(t, dict) and t.get("type") == "namespace"
+                     and isinstance(t.get("name"), str)) if isinstance(tools, list) else frozenset()
 
 
 def _choice(choice: Any) -> Any:
@@ -273,7 +299,8 @@ class ResponsesReply:
             delta = "response.reasoning_text.delta" if event.reasoning else "response.output_text.delta"
             return [*items, self._event(delta, item_id=self.open.item["id"], **self._where(), delta=event.text)]
         if isinstance(event, CallStarted):
-            return self._add(_call_item(ToolCall(event.id, event.name, ""), "in_progress"))
+            return self._add(_call_item(ToolCall(event.id, event.name, ""), "in_progress",
+                                        _namespaces(self.request.echo["tools"])))
         if isinstance(event, CallArguments):
             assert self.open is not None
             self.open.text.append(event.text)
@@ -296,7 +323,8 @@ class ResponsesReply:
             self.outputs.append(_Output(_reasoning_item([{"type": "reasoning_text", "text": done.reasoning}])))
         if done.text or not done.tool_calls:
             self.outputs.append(_Output(_message_item([{"type": "output_text", "text": done.text, "annotations": []}])))
-        self.outputs += [_Output(_call_item(call)) for call in done.tool_calls]
+        self.outputs += [_Output(_call_item(call, namespaces=_namespaces(self.request.echo["tools"])))
+                         for call in done.tool_calls]
         self._kept(done)
         return self._response("incomplete" if finish_reason(done.finish_reason).responses else "completed", done)
 
@@ -314,8 +342,12 @@ def _reasoning_item(content: list[Any]) -> dict[str, Any]:
     return {"type": "reasoning", "id": _id("rs"), "summary": [], "content": content}
 
 
-def _call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": _id("fc"), "call_id": call.id, "name": call.name,
+def _call_item(call: ToolCall, status: str = "completed", namespaces: frozenset[str] = frozenset()) -> dict[str, Any]:
+    item = {"type": "function_call", "id": _id("fc"), "call_id": call.id, "name": call.name,
             "arguments": call.arguments, "status": status}
+    namespace, namespaced, name = call.name.partition(NAMESPACED)
+    if namespaced and namespace in namespaces:  # a namespace's tool: its own name, and its namespace
+        item.update(name=name, namespace=namespace)
+    return item
 
 

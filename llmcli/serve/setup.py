@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmcli import paths
 from llmcli.answer.answerer import with_system
 from llmcli.answer.message import Message
 from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.answer.tool_calls import ToolSpec
 from llmcli.chat.session import Session, render_prompt, thinking_variables
+from llmcli.decode.prompt_cache import GIB, PromptCache, PromptCacheConfig
 from llmcli.decode.serving import SlotServer
 from llmcli.pipeline import Pipeline, Request, Shape, resolve_settings
 from llmcli.pipeline.local import open_pipeline
@@ -72,6 +74,7 @@ def _capabilities(template: str) -> tuple[str, ...]:
 def _served(pipeline: Pipeline[Session], request: Request, shape: ServerModels) -> Served:
     session = pipeline.session
     engine = session.engine
+    settings = pipeline.settings
 
     def render_chat(messages: list[Message], think: bool | None, tools: ToolSpec | None) -> Any:
         options = session.options if think is None else dataclasses.replace(session.options, think=think)
@@ -84,10 +87,14 @@ def _served(pipeline: Pipeline[Session], request: Request, shape: ServerModels) 
     limits = Limits(engine.n_ctx, min(shape.max_answer, engine.n_ctx), shape.max_body, pipeline.generation.max_draft)
     prompter = Prompter(render_chat, lambda text: engine.vocab.tokenize(text, add_special=True), names,
                         dict(pipeline.settings.values), limits, session.tool_format(pipeline.settings["tool_format"]),
-                        engine.vocab.n_tokens, check_grammar, session.template_source or "")
+                        engine.vocab.n_tokens, check_grammar, session.template_source or "",
+                        split_min=settings["prompt_cache_min"] if settings["prompt_cache"] else 0)
     template = session.template_source or ""
     facts = read_facts(names[0], engine.path, engine.n_ctx, template, _capabilities(template))
-    slots = SlotServer(engine, shape.parallel, shape.queue, speculation=session.speculation)
+    cache = PromptCache(engine, PromptCacheConfig(paths.prompt_cache_dir(), settings["prompt_cache_min"],
+                                                  int(settings["prompt_cache_size"] * GIB), pipeline.model.name)) \
+        if settings["prompt_cache"] else None  # an agent's long prompt: evaluated once, across sessions and restarts
+    slots = SlotServer(engine, shape.parallel, shape.queue, speculation=session.speculation, prompt_cache=cache)
     embeddings = Embeddings(request)
 
     def close() -> None:
