@@ -35,6 +35,7 @@ from llmcli.config.settings import default
 from llmcli.decode import batch_run
 from llmcli.decode.prompt_cache import PromptCache
 from llmcli.decode.scheduler import Scheduler
+from llmcli.decode.serving import SlotServer
 from llmcli.decode.speculative import Speculation
 from llmcli.errors import ResourceError, UsageError
 from llmcli.interrupt import Cancellation
@@ -207,6 +208,18 @@ class Session:
         """The exact text and tokens the model will see for this new message (after `history`, else the session's)."""
         return render_prompt(self.template, self.engine.vocab, self.messages_with(user_text, history), self.options,
                              tools)
+
+    def render_conversation(self, messages: list[Message], think: bool | None = None,
+                            tools: ToolSpec | None = None) -> RenderedPrompt:
+        """The exact prompt of a whole conversation as a request gives it (serve): this session's template, system
+        prompt and options, `think` given (None: the session's)."""
+        options = self.options if think is None else dataclasses.replace(self.options, think=think)
+        return render_prompt(self.template, self.engine.vocab, with_system(options.system, messages), options, tools)
+
+    def slot_server(self, n_slots: int, queue_size: int) -> SlotServer:
+        """This session's model answering requests in `n_slots` slots (serve): the same engine, speculation and
+        prompt store as its own answers; split where a long conversation's standing part ends when the store is on."""
+        return SlotServer(self.engine, n_slots, queue_size, speculation=self.speculation, prompt_cache=self.prompt_cache)
 
     def answer_room(self, max_tokens: int | None) -> int:
         """Tokens kept free for the answer: -n, else a quarter of the context (at most 256)."""

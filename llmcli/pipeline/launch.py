@@ -10,6 +10,7 @@ keep-alive. Speaks HTTP only: no llama.cpp here.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -168,8 +169,8 @@ def running() -> list[tuple[Path, dict[str, Any]]]:
         except (OSError, ValueError, KeyError, TypeError):
             state = None
         if state is None:
-            record.unlink(missing_ok=True)
-            record.with_suffix(".log").unlink(missing_ok=True)
+            for leftover in (record, record.with_suffix(".log"), record.with_suffix(".lock")):
+                leftover.unlink(missing_ok=True)
         else:
             found.append((record, {**state, "url": saved["url"]}))
     return found
@@ -179,6 +180,23 @@ def ensure(model_ref: str, model_path: Path, n_ctx: int, effective: settings.Set
     """The launch server of this model and context: the one running, else one started now (LlmcliError if it will
     not start)."""
     record = _record_path(model_path, n_ctx)
+    found = _running_at(record, n_ctx)
+    if found is not None:
+        return found
+    try:
+        paths.private_warm_servers_dir()
+        lock = paths.open_private(record.with_suffix(".lock"), os.O_WRONLY | os.O_CREAT)
+    except OSError as exc:
+        raise LlmcliError(f"the warm servers' directory cannot be used: {exc.filename}: {exc.strerror}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one start at a time: a second launch waits, then finds the first's server
+        return _running_at(record, n_ctx) or _start(record, model_ref, n_ctx, effective)
+    finally:
+        os.close(lock)
+
+
+def _running_at(record: Path, n_ctx: int) -> Served | None:
+    """The server a record names, if it answers as the one recorded."""
     try:
         saved = json.loads(record.read_text())
         state = health(saved["url"], saved["key"])
@@ -186,14 +204,10 @@ def ensure(model_ref: str, model_path: Path, n_ctx: int, effective: settings.Set
             return Served(saved["url"], saved["key"], str(state.get("model") or saved["model"]), n_ctx, saved["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    return _start(record, model_ref, n_ctx, effective)
+    return None
 
 
 def _start(record: Path, model_ref: str, n_ctx: int, effective: settings.Settings) -> Served:
-    try:
-        paths.private_warm_servers_dir()
-    except OSError as exc:
-        raise LlmcliError(f"the warm servers' directory cannot be used: {exc.filename}: {exc.strerror}") from None
     key = "llmcli-" + secrets.token_urlsafe(24)
     command = [sys.executable, "-m", "llmcli", "serve", "-m", model_ref, "--host", "127.0.0.1", "--port", "0",
                "-c", str(n_ctx), "--keep-alive", str(effective["keep_alive"] or DEFAULT_KEEP_ALIVE), "--exit-when-idle",

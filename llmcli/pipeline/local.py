@@ -79,7 +79,7 @@ def open_local(request: Request, on_progress: ProgressCallback | None, cancel: C
         prompt = PromptOptions(effective["system"], request.raw, request.template_file, effective["on_overflow"],
                                effective["think"])
         cache = None
-        if effective["prompt_cache"] and shape.sequences == 1 and not shape.batch:
+        if effective["prompt_cache"] and not shape.batch:  # (serve's slots use it too: an agent's long prefix)
             cache = PromptCache(engine, PromptCacheConfig(paths.prompt_cache_dir(), effective["prompt_cache_min"],
                                                           int(effective["prompt_cache_size"] * GIB), model.name))
         speculation, draft_max = _speculation(effective, engine, engine_config, fetch_for(request, effective), cancel,

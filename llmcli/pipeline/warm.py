@@ -172,9 +172,9 @@ def stop(socket: Path, state: dict[str, Any], timeout: float = 30.0) -> bool:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            if socket.suffix == ".json":  # a launch server's record (llmcli/pipeline/launch.py), and its log
-                socket.unlink(missing_ok=True)
-                socket.with_suffix(".log").unlink(missing_ok=True)
+            if socket.suffix == ".json":  # a launch server's record (llmcli/pipeline/launch.py), its log and lock
+                for leftover in (socket, socket.with_suffix(".log"), socket.with_suffix(".lock")):
+                    leftover.unlink(missing_ok=True)
             return True
         time.sleep(0.05)
     return False

@@ -7,14 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcli import paths
-from llmcli.answer.answerer import with_system
-from llmcli.answer.message import Message
 from llmcli.answer.sampling_config import SamplingConfig
-from llmcli.answer.tool_calls import ToolSpec
-from llmcli.chat.session import Session, render_prompt, thinking_variables
-from llmcli.decode.prompt_cache import GIB, PromptCache, PromptCacheConfig
-from llmcli.decode.serving import SlotServer
+from llmcli.chat.session import Session, thinking_variables
 from llmcli.pipeline import Pipeline, Request, Shape, resolve_settings
 from llmcli.pipeline.local import open_pipeline
 from llmcli.serve.answer_request import Limits, Prompter
@@ -74,27 +68,19 @@ def _capabilities(template: str) -> tuple[str, ...]:
 def _served(pipeline: Pipeline[Session], request: Request, shape: ServerModels) -> Served:
     session = pipeline.session
     engine = session.engine
-    settings = pipeline.settings
-
-    def render_chat(messages: list[Message], think: bool | None, tools: ToolSpec | None) -> Any:
-        options = session.options if think is None else dataclasses.replace(session.options, think=think)
-        return render_prompt(session.template, engine.vocab, with_system(options.system, messages), options, tools)
 
     def check_grammar(gbnf: str, origin: str) -> None:  # llama.cpp's parser, on the vocabulary alone
         engine.sampler(SamplingConfig(temp=0, grammar=gbnf, grammar_origin=origin), 0).close()
 
     names = tuple(dict.fromkeys((pipeline.model.name, engine.path.stem, engine.path.name)))
     limits = Limits(engine.n_ctx, min(shape.max_answer, engine.n_ctx), shape.max_body, pipeline.generation.max_draft)
-    prompter = Prompter(render_chat, lambda text: engine.vocab.tokenize(text, add_special=True), names,
+    prompter = Prompter(session.render_conversation, lambda text: engine.vocab.tokenize(text, add_special=True), names,
                         dict(pipeline.settings.values), limits, session.tool_format(pipeline.settings["tool_format"]),
                         engine.vocab.n_tokens, check_grammar, session.template_source or "",
-                        split_min=settings["prompt_cache_min"] if settings["prompt_cache"] else 0)
+                        split_min=session.split_min if session.prompt_cache is not None else 0)
     template = session.template_source or ""
     facts = read_facts(names[0], engine.path, engine.n_ctx, template, _capabilities(template))
-    cache = PromptCache(engine, PromptCacheConfig(paths.prompt_cache_dir(), settings["prompt_cache_min"],
-                                                  int(settings["prompt_cache_size"] * GIB), pipeline.model.name)) \
-        if settings["prompt_cache"] else None  # an agent's long prompt: evaluated once, across sessions and restarts
-    slots = SlotServer(engine, shape.parallel, shape.queue, speculation=session.speculation, prompt_cache=cache)
+    slots = session.slot_server(shape.parallel, shape.queue)  # the session's own engine, drafts and prompt store
     embeddings = Embeddings(request)
 
     def close() -> None:
