@@ -10,7 +10,6 @@ keep-alive. Speaks HTTP only: no llama.cpp here.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -29,6 +28,7 @@ import httpx2
 from llmcli import __version__, paths
 from llmcli.config import settings
 from llmcli.errors import ExitCode, LlmcliError, UsageError
+from llmcli.pipeline.warm import starting
 
 ANSWER_ROOM = 4096  # tokens an agent's answers (and a few turns) need beyond its own prompt
 DEFAULT_KEEP_ALIVE = "30m"  # a launch server outlives a pause in the session
@@ -183,16 +183,8 @@ def ensure(model_ref: str, model_path: Path, n_ctx: int, effective: settings.Set
     found = _running_at(record, n_ctx)
     if found is not None:
         return found
-    try:
-        paths.private_warm_servers_dir()
-        lock = paths.open_private(record.with_suffix(".lock"), os.O_WRONLY | os.O_CREAT)
-    except OSError as exc:
-        raise LlmcliError(f"the warm servers' directory cannot be used: {exc.filename}: {exc.strerror}") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one start at a time: a second launch waits, then finds the first's server
+    with starting(record):  # one start at a time: a second launch waits, then finds the first one's server
         return _running_at(record, n_ctx) or _start(record, model_ref, n_ctx, effective)
-    finally:
-        os.close(lock)
 
 
 def _running_at(record: Path, n_ctx: int) -> Served | None:

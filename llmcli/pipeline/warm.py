@@ -98,7 +98,7 @@ def ensure(model_path: Path, effective: settings.Settings, template_file: Path |
                           f"{MAX_SOCKET_PATH} bytes); set LLMCLI_RUNTIME_DIR to a shorter one")
     state = health(socket)
     if state is None or state.get("version") != __version__:
-        with _starting(socket):  # one start at a time: a second run waits for the first one's server
+        with starting(socket):  # one start at a time: a second run waits for the first one's server
             state = health(socket)
             if state is None:
                 state = _start(socket, model_path, effective, template_file)
@@ -106,12 +106,12 @@ def ensure(model_path: Path, effective: settings.Settings, template_file: Path |
 
 
 @contextmanager
-def _starting(socket: Path) -> Iterator[None]:
-    """One start at a time, in a directory that is this user's alone (paths.private_dir); LlmcliError otherwise, and
-    the answer is this process's."""
+def starting(server: Path) -> Iterator[None]:
+    """One start at a time of the server at `server` (a socket, or a launch server's record): its lock, in a directory
+    that is this user's alone (paths.private_dir); LlmcliError otherwise."""
     try:
         paths.private_warm_servers_dir()
-        lock = paths.open_private(socket.with_suffix(".lock"), os.O_WRONLY | os.O_CREAT)
+        lock = paths.open_private(server.with_suffix(".lock"), os.O_WRONLY | os.O_CREAT)
     except OSError as exc:
         raise LlmcliError(f"the warm servers' directory cannot be used: {exc.filename}: {exc.strerror}") from None
     try:
