@@ -39,21 +39,60 @@ def test_json_has_environment_plan_and_every_test(bench_json):
     assert any(test.startswith("overhead pp") for test, _ in rows)
 
 
-def test_markdown_table_rows_and_thread_sweep(tmp_path):
-    picture = tmp_path / "sweep.svg"
+def test_a_sweep_measures_each_thread_count_depth_and_number_of_sequences():
     result = run_cli("bench", "-p", "16", "-n", "8", "-r", "1", "-t", "1,2", "--depth", "0,16", "--parallel", "1,2",
-                     "--plot", str(picture))
+                     "--format", "json")
     assert result.code == 0, result.stderr
-    panels, text = svg_panels(picture)  # threads, depth, sequences at once
-    assert panels == 3 and f"plot: {picture} (3 panels)" in result.stderr
-    assert "smollm2" in text and "cores" in text and "Rate against threads" in text and "sequences" in text
-    lines = result.stdout.splitlines()
-    assert lines[0] == "| model | size | params | quant | threads | test | path | t/s |"
-    rows = [line.split(" | ") for line in lines[2:] if line.startswith("| ")]
-    assert {row[4] for row in rows} == {"1", "2"}
-    tests = {row[5] for row in rows}
+    rows = json.loads(result.stdout)["results"]
+    assert {row["threads"] for row in rows} == {1, 2}
+    tests = {row["test"] for row in rows}
     assert {"pp16", "tg8", "pp16 @ d16", "tg8 @ d16", "ttft", "overhead tg8", "roofline tg8", "tg8 x1", "tg8 x2"} <= tests
-    assert all(row[3] == "Q4_1" for row in rows)
+    assert all(row["quant"] == "Q4_1" for row in rows)
+
+
+def _rows(record: dict) -> list:
+    """A bench record's rows, as bench holds them (the smoke run's: real figures, shapes not speed)."""
+    from llmcli.bench.rows import Row
+
+    fields = ("model", "size_bytes", "params", "quant", "threads", "test", "path", "unit", "samples")
+    return [Row(**{name: row[name] for name in fields}) for row in record["results"]]
+
+
+def test_markdown_and_csv_show_every_row_with_the_machine(bench_json):
+    from llmcli.bench.plan import BenchPlan
+    from llmcli.bench.rows import format_rows
+
+    rows, environment = _rows(bench_json), bench_json["environment"]
+    lines = format_rows(rows, environment, BenchPlan(), "md").splitlines()
+    assert lines[0] == "| model | size | params | quant | threads | test | path | t/s |"
+    table = [line.split(" | ") for line in lines[2:] if line.startswith("| ")]
+    assert len(table) == len(rows) and {row[5] for row in table} == {row.test for row in rows}
+    assert lines[-1].startswith(environment["cpu"]) and "cores · llama-cpp-python" in lines[-1]
+    records = list(csv.DictReader(io.StringIO(format_rows(rows, environment, BenchPlan(), "csv"))))
+    assert list(records[0])[:11] == ["model", "size_bytes", "params", "quant", "threads", "test", "path", "unit", "mean",
+                                     "sd", "n"]
+    assert len(records) == len(rows) and records[0]["cpu"] and len(records[0]["model_sha256"]) == 64
+    again = json.loads(format_rows(rows, environment, BenchPlan(repetitions=2), "json"))
+    assert [r["mean"] for r in again["results"]] == [r["mean"] for r in bench_json["results"]]
+
+
+def test_a_sweep_draws_a_panel_per_dimension(tmp_path):
+    from llmcli.bench.plot import plot_rows
+    from llmcli.bench.rows import Row
+
+    def row(test: str, threads: int, *samples: float, path: str = "raw") -> Row:
+        return Row("smollm2", 94_000_000, 135_000_000, "Q4_1", threads, test, path, "t/s", list(samples))
+
+    rows = [row(test, threads, rate * threads, rate * threads * 1.02)
+            for threads in (1, 2) for test, rate in (("pp16", 300.0), ("tg8", 80.0), ("pp16 @ d16", 280.0),
+                                                   ("tg8 @ d16", 75.0))]
+    rows += [row("tg8 x1", 2, 150.0, path="parallel"), row("tg8 x2", 2, 260.0, path="parallel")]
+    picture = tmp_path / "sweep.svg"
+    environment = {"cpu": "a CPU", "physical_cores": 2, "llama_cpp_python": "0.3.36", "models": []}
+    assert plot_rows(rows, environment, picture) == 3
+    panels, text = svg_panels(picture)  # threads, depth, sequences at once
+    assert panels == 3 and "smollm2" in text and "cores" in text and "Rate against threads" in text
+    assert "sequences" in text
 
 
 def test_prompt_cache_and_kv_type_rows(tmp_path):
@@ -94,14 +133,6 @@ def test_speculation_rows(tmp_path):
         assert rows[("tg16 grounded", f"speculate {mode}")]["mean"] > 0
         assert rows[("speed-up grounded", f"speculate {mode} / off")]["unit"] == "x"
     assert ("acceptance ungrounded", "speculate auto") in rows and ("tg16 ungrounded", "speculate off") in rows
-
-
-def test_csv_header_and_environment_columns():
-    result = run_cli("bench", "-p", "16", "-n", "8", "-r", "1", "--format", "csv")
-    assert result.code == 0, result.stderr
-    records = list(csv.DictReader(io.StringIO(result.stdout)))
-    assert list(records[0])[:11] == ["model", "size_bytes", "params", "quant", "threads", "test", "path", "unit", "mean", "sd", "n"]
-    assert records[0]["cpu"] and len(records[0]["model_sha256"]) == 64
 
 
 def test_compare_reports_ratio_and_significance(tmp_path, bench_json):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -11,6 +9,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmcli.bench.plan import BenchPlan
+from llmcli.bench.rows import format_rows
 from llmcli.cli.options import complete_choices
 from llmcli.errors import UsageError
 
@@ -124,7 +123,7 @@ def bench(
         for step in benchmark.run():
             advance(step.done, step.total, step.what)
     measured_on = environment(resolved, benchmark.threads)
-    print(_format(benchmark.rows, measured_on, plan, output_format), end="")
+    print(format_rows(benchmark.rows, measured_on, plan, output_format), end="")
     if plot is not None:
         _plot_rows(plot, benchmark.rows, measured_on)
 
@@ -184,7 +183,7 @@ def _bench_endpoint(url: str, api_key: str | None, model: list[str] | None, n_ge
             advance(done, total, what)
     environment: dict[str, Any] = {"endpoint": session.where, "cpu": None, "physical_cores": None,
                                    "llama_cpp_python": None, "models": [], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    print(_format(rows, environment, BenchPlan(gen_tokens=n_gen, repetitions=repetitions, parallel=parallel),
+    print(format_rows(rows, environment, BenchPlan(gen_tokens=n_gen, repetitions=repetitions, parallel=parallel),
                   output_format), end="")
     if plot is not None:
         _plot_rows(plot, rows, environment)
@@ -276,60 +275,6 @@ def _kv_types(text: str) -> tuple[str, ...]:
     if not types or any(t not in choices for t in types):
         raise UsageError(f"--kv-type takes {', '.join(choices)}, comma-separated (got {text!r})")
     return types
-
-
-def _result(row: Any) -> str:
-    if row.unit == "x":
-        return f"{row.mean:.3f}×"
-    if row.unit == "s":
-        return f"{row.mean * 1000:.1f} ± {row.sd * 1000:.1f} ms"
-    if row.unit == "%":
-        return f"{row.mean:.0f} %"
-    if row.unit.startswith("%"):
-        return f"{row.mean:.1f} {row.unit}"
-    if row.unit in ("GB/s", "MiB", "KiB/token"):
-        return f"{row.mean:.1f} {row.unit}"
-    return f"{row.mean:.2f} ± {row.sd:.2f}"
-
-
-def _format(rows: list[Any], environment: dict[str, Any], plan: Any, fmt: str) -> str:
-    from dataclasses import asdict
-
-    from llmcli.units import human_count, human_size
-
-    if fmt == "json":
-        record = {"environment": environment, "plan": asdict(plan), "results": [r.to_dict() for r in rows]}
-        return json.dumps(record, indent=2) + "\n"
-    if fmt == "csv":
-        buffer = io.StringIO()
-        fields = ["model", "size_bytes", "params", "quant", "threads", "test", "path", "unit", "mean", "sd", "n",
-                  "cpu", "physical_cores", "llama_cpp_python", "model_sha256"]
-        writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n")
-        writer.writeheader()
-        sha = {m["name"]: m["sha256"] for m in environment["models"]}
-        for r in rows:
-            record = {k: v for k, v in r.to_dict().items() if k in fields}
-            record.update(cpu=environment["cpu"], physical_cores=environment["physical_cores"],
-                          llama_cpp_python=environment["llama_cpp_python"], model_sha256=sha.get(r.model, ""))
-            writer.writerow(record)
-        return buffer.getvalue()
-    lines = [
-        "| model | size | params | quant | threads | test | path | t/s |",
-        "| --- | ---: | ---: | --- | ---: | --- | --- | ---: |",
-    ]
-    unknown = "?"  # a server's model: its size, parameters, quant and threads are not known from here
-    for r in rows:
-        lines.append(f"| {r.model} | {unknown if r.size_bytes is None else human_size(r.size_bytes)} "
-                     f"| {unknown if r.params is None else human_count(r.params)} | {r.quant or unknown} "
-                     f"| {unknown if r.threads is None else r.threads} | {r.test} | {r.path} | {_result(r)} |")
-    lines.append("")
-    if environment.get("endpoint"):
-        lines.append(f"measured from here against {environment['endpoint']} (TTFT and rates include the network; "
-                     "the server's hardware and model file are not known here)")
-    else:
-        lines.append(f"{environment['cpu']} · {environment['physical_cores']} cores · "
-                     f"llama-cpp-python {environment['llama_cpp_python']}")
-    return "\n".join(lines) + "\n"
 
 
 @app.command("compare")
