@@ -91,3 +91,9 @@ def test_launch_runs_the_agent_on_its_model_s_server_and_the_next_launch_reuses_
     stopped = run_cli("stop")
     assert stopped.code == 0 and "stopped gemma3-270m" in stopped.stderr
     assert run_cli("ps", "--json").stdout.strip() == ""
+
+
+def test_a_keep_alive_that_is_not_a_duration_is_refused_before_anything_starts(agents):
+    refused = run_cli("launch", "claude", "--keep-alive", "soon", env=agents)
+    assert refused.code == 2 and "--keep-alive must be a duration" in refused.stderr
+    assert run_cli("ps", "--json").stdout.strip() == ""

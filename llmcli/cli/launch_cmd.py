@@ -13,9 +13,9 @@ import typer
 
 from llmcli.errors import ExitCode, LlmcliError
 
-AgentArg = Annotated[str, typer.Argument(help="claude, codex, opencode or aider.", show_default=False)]
+AgentArg = Annotated[str, typer.Argument(help="claude, codex, opencode or aider.", show_default=False, metavar="AGENT")]
 AgentArgs = Annotated[Optional[list[str]], typer.Argument(help="After `--`: the agent's own arguments.",
-                                                          show_default=False)]
+                                                          show_default=False, metavar="-- AGENT_ARGS")]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="The model (default: the default model).",
                                                  show_default=False)]
 CtxOpt = Annotated[Optional[int], typer.Option(
@@ -32,11 +32,14 @@ def launch(agent_name: AgentArg, agent_args: AgentArgs = None, model: ModelOpt =
            keep_alive: KeepAliveOpt = None, config: ConfigOpt = False) -> None:
     """Run a coding agent on a local model: its server started (or reused) with a context sized for the agent."""
     from llmcli.cli import output
+    from llmcli.config.settings import SETTINGS, check_value
     from llmcli.pipeline import Request, resolve_settings
     from llmcli.pipeline import launch as launcher
     from llmcli.store.gguf_header import read_header
 
     agent = launcher.agent_of(agent_name)
+    if keep_alive is not None:
+        check_value(SETTINGS["keep_alive"], keep_alive, "--keep-alive")  # (before a server is started with it)
     if not config and shutil.which(agent.command) is None:
         raise LlmcliError(f"{agent.title} is not installed ({agent.command} is not on PATH)",
                           hint=f"Install it: {agent.install}", exit_code=ExitCode.NOT_FOUND)
