@@ -12,8 +12,9 @@ import pytest
 
 from llmcli.answer.generation import Answer, GenerationOptions
 from llmcli.answer.stats import AnswerClock
-from llmcli.decode.scheduler import Scheduler, Slot
+from llmcli.decode.scheduler import Scheduler
 from llmcli.decode.speculative import Drafter
+from llmcli.decode.step_plan import Slot
 
 
 @dataclass
