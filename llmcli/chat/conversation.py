@@ -26,7 +26,8 @@ from llmcli.answer.events import AnswerEvent, Done, Notice, answer_record
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.message import Message
 from llmcli.answer.sampling_config import SETTING_FIELDS
-from llmcli.config.settings import SETTINGS, check_value, parse_text, show_value
+from llmcli.config.setting_values import parse_text
+from llmcli.config.settings import SETTINGS, check_value, show_value
 from llmcli.errors import UsageError
 from llmcli.file_hashes import remembered_sha256
 from llmcli.interrupt import Cancellation

@@ -21,6 +21,7 @@ from typing import Any
 
 from llmcli import paths
 from llmcli.config import settings
+from llmcli.config.setting_values import coerce
 from llmcli.errors import UsageError
 
 TEXT_KEYS = ("system", "prompt")
@@ -81,7 +82,7 @@ def parse(name: str, table: Mapping[str, Any], where: str | None = None) -> Prom
                 raise UsageError(f"{where} {key} must be a string")
             texts[key] = value
         elif key in settings.SETTINGS and key not in ("system",):
-            values[key] = settings.coerce(settings.SETTINGS[key], value, f"{where} {key}")
+            values[key] = coerce(settings.SETTINGS[key], value, f"{where} {key}")
             settings.check_value(settings.SETTINGS[key], values[key], where)
         else:
             raise UsageError(f"{where}: unknown key {key!r}", hint="system, prompt, or a setting (temp, model, …)")

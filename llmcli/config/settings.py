@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmcli import paths
+from llmcli.config.setting_values import coerce, parse_text
 from llmcli.errors import UsageError
 from llmcli.text_escapes import unescape
 from llmcli.units import is_keep_alive
@@ -355,44 +356,6 @@ def _from_env() -> dict[str, Any]:
         if raw:
             found[setting.name] = parse_text(setting, raw, setting.env)
     return found
-
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def parse_text(setting: Setting, raw: str, where: str) -> Any:
-    """A setting's value from text (the environment, chat's /set): `none` clears an optional setting (no value)
-    or a list (no items), as /help says."""
-    text = raw.strip()
-    if text.lower() in ("none", "null") and (setting.default is None or setting.kind is list):
-        return [] if setting.kind is list else None
-    try:
-        if setting.kind is bool:
-            if text.lower() not in _TRUE + _FALSE:
-                raise ValueError
-            return text.lower() in _TRUE
-        if setting.kind is list:  # a JSON list (its own escapes), or one item
-            value = json.loads(text) if text.startswith("[") else [unescape(raw) if setting.escapes else raw]
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ValueError
-            return value
-        return setting.normalised(setting.kind(text))
-    except (ValueError, json.JSONDecodeError):
-        raise UsageError(f"{where}={raw!r} is not a valid {setting.kind.__name__} for {setting.flag}") from None
-
-
-def coerce(setting: Setting, value: Any, where: str) -> Any:
-    """A value from TOML or GGUF metadata, type-checked (an int is a valid float)."""
-    kind = setting.kind
-    ok = (
-        (kind is float and isinstance(value, (int, float)) and not isinstance(value, bool))
-        or (kind is int and isinstance(value, int) and not isinstance(value, bool))
-        or (kind is list and isinstance(value, list) and all(isinstance(v, str) for v in value))
-        or (kind in (str, bool) and isinstance(value, kind))
-    )
-    if not ok:
-        raise UsageError(f"{where}: expected {kind.__name__}, got {value!r}")
-    return float(value) if kind is float else value
 
 
 def check_value(setting: Setting, value: Any, source: str) -> None:

@@ -140,7 +140,8 @@ def _digest(layer: dict[str, Any], label: str) -> str:
 
 def _ollama_extras(root: Path, layers: list[dict[str, Any]], label: str) -> tuple[dict[str, Any], tuple[str, ...]]:
     """The settings Ollama keeps for the model (params and system layers), and what does not translate."""
-    from llmcli.config.settings import SETTINGS, coerce
+    from llmcli.config.setting_values import coerce
+    from llmcli.config.settings import SETTINGS
 
     defaults: dict[str, Any] = {}
     ignored: list[str] = []
