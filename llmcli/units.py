@@ -46,9 +46,18 @@ def parse_keep_alive(value: Any) -> float | None:
     return None if number < 0 else number * {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600}[found.group(2)]
 
 
-def is_keep_alive(value: Any) -> bool:
-    """A keep-alive that keeps something: a duration, not 0."""
+DEFAULT_KEEP_ALIVE = "5m"  # run, chat, --batch and embed: how long a model stays loaded after an answer (as Ollama)
+
+
+def is_duration(value: Any) -> bool:
+    """A keep-alive as parse_keep_alive reads it: a duration, 0 or a negative number."""
     try:
-        return parse_keep_alive(value) != 0
+        parse_keep_alive(value)
     except ValueError:
         return False
+    return True
+
+
+def keeps_loaded(value: Any) -> bool:
+    """A keep-alive that keeps the model loaded (in a warm server): given, and not 0."""
+    return value is not None and is_duration(value) and parse_keep_alive(value) != 0

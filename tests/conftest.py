@@ -50,6 +50,7 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         monkeypatch.setenv(var, str(home / sub))
     for var in ("LLMCLI_MODEL", "LLMCLI_CONFIG", "LLMCLI_DEBUG", "FORCE_COLOR", "HF_TOKEN", "HF_HUB_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LLMCLI_KEEP_ALIVE", "0")  # warm servers off (a test about them turns them on with --keep-alive)
     monkeypatch.setenv("NO_COLOR", "1")
     monkeypatch.setenv("COLUMNS", "120")
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:

@@ -104,7 +104,7 @@ def test_every_setting_is_an_option_of_run_chat_and_config_show_with_its_default
 
 
 def test_config_show_and_chat_set_come_from_the_table(tmp_path):
-    shown = run_cli("config", "show", "--json", env={"LLMCLI_THREADS": ""})
+    shown = run_cli("config", "show", "--json", env={"LLMCLI_THREADS": "", "LLMCLI_KEEP_ALIVE": ""})
     assert shown.code == 0, shown.stderr
     record = json.loads(shown.stdout)["settings"]
     assert list(record) == list(SETTINGS)

@@ -68,7 +68,57 @@ def test_a_warm_run_answers_as_in_process_over_a_private_socket_and_stop_ends_it
     stopped = run_cli("stop", "smollm2", env=runtime)
     assert stopped.code == 0 and "stopped" in stopped.stderr
     assert gone(server["pid"], 30) and not socket.exists() and list(socket.parent.iterdir()) == []
-    assert run_cli("stop", env=runtime).code == 1  # none left
+    none_left = run_cli("stop", env=runtime)
+    assert none_left.code == 0 and "no warm server is running" in none_left.stderr  # stopping nothing is done
+    assert run_cli("stop", "smollm2", env=runtime).code == 0  # a model without a server: nothing to stop
+    assert run_cli("stop", "no-such-model", env=runtime).code == 3  # a name that means no model
+
+
+def test_run_chat_and_embed_are_warm_by_default_and_keep_alive_0_answers_in_this_process(runtime):
+    """No --keep-alive: the first run starts the model's warm server and says so once (never again); the next answers
+    warm, as the stats line and --json say; `--keep-alive 0` and LLMCLI_KEEP_ALIVE=0 answer in this process."""
+    default = {**runtime, "LLMCLI_KEEP_ALIVE": ""}  # (the suite turns warm servers off: this test turns them on)
+    first = run_cli("run", "-m", "smollm2", "--temp", "0", "-n", "8", PROMPT, env=default)
+    assert first.code == 0 and first.stdout, first.stderr
+    assert first.stderr.count("stays loaded for 5m after each answer") == 1 and "llmcli stop" in first.stderr
+    assert "load " in first.stderr.splitlines()[-1] and "warm" not in first.stderr.splitlines()[-1]
+    again = run_cli("run", "-m", "smollm2", "--temp", "0", "-n", "8", "--json", PROMPT, env=default)
+    assert again.code == 0 and "stays loaded" not in again.stderr  # said once
+    record = json.loads(again.stdout)
+    assert record["timings"]["warm"] is True and record["timings"]["load_s"] == 0
+    assert record["text"] == first.stdout.rstrip("\n")
+    assert run_cli("run", "-m", "smollm2", "-n", "2", PROMPT, env=default).stderr.splitlines()[-1].startswith("warm · ")
+    chat = run_cli("chat", "-m", "smollm2", "--no-save", "-n", "2", input="hi\n", env=default)
+    assert chat.code == 0 and chat.stderr.splitlines()[-1].startswith("warm · "), chat.stderr
+    embedded = run_cli("embed", "-m", "smollm2", PROMPT, env=default)
+    assert embedded.code == 0 and len(json.loads(embedded.stdout)) > 8 and "stays loaded" not in embedded.stderr
+    (server,) = servers(default)  # one server answered them all
+    assert server["models"][0]["name"] == "smollm2"  # the name the user gave
+    for off in ({**default, "LLMCLI_KEEP_ALIVE": "0"}, default):
+        here = run_cli("run", "-m", "smollm2", "-n", "2", *(["--keep-alive", "0"] if off is default else []), PROMPT,
+                       env=off)
+        assert here.code == 0 and here.stderr.splitlines()[-1].startswith("load "), here.stderr
+    assert servers(default) == [server] or [s["pid"] for s in servers(default)] == [server["pid"]]
+    batch = run_cli("run", "-m", "smollm2", "-n", "2", "--batch", "-", input="hi\nho\n", env=default)
+    assert batch.code == 0 and "parallel" in batch.stderr and servers(default)[0]["pid"] == server["pid"]
+    stopped = run_cli("stop", env=default)
+    assert stopped.code == 0 and gone(server["pid"], 30)
+
+
+def test_warm_servers_never_outnumber_max_models_and_count_in_the_next_memory_check(runtime, gemma3, monkeypatch):
+    from llmcli.pipeline.warm import held_by_others
+
+    default = {**runtime, "LLMCLI_KEEP_ALIVE": ""}
+    assert run_cli("run", "-m", "smollm2", "-n", "1", PROMPT, env=default).code == 0
+    (small,) = servers(default)
+    monkeypatch.setenv("LLMCLI_RUNTIME_DIR", runtime["LLMCLI_RUNTIME_DIR"])
+    held = held_by_others(Path(gemma3))
+    assert held > 0 and held_by_others(Path(small["models"][0]["path"])) == 0  # its own file is not counted twice
+    other = run_cli("run", "-m", str(gemma3), "--max-models", "1", "-n", "1", PROMPT, env=default)
+    assert other.code == 0, other.stderr
+    (left,) = servers(default)  # the one idle the longest made room
+    assert left["models"][0]["path"] == str(Path(gemma3).resolve()) and gone(small["pid"], 30)
+    assert run_cli("stop", env=default).code == 0 and gone(left["pid"], 30)
 
 
 def test_a_killed_server_is_replaced_and_an_idle_one_exits_leaving_nothing(runtime):

@@ -29,6 +29,7 @@ class Stats:
     draft_tokens: int = 0  # speculative decoding: tokens drafted and verified
     accepted_tokens: int = 0  # of those, the ones the model agreed with (each saved a pass)
     reasoning_tokens: int = 0  # of the completion, the tokens of the think block (--think-budget bounds them)
+    warm: bool = False  # answered by a warm server that had the model loaded already (no load was waited for)
 
     @property
     def acceptance(self) -> float:
@@ -54,6 +55,7 @@ class Stats:
             total_s=self.total_s + later.total_s, seed=later.seed, threads=later.threads,
             restored_tokens=self.restored_tokens + later.restored_tokens, restore_s=self.restore_s + later.restore_s,
             draft_tokens=self.draft_tokens + later.draft_tokens, accepted_tokens=self.accepted_tokens + later.accepted_tokens,
+            reasoning_tokens=self.reasoning_tokens + later.reasoning_tokens, warm=self.warm,
         )
 
     def to_dict(self) -> dict[str, float | int | None]:
@@ -104,8 +106,9 @@ class AnswerClock:
 
 
 def summary_line(stats: Stats, finish_reason: str, stop_sequence: str | None = None) -> str:
-    """`load 0.21 s · prompt 38 tok @ 610 tok/s · TTFT 0.07 s · 96 tok @ 142 tok/s · stop: eos`."""
-    parts = []
+    """`load 0.21 s · prompt 38 tok @ 610 tok/s · TTFT 0.07 s · 96 tok @ 142 tok/s · stop: eos` (`warm · prompt …`: a
+    warm server had the model loaded)."""
+    parts = ["warm"] if stats.warm else []
     if stats.load_s > 0:
         parts.append(f"load {stats.load_s:.2f} s")
     if stats.prompt_tokens:  # (0: a server that was cut off before it said)

@@ -42,7 +42,21 @@ def _root(version: VersionOpt = False, cache_dir: CacheDirOpt = None) -> None:
         os.environ["LLMCLI_CACHE_DIR"] = str(cache_dir)  # read by llmcli.paths.cache_dir() at call time
 
 
-def _register() -> None:
+def _register(only: str | None = None) -> None:
+    """Add the commands to the app: all of them, or with `only` ("run" or "chat", the commands that answer) that one
+    alone, so that a run imports none of the other commands' modules (bench, serve, embed...: ~60 ms)."""
+    from llmcli.cli.help import EXAMPLES, SHORT_HELP, PanelledCommand
+
+    if only == "run":
+        from llmcli.cli.run import run
+
+        app.command("run", cls=PanelledCommand, short_help=SHORT_HELP["run"], epilog=EXAMPLES["run"])(run)
+        return
+    if only == "chat":
+        from llmcli.cli.chat import chat
+
+        app.command("chat", cls=PanelledCommand, short_help=SHORT_HELP["chat"], epilog=EXAMPLES["chat"])(chat)
+        return
     from llmcli.cli import (
         bench,
         cache_cmd,
@@ -58,7 +72,6 @@ def _register() -> None:
         warm_cmd,
     )
     from llmcli.cli.chat import chat
-    from llmcli.cli.help import EXAMPLES, SHORT_HELP, PanelledCommand
     from llmcli.cli.run import run
 
     commands: tuple[tuple[str, Any], ...] = (("run", run), ("chat", chat), ("serve", serve_cmd.serve))
@@ -78,9 +91,6 @@ def _register() -> None:
     app.add_typer(mcp_cmd.app, name="mcp", short_help=SHORT_HELP["mcp"], epilog=EXAMPLES["mcp"])
 
 
-_register()
-
-
 def _on_sigterm(signum: int, frame: object) -> None:
     raise Terminated()
 
@@ -88,6 +98,8 @@ def _on_sigterm(signum: int, frame: object) -> None:
 def main() -> None:
     """Entry point: run the app; turn every known failure into one `Error:` line and an exit code."""
     signal.signal(signal.SIGTERM, _on_sigterm)  # generation installs its own graceful handler
+    completing = any(name.endswith("_COMPLETE") for name in os.environ)  # (the shell's completion asks for them all)
+    _register(sys.argv[1] if len(sys.argv) > 1 and not completing else None)
     try:
         app(prog_name="llmcli")
     except StdoutClosed:

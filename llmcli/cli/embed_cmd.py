@@ -145,24 +145,29 @@ def _open(given: dict[str, Any], pooling: str, normalize: bool, truncate: bool, 
 
 
 def _warm(request: Any, pooling: str, normalize: bool, truncate: bool, progress: Any) -> Any:
-    """With --keep-alive: the warm server's embedder (None: none, or it will not start — then a notice)."""
+    """Unless --keep-alive 0: the warm server's embedder (None: none, or it will not start — then a notice)."""
     from llmcli.cli import output
     from llmcli.errors import LlmcliError
     from llmcli.pipeline import resolve_settings
-    from llmcli.pipeline.warm import WarmEmbedder, ensure
+    from llmcli.pipeline.warm import WarmEmbedder, ensure, first_start_notice
+    from llmcli.units import keeps_loaded
 
     effective, model = resolve_settings(request, progress)
-    if not effective["keep_alive"]:
+    if not keeps_loaded(effective["keep_alive"]):
         return None
     if pooling != "model":
         output.print_notice(output.stderr_console(), "--keep-alive's server embeds with the model's own pooling: "
                             f"--pooling {pooling} is answered in this process")
         return None
     try:
-        return WarmEmbedder(ensure(model.path, effective, None), normalize, truncate)
+        server = ensure(model.path, effective, None)
     except LlmcliError as exc:
         output.print_notice(output.stderr_console(), f"{exc.message}; embedding in this process")
         return None
+    notice = first_start_notice(model.name, str(effective["keep_alive"])) if server.start_s is not None else None
+    if notice:
+        output.print_notice(output.stderr_console(), notice)
+    return WarmEmbedder(server, normalize, truncate)
 
 
 def _records(text: str | None, input_file: Path | None, field: str) -> list[dict[str, Any]]:

@@ -9,16 +9,18 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterable
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from rich.console import COLOR_SYSTEMS, Console
 from rich.style import Style
 
 from llmcli.answer.events import AnswerEvent, Done, Notice, Prefill, Token, answer_record
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
-from llmcli.cli.markdown_stream import MarkdownStream
 from llmcli.errors import StdoutClosed
 from llmcli.text_escapes import NEUTRALISE as _NEUTRALISE  # control characters shown in caret notation on a terminal
+
+if TYPE_CHECKING:
+    from llmcli.cli.markdown_stream import MarkdownStream
 
 ANSWER_STYLE = Style(color="cyan")
 REASONING_STYLE = Style(dim=True, italic=True)
@@ -49,7 +51,11 @@ class AnswerSink:
             "show": self.stream if self.terminal else None, "stderr": sys.stderr}.get(reasoning)
         self._thought_open = False  # thinking was printed and the answer has not begun yet
         rendered = markdown and self.terminal and not console.is_dumb_terminal  # (TERM=dumb cannot redraw)
-        self._markdown = MarkdownStream(console, ANSWER_STYLE) if rendered else None
+        self._markdown: MarkdownStream | None = None
+        if rendered:
+            from llmcli.cli.markdown_stream import MarkdownStream  # (markdown-it and rich's Markdown: on a terminal only)
+
+            self._markdown = MarkdownStream(console, ANSWER_STYLE)
 
     def handle(self, event: Token | Done) -> None:
         if isinstance(event, Token):

@@ -1,4 +1,4 @@
-"""`llmcli ps` and `llmcli stop`: the private servers `--keep-alive` keeps warm."""
+"""`llmcli ps` and `llmcli stop`: the private servers that keep models warm between runs (--keep-alive)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from llmcli.errors import LlmcliError
+from llmcli.errors import LlmcliError, ModelNotFoundError
 from llmcli.units import human_size
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object per server on stdout.")]
@@ -40,7 +40,7 @@ def ps(as_json: JsonOpt = False, url: UrlOpt = None) -> None:
                          f"{record['rss_mib']:.0f} MiB", f"{slots.get('busy', 0)}/{slots.get('slots', 0)}",
                          _expiry(model), record["socket"]))
     print_table(("model", "pid", "file", "memory", "busy", "exits", "where"), rows, right=("pid", "file", "memory"),
-                empty="No warm server: `llmcli run --keep-alive 10m …` starts one.")
+                empty="No warm server: `llmcli run …` starts one (unless --keep-alive 0).")
 
 
 def stop(model: ModelArg = None) -> None:
@@ -54,10 +54,13 @@ def stop(model: ModelArg = None) -> None:
     chosen = [(socket, state) for socket, state in [*running(), *launch.running()]
               if model is None or model in {state.get("model"), *(m["name"] for m in state.get("models", []))}
               or str(path) in {m.get("path") for m in state.get("models", [])}]
-    if not chosen:
-        raise LlmcliError(f"no warm server of {model}" if model else "no warm server is running",
-                          hint="llmcli ps lists them.")
     console = stderr_console()
+    if not chosen:  # stopping nothing is done (exit 0); a name that means no model at all is not (exit 3)
+        if model is not None and path is None:
+            raise ModelNotFoundError(f"no warm server of {model}, and no model of that name",
+                                     hint="llmcli ps lists the warm servers.")
+        console.print(f"no warm server of {model} is running" if model else "no warm server is running")
+        return
     for socket, state in chosen:
         if not stop_server(socket, state):
             raise LlmcliError(f"the server of {state.get('model')} (pid {state.get('pid')}) did not stop in time")

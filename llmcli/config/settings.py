@@ -32,7 +32,7 @@ from llmcli import paths
 from llmcli.config.setting_values import coerce, parse_text
 from llmcli.errors import UsageError
 from llmcli.text_escapes import unescape
-from llmcli.units import is_keep_alive
+from llmcli.units import DEFAULT_KEEP_ALIVE, is_duration
 
 # Help panels
 MODEL, SAMPLING, ENGINE, CACHE, OUTPUT, REMOTE, DOWNLOADS, TOOLS = ("Model and prompt", "Sampling and stopping", "Engine",
@@ -165,9 +165,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "with finish reason `repetition`.", "--repetition-guard/--no-repetition-guard", chat=True),
     _s("on_overflow", str, "error", "When the prompt does not fit the context: error, or truncate "
        "(keep the system prompt and the end of the input).", choices=("error", "truncate"), chat=True),
-    _s("keep_alive", str, None, "Keep the model loaded this long after an answer (30s, 10m, 1h; -1: until `llmcli "
-       "stop`), in a private server on a Unix socket that the next run, chat or --batch answers through at once.",
-       panel=ENGINE, default_text="none: load, answer, exit", check=is_keep_alive, rule="must be a duration: 30s, 10m, 1h"),
+    _s("keep_alive", str, DEFAULT_KEEP_ALIVE, "Keep the model loaded this long after an answer (30s, 10m, 1h; -1: until "
+       "`llmcli stop`), in a private server on a Unix socket that the next run, chat, --batch or embed answers through "
+       "at once; 0: load, answer and exit in this process.", panel=ENGINE, check=is_duration,
+       rule="must be a duration: 30s, 10m, 1h, 0 or -1"),
+    _s("max_models", int, 3, "Warm servers kept at once (each holds one model): starting another first stops the one "
+       "idle the longest.", panel=ENGINE, check=lambda v: v >= 1, rule="must be >= 1"),
     _s("endpoint", str, None, "Use an OpenAI-compatible server (vLLM, llama-server, Ollama, llmcli serve) at this URL "
        "(…/v1) instead of a local model; -m names its model.", panel=REMOTE, default_text="none: a local model"),
     _s("endpoint_timeout", float, 60.0, "With --endpoint: seconds to wait for the server to connect or to send the "

@@ -27,6 +27,7 @@ from llmcli.interrupt import Cancellation
 from llmcli.store import answer_log, models
 from llmcli.store.cache import Fetch, ProgressCallback, WaitingNotice
 from llmcli.store.gguf_header import read_header
+from llmcli.units import keeps_loaded
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,9 @@ def open_answering(request: Request, on_progress: ProgressCallback | None = None
 
         return open_remote(request, first, constraint, cancel)
     notices: list[str] = []
-    if first["keep_alive"]:
+    if keeps_loaded(first["keep_alive"]) and not (request.shape.batch and first.sources["keep_alive"] == "default"):
+        # (--batch answers in this process unless a keep-alive is set: it sizes the KV cache to its prompts and decodes
+        # them together, where a warm server has one slot; its load is a small part of a batch's time)
         from llmcli.pipeline.remote import open_warm  # speaks HTTP only
 
         try:

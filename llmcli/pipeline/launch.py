@@ -29,9 +29,10 @@ from llmcli import __version__, paths
 from llmcli.config import settings
 from llmcli.errors import ExitCode, LlmcliError, UsageError
 from llmcli.pipeline.warm import starting
+from llmcli.units import keeps_loaded
 
 ANSWER_ROOM = 4096  # tokens an agent's answers (and a few turns) need beyond its own prompt
-DEFAULT_KEEP_ALIVE = "30m"  # a launch server outlives a pause in the session
+LAUNCH_KEEP_ALIVE = "30m"  # a launch server outlives a pause in the session (unless a keep-alive is set)
 START_TIMEOUT_S = 300.0
 
 
@@ -201,8 +202,9 @@ def _running_at(record: Path, n_ctx: int) -> Served | None:
 
 def _start(record: Path, model_ref: str, n_ctx: int, effective: settings.Settings) -> Served:
     key = "llmcli-" + secrets.token_urlsafe(24)
+    keep_alive = str(effective["keep_alive"] if given_keep_alive(effective) else LAUNCH_KEEP_ALIVE)
     command = [sys.executable, "-m", "llmcli", "serve", "-m", model_ref, "--host", "127.0.0.1", "--port", "0",
-               "-c", str(n_ctx), "--keep-alive", str(effective["keep_alive"] or DEFAULT_KEEP_ALIVE), "--exit-when-idle",
+               "-c", str(n_ctx), "--keep-alive", keep_alive, "--exit-when-idle",
                "-P", "1", "--max-models", "1", "--no-webui"]
     environment = {**os.environ, "LLMCLI_API_KEY": key}  # (not in argv: other users can read a command line)
     environment.pop("LLMCLI_KEEP_ALIVE", None)
@@ -230,3 +232,8 @@ def _start(record: Path, model_ref: str, n_ctx: int, effective: settings.Setting
             time.sleep(0.1)
     process.terminate()
     raise LlmcliError(f"the model's server did not answer within {START_TIMEOUT_S:.0f} s")
+
+
+def given_keep_alive(effective: settings.Settings) -> bool:
+    """A keep-alive the user set (flag, environment, config file) that keeps the model loaded: the launch server's."""
+    return effective.sources["keep_alive"] != "default" and keeps_loaded(effective["keep_alive"])

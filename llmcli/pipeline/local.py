@@ -34,8 +34,11 @@ from llmcli.units import counted
 
 def check_memory(model: models.ResolvedModel, header: GGUFHeader, cells: int, kv_type: str, force: bool) -> None:
     """The one memory check: the model's weights and a KV cache of `cells` cells of `kv_type` (ResourceError)."""
+    from llmcli.pipeline.warm import held_by_others
+
     weights = sum(p.stat().st_size for p in model.files)
-    memory.check_memory(model.name, weights, memory.kv_cache_bytes(header, cells, 1, kv_type) if cells else 0, force)
+    memory.check_memory(model.name, weights, memory.kv_cache_bytes(header, cells, 1, kv_type) if cells else 0, force,
+                        held_by_others(model.path))
 
 
 def open_pipeline(request: Request, on_progress: ProgressCallback | None = None, cancel: Cancellation | None = None,

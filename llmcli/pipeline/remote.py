@@ -31,14 +31,21 @@ def open_warm(request: Request, constraint: Constraint, cancel: Cancellation, on
     """--keep-alive: the pipeline of this model's private warm server (started if none answers; LlmcliError if it
     will not start). The model is resolved here (downloaded if it must be), its weights loaded by the server."""
     from llmcli.pipeline import resolve_settings
-    from llmcli.pipeline.warm import LOAD_SETTINGS, ensure
+    from llmcli.pipeline.warm import LOAD_SETTINGS, ensure, first_start_notice
 
     effective, model = resolve_settings(request, on_progress, on_waiting, config)
     warm = ensure(model.path, effective, request.template_file)
     endpoint = Endpoint("http://llmcli/v1", None, max(effective["endpoint_timeout"], 600.0), socket=str(warm.socket))
     settings_for_server = dataclasses.replace(effective, values={**effective.values, "model": warm.model})
-    return open_remote(request, settings_for_server, constraint, cancel, endpoint, sent_at_start=LOAD_SETTINGS,
-                       extra={"keep_alive": effective["keep_alive"]})  # this run's keep-alive is the server's now
+    pipeline = open_remote(request, settings_for_server, constraint, cancel, endpoint, sent_at_start=LOAD_SETTINGS,
+                           extra={"keep_alive": effective["keep_alive"]})  # this run's keep-alive is the server's now
+    session = pipeline.session
+    assert isinstance(session, RemoteSession)
+    session.loaded = (warm.start_s or 0.0, warm.start_s is None)
+    notice = first_start_notice(model.name, str(effective["keep_alive"])) if warm.start_s is not None else None
+    if notice:
+        session.notices.insert(0, notice)
+    return pipeline
 
 
 def open_remote(request: Request, effective: settings.Settings, constraint: Constraint, cancel: Cancellation,

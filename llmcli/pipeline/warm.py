@@ -28,6 +28,9 @@ import httpx2
 from llmcli import __version__, paths
 from llmcli.config import settings
 from llmcli.errors import LlmcliError
+from llmcli.remote.client import socket_transport
+from llmcli.store import memory
+from llmcli.units import parse_keep_alive
 
 # What the server fixes when it loads the model: sent once, when it starts (each request sends the rest).
 LOAD_SETTINGS = ("ctx_size", "threads", "batch_size", "mlock", "mmap", "flash_attn", "kv_type", "speculate",
@@ -41,6 +44,7 @@ class WarmServer:
     socket: Path
     model: str  # the name its model answers to
     pid: int
+    start_s: float | None = None  # seconds this run waited for it to start and load its model; None: it was running
 
 
 def socket_for(model_path: Path, effective: settings.Settings, template_file: Path | None) -> Path:
@@ -53,7 +57,7 @@ def socket_for(model_path: Path, effective: settings.Settings, template_file: Pa
 def health(socket: Path, timeout: float = 2.0) -> dict[str, Any] | None:
     """What the server on `socket` says of itself, or None if none answers there."""
     try:
-        with httpx2.Client(transport=httpx2.HTTPTransport(uds=str(socket)), timeout=timeout) as http:
+        with httpx2.Client(transport=socket_transport(str(socket)), timeout=timeout) as http:
             found: dict[str, Any] = http.get("http://llmcli/health").json()
             return found
     except (httpx2.HTTPError, OSError, ValueError):
@@ -97,12 +101,59 @@ def ensure(model_path: Path, effective: settings.Settings, template_file: Path |
         raise LlmcliError(f"the runtime dir's path is too long for a Unix socket ({socket}: more than "
                           f"{MAX_SOCKET_PATH} bytes); set LLMCLI_RUNTIME_DIR to a shorter one")
     state = health(socket)
+    start_s = None
     if state is None or state.get("version") != __version__:
         with starting(socket):  # one start at a time: a second run waits for the first one's server
             state = health(socket)
             if state is None:
+                make_room(effective["max_models"])
+                started = time.perf_counter()
                 state = _start(socket, model_path, effective, template_file)
-    return WarmServer(socket, str(state.get("model") or model_path.stem), int(state.get("pid") or 0))
+                start_s = time.perf_counter() - started
+    return WarmServer(socket, str(state.get("model") or model_path.stem), int(state.get("pid") or 0), start_s)
+
+
+def first_start_notice(model: str, keep_alive: str) -> str | None:
+    """The one line said the first time a warm server starts for this user (None ever after): what stays loaded,
+    for how long, and how to stop it or turn it off. A marker in the data dir remembers it was said."""
+    marker = paths.data_dir() / "warm-servers-explained"
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return None
+    except OSError:
+        pass  # (a read-only data dir: said each time a server starts, rather than never)
+    kept = "until `llmcli stop`" if parse_keep_alive(keep_alive) is None else f"for {keep_alive} after each answer"
+    return (f"{model} stays loaded {kept}, so the next run starts at once: `llmcli ps` shows it, `llmcli stop` "
+            "unloads it, --keep-alive 0 (or keep_alive = \"0\" in the config file, or LLMCLI_KEEP_ALIVE=0) turns this off")
+
+
+def held_by_others(model_path: Path) -> int:
+    """The memory this user's warm servers hold that MemAvailable counts as free (their mapped models), leaving out a
+    server of `model_path` itself (its pages are the ones this load maps too)."""
+    held = 0
+    for _, state in running():
+        paths_served = {m.get("path") for m in state.get("models", [])}
+        if str(model_path.resolve()) not in paths_served:
+            held += memory.mapped_file_bytes(int(state.get("pid") or 0))
+    return held
+
+
+def make_room(max_models: int) -> None:
+    """Before a warm server starts: while `max_models` or more run, stop the one idle the longest (one answering
+    is never stopped); launch servers are not counted."""
+    servers = running()
+    count, idle = len(servers), []
+    for socket, state in servers:
+        served = state.get("models") or [{}]
+        if not any(m.get("in_flight") for m in served):
+            idle.append((min(float(m.get("idle_s") or 0.0) for m in served), socket, state))
+    for _, socket, state in sorted(idle, key=lambda found: found[0], reverse=True):
+        if count < max_models:
+            break
+        if stop(socket, state):
+            count -= 1
 
 
 @contextmanager
@@ -200,7 +251,7 @@ class WarmEmbedder:
         self.engine = contextlib.nullcontext()  # (a local embedder's engine is closed after; the server's stays)
 
     def embed(self, texts: list[str], on_progress: Any = None) -> Iterator[WarmEmbedded]:
-        with httpx2.Client(transport=httpx2.HTTPTransport(uds=str(self.server.socket)), timeout=600) as http:
+        with httpx2.Client(transport=socket_transport(str(self.server.socket)), timeout=600) as http:
             for start in range(0, len(texts), self.TEXTS_PER_REQUEST):
                 chunk = texts[start:start + self.TEXTS_PER_REQUEST]
                 try:

@@ -72,6 +72,7 @@ class RemoteSession:
         self.client, self.request, self.options = client, request, options
         self.history: list[Message] = []
         self.notices: list[str] = []
+        self.loaded: tuple[float, bool] | None = None  # a warm server's: (load_s, warm), said with the first answer
 
     @property
     def where(self) -> str:
@@ -81,6 +82,9 @@ class RemoteSession:
             stable_text: str | None = None) -> Iterator[AnswerEvent]:
         """Answer `user_text` after the history; the exchange joins the history when the answer is done."""
         for event in exchange(self, user_text, options, self.history):
+            if isinstance(event, Done) and self.loaded is not None:
+                (load_s, warm), self.loaded = self.loaded, None
+                event = dataclasses.replace(event, stats=dataclasses.replace(event.stats, load_s=load_s, warm=warm))
             if isinstance(event, Done):
                 self.history += [*([Message("user", user_text)] if user_text is not None else []),
                                  Message("assistant", event.text, tool_calls=event.tool_calls)]

@@ -19,6 +19,7 @@ its own thread; each request waits on an asyncio queue that the engine's thread 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -77,7 +78,8 @@ def _own_app(state: ServerState, hosts: tuple[str, ...] | None, webui: bool) -> 
         expires = served.expires_in()
         return {"name": served.name, "path": str(served.key), "size": served.facts.size, "slots": served.slots.status(),
                 "in_flight": served.in_flight, "pinned": served.pinned,
-                "expires_in_s": None if expires is None else round(expires, 1)}
+                "expires_in_s": None if expires is None else round(expires, 1),
+                "idle_s": 0.0 if served.in_flight else round(time.monotonic() - served.last_used, 1)}
 
     async def health(request: Request) -> Response:
         """Open to anyone (a load balancer's probe); the pid and the models' paths only to a caller with the key, or

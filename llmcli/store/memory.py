@@ -39,15 +39,33 @@ def kv_cache_bytes(header: GGUFHeader, n_ctx: int, slots: int = 1, kv_type: str 
     return int(int(layers) * int(kv_heads) * (int(key_len) + int(value_len)) * KV_ELEMENT_BYTES[kv_type] * n_ctx * slots)
 
 
-def check_memory(what: str, weights: int, kv_cache: int = 0, force: bool = False) -> None:
-    """Refuse, with the numbers, when weights + KV cache + overhead exceed the available memory."""
+def mapped_file_bytes(pid: int) -> int:
+    """The file pages process `pid` has mapped and resident (RssFile: a loaded model's weights). MemAvailable counts
+    them as reclaimable page cache, though the process holds them; 0 if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return 0
+
+
+def check_memory(what: str, weights: int, kv_cache: int = 0, force: bool = False, held: int = 0) -> None:
+    """Refuse, with the numbers, when weights + KV cache + overhead exceed the available memory. `held`: bytes that
+    MemAvailable counts but other processes keep (warm servers' mapped models)."""
     available = available_memory()
+    if available is not None and held:
+        available = max(0, available - held)
     needed = weights + kv_cache + RUNTIME_OVERHEAD
     if force or available is None or needed <= available:
         return
     parts = f"model {human_size(weights)}" + (f" + KV cache {human_size(kv_cache)}" if kv_cache else "")
     parts += f" + {human_size(RUNTIME_OVERHEAD)} runtime"
     raise ResourceError(
-        f"{what} needs about {human_size(needed)} of memory ({parts}); {human_size(available)} is available",
-        hint="Use a smaller model or quant, a smaller --ctx-size, or --force to try anyway.",
+        f"{what} needs about {human_size(needed)} of memory ({parts}); {human_size(available)} is available"
+        + (f" ({human_size(held)} more is held by warm servers)" if held else ""),
+        hint="Use a smaller model or quant, a smaller --ctx-size, or --force to try anyway"
+        + ("; `llmcli stop` unloads the warm servers." if held else "."),
     )
