@@ -141,7 +141,7 @@ def _threads_used(*prefix: str, env: dict[str, str] | None = None) -> int:
 def test_threads_follow_the_cpu_affinity():
     from llmcli.llama.cpu_topology import physical_cores
 
-    assert _threads_used() == physical_cores()  # this process may use every core
+    assert 1 <= _threads_used() <= physical_cores()  # every core it may use, less those other processes keep busy
     assert _threads_used("taskset", "-c", "0") == 1  # pinned to one CPU: one thread
 
 
@@ -155,13 +155,13 @@ def test_a_generating_llmcli_takes_its_share_of_the_cores(isolated_env):
         (generating / str(peer.pid)).touch()
         stale = generating / "999999999"  # a pid that does not run: left behind by a killed process
         stale.touch()
-        assert _threads_used() == max(1, physical_cores() // 2)
+        assert _threads_used() <= max(1, physical_cores() // 2)
         assert not stale.exists()
         assert _threads_used(env={"LLMCLI_THREADS": "2"}) == 2  # --threads/LLMCLI_THREADS given: fixed
     finally:
         peer.kill()
         peer.wait()
-    assert _threads_used() == physical_cores()  # alone again
+    assert _threads_used() <= physical_cores()  # alone again (less what other processes keep busy)
     assert sorted(p.name for p in generating.iterdir()) == []  # every run unregistered itself
 
 

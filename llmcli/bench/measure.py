@@ -21,7 +21,7 @@ from llmcli.answer.events import Done
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.sampling_config import greedy_without_end
 from llmcli.bench.baseline_loop import RawLoop
-from llmcli.bench.contention import pair_decode_rate
+from llmcli.bench.contention import busy_cores, busy_decode_rate, pair_decode_rate
 from llmcli.bench.environment import memory_bandwidth
 from llmcli.bench.plan import BenchPlan
 from llmcli.bench.prompt_cache import kv_type_rows, prompt_cache_rows
@@ -123,6 +123,7 @@ class Benchmark:
     def run(self) -> Iterator[Progress]:
         plan = self.plan
         per_repetition = (len(plan.depths) * 2 + 5 + len(plan.parallel) + 2 * plan.contention + 2 * len(plan.cache_lengths)
+                          + (2 * (1 + cpu_topology.physical_cores()) if plan.busy else 0)
                           + len(plan.kv_types) + 6 * plan.speculation + len(plan.batch_sizes))
         total = len(self.models) * len(self.threads) * (plan.repetitions * per_repetition + 1)  # + the bandwidth probe
         done = 0
@@ -166,6 +167,8 @@ class Benchmark:
             yield from self._parallel_rows(model, threads, row)
         if plan.contention:
             yield from self._contention_rows(model, threads, row)
+        if plan.busy:
+            yield from self._busy_rows(model, row)
         if plan.cache_lengths:
             yield from prompt_cache_rows(model.path, threads, plan.n_batch, plan.cache_lengths, plan.repetitions, row)
         if plan.speculation:
@@ -193,6 +196,23 @@ class Benchmark:
             yield shared.test
             fixed.samples.append(pair_decode_rate(model.path, gen, threads))
             yield fixed.test
+
+    def _busy_rows(self, model: ResolvedModel, row: Callable[..., Row]) -> Iterator[str]:
+        """One run's decode rate on an idle machine and with `busy` cores kept busy by other processes: the default
+        threads (what the machine gives now) against each fixed count, and the default's ratio to the best of them."""
+        gen = min(self.plan.gen_tokens, 64)  # a thread that shares its core can fall to ~2 tok/s: keep the runs short
+        cores = cpu_topology.physical_cores()
+        for busy in (0, self.plan.busy):
+            label = f"tg{gen} {busy} core{'s' if busy != 1 else ''} busy"
+            chosen = row(label, "default threads", "t/s")
+            fixed = {n: row(label, f"-t {n}", "t/s") for n in range(1, cores + 1)}
+            with busy_cores(busy):
+                for _ in range(self.plan.repetitions):
+                    for threads, target in [(None, chosen), *fixed.items()]:
+                        target.samples.append(busy_decode_rate(model.path, gen, threads))
+                        yield f"{target.test} ({target.path})"
+            best = max(fixed.values(), key=lambda r: r.mean)
+            row(label, f"default ÷ best fixed ({best.path})", "x").samples.append(chosen.mean / best.mean)
 
     def _batch_size_rows(self, model: ResolvedModel, threads: int, row: Callable[..., Row]) -> Iterator[str]:
         """The raw prefill of the -p prompt at each batch size (prompt tokens per llama_decode)."""

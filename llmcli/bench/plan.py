@@ -18,6 +18,7 @@ class BenchPlan:
     batch_sizes: tuple[int, ...] = ()  # prefill measured at each of these batch sizes too (-b 64,512)
     parallel: tuple[int, ...] = ()  # sequences decoded together (aggregate decode rate), e.g. (1, 8)
     contention: bool = False  # two llmcli processes decoding at once: shared cores vs every core each
+    busy: int = 0  # also decode while this many other processes keep a core busy: default threads vs each fixed count
     cache_lengths: tuple[int, ...] = ()  # prompt lengths for TTFT cold vs warm (prompt cache), e.g. (512, 2048)
     kv_types: tuple[str, ...] = ()  # KV cache types to compare (speed and memory), e.g. ("f16", "q8_0")
     speculation: bool = False  # pass costs, and decoding with and without drafts (grounded and ungrounded)

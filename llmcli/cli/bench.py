@@ -49,6 +49,9 @@ def bench(
     )] = str(BenchPlan.n_batch),
     parallel: Annotated[Optional[str], typer.Option(
         "--parallel", "-P", help="Also measure aggregate decode with N sequences at once, e.g. 1,8.", show_default=False)] = None,
+    busy: Annotated[int, typer.Option(
+        "--busy", min=0, help="Also measure one run's decode rate while N other processes keep a core busy each: the "
+        "default threads against each fixed count (and on an idle machine).")] = 0,
     contention: Annotated[bool, typer.Option(
         "--contention", help="Also measure two llmcli processes decoding at once (shared cores vs every core each).")] = False,
     prompt_cache: Annotated[Optional[str], typer.Option(
@@ -112,6 +115,7 @@ def bench(
         batch_sizes=batch_sizes if len(batch_sizes) > 1 else (),
         parallel=_int_list(parallel, "--parallel", 1) if parallel else (),
         contention=contention,
+        busy=busy,
         cache_lengths=_int_list(prompt_cache, "--prompt-cache", 16) if prompt_cache else (),
         kv_types=_kv_types(kv_type) if kv_type else (),
         speculation=speculate,

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from llmcli import paths
+from llmcli.llama.cpu_load import WINDOW_S, CpuLoad
 
 RECHECK_S = 0.05
 ROOM_WAIT_S = 1.0
@@ -31,8 +32,9 @@ ROOM_WAIT_S = 1.0
 class CoreShare:
     """This process's registration while it generates, and its share of `cores`."""
 
-    def __init__(self, cores: int):
+    def __init__(self, cores: int, load: CpuLoad | None = None):
         self.cores = cores
+        self.load = load  # what other processes (any) take of the cores now
         self.folder = paths.runtime_dir() / "generating"
         self.mine: Path | None = None
         self.due = 0.0  # perf_counter() time of the next look at the others
@@ -69,10 +71,12 @@ class CoreShare:
             finally:
                 os.close(handle)
 
-    def threads(self, now: float | None = None) -> int:
-        """This process's share of the cores now; the next look is due RECHECK_S later."""
+    def threads(self, now: float | None = None, window_s: float = WINDOW_S) -> int:
+        """This process's share of the cores now: of the other llmcli processes' and of what any process leaves free
+        (read over at least `window_s`); the next look is due RECHECK_S later."""
         self.due = (time.perf_counter() if now is None else now) + RECHECK_S
-        return max(1, self.cores // (1 + len(self._others())))
+        shared = max(1, self.cores // (1 + len(self._others())))
+        return shared if self.load is None else min(shared, self.load.free_cores(self.cores, window_s))
 
     def wait_for_room(self, threads: int) -> None:
         """Before computing: wait until the others' threads and these fit the cores (they adapt within

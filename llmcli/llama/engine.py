@@ -29,6 +29,7 @@ from llmcli.errors import IntegrityError, LlmcliError, ResourceError
 from llmcli.interrupt import Cancellation
 from llmcli.llama.batch import Batch
 from llmcli.llama.core_share import CoreShare
+from llmcli.llama.cpu_load import CpuLoad
 from llmcli.llama.cpu_topology import physical_cores
 from llmcli.llama.kv_cache import KVCache
 from llmcli.llama.llama_log import llama_backend
@@ -60,6 +61,7 @@ class EngineConfig:
 
 
 CELL_PADDING = 256  # llama.cpp rounds a context's cells up to a multiple of this
+FIRST_WINDOW_S = 0.2  # the load is read for what other processes take, if it lasted this long (10 ms ticks)
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
 POOLING = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
@@ -80,6 +82,7 @@ class Engine:
         log.verbose = config.verbose
         log.errors.clear()  # only what this load reports explains its failure
         started = time.perf_counter()
+        load = CpuLoad() if config.n_threads is None else None  # (what other processes take, read over the load)
 
         model_params = llama_cpp.llama_model_default_params()
         # Called as loading proceeds; returning False aborts it: Ctrl-C during a load is honoured at once.
@@ -117,9 +120,9 @@ class Engine:
         # What one sequence may use: llama.cpp's (it pads), or, sized later, what it would have been.
         self.n_ctx: int = -(-per_sequence // CELL_PADDING) * CELL_PADDING if config.kv_later else (
             llama_cpp.llama_n_ctx_seq(self._ctx))
-        self._share = CoreShare(threads) if config.n_threads is None else None  # --threads given: fixed
+        self._share = CoreShare(threads, load) if load is not None else None  # --threads given: fixed
         if self._share is not None:  # about to compute: peers that start now see this one before they prefill
-            self._share.register(self._share.threads())
+            self._share.register(self._share.threads(window_s=FIRST_WINDOW_S))  # (the load's time: a first reading)
         self.vocab = Vocabulary(llama_cpp.llama_model_get_vocab(self._model))
         self._abort = llama_cpp.ggml_abort_callback(lambda _: bool(self.cancel))  # referenced while installed
         self._one = (llama_cpp.llama_token * 1)()  # the token of a 1-token pass

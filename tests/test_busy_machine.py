@@ -1,0 +1,72 @@
+"""A busy machine (issue 37, part 2): the default thread count is the cores this process may use less what other
+processes keep busy now (llmcli/llama/cpu_load.py), decided before an answer and between decode steps; an explicit
+-t is obeyed. The arithmetic on synthetic /proc/stat readings; one real run beside a spinning process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from conftest import run_cli
+
+from llmcli.llama import cpu_load
+
+
+def test_other_processes_time_is_counted_and_this_one_s_is_not(tmp_path, monkeypatch):
+    stat, clock, own = tmp_path / "stat", [100.0], [0.0]
+
+    def reading(cpu0: int, cpu1: int, cpu2: int = 0) -> None:  # busy ticks (user) per CPU; idle ones do not matter
+        stat.write_text(f"cpu  {cpu0 + cpu1} 0 0 9 0 0 0 0 0 0\n" + "".join(
+            f"cpu{n} {ticks} 0 0 9 0 0 0 0 0 0\n" for n, ticks in enumerate((cpu0, cpu1, cpu2))) + "intr 0\n")
+
+    monkeypatch.setattr(cpu_load, "STAT_FILE", str(stat))
+    monkeypatch.setattr(cpu_load, "TICK_S", 0.01)
+    monkeypatch.setattr(cpu_load, "_own_seconds", lambda: own[0])
+    monkeypatch.setattr(cpu_load, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    reading(0, 0)
+    load = cpu_load.CpuLoad()
+    load.cpus = {0, 1}  # (CPU 2 is not this process's: its time is nobody's business here)
+    load._mark = load._sample()
+    clock[0], own[0] = 101.0, 1.0
+    reading(100, 100, 100)  # 2 s of CPU on the two CPUs, 1 s of it this process's: another process took a core
+    assert load.free_cores(2) == 1 and load.others == pytest.approx(1.0)
+    clock[0] = 101.1
+    reading(200, 200, 200)  # not a window yet (0.1 s): the last reading stands
+    assert load.free_cores(2) == 1
+    clock[0], own[0] = 102.0, 3.0
+    reading(200, 200, 300)  # this process alone on its CPUs (2 s of 2): every core free
+    assert load.free_cores(2) == 2 and load.others == pytest.approx(0.0)
+    clock[0] = 103.0
+    reading(240, 210, 300)  # 0.5 s of the others': half a core is not taken
+    assert load.free_cores(2) == 2
+    clock[0] = 104.0
+    reading(300, 250, 300)  # 1 s: taken (at least one core is always this process's)
+    assert load.free_cores(1) == 1 and load.free_cores(2) == 1
+
+
+def test_a_run_beside_a_busy_core_decodes_on_the_core_left_and_t_is_obeyed(smollm2):
+    """A spinning process pinned to one of two CPUs this run may use: the default ends on one thread (two threads
+    would wait on the shared core at every pass); -t 2 keeps two."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
+                               preexec_fn=lambda: os.sched_setaffinity(0, {cpus[0]}))
+    mine = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, set(cpus))  # (the forked run inherits it)
+        args = ["run", "-m", str(smollm2), "--json", "--temp", "0", "-n", "48", "--grammar", 'root ::= ([a-z] " "){40}',
+                "Count."]
+        chosen = run_cli(*args, env={"LLMCLI_THREADS": ""})
+        fixed = run_cli(*args, "-t", "2", env={"LLMCLI_THREADS": ""})
+    finally:
+        os.sched_setaffinity(0, mine)
+        spinner.kill()
+        spinner.wait()
+    assert chosen.code == 0 and fixed.code == 0, chosen.stderr + fixed.stderr
+    assert json.loads(chosen.stdout)["timings"]["threads"] == 1
+    assert json.loads(fixed.stdout)["timings"]["threads"] == 2
