@@ -185,3 +185,53 @@ def test_a_stalled_terminal_holds_up_the_printer_not_the_answer():
     screen = [line for line in screen_of(out.getvalue().replace("\n", "\r\n"), 60, 1000) if line]
     assert screen[:2] == ["                           Start", "A first paragraph."]
     assert screen[2:] == [f"Paragraph {n}." for n in range(200)]  # every block once, in order
+
+
+NUMBERED = 'root ::= "' + "".join(f"- line {n:02d}\\n" for n in range(1, 100)) + '"'  # 99 lines, each its own
+
+
+def _numbered_lines(screen: list[str]) -> list[int]:
+    return [int(line.split()[-1]) for line in screen if re.fullmatch(r" • line \d\d", line)]
+
+
+@pytest.mark.parametrize("keys", ["/exit\r", "ctrl-c"])
+def test_keys_typed_while_an_answer_renders_are_not_echoed_under_it_and_each_line_shows_once(keys):
+    """chat on a terminal, rendering Markdown (99 numbered lines): keys typed mid-answer, Enter included, are not
+    echoed under it (an echoed newline moved the cursor under rich's open block, which was then drawn again) and begin
+    the next prompt's line; Ctrl-C ends the answer with each line shown once. Nothing is typed but `keys`."""
+    child = pexpect.spawn(sys.executable, ["-m", "llmcli", "chat", "--temp", "0", "-n", "2000", "--no-save",
+                                           "--no-repetition-guard", "--grammar", NUMBERED],
+                          env={**os.environ, **COLOUR, "COLUMNS": "100"}, timeout=60, dimensions=(200, 100))
+    child.expect_exact(">>> ")
+    child.sendline("Count")
+    shown = b""
+    while len(_numbered_lines(screen_of(shown, 100, 200))) < 8:
+        child.expect(b"line")
+        shown += child.before + child.after
+    if keys == "ctrl-c":
+        child.sendintr()
+        child.expect_exact(">>> ")
+        shown += child.before + child.after
+        child.sendeof()
+    else:
+        child.send(keys)  # typed ahead: the answer goes on for seconds
+    child.expect(pexpect.EOF)
+    shown += child.before
+    child.close()
+    assert child.exitstatus == 0
+    screen = [line for line in screen_of(shown, 100, 200) if line]
+    numbers = _numbered_lines(screen)
+    assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) >= 8, "\n".join(screen)  # each once, in order
+    if keys != "ctrl-c":
+        assert len(numbers) == 99 and screen[-1] == ">>> /exit"  # the whole answer; the keys were the next prompt's
+        assert sum("/exit" in line for line in screen) == 1 and "^C" not in "\n".join(screen)
+
+
+def test_the_answer_is_the_terminal_s_own_text_unless_a_colour_is_set():
+    args = ["run", "--temp", "0", "--plain", "--grammar", 'root ::= "plain words"', "-q", "Say it."]
+    plain = run_in_terminal(args, COLOUR)
+    assert b"plain words" in plain and b"\x1b[3" not in plain  # no colour of llmcli's (-q: no stats either)
+    coloured = run_in_terminal([*args, "--answer-color", "cyan"], COLOUR)
+    assert b"\x1b[36mp" in coloured and b"plain words" in b"".join(re.split(rb"\x1b\[[0-9;]*m", coloured))
+    wrong = run_cli(*args, "--answer-color", "not a colour")
+    assert wrong.code == 2 and "--answer-color" in wrong.stderr

@@ -397,6 +397,43 @@ def test_approval_on_a_terminal_and_ctrl_c_during_a_tool(tmp_path):
     assert code == 130 and b"Traceback" not in err
 
 
+def test_the_prefill_line_is_gone_before_a_call_is_asked_about_and_says_the_prompt_s_own_figures(monkeypatch):
+    """An answer that begins with a call: the prefill line (rich redraws it 4 times a second) was never stopped, and
+    drew over --tools-approve's question; it stops at the first event that is not the prefill's. Its figures: the
+    tokens evaluated of those to evaluate, and the whole prompt when some of it was cached."""
+    import io
+
+    from rich.console import Console
+
+    from llmcli.answer.events import Prefill
+    from llmcli.answer.tool_call_parser import CallStarted
+    from llmcli.cli import output
+    from llmcli.cli.stream import AnswerSink, show_answer
+
+    seen: list[str] = []
+
+    class Recorder(output.PrefillStatus):
+        def update(self, evaluated: int, total: int, prompt: int = 0) -> None:
+            super().update(evaluated, total, prompt)
+            seen.append(self.__rich__().plain.split(" · ")[1])
+
+        def stop(self) -> None:
+            super().stop()
+            seen.append("stopped")
+
+    def events():
+        yield Prefill(0, 10, 318)
+        yield Prefill(9, 10, 318)
+        yield CallStarted(0, "call-1", "multiply")
+        seen.append("asked")  # (the tool loop runs the call, and asks, after the call's events)
+
+    monkeypatch.setattr(output, "PrefillStatus", Recorder)
+    console = Console(file=io.StringIO(), force_terminal=True, width=100)
+    show_answer(events(), AnswerSink(io.StringIO()), console, quiet=False)
+    assert seen[:4] == ["0 / 10 tokens (of 318: the rest was cached)", "9 / 10 tokens (of 318: the rest was cached)",
+                        "stopped", "asked"]
+
+
 def test_run_with_functions_against_llama_cpp_python_s_own_server(functions, smollm2, tmp_path):
     """The loop is the client's: a server's own tool calling (llama-cpp-python's chatml-function-calling, which
     streams a named choice) works through it as llmcli serve's does."""

@@ -71,6 +71,7 @@ class Prefill:
 
     evaluated: int
     total: int
+    prompt: int = 0  # the whole prompt's tokens (the cached ones too)
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, requ
         from llmcli.cli.chat_repl import Repl
 
         repl = Repl(conversation, pipeline.cancel, console, quiet, as_json, pipeline.settings["reasoning"],
-                    pipeline.settings["markdown"])
+                    pipeline.settings["markdown"], pipeline.settings["answer_color"])
         interactive = sys.stdin is not None and sys.stdin.isatty()
         repl.interactive() if interactive else repl.lines()
         if not no_save and pipeline.session.local is not None:

@@ -44,10 +44,11 @@ A line with only \"\"\" starts and ends a multi-line message; a line ending in \
 class Repl:
     def __init__(self, conversation: Conversation, cancel: Cancellation, console: Console, quiet: bool, as_json: bool,
                  reasoning: str = "show",
-                 markdown: bool = False):
+                 markdown: bool = False, color: str | None = None):
         self.conversation = conversation
         self.reasoning = reasoning  # where a reasoning model's thinking goes (--reasoning)
         self.markdown = markdown  # replies rendered as they stream, on a terminal (--markdown/--plain)
+        self.color = color  # the replies' colour on a terminal (--answer-color; none: the terminal's own)
         self.cancel = cancel
         self.console = console
         self.quiet = quiet
@@ -140,7 +141,7 @@ class Repl:
                 self.console.print("[interrupted: the partial reply stays in the conversation]")
 
         sink = AnswerSink(as_json=self.as_json, extra={"model": self.conversation.model_name}, reasoning=self.reasoning,
-                          markdown=self.markdown)
+                          markdown=self.markdown, color=self.color)
         with self.cancel.on_signals():
             show_answer(events, sink, self.console, self.quiet, told)
         self.cancel.signum = None  # Ctrl-C ended this reply, not the session

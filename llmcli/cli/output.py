@@ -154,14 +154,14 @@ class PrefillStatus:
 
         self.console, self.after_s = console, after_s
         self.started: float | None = None
-        self.evaluated = self.total = 0
+        self.evaluated = self.total = self.prompt = 0
         self.rate: float | None = None  # tokens a second, from the chunks done so far
         self._lock = threading.Lock()
         self._live: Any = None
         self._timer: Any = None
         self._stopped = False
 
-    def update(self, evaluated: int, total: int) -> None:
+    def update(self, evaluated: int, total: int, prompt: int = 0) -> None:
         import threading
         import time
 
@@ -173,7 +173,7 @@ class PrefillStatus:
             self._timer.start()
         elif evaluated > 0 and now > self.started:
             self.rate = evaluated / (now - self.started)
-        self.evaluated, self.total = evaluated, total
+        self.evaluated, self.total, self.prompt = evaluated, total, prompt
 
     def _show(self) -> None:
         from rich.live import Live
@@ -189,7 +189,8 @@ class PrefillStatus:
         import time
 
         elapsed = time.perf_counter() - (self.started or time.perf_counter())
-        parts = [f"evaluating the prompt · {self.evaluated:,} / {self.total:,} tokens"]
+        parts = [f"evaluating the prompt · {self.evaluated:,} / {self.total:,} tokens"
+                 + (f" (of {self.prompt:,}: the rest was cached)" if self.prompt > self.total else "")]
         if self.rate:
             left = (self.total - self.evaluated) / self.rate - (elapsed - self.evaluated / self.rate)
             parts += [f"{self.rate:,.0f} tok/s", f"about {max(1, round(left))} s left"]

@@ -198,7 +198,8 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
             console.print(f"{len(rendered.tokens)} tokens ({pipeline.model.name}, {mode}, context {local.context().n_ctx})")
             return
         sink = AnswerSink(as_json=options.as_json, extra={"model": pipeline.model.name},
-                          reasoning=pipeline.settings["reasoning"], markdown=pipeline.settings["markdown"])
+                          reasoning=pipeline.settings["reasoning"], markdown=pipeline.settings["markdown"],
+                          color=pipeline.settings["answer_color"])
         start = len(session.history)
 
         def logged(done: Done) -> None:  # in the answer log, and in the conversation's record for run -C

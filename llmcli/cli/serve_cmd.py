@@ -18,7 +18,7 @@ _SERVER = "Server"
 # points run and chat at a server, is not serve's), and where thinking goes is the client's to choose;
 # serve's --api-key and --keep-alive are its own
 SERVE_SKIPS = ("endpoint", "endpoint_timeout", "reasoning", "api_key", "logprobs", "keep_alive", "markdown",
-               "max_models")  # (serve has its own --keep-alive and --max-models: of the models of one server)
+               "max_models", "answer_color")  # (serve has its own --keep-alive and --max-models: of the models of one server)
 ServeKeyOpt = Annotated[Optional[str], typer.Option(
     "--api-key", help="The key every request must bring as `Authorization: Bearer KEY` ($LLMCLI_API_KEY).",
     show_default=False, rich_help_panel=_SERVER)]

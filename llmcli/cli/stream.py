@@ -16,13 +16,13 @@ from rich.style import Style
 
 from llmcli.answer.events import AnswerEvent, Done, Notice, Prefill, Token, answer_record
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
-from llmcli.errors import StdoutClosed
+from llmcli.cli.keyboard import echo_off
+from llmcli.errors import StdoutClosed, UsageError
 from llmcli.text_escapes import NEUTRALISE as _NEUTRALISE  # control characters shown in caret notation on a terminal
 
 if TYPE_CHECKING:
     from llmcli.cli.markdown_stream import MarkdownStream
 
-ANSWER_STYLE = Style(color="cyan")
 REASONING_STYLE = Style(dim=True, italic=True)
 
 
@@ -31,10 +31,11 @@ class AnswerSink:
     """Streams answer text to stdout; collects it for --json. A reasoning model's thinking goes where
     `reasoning` says: `show` dimmed before the answer on a terminal (left out when stdout is piped: stdout
     carries the answer only), `hide` nowhere, `stderr` to stderr; always into the --json record. With `markdown`,
-    the answer is rendered as it streams on a terminal (piped, it stays the model's bytes)."""
+    the answer is rendered as it streams on a terminal (piped, it stays the model's bytes); `color`: its colour there
+    (none: the terminal's own)."""
 
     def __init__(self, stream: IO[str] | None = None, as_json: bool = False, extra: dict[str, Any] | None = None,
-                 reasoning: str = "show", markdown: bool = False):
+                 reasoning: str = "show", markdown: bool = False, color: str | None = None):
         self.stream = stream or sys.stdout
         self.as_json = as_json
         self.extra = extra or {}
@@ -44,7 +45,8 @@ class AnswerSink:
         console = Console(file=self.stream)
         self.terminal = console.is_terminal and not as_json  # neutralise control characters there
         color_system = COLOR_SYSTEMS.get(console.color_system or "") if self.terminal and not console.no_color else None
-        self._open, self._close = _codes(ANSWER_STYLE, color_system)
+        answer_style = _answer_style(color)
+        self._open, self._close = _codes(answer_style, color_system)
         self._dim = _codes(REASONING_STYLE, color_system)
         self._binary = getattr(self.stream, "buffer", None)
         self._thought_to: IO[str] | None = None if as_json else {
@@ -55,7 +57,7 @@ class AnswerSink:
         if rendered:
             from llmcli.cli.markdown_stream import MarkdownStream  # (markdown-it and rich's Markdown: on a terminal only)
 
-            self._markdown = MarkdownStream(console, ANSWER_STYLE)
+            self._markdown = MarkdownStream(console, answer_style)
 
     def handle(self, event: Token | Done) -> None:
         if isinstance(event, Token):
@@ -129,6 +131,18 @@ class AnswerSink:
             raise StdoutClosed() from None
 
 
+def _answer_style(color: str | None) -> Style:
+    """The answer's look on a terminal: the terminal's own text (plain, as Ollama and `llm` print it), or
+    --answer-color's colour."""
+    if not color:
+        return Style()
+    try:
+        return Style(color=color)
+    except Exception:  # rich's ColorParseError
+        raise UsageError(f"--answer-color {color!r} is not a colour",
+                         hint="A name (cyan, bright_green), color(N) or #rrggbb.") from None
+
+
 def _codes(style: Style, color_system: Any) -> tuple[str, str]:
     """The escape codes that open and close `style` (none without a colour system)."""
     if color_system is None:
@@ -147,22 +161,31 @@ def show_answer(events: Iterable[AnswerEvent], sink: AnswerSink, console: Consol
                 on_done: Callable[[Done], None] | None = None) -> Done | None:
     """The one event loop of `run` and `chat`: the answer to the sink (stdout), notices to stderr (and into the
     --json record), then `on_done` and the stats line. The Done, or None when the events stopped before it."""
-    from llmcli.cli.output import PrefillStatus, print_notice, print_stats
+    from llmcli.cli.output import PrefillStatus
+
+    status = PrefillStatus(console) if console.is_terminal and not quiet else None  # (nothing when piped)
+    typing = echo_off() if sink.terminal or console.is_terminal else contextlib.nullcontext()
+    with typing:  # (keys typed meanwhile are not echoed under the answer: they wait for the next prompt)
+        return _show(events, sink, console, quiet, status, on_done)
+
+
+def _show(events: Iterable[AnswerEvent], sink: AnswerSink, console: Console, quiet: bool, status: Any,
+          on_done: Callable[[Done], None] | None) -> Done | None:
+    from llmcli.cli.output import print_notice, print_stats
 
     done = None
-    status = PrefillStatus(console) if console.is_terminal and not quiet else None  # (nothing when piped)
     try:
         for event in events:
             if isinstance(event, Prefill):
                 if status is not None:
-                    status.update(event.evaluated, event.total)
+                    status.update(event.evaluated, event.total, event.prompt)
                 continue
+            if status is not None:  # (gone, for good, before anything else: a tool's question is never drawn over)
+                status.stop()
             if isinstance(event, (CallStarted, CallArguments)):
                 if isinstance(event, CallStarted):
                     sink.close()  # the text before a call is rendered whole: the call's output follows it
                 continue  # a call is shown when it runs (--tools-debug), and kept in the Done
-            if status is not None:
-                status.stop()
             if isinstance(event, Notice):
                 sink.notices.append(event.text)
                 sink.pause()

@@ -150,10 +150,13 @@ def _approver() -> Callable[[ToolCall], bool]:
                          hint="Run it on a terminal, or drop --tools-approve.")
 
     def approve(call: ToolCall) -> bool:
-        os.write(terminal, neutralised(f"run {call.name}({call.arguments})? [y/N] ").encode())
-        answer = b""
-        while not answer.endswith(b"\n") and (chunk := os.read(terminal, 256)):
-            answer += chunk
+        from llmcli.cli.keyboard import echo_on
+
+        with echo_on():  # (the answer streams with the echo off)
+            os.write(terminal, neutralised(f"run {call.name}({call.arguments})? [y/N] ").encode())
+            answer = b""
+            while not answer.endswith(b"\n") and (chunk := os.read(terminal, 256)):
+                answer += chunk
         return answer.decode(errors="replace").strip().lower() in ("y", "yes")
 
     return approve

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -202,6 +203,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "(with flash attention).", choices=("f16", "q8_0", "q4_0"), panel=ENGINE),
     _s("markdown", bool, True, "On a terminal, render the answer's Markdown as it streams; --plain writes the model's "
        "text as is (as piped output always is).", "--markdown/--plain", panel=OUTPUT),
+    _s("answer_color", str, None, "The answer's colour on a terminal: a name (cyan, the old look), color(N) or #rrggbb. "
+       "Thinking stays dimmed, notices and stats keep theirs.", panel=OUTPUT, default_text="none: the terminal's own",
+       check=lambda v: re.fullmatch(r"[a-z_]+[0-9]*|color\([0-9]{1,3}\)|#[0-9a-fA-F]{6}", v) is not None,
+       rule="must be a colour name, color(N) or #rrggbb"),
     _s("special", bool, False, "Keep the text of control tokens in the answer (<|im_end|>, <start_of_image>); "
        "without it they are left out.", "--special/--no-special", panel=OUTPUT),
     _s("logprobs", int, None, "With --json: each answer token's logprob (the model's own distribution) and the N most "

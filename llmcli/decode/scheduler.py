@@ -339,12 +339,12 @@ class Scheduler:
             try:
                 total = len(prompt) - slot.cached
                 if total > 0:
-                    yield Prefill(0, total)
+                    yield Prefill(0, total, len(prompt))
                 while not slot.finished:
                     for _, event in self.step() if not engine.cancel else self.finish(slot, "interrupted"):
                         yield event
                     if slot.cached < slot.prefilled < len(prompt):  # a chunk is done, more are to come
-                        yield Prefill(slot.prefilled - slot.cached, total)
+                        yield Prefill(slot.prefilled - slot.cached, total, len(prompt))
             finally:
                 if not slot.finished:  # the consumer stopped early: the answer ends here
                     self.finish(slot, "interrupted")
