@@ -107,6 +107,8 @@ def test_config_show_and_chat_set_come_from_the_table(tmp_path):
     shown = run_cli("config", "show", "--json", env={"LLMCLI_THREADS": "", "LLMCLI_KEEP_ALIVE": ""})
     assert shown.code == 0, shown.stderr
     record = json.loads(shown.stdout)["settings"]
+    table = run_cli("config", "show").stdout
+    assert table.splitlines()[1].split() == ["SETTING", "VALUE", "SOURCE"] and not any(c in table for c in "┃━│")
     assert list(record) == list(SETTINGS)
     assert {name: entry["value"] for name, entry in record.items() if entry["source"] == "default"} == {
         name: s.default for name, s in SETTINGS.items()}

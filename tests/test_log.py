@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import run_cli
 
 QUICK = ("--temp", "0", "-n", "6", "-q")
@@ -58,6 +59,33 @@ def test_a_broken_log_never_fails_a_run(isolated_env):
     result = run_cli("run", *QUICK, "hi")
     assert result.code == 0 and result.stdout.strip()
     assert "the answer is not in the log" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_read_only_log_is_read_and_a_damaged_one_is_an_error_not_a_usage_error(isolated_env):
+    assert run_cli("run", *QUICK, "Name a colour.").code == 0
+    data = isolated_env / "data"
+    locked = [data, *data.iterdir()]
+    if os.geteuid() == 0:  # (root writes through permissions: the immutable attribute stops it)
+        if subprocess.run(["chattr", "+i", *map(str, locked)], capture_output=True).returncode != 0:
+            pytest.skip("root, and no chattr here: a read-only data dir cannot be made")
+        unlock = lambda: subprocess.run(["chattr", "-i", *map(str, locked)], check=True)  # noqa: E731
+    else:
+        for path in locked:
+            path.chmod(0o555 if path.is_dir() else 0o444)
+        unlock = lambda: [p.chmod(0o755 if p.is_dir() else 0o644) for p in locked]  # noqa: E731
+    try:
+        assert subprocess.run(["touch", str(data / "new")], capture_output=True).returncode != 0  # read-only indeed
+        listed = run_cli("logs", "--json")
+        assert listed.code == 0, listed.stderr
+        assert [r["prompt"] for r in json.loads(listed.stdout)] == ["Name a colour."]
+        assert "1 answers" in run_cli("logs", "status").stdout
+    finally:
+        unlock()
+    (data / "logs.db").write_bytes(b"this is not a database" * 100)
+    for path in data.glob("logs.db-*"):
+        path.unlink()
+    damaged = run_cli("logs")
+    assert damaged.code == 1 and "cannot read the log" in damaged.stderr  # (an I/O failure: not exit 2)
 
 
 def test_logs_off_on_and_status():

@@ -293,3 +293,9 @@ def test_gemma_base_model_from_its_chunk_packages(cli, isolated_env):
     assert json.loads(again.stdout)["text"] == record["text"]
     listed = json.loads(cli("list", "--json").stdout)
     assert any(e["name"] == "gemma3-270m" and e["quant"] == "Q4_K_M" for e in listed)
+
+
+def test_words_of_an_unquoted_prompt_are_one_prompt():
+    joined = run_cli("run", "--show-prompt", "hello", "big", "world")
+    quoted = run_cli("run", "--show-prompt", "hello big world")
+    assert joined.code == 0 and joined.stdout == quoted.stdout and "hello big world" in joined.stdout

@@ -209,7 +209,7 @@ def test_a_taken_port_is_a_one_line_error_before_the_model_loads():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         result = run_cli("serve", "--port", str(taken.getsockname()[1]))
-    assert result.code == 1 and "cannot listen on 127.0.0.1" in result.stderr and "Traceback" not in result.stderr
+    assert result.code == 2 and "cannot listen on 127.0.0.1" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_embeddings_through_the_openai_client_equal_llmcli_embed_s(server):

@@ -93,10 +93,15 @@ def test_overflow_hints_name_the_cause_and_a_fix_that_works():
     assert all(int(n) <= 8192 for n in re.findall(r"--ctx-size (\d+)", huge)), huge
     long = _hint(run_cli("run", "-q", "-c", "256", input="word " * 600))  # fits a larger context
     assert "--ctx-size 1024 (the model was trained on 8192)" in long and "--on-overflow truncate" in long
-    for args in ((), ("--on-overflow", "truncate")):
-        too_many = _hint(run_cli("run", "-q", "-c", "256", "-n", "100000", *args, "hi"))  # -n is the cause
-        assert "-n 100000 does not fit" in too_many and "--on-overflow" not in too_many, too_many
-        assert "even an empty message" not in too_many and "-n 2" in too_many  # "-n 2xx or less"
+    too_many = _hint(run_cli("run", "-q", "-c", "256", "-n", "100000", "--on-overflow", "truncate", "hi"))
+    assert "-n 100000 does not fit" in too_many and "--on-overflow" not in too_many, too_many  # -n is the cause
+    assert "even an empty message" not in too_many and "-n 2" in too_many  # "-n 2xx or less"
+    capped = run_cli("run", "-c", "256", "-n", "100000", "--json", "--logit-bias", "2=-inf", "hi")  # (2: SmolLM2's end)
+    assert capped.code == 0, capped.stderr  # -n past the room left: capped to it, with a notice (not an error)
+    room = int(re.search(r"-n 100000 is more than the context has left after the prompt: the answer stops at (\d+) "
+                         "tokens", capped.stderr).group(1))
+    record = json.loads(capped.stdout)
+    assert record["usage"]["prompt_tokens"] + room == 256 and record["usage"]["completion_tokens"] <= room
     cut = run_cli("run", "-q", "-c", "256", "-n", "4", "--on-overflow", "truncate", input="word " * 200000)
     assert cut.code == 0 and "input truncated" in cut.stderr, cut.stderr  # 1 MB: cut before the template sees it
 

@@ -88,3 +88,9 @@ def test_tokenize_shows_split_characters_as_escaped_bytes_and_special_tokens_by_
     record = json.loads(run_cli("tokenize", "--json", "--chat", "𝔘").stdout)  # a rare character: byte tokens
     assert "<|im_start|>" in record["pieces"]
     assert any(piece.startswith("\\x") for piece in record["pieces"])
+
+
+def test_an_argument_that_names_no_file_is_counted_as_text():
+    text = run_cli("count", "Hello world")
+    assert text.code == 0 and int(text.stdout) >= 2 and "counting the argument itself as text" in text.stderr
+    assert run_cli("count", "no/such-file.txt").code == 2  # a path that is not there is still a missing file

@@ -277,6 +277,11 @@ class Session:
                 f"dropped {full - len(prompt.tokens)} tokens from the start of the message"
             )
         self._last_prompt_tokens = len(prompt.tokens)
+        room = n_ctx - len(prompt.tokens)
+        if options.max_tokens and options.max_tokens > room > 0 and not truncate:  # -n past the context: capped
+            yield Notice(f"-n {options.max_tokens} is more than the context has left after the prompt: the answer "
+                         f"stops at {room} tokens")
+            options = dataclasses.replace(options, max_tokens=room)
         options = options.for_prompt(prompt.text, self.template_source)
         stable = None if stable_text is None or len(prompt.tokens) < self.split_min else (
             len(prompt.tokens) - 1 if stable_text == user_text else self._stable_tokens(prompt.tokens, stable_text))

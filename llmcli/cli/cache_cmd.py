@@ -29,7 +29,7 @@ def list_states(as_json: o.JsonOpt = False) -> None:
         return
     rows = [(e.path.stem[:12], e.model, e.n_tokens, human_size(e.size),
              time.strftime("%Y-%m-%d %H:%M", time.localtime(e.used))) for e in entries]
-    output.print_table(("ID", "MODEL", "TOKENS", "SIZE", "LAST USED"), rows, right=("TOKENS", "SIZE"), boxed=False,
+    output.print_table(("ID", "MODEL", "TOKENS", "SIZE", "LAST USED"), rows, right=("TOKENS", "SIZE"),
                        empty=f"no saved prompt states yet (in {paths.prompt_cache_dir()})")
 
 

@@ -119,5 +119,5 @@ def _list_saved(as_json: bool) -> None:
              c.first_message[:60] + ("…" if len(c.first_message) > 60 else "")) for c in reversed(saved)]
     from llmcli import paths
 
-    output.print_table(("ID", "LAST CHANGE", "MODEL", "EXCHANGES", "FIRST MESSAGE"), rows, right=("EXCHANGES",), boxed=False,
+    output.print_table(("ID", "LAST CHANGE", "MODEL", "EXCHANGES", "FIRST MESSAGE"), rows, right=("EXCHANGES",),
                        empty=f"no saved conversations yet (in {paths.answer_log_file()})")

@@ -33,7 +33,7 @@ def show(*, as_json: o.JsonOpt = False, **given: Any) -> None:
         shown = model.path if name == "model" and value is None else value
         rows.append((setting.flag, shown, effective.sources[name]))
     title = f"config file: {paths.config_file()}" + (f" · profile {effective.profile}" if effective.profile else "")
-    output.print_table(("setting", "value", "source"), rows, title=title)
+    output.print_table(("SETTING", "VALUE", "SOURCE"), rows, title=title)
 
 
 @app.command("path")

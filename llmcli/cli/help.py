@@ -134,7 +134,7 @@ SHORT_HELP = {
     "bench": "Prefill/decode speed, TTFT, overhead, contention.",
     "config": "The effective settings and where each comes from.",
     "cache": "The prompt cache: saved KV states (list, info, clear).",
-    "serve": "An OpenAI-compatible server (continuous batching over --parallel slots).",
+    "serve": "A server for other programs: the OpenAI, Anthropic and Ollama APIs and a chat page (--parallel slots).",
     "count": "Count tokens of files or a prompt (only the vocabulary is loaded).",
     "embed": "Embed texts: vectors as JSON, JSONL or .npy (many texts a pass).",
     "similar": "The stored texts nearest to a query (cosine).",

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmcli.errors import UsageError
+from llmcli.errors import LlmcliError, UsageError
 
 app = typer.Typer(help="The log of every answer (SQLite, full-text search).", invoke_without_command=True)
 
@@ -50,10 +50,10 @@ def logs(
     found = []
     if paths.answer_log_file().exists():
         try:
-            with AnswerLog(paths.answer_log_file()) as log:
+            with AnswerLog(paths.answer_log_file(), read_only=True) as log:
                 found = log.find(count, query, model, _since(since) if since else None)
-        except sqlite3.OperationalError as exc:  # a damaged log: SQLite's own words are all there is to say
-            raise UsageError(f"cannot read the log {paths.answer_log_file()}: {exc}") from None
+        except sqlite3.DatabaseError as exc:  # unreadable or damaged: SQLite's own words are all there is to say
+            raise LlmcliError(f"cannot read the log {paths.answer_log_file()}: {exc}") from None
     if as_json:
         output.print_json(found)
         return
@@ -88,8 +88,13 @@ def status() -> None:
     where = paths.answer_log_file()
     count = 0
     if where.exists():
-        with AnswerLog(where) as log:
-            count = log.count()
+        import sqlite3
+
+        try:
+            with AnswerLog(where, read_only=True) as log:
+                count = log.count()
+        except sqlite3.DatabaseError as exc:
+            raise LlmcliError(f"cannot read the log {where}: {exc}") from None
     print(f"logging {'on' if effective['log'] else 'off'} ({effective.sources['log']}) · {where} · {count} answers")
 
 

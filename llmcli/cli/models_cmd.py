@@ -77,7 +77,7 @@ def list_models(as_json: ListJsonOpt = False, available: AvailableOpt = False, e
         if as_json:
             output.print_json([{"name": n, "target": t, "kind": k} for n, t, k in names])
         else:
-            output.print_table(("NAME", "RESOLVES TO", "KIND"), names, boxed=False)
+            output.print_table(("NAME", "RESOLVES TO", "KIND"), names)
         return
     entries = catalog.entries(everywhere)
     if as_json:
@@ -89,7 +89,7 @@ def list_models(as_json: ListJsonOpt = False, available: AvailableOpt = False, e
         rows.append((e.name, d["quant"] or "?", human_size(e.size) if e.size else "", human_count(d["params"]),
                      d["architecture"] or f"({e.problem})", d["context_length"] or "", e.source))
     output.print_table(("NAME", "QUANT", "SIZE", "PARAMS", "ARCH", "CTX", "SOURCE"), rows, right=("SIZE", "PARAMS", "CTX"),
-                       boxed=False, empty="no models yet: pull one (llmcli pull OWNER/REPO), or see llmcli list --available")
+                       empty="no models yet: pull one (llmcli pull OWNER/REPO), or see llmcli list --available")
 
 
 def show(

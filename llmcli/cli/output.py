@@ -61,16 +61,17 @@ def print_json(value: Any) -> None:
 
 
 def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[str] = (), title: str | None = None,
-                boxed: bool = True, empty: str | None = None) -> None:
-    """A table on stdout; `right` names the right-aligned columns. No rows and an `empty` message: the message on
-    stderr instead (a header alone says nothing)."""
+                boxed: bool = False, empty: str | None = None) -> None:
+    """A table on stdout, plain columns as `docker ps` and `ollama list` print them (`boxed`: rules around it); `right`
+    names the right-aligned columns. No rows and an `empty` message: the message on stderr instead (a header alone
+    says nothing)."""
     from rich import box
 
     if not rows and empty is not None:
         stderr_console().print(empty)
         return
 
-    table = Table(title=title, box=box.HEAVY_HEAD if boxed else None, pad_edge=boxed)
+    table = Table(title=title, box=box.HEAVY_HEAD if boxed else None, pad_edge=boxed, title_justify="left")
     for column in columns:
         table.add_column(column, justify="right" if column in right else "left")
     for row in rows:

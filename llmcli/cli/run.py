@@ -20,9 +20,10 @@ if TYPE_CHECKING:
     from llmcli.pipeline import Request
     from llmcli.tools.tool_loop import ToolRunner
 
-PromptArg = Annotated[Optional[str], typer.Argument(
-    help="The prompt. With text piped in, the message is stdin, a blank line, then the prompt "
-    "(--prompt-first reverses it). `-` or no prompt: stdin alone.", show_default=False)]
+PromptArg = Annotated[Optional[list[str]], typer.Argument(
+    help="The prompt (several words are joined with spaces, as `ollama run` does: quotes are optional). With text piped "
+    "in, the message is stdin, a blank line, then the prompt (--prompt-first reverses it). `-` or no prompt: stdin "
+    "alone.", show_default=False)]
 ShowPromptOpt = Annotated[bool, typer.Option("--show-prompt", help="Print the rendered prompt and its token count, then exit.",
                                              rich_help_panel=o.OUTPUT)]
 INPUT, TEMPLATES = "Input and conversation", "Saved templates"
@@ -123,10 +124,12 @@ def run(
     from llmcli.cli import output
     from llmcli.cli.inputs import combine_input, read_message
 
+    prompt_text = " ".join(prompt) if prompt else None  # (`llmcli run hello world`: one prompt of two words)
+
     if batch is not None:
         from llmcli.cli.batch import run_batch_command
 
-        if prompt is not None:
+        if prompt_text is not None:
             raise UsageError("--batch reads its prompts from the file; drop the prompt argument")
         if ToolOptions.of(given).used:
             raise UsageError("--batch answers without tools: drop --functions and --mcp")
@@ -138,7 +141,7 @@ def run(
         raise UsageError("--logprobs is part of the JSON record: add --json", hint='llmcli run --json --logprobs 3 "…"')
     console = output.stderr_console()
     if save is not None:
-        _save_template(save, prompt, given, console)
+        _save_template(save, prompt_text, given, console)
     chosen = None
     if template is not None:
         from llmcli.config.saved_templates import load
@@ -147,10 +150,10 @@ def run(
         given.update({name: value for name, value in chosen.settings.items() if given.get(name) in (None, [])})
         if chosen.system and not given.get("system"):
             given["system"] = chosen.system
-    if chosen is not None and not chosen.needs_input and prompt is None and (sys.stdin is None or sys.stdin.isatty()):
+    if chosen is not None and not chosen.needs_input and prompt_text is None and (sys.stdin is None or sys.stdin.isatty()):
         message = Message(chosen.render(None, _variables(var)))
     else:
-        prompt_arg, stdin_text, notice = read_message(prompt, wait_stdin)
+        prompt_arg, stdin_text, notice = read_message(prompt_text, wait_stdin)
         if notice and not quiet:
             output.print_notice(console, notice)
         text = combine_input(prompt_arg, stdin_text, prompt_first)

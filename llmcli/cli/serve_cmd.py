@@ -238,7 +238,7 @@ def _private_socket(path: Path) -> Any:
 def _check_listen(host: str, port: int) -> None:
     import socket
 
-    from llmcli.errors import LlmcliError
+    from llmcli.errors import UsageError
 
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -246,8 +246,8 @@ def _check_listen(host: str, port: int) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             probe.bind((host, port))
     except OSError as exc:
-        raise LlmcliError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-                          hint="Another server holds the port? Choose one with --port (0: any free one).") from None
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",  # (exit 2: choose another)
+                         hint="Another server holds the port? Choose one with --port (0: any free one).") from None
 
 
 def _loopback(host: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 import sys
 from pathlib import Path
@@ -25,7 +26,8 @@ CountJsonOpt = Annotated[bool, typer.Option(
 TokenizeJsonOpt = Annotated[bool, typer.Option(
     "--json", help='Print {"ids": [...], "pieces": [...]} on stdout.', rich_help_panel=o.OUTPUT)]
 FilesArg = Annotated[Optional[list[str]], typer.Argument(
-    help="Text files to count (`-` or none: stdin). With --chat: the prompt, as `run` takes it.", show_default=False)]
+    help="Text files to count (`-` or none: stdin; one argument that names no file: that text). With --chat: the "
+    "prompt, as `run` takes it.", show_default=False)]
 TextArg = Annotated[Optional[str], typer.Argument(help="The text (`-` or none: stdin).", show_default=False)]
 
 
@@ -144,7 +146,19 @@ def _inputs(arguments: list[str] | None, chat: bool) -> list[tuple[str, str]]:
                              hint="llmcli count FILE… or cat FILE | llmcli count")
         _, stdin_text, _ = read_message(None)
         return [("-", stdin_text or "")]
+    if len(arguments) == 1 and _is_text(arguments[0]):
+        from llmcli.cli import output
+
+        output.print_notice(output.stderr_console(), "no file of that name: counting the argument itself as text")
+        return [("text", arguments[0])]
     return [(name, "" if name == "-" else read_text_file(Path(name))) for name in arguments]
+
+
+def _is_text(argument: str) -> bool:
+    """`count "Hello world"`: an argument that names no file and does not look like a path is the text to count."""
+    if argument == "-" or os.path.lexists(argument):
+        return False
+    return "/" not in argument or any(c.isspace() for c in argument)
 
 
 def read_text_file(path: Path) -> str:

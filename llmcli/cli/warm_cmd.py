@@ -39,7 +39,7 @@ def ps(as_json: JsonOpt = False, url: UrlOpt = None) -> None:
             rows.append((model["name"], str(record["pid"]), human_size(model.get("size") or 0),
                          f"{record['rss_mib']:.0f} MiB", f"{slots.get('busy', 0)}/{slots.get('slots', 0)}",
                          _expiry(model), record["socket"]))
-    print_table(("model", "pid", "file", "memory", "busy", "exits", "where"), rows, right=("pid", "file", "memory"),
+    print_table(("MODEL", "PID", "FILE", "MEMORY", "BUSY", "EXITS", "WHERE"), rows, right=("PID", "FILE", "MEMORY"),
                 empty="No warm server: `llmcli run …` starts one (unless --keep-alive 0).")
 
 

@@ -11,6 +11,7 @@ import json
 import re
 import sqlite3
 import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,9 +78,32 @@ class Entry:
     messages: Sequence[Mapping[str, Any]] | None = None  # what the exchange added (Message records), tool calls too
 
 
+def _open_read_only(path: Path) -> sqlite3.Connection:
+    """Read-only: SQLite's own mode, else (a WAL log in a directory this user cannot write: its -shm file cannot be
+    made) the file as it is on disk, taken as unchanging."""
+    uri = "file:" + urllib.parse.quote(str(path.resolve()))
+    try:
+        db = sqlite3.connect(uri + "?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        db.execute("PRAGMA user_version").fetchone()
+        return db
+    except sqlite3.OperationalError:
+        return sqlite3.connect(uri + "?immutable=1", uri=True, isolation_level=None)
+
+
 class AnswerLog:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, read_only: bool = False):
+        """The log at `path`; `read_only`: opened for reading alone (a read-only data dir or file works; nothing is
+        created or migrated)."""
         self.path = path
+        if read_only:
+            self.db = _open_read_only(path)
+            self.db.row_factory = sqlite3.Row
+            version = self.db.execute("PRAGMA user_version").fetchone()[0]
+            if version != SCHEMA_VERSION:
+                self.db.close()
+                raise sqlite3.DatabaseError(f"{self.path} has schema {version}, this llmcli reads {SCHEMA_VERSION} "
+                                            "(a run that logs an answer brings it up to date)")
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
         self.db.row_factory = sqlite3.Row
