@@ -232,3 +232,40 @@ def test_completion_offers_model_names_and_commands(tmp_path):
     assert "smolly" in names
     commands = run_cli(env={**env, "COMP_WORDS": "llmcli ch", "COMP_CWORD": "1"}).stdout.split()
     assert commands == ["chat"]
+
+
+def test_ctrl_c_before_the_reply_retry_at_temp_0_load_and_resume_say_what_happened(tmp_path):
+    """Ctrl-C while a long message is evaluated: nothing is left unanswered in the conversation (and no "partial
+    reply" is claimed); /retry at --temp 0 says it gives the same reply; /load restores the saved settings too; a
+    resumed short chat says why no KV state was saved."""
+    child = pexpect.spawn(sys.executable, ["-m", "llmcli", "chat", "--temp", "0", "-n", "8", "--plain"],
+                          env={**os.environ, "TERM": "xterm"}, encoding="utf-8", timeout=120, dimensions=(40, 200))
+    child.expect_exact(PROMPT)  # (a terminal that draws the prefill's status line)
+    child.sendline("Summarize: " + "the cat sat on the mat and looked around the room. " * 300)
+    child.expect_exact("evaluating the prompt")  # (shown once the prefill has taken a second)
+    child.sendintr()
+    child.expect_exact("[interrupted before the reply began: the message is not in the conversation]")
+    child.expect_exact(PROMPT)
+    assert "partial reply" not in child.before
+    child.sendline("/history")
+    child.expect_exact("(no messages yet)")
+    child.expect_exact(PROMPT)
+    say(child, "Hello.")
+    child.sendline("/retry")
+    child.expect_exact("--temp 0 gives the same reply again")
+    child.expect_exact(PROMPT)
+    child.sendline("/set top_k 7")
+    child.expect_exact(PROMPT)
+    saved = tmp_path / "saved.json"
+    child.sendline(f"/save {saved}")
+    child.expect_exact(PROMPT)
+    child.sendline("/set top_k 40")
+    child.expect_exact(PROMPT)
+    child.sendline(f"/load {saved}")
+    child.expect_exact(f"loaded 2 messages from {saved} and its settings: top_k")
+    child.expect_exact(PROMPT)
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    resumed = run_cli("chat", "--resume", "last", "-q", input="/show\n")
+    assert resumed.code == 0 and "states are saved from --prompt-cache-min 256" in resumed.stderr, resumed.stderr
+    assert "top_k" in resumed.stderr and "7" in resumed.stderr.split("top_k", 1)[1].split("\n", 1)[0]

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx2
 import jsonschema
 import pytest
-from conftest import run_cli, start_server, stop_server
+from conftest import LOGS, run_cli, start_server, stop_server
 
 KEY = "test-key"
 PROMPTS = ["Say hi.", "Name a colour.", "What is two plus two?", "Write a word that rhymes with cat."]
@@ -305,6 +305,8 @@ def test_sigterm_lets_the_answers_in_flight_finish_within_the_grace(tmp_path):
         assert replies["whole"]["choices"][0]["finish_reason"] == "length"
         assert replies["whole"]["usage"]["completion_tokens"] == 48
         assert proc.wait(timeout=60) == 143
+        said = LOGS[proc.pid].read_text()
+        assert "waiting up to 60 s for 2 answers in flight (a second signal cuts them)" in said  # not a silent wait
     finally:
         stop_server(proc)
 

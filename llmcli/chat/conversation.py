@@ -204,7 +204,9 @@ class Conversation:
         except OSError as exc:
             raise UsageError(f"cannot save to {path}: {exc.strerror or exc}") from None
 
-    def load(self, path: Path) -> int:
+    def load(self, path: Path) -> tuple[int, list[str]]:
+        """The conversation /save wrote: its messages, system prompt and settings (those given on the command line
+        stay). (messages loaded, settings changed)."""
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             messages = [Message.from_record(m) for m in data["messages"]]
@@ -218,7 +220,19 @@ class Conversation:
         self.history[:] = messages
         self.set_system(data.get("system"))
         self._write({"type": "load", "messages": [dataclasses.asdict(m) for m in messages]})
-        return len(messages)
+        saved_settings = data.get("settings")
+        current = self.settings_record()
+        changed = []
+        for name, value in (saved_settings.items() if isinstance(saved_settings, dict) else ()):
+            if name in self.pinned or value is None or current.get(name) == value:
+                continue
+            try:
+                self.set(name, json.dumps(value) if isinstance(value, list) else str(value).lower()
+                         if isinstance(value, bool) else str(value))
+            except UsageError:
+                continue  # (a value this llmcli does not take: the current one stays)
+            changed.append(name)
+        return len(messages), changed
 
     def replay(self, records: list[dict[str, Any]]) -> None:
         """Rebuild the state a conversation's record describes (`chat --resume`, `run -C`); settings given now stay.

@@ -346,10 +346,16 @@ class Session:
         next message (none saved: the next turn evaluates the history again)."""
         if not self.history:
             return Resumed()
-        restored = self._restore(self.render("").tokens)[0]
+        tokens = self.render("").tokens
+        restored = self._restore(tokens)[0]
         if restored:
             return Resumed(restored)
-        return Resumed(0, "the prompt cache is off" if self.prompt_cache is None else "none is saved or it was not valid")
+        if self.prompt_cache is None:
+            return Resumed(0, "the prompt cache is off")
+        least = self.prompt_cache.config.min_tokens
+        if len(tokens) < least:  # (too short to be worth a saved state: said so, not "none is saved")
+            return Resumed(0, f"{len(tokens)} tokens: states are saved from --prompt-cache-min {least}")
+        return Resumed(0, "none is saved or it was not valid")
 
     def keep_state(self) -> None:
         """The conversation ends: save its KV state (if not saved already) for `chat --resume`."""

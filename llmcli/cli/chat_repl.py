@@ -137,14 +137,17 @@ class Repl:
         def told(done: Any) -> None:
             if done.format_error is not None:
                 print_error(self.console, done.format_error)
-            if done.finish_reason == "interrupted":
+            if done.finish_reason == "interrupted" and (done.text or done.tool_calls):
                 self.console.print("[interrupted: the partial reply stays in the conversation]")
 
         sink = AnswerSink(as_json=self.as_json, extra={"model": self.conversation.model_name}, reasoning=self.reasoning,
                           markdown=self.markdown, color=self.color)
         with self.cancel.on_signals():
-            show_answer(events, sink, self.console, self.quiet, told)
+            done = show_answer(events, sink, self.console, self.quiet, told)
         self.cancel.signum = None  # Ctrl-C ended this reply, not the session
+        if done is not None and done.finish_reason == "interrupted" and not (done.text or done.tool_calls):
+            self.conversation.undo()  # stopped before the reply began: the question is not left unanswered in it
+            self.console.print("[interrupted before the reply began: the message is not in the conversation]")
 
 
 def _message(repl: Repl, text: str) -> None:
@@ -237,6 +240,10 @@ def _undo(repl: Repl, argument: str) -> None:
 
 
 def _retry(repl: Repl, argument: str) -> None:
+    from llmcli.cli.output import print_notice
+
+    if repl.conversation.generation.sampling.greedy:
+        print_notice(repl.console, "--temp 0 gives the same reply again: /set temp 0.7 for another one")
     repl.reply(repl.conversation.retry())
 
 
@@ -254,8 +261,9 @@ def _load(repl: Repl, argument: str) -> None:
 
     if not argument:
         raise UsageError("usage: /load FILE")
-    count = repl.conversation.load(Path(argument).expanduser())
-    repl.console.print(f"loaded {count} messages from {argument}")
+    count, changed = repl.conversation.load(Path(argument).expanduser())
+    repl.console.print(f"loaded {count} messages from {argument}"
+                       + (f" and its settings: {', '.join(changed)}" if changed else ""))
 
 
 def _history(repl: Repl, argument: str) -> None:

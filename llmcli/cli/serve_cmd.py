@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -167,6 +169,12 @@ def serve(
 
     def handle_exit(sig: int, frame: Any) -> None:  # SIGTERM, Ctrl-C: the answers in flight have the grace
         if not server.should_exit:
+            answering = sum(served.in_flight for served in list(pool.loaded.values()))
+            if answering:  # (said, so that the wait is not a silent one)
+                second = "Ctrl-C again" if sig == signal.SIGINT else "a second signal"
+                sys.stderr.write(f"llmcli serve: waiting up to {shutdown_grace:g} s for {answering} answer"
+                                 f"{'' if answering == 1 else 's'} in flight ({second} cuts them)\n")
+                sys.stderr.flush()
             cut = threading.Timer(shutdown_grace, pool.cancel_all)
             cut.daemon = True  # the answers done sooner, the process need not wait for it
             cut.start()
@@ -200,8 +208,6 @@ EXIT_AFTER_GRACE_S = 10.0  # after the grace, the cut answers' ends and the mode
 
 
 def _exit_now(code: int) -> None:
-    import sys
-
     sys.stderr.write(f"llmcli serve: still busy {EXIT_AFTER_GRACE_S:g} s after the grace; exiting now\n")
     sys.stderr.flush()
     os._exit(code)
