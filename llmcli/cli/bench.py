@@ -13,7 +13,8 @@ from llmcli.bench.rows import format_rows
 from llmcli.cli.options import complete_choices
 from llmcli.errors import UsageError
 
-app = typer.Typer(help="Measure prefill/decode speed, TTFT and the Python layer's overhead.")
+app = typer.Typer(help="Measure prefill/decode speed, TTFT and the Python layer's overhead.",
+                  subcommand_metavar="[compare BEFORE AFTER]")  # (it runs without a command)
 
 
 def _int_list(text: str, flag: str, minimum: int) -> tuple[int, ...]:

@@ -11,7 +11,8 @@ import typer
 
 from llmcli.errors import LlmcliError, UsageError
 
-app = typer.Typer(help="The log of every answer (SQLite, full-text search).", invoke_without_command=True)
+app = typer.Typer(help="The log of every answer (SQLite, full-text search).", invoke_without_command=True,
+                  subcommand_metavar="[path|status|on|off|rm …]")  # (it lists without a command)
 
 
 def _since(text: str) -> float:

