@@ -26,13 +26,16 @@ def test_runs_chat_and_batch_are_logged_and_found_by_a_word_of_their_answer(tmp_
     assert found["answer"] == answer and found["prompt"] == "Name a lighthouse keeper." and found["kind"] == "run"
     assert found["model"] == "smollm2" and found["settings"]["temp"] == 0 and found["timings"]["completion_tokens"] > 0
     assert found["finish_reason"] in ("stop", "length") and found["conversation_id"]
+    record = json.loads(run_cli("run", *QUICK, "--json", "Name a harbour.").stdout)  # where its answer is kept
+    (kept,) = [r for r in logged("-n", "5") if r["prompt"] == "Name a harbour."]
+    assert record["log_id"] == kept["id"] and record["conversation_id"] == kept["conversation_id"]
     assert run_cli("chat", *QUICK, input="Say hi.\n").code == 0
     prompts = tmp_path / "p.txt"
     prompts.write_text("one\ntwo\n")
     assert run_cli("run", "--batch", str(prompts), *QUICK).code == 0
     assert run_cli("run", "--no-log", *QUICK, "unlogged").code == 0
     records = logged("-n", "50")
-    assert sorted(r["kind"] for r in records) == ["batch", "batch", "chat", "run"]
+    assert sorted(r["kind"] for r in records) == ["batch", "batch", "chat", "run", "run"]
     assert [r["prompt"] for r in logged("-m", "smollm2", "--since", "1h", "-n", "2")] == ["two", "one"]
     plain = run_cli("logs", "-n", "1").stdout
     assert "> two" in plain and "batch" in plain

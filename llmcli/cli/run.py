@@ -184,9 +184,10 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
         session = pipeline.session
         conversation = Conversation(session, pipeline.generation, pipeline.model.name, pipeline.model.path,
                                     save=pipeline.settings["log"], pinned=pipeline.settings.chosen_now())
+        log_ids: list[int] = []
         if pipeline.settings["log"]:
             conversation.log = lambda text, answer, added: record([log_entry(
-                pipeline, "run", text, answer, conversation.generation, conversation.id, added)])
+                pipeline, "run", text, answer, conversation.generation, conversation.id, added)], log_ids)
         if options.continue_conversation or options.cid:  # its exchanges (tool calls too), system prompt, /set changes
             conversation.id, records = continued(options.cid)
             conversation.replay(records)
@@ -210,6 +211,8 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
             failure = conversation.take_save_failure()  # (the same database: one warning says it)
             if warning or failure:
                 output.print_notice(console, warning or failure or "")
+            if log_ids:  # --json says where the answer is: `llmcli logs`' id, and the id `run --cid` continues
+                sink.extra.update(log_id=log_ids[-1], conversation_id=conversation.id)
 
         with pipeline.cancel.on_signals():
             if runner is not None:

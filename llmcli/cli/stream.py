@@ -191,10 +191,13 @@ def _show(events: Iterable[AnswerEvent], sink: AnswerSink, console: Console, qui
                 sink.pause()
                 print_notice(console, event.text)
                 continue
+            early = isinstance(event, Done) and sink.as_json and on_done is not None
+            if early and isinstance(event, Done) and on_done is not None:  # (before the record is written: what
+                on_done(event)  # on_done does, such as logging the answer, can be in it)
             sink.handle(event)
             if isinstance(event, Done):
                 done = event
-                if on_done is not None:
+                if on_done is not None and not early:
                     on_done(event)
                 if event.finish_reason == "interrupted" and console.is_terminal and not (sink.terminal and sink.parts):
                     console.print()  # off the line where the terminal echoed ^C

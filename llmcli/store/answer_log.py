@@ -132,20 +132,22 @@ class AnswerLog:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def add(self, entries: Sequence[Entry]) -> None:
+    def add(self, entries: Sequence[Entry]) -> list[int]:
+        """Insert `entries` in one transaction; their ids (what `llmcli logs` shows, and --json's log_id)."""
         rows = [(time.time(), e.kind, e.model, e.model_sha256, e.system, e.prompt, e.answer, e.reasoning,
                  json.dumps(dict(e.settings), default=str), e.finish_reason, json.dumps(dict(e.timings)), e.conversation_id,
                  None if e.messages is None else json.dumps([dict(m) for m in e.messages], default=str))
                 for e in entries]
         self.db.execute("BEGIN IMMEDIATE")
         try:
-            self.db.executemany("INSERT INTO answers (time, kind, model, model_sha256, system, prompt, answer, reasoning, "
-                                "settings, finish_reason, timings, conversation_id, messages) "
-                                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+            ids = [int(self.db.execute("INSERT INTO answers (time, kind, model, model_sha256, system, prompt, answer, "
+                                       "reasoning, settings, finish_reason, timings, conversation_id, messages) "
+                                       "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", row).lastrowid or 0) for row in rows]
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
+        return ids
 
     def find(self, limit: int = 10, text: str | None = None, model: str | None = None, since: float | None = None,
              conversation_id: str | None = None) -> list[dict[str, Any]]:
@@ -246,14 +248,17 @@ def _record(row: sqlite3.Row) -> dict[str, Any]:
     return record
 
 
-def record(entries: Sequence[Entry]) -> str | None:
-    """Add `entries` to the log; a warning (not an exception) when it cannot: the answer was given anyway."""
+def record(entries: Sequence[Entry], ids: list[int] | None = None) -> str | None:
+    """Add `entries` to the log (their ids appended to `ids`); a warning (not an exception) when it cannot: the
+    answer was given anyway."""
     from llmcli import paths
 
     path = paths.answer_log_file()
     try:
         with AnswerLog(path) as log:
-            log.add(entries)
+            added = log.add(entries)
+        if ids is not None:
+            ids.extend(added)
     except (sqlite3.Error, OSError) as exc:
         return f"the answer is not in the log ({path}: {exc}); --no-log stops trying"
     return None
