@@ -105,6 +105,13 @@ def test_on_overflow_truncate_answers_and_reports_what_was_dropped():
     assert record["usage"]["prompt_tokens"] + 16 <= 256
     assert "dropped" in record["notices"][0]
     assert "Warning: input truncated" in result.stderr
+    import re
+
+    dropped, whole, now = re.search(r"dropped the first ([\d,]+) of the message's ([\d,]+) characters; the prompt is "
+                                    r"now (\d+) tokens", record["notices"][0]).groups()  # figures that add up
+    message = "The sky is blue. " * 150 + "\n\nSummarize:"
+    assert int(whole.replace(",", "")) == len(message.rstrip("\n")) or int(whole.replace(",", "")) == len(message)
+    assert 0 < int(dropped.replace(",", "")) < int(whole.replace(",", "")) and int(now) == record["usage"]["prompt_tokens"]
 
 
 @pytest.mark.parametrize(

@@ -269,12 +269,14 @@ class Session:
         kept = user_text[-n_ctx * MAX_CHARS_PER_TOKEN :] if user_text is not None and too_long else user_text
         prompt = self.render(kept, tools=tools)
         if kept is not None and truncate and (too_long or not self._fits(prompt, options.max_tokens)):
-            full = len(self.engine.vocab.tokenize(kept, add_special=False)) if too_long else len(prompt.tokens)
+            whole = user_text or ""
             user_text, prompt = self._truncate(kept, options.max_tokens, tools)
             stable_text = None  # the document's start is gone: the next question cuts it elsewhere
+            left = user_text or ""  # (counted in characters: a huge input is cut before it is tokenized at all)
             yield Notice(
-                f"input truncated to fit the context of {self.engine.n_ctx} tokens: "
-                f"dropped {full - len(prompt.tokens)} tokens from the start of the message"
+                f"input truncated to fit the context of {self.engine.n_ctx} tokens: dropped the first "
+                f"{len(whole) - len(left):,} of the message's {len(whole):,} characters; the prompt is now "
+                f"{len(prompt.tokens)} tokens"
             )
         self._last_prompt_tokens = len(prompt.tokens)
         room = n_ctx - len(prompt.tokens)
