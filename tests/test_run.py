@@ -105,7 +105,7 @@ def test_piped_output_has_no_escape_codes(cli):
 
 
 def test_terminal_output_is_coloured_and_no_color_turns_it_off():
-    args = ["run", "--temp", "0", "-n", "12", "-q", PROMPT]
+    args = ["run", "--temp", "0", "-n", "12", "-q", "--answer-color", "cyan", PROMPT]
     coloured = run_in_terminal(args, {"NO_COLOR": "", "TERM": "xterm-256color", "COLORTERM": ""})
     assert re.search(rb"\x1b\[[0-9;]*(3[0-7]|38;5;[0-9]+)m", coloured)
     rendered = run_in_terminal(args, {"NO_COLOR": "1", "TERM": "xterm-256color"})  # Markdown, in no colour
