@@ -294,6 +294,12 @@ def test_run_calls_a_function_and_feeds_its_result_back(functions):
     call_only = json.loads(run_cli("run", "--functions", functions, "--tool-choice", "required", "--chain-limit", "0",
                                    "--temp", "0", "-n", "40", "--json", "What is 12 times 7?").stdout)
     assert record["usage"]["completion_tokens"] > call_only["usage"]["completion_tokens"]  # the rounds add up
+    assert record["usage"]["completion_tokens"] <= 40  # -n bounds the whole answer, every round of it
+    limit = call_only["usage"]["completion_tokens"] + 3  # the call, then 3 tokens for the answer after it
+    bounded = json.loads(run_cli("run", "--functions", functions, "--tool-choice", "required", "--temp", "0", "-n",
+                                 str(limit), "--json", "What is 12 times 7?").stdout)
+    assert bounded["usage"]["completion_tokens"] <= limit and bounded["finish_reason"] in ("length", "stop")
+    assert bounded["tool_calls"][0]["result"] == first["result"]  # (the call ran; its round left the rest 3 tokens)
 
 
 def test_run_continue_after_a_tool_call_keeps_the_call_and_its_result(functions):

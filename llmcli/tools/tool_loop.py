@@ -105,14 +105,23 @@ class ToolRunner:
 def answer_with_tools(answerer: Answerer, user_text: str, generation: GenerationOptions, runner: ToolRunner,
                       cancel: Cancellation, stable_text: str | None = None) -> Iterator[AnswerEvent]:
     """The events of every round (text, calls, notices) and one Done at the end: the last round's, carrying every
-    call made and every result, with the rounds' stats added up (`Stats.then`)."""
+    call made and every result, with the rounds' stats added up (`Stats.then`). -n bounds the whole answer: each
+    round has what the ones before it left."""
     calls: list[ToolCall] = []
     results: list[ToolResult] = []
     stats: Stats | None = None  # every round's, added up: the tokens and time of the whole answer
     text: str | None = user_text
+    done: Done | None = None
     for round_number in range(runner.chain_limit + 1):
-        options = dataclasses.replace(generation, tools=runner.spec(first=round_number == 0))
-        done: Done | None = None
+        left = None if generation.max_tokens is None else generation.max_tokens - (stats.completion_tokens if stats else 0)
+        if left is not None and left <= 0 and done is not None:
+            yield Notice(f"-n {generation.max_tokens} bounds the whole answer, every round of it: reached before the "
+                         "model read the tools' results")
+            yield dataclasses.replace(done, finish_reason="length", tool_calls=tuple(calls), tool_results=tuple(results))
+            return
+        options = dataclasses.replace(generation, tools=runner.spec(first=round_number == 0),
+                                      max_tokens=generation.max_tokens if left is None else left)
+        done = None
         for event in answerer.ask(text, options, stable_text if round_number == 0 else None):
             if isinstance(event, Done):
                 done = event
