@@ -146,6 +146,7 @@ def test_the_page_streams_an_answer_and_stops_regenerates_edits_and_keeps_it(bro
     assert page.locator("#send").is_visible() and not page.locator("#stop").is_visible()
     stopped = kept(page)[0]["messages"][-1]
     assert "stopped" in stopped["stats"] and 30 < len(stopped["content"]) < 3 * 3000
+    assert "pieces/s" in stopped["stats"]  # a stopped answer has no server timings: its rate as the page saw it
     deadline = time.monotonic() + 10
     while in_flight(server) and time.monotonic() < deadline:  # the server let the cut answer go
         time.sleep(0.1)
@@ -155,6 +156,28 @@ def test_the_page_streams_an_answer_and_stops_regenerates_edits_and_keeps_it(bro
     page.wait_for_selector("article.message")
     assert page.locator("#conversations li").count() == 1 and page.locator("article.message").count() == 4
     assert page.evaluate("window.violations") == []
+    page.context.close()
+
+
+def test_a_phone_sized_screen_keeps_the_conversation_usable_and_headings_render(browser, server):
+    """390 px wide (a phone): the conversations are a row above the chat, not a 240 px column; the message box and
+    the conversation keep the width, settings open or not. Setext headings and a bare `##` are headings.
+    LLMCLI_PHONE_SCREENSHOT=PATH writes what it looks like."""
+    page = browser.new_context(viewport={"width": 390, "height": 844}).new_page()
+    page.goto(server + "/")
+    page.wait_for_selector("#model option", state="attached")
+    use_grammar(page, "Title\n=====\n\nSub\n---\n\n##\n\nDone.\n")
+    send(page, "Headings")
+    answer = last_answer(page)
+    answer.locator(".stats").wait_for()
+    assert answer.locator("h1").inner_text() == "Title" and answer.locator("h2").first.inner_text() == "Sub"
+    assert answer.locator("h2").count() == 2 and "=====" not in answer.inner_text() and "##" not in answer.inner_text()
+    width = lambda selector: page.evaluate(f"document.querySelector('{selector}').getBoundingClientRect().width")  # noqa: E731
+    assert width("#prompt") > 250 and width("#messages") > 350 and width("#sidebar") > 350  # a row, not a column
+    if os.environ.get("LLMCLI_PHONE_SCREENSHOT"):
+        page.screenshot(path=os.environ["LLMCLI_PHONE_SCREENSHOT"])
+    page.click("#settings summary")
+    assert width("#messages") > 350 and page.evaluate("document.documentElement.scrollWidth") <= 390
     page.context.close()
 
 

@@ -218,7 +218,9 @@ function statsLine(timings, finish, started, firstAt, pieces) {
     return parts.join(" · ") + (finish ? " · " + finish : "");
   }
   const ttft = firstAt === null ? "" : "TTFT " + ((firstAt - started) / 1000).toFixed(2) + " s · ";
-  return ttft + pieces + " pieces · " + (finish || "stopped");
+  const seconds = firstAt === null ? 0 : (performance.now() - firstAt) / 1000;  // (a stopped answer: no server timings)
+  const rate = seconds > 0 && pieces > 1 ? " · " + ((pieces - 1) / seconds).toFixed(1) + " pieces/s" : "";
+  return ttft + pieces + " pieces" + rate + " · " + (finish || "stopped");
 }
 
 async function answer() {

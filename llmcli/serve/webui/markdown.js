@@ -11,7 +11,8 @@ function el(tag, className, text) {
 }
 
 const FENCE = /^\s{0,3}(`{3,}|~{3,})\s*([\w+#.-]*)/;
-const HEADING = /^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$/;
+const HEADING = /^\s{0,3}(#{1,6})(?:\s+(.*?))?\s*#*\s*$/; // ("##" alone: an empty heading)
+const SETEXT = /^\s{0,3}(=+|-+)\s*$/; // under a paragraph's line: the line is a heading (= level 1, - level 2)
 const RULE = /^\s{0,3}([-*_])(\s*\1){2,}\s*$/;
 const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
 const QUOTE = /^\s{0,3}>\s?(.*)$/;
@@ -41,9 +42,15 @@ function blocks(lines, parent) {
       parent.append(pre);
     } else if ((m = HEADING.exec(line))) {
       const heading = el("h" + m[1].length);
-      inline(m[2], heading);
+      inline(m[2] || "", heading);
       parent.append(heading);
       i++;
+    } else if (i + 1 < lines.length && (m = SETEXT.exec(lines[i + 1])) && !startsBlock(line)
+               && !(line.includes("|") && TABLE_RULE.test(lines[i + 1]))) {
+      const heading = el(m[1][0] === "=" ? "h1" : "h2");
+      inline(line.trim(), heading);
+      parent.append(heading);
+      i += 2;
     } else if (RULE.test(line)) {
       parent.append(el("hr"));
       i++;
@@ -59,7 +66,8 @@ function blocks(lines, parent) {
       i = table(lines, i, parent);
     } else {
       const paragraph = [];
-      while (i < lines.length && lines[i].trim() && !startsBlock(lines[i])) paragraph.push(lines[i++]);
+      while (i < lines.length && lines[i].trim() && !startsBlock(lines[i])
+             && !(paragraph.length && i + 1 < lines.length && SETEXT.test(lines[i + 1]))) paragraph.push(lines[i++]);
       if (!paragraph.length) paragraph.push(lines[i++]);
       const p = el("p");
       inline(paragraph.join("\n"), p);
