@@ -69,4 +69,6 @@ def test_a_run_beside_a_busy_core_decodes_on_the_core_left_and_t_is_obeyed(smoll
         spinner.wait()
     assert chosen.code == 0 and fixed.code == 0, chosen.stderr + fixed.stderr
     assert json.loads(chosen.stdout)["timings"]["threads"] == 1
+    assert chosen.stderr.count("other processes kept about") == 1 and "decoding used 1 thread " in chosen.stderr
+    assert "other processes kept" not in fixed.stderr  # (-t given: nothing was cut)
     assert json.loads(fixed.stdout)["timings"]["threads"] == 2

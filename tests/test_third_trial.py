@@ -185,6 +185,9 @@ def test_templates_edit_opens_the_template_and_keeps_the_rest(isolated_env, tmp_
     broken = run_cli("templates", "edit", "sum", env={"EDITOR": "sh -c 'echo \"bogus = 1\" >> \"$0\"'", "VISUAL": ""})
     assert broken.code == 2 and "unchanged" in broken.stderr
     assert config.read_text().endswith("temp = 0.3\n")
+    config.write_text(config.read_text() + "bogus = 1\n")  # an unknown key: said by any command, not only its use
+    listed = run_cli("count", "hi")
+    assert listed.code == 2 and "[templates.sum] unknown key 'bogus'" in listed.stderr
 
 
 # 9. an extra's hint installs into this llmcli's own environment

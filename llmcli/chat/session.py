@@ -305,6 +305,8 @@ class Session:
             yield event
             if isinstance(event, Done) and event.finish_reason == "repetition":
                 yield Notice("stopped: the answer was repeating itself (--no-repetition-guard lets it go on)")
+            if isinstance(event, Done) and (busy := self.engine.take_busy_notice()):
+                yield Notice(busy)
         if self.prompt_cache is not None and done is not None and done.finish_reason != "interrupted":
             self.prompt_cache.save(done.stats.prefill_tokens, stable=stable)  # after the answer, off the TTFT path
             yield from self._cache_notices()

@@ -288,6 +288,11 @@ def load_config_file() -> ConfigFile:
                 raise UsageError(f"config file {path}: {where}unknown setting {key!r}", hint=f"Known: {', '.join(SETTINGS)}")
             table[key] = coerce(SETTINGS[key], value, f"config file {path}: {where}{key}")
     templates = data.get("templates", {})
+    for name, table in (templates.items() if isinstance(templates, dict) else ()):
+        for key in table if isinstance(table, dict) else ():  # (checked on every read, as the settings above are)
+            if key != "prompt" and key not in SETTINGS:
+                raise UsageError(f"config file {path}: [templates.{name}] unknown key {key!r}",
+                                 hint="system, prompt, or a setting (temp, model, …)")
     return ConfigFile(top, profiles, {name.lower(): ref for name, ref in aliases.items()},
                       templates if isinstance(templates, dict) else {})
 

@@ -35,6 +35,7 @@ class CoreShare:
     def __init__(self, cores: int, load: CpuLoad | None = None):
         self.cores = cores
         self.load = load  # what other processes (any) take of the cores now
+        self.squeezed: tuple[float, int] | None = None  # (cores others took, threads left) when that cut the count
         self.folder = paths.runtime_dir() / "generating"
         self.mine: Path | None = None
         self.due = 0.0  # perf_counter() time of the next look at the others
@@ -76,7 +77,12 @@ class CoreShare:
         (read over at least `window_s`); the next look is due RECHECK_S later."""
         self.due = (time.perf_counter() if now is None else now) + RECHECK_S
         shared = max(1, self.cores // (1 + len(self._others())))
-        return shared if self.load is None else min(shared, self.load.free_cores(self.cores, window_s))
+        if self.load is None:
+            return shared
+        free = self.load.free_cores(self.cores, window_s)
+        if free < shared:
+            self.squeezed = (self.load.others, free)
+        return min(shared, free)
 
     def wait_for_room(self, threads: int) -> None:
         """Before computing: wait until the others' threads and these fit the cores (they adapt within

@@ -225,6 +225,18 @@ class Engine:
         finally:
             share.unregister()
 
+    def take_busy_notice(self) -> str | None:
+        """Once: why decoding was slower than this machine gives when idle — other processes took cores, and the
+        thread count was cut to what they left (what to try: free them, or -t)."""
+        share = self._share
+        if share is None or share.squeezed is None or getattr(self, "_busy_said", False):
+            return None
+        self._busy_said = True
+        others, left = share.squeezed
+        return (f"other processes kept about {others:.1f} of this machine's {share.cores} cores busy: decoding used "
+                f"{left} thread{'' if left == 1 else 's'} (the fastest while they run; it takes the cores back once they "
+                "are free, and -t N fixes the count)")
+
     def adapt_threads(self, now: float) -> None:
         """Between decode steps: take this process's share of the cores again, when a look is due."""
         share = self._share
