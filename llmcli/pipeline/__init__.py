@@ -26,7 +26,7 @@ from llmcli.file_hashes import known_sha256
 from llmcli.interrupt import Cancellation
 from llmcli.store import answer_log, models
 from llmcli.store.cache import Fetch, ProgressCallback, WaitingNotice
-from llmcli.store.gguf_header import read_header
+from llmcli.store.gguf_header import read_metadata
 from llmcli.units import keeps_loaded
 
 
@@ -109,7 +109,7 @@ def resolve_settings(request: Request, on_progress: ProgressCallback | None = No
     config = config or settings.load_config_file()
     first = settings.resolve(request.settings, request.profile, config=config)
     model = models.resolve(first["model"], config.aliases, fetch_for(request, first, on_progress, on_waiting))
-    defaults = {**settings.model_defaults(read_header(model.path).metadata), **model.defaults}
+    defaults = {**settings.model_defaults(read_metadata(model.path)), **model.defaults}
     return settings.resolve(request.settings, request.profile, defaults, config), model
 
 
