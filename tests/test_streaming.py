@@ -142,3 +142,26 @@ def test_answer_applies_one_finish_rule(max_tokens, n_prompt, n_ctx, tokens, fin
     text += "".join(event.text for event in answer.close())
     assert (answer.finish, answer.n_out) == (finish, n_out)
     assert "</s>" not in text
+
+
+def test_a_notice_mid_answer_starts_on_a_line_of_its_own_on_a_terminal_and_piped_bytes_are_untouched():
+    """A notice that comes while the answer's line is open (a cut-off tool call, a capped -n) ends that line first on
+    a terminal, and the answer's end adds no second newline; piped, the answer's bytes are the model's."""
+    import io
+
+    from rich.console import Console
+
+    from llmcli.answer.events import Done, Notice, Token
+    from llmcli.answer.stats import AnswerClock
+    from llmcli.cli.stream import AnswerSink, show_answer
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream, expected in ((Terminal(), "partial\nmore\n"), (io.StringIO(), "partialmore\n")):
+        errors = io.StringIO()
+        events = [Token("partial"), Notice("a notice"), Token("more"),
+                  Done("stop", AnswerClock().stats(prompt_tokens=1), text="partialmore")]
+        show_answer(iter(events), AnswerSink(stream), Console(file=errors, width=100), quiet=True)
+        assert stream.getvalue() == expected and "a notice" in errors.getvalue()

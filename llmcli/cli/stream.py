@@ -52,6 +52,7 @@ class AnswerSink:
         self._thought_to: IO[str] | None = None if as_json else {
             "show": self.stream if self.terminal else None, "stderr": sys.stderr}.get(reasoning)
         self._thought_open = False  # thinking was printed and the answer has not begun yet
+        self._line_open = False  # on a terminal: the answer's last line is not ended yet (a notice ends it first)
         rendered = markdown and self.terminal and not console.is_dumb_terminal  # (TERM=dumb cannot redraw)
         self._markdown: MarkdownStream | None = None
         if rendered:
@@ -76,6 +77,7 @@ class AnswerSink:
                     raise StdoutClosed() from None
             elif not self.as_json:
                 self._write(event.text.translate(_NEUTRALISE) if self.terminal else event.text)
+                self._line_open = self.terminal and not event.text.endswith("\n") if event.text else self._line_open
             return
         if self._thought_open:
             self._end_thought()
@@ -83,13 +85,17 @@ class AnswerSink:
             self.close()
         elif self.as_json:
             self._write(json.dumps(self.record(event), ensure_ascii=False) + "\n")
-        elif self.parts and not self.parts[-1].endswith("\n"):
+        elif self.parts and not self.parts[-1].endswith("\n") and (self._line_open or not self.terminal):
             self._write("\n")  # end the answer's last line, so the shell prompt does not follow it
 
     def pause(self) -> None:
-        """Something else is about to print on the terminal: a rendered answer's open block steps aside."""
+        """Something else is about to print on the terminal: a rendered answer's open block steps aside, a plain
+        answer's open line is ended (on a terminal only: piped, the answer stays the model's bytes)."""
         if self._markdown is not None:
             self._markdown.pause()
+        elif self._line_open:
+            self._write("\n")
+            self._line_open = False
 
     def close(self) -> None:
         """The answer's text is over (or a tool call ends this part of it): what is rendered stays on screen."""
