@@ -62,7 +62,7 @@ def test_a_run_beside_a_busy_core_decodes_on_the_core_left_and_t_is_obeyed(smoll
         args = ["run", "-m", str(smollm2), "--json", "--temp", "0", "-n", "48", "--grammar", 'root ::= ([a-z] " "){40}',
                 "Count."]
         chosen = run_cli(*args, env={"LLMCLI_THREADS": ""})
-        fixed = run_cli(*args, "-t", "2", env={"LLMCLI_THREADS": ""})
+        fixed = run_cli(*args, "-t", "2", "-n", "4", env={"LLMCLI_THREADS": ""})  # (slow beside the spinner: short)
     finally:
         os.sched_setaffinity(0, mine)
         spinner.kill()
