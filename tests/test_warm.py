@@ -88,6 +88,11 @@ def test_run_chat_and_embed_are_warm_by_default_and_keep_alive_0_answers_in_this
     assert record["timings"]["warm"] is True and record["timings"]["load_s"] == 0
     assert record["text"] == first.stdout.rstrip("\n")
     assert run_cli("run", "-m", "smollm2", "-n", "2", PROMPT, env=default).stderr.splitlines()[-1].startswith("warm · ")
+    imported = subprocess.run([sys.executable, "-X", "importtime", "-m", "llmcli", "run", "-m", "smollm2", "-n", "1",
+                               PROMPT], env={**os.environ, **default}, capture_output=True, text=True, timeout=60)
+    modules = {line.split("|")[-1].strip() for line in imported.stderr.splitlines() if "|" in line}
+    assert imported.returncode == 0 and "llmcli.pipeline.remote" in modules  # a warm answer's client side loads no
+    assert not {"llama_cpp", "numpy", "jinja2", "markdown_it"} & modules  # llama.cpp, numpy, templates or Markdown
     chat = run_cli("chat", "-m", "smollm2", "--no-save", "-n", "2", input="hi\n", env=default)
     assert chat.code == 0 and chat.stderr.splitlines()[-1].startswith("warm · "), chat.stderr
     embedded = run_cli("embed", "-m", "smollm2", PROMPT, env=default)
