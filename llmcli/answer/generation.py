@@ -41,6 +41,7 @@ class GenerationOptions:
     tools: ToolSpec | None = None  # what the answer may call, and how (tool calls are parsed out of its text)
     logprobs: int | None = None  # each answer token's logprob and this many most likely alternatives (None: none)
     think_budget: int | None = None  # tokens of thinking before the think block is closed (None: no limit)
+    call_preference: float = default("call_preference")  # tool_choice auto: the call's opening favoured this much
 
     @classmethod
     def from_settings(cls, values: Mapping[str, Any], sampling: SamplingConfig, constraint: Constraint | None = None,
@@ -51,7 +52,8 @@ class GenerationOptions:
         tools or logprobs; the draft limit)."""
         found = cls(sampling, values["max_tokens"], tuple(values["stop"]), constraint or Constraint(),
                     values["repetition_guard"], values["speculate"], reasoning=values["reasoning"] != "stdout",
-                    special=values["special"], logprobs=values["logprobs"], think_budget=values["think_budget"])
+                    special=values["special"], logprobs=values["logprobs"], think_budget=values["think_budget"],
+                    call_preference=values["call_preference"])
         return dataclasses.replace(found, **given) if given else found
 
     def for_prompt(self, prompt_text: str, template_source: str | None) -> GenerationOptions:

@@ -42,6 +42,7 @@ class SamplingConfig:
     grammar: str | None = field(default=None, repr=False)  # GBNF, root rule "root"
     grammar_origin: str = "--grammar"  # the flag the grammar came from, for error messages
     grammar_triggers: tuple[str, ...] = ()  # regexes: the grammar applies once one matches the answer (lazy; tools)
+    first_token_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) for the answer's first token alone
 
     def __post_init__(self) -> None:
         for name in SETTING_FIELDS:

@@ -62,6 +62,7 @@ def _register(only: str | None = None) -> None:
         cache_cmd,
         config_cmd,
         embed_cmd,
+        eval_cmd,
         launch_cmd,
         logs_cmd,
         mcp_cmd,
@@ -89,6 +90,7 @@ def _register(only: str | None = None) -> None:
     app.add_typer(logs_cmd.app, name="logs", short_help=SHORT_HELP["logs"], epilog=EXAMPLES["logs"])
     app.add_typer(templates_cmd.app, name="templates", short_help=SHORT_HELP["templates"])
     app.add_typer(mcp_cmd.app, name="mcp", short_help=SHORT_HELP["mcp"], epilog=EXAMPLES["mcp"])
+    app.add_typer(eval_cmd.app, name="eval", short_help=SHORT_HELP["eval"], epilog=EXAMPLES["eval"])
 
 
 def _on_sigterm(signum: int, frame: object) -> None:

@@ -80,7 +80,8 @@ class Scheduler:
         tokens to copy in first (--batch). Raises what the sampler chain raises (a grammar llama.cpp refuses);
         nothing is started then."""
         engine = self.engine
-        sampler = engine.sampler(with_tool_grammar(options.sampling, options.tools, options.thinking_open), seed)
+        sampler = engine.sampler(with_tool_grammar(options.sampling, options.tools, options.thinking_open,
+                                                   options.call_preference, engine.vocab), seed)
         kv = engine.kv
         if shared and self.prefix_seq is not None:
             kv.remove(seq)

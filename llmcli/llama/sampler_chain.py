@@ -39,6 +39,7 @@ class Sampler:
     def __init__(self, config: SamplingConfig, vocab: Any, seed: int, ctx: Any, n_ctx: int):
         self.seed = seed
         self.ctx = ctx
+        self.first_bias = config.first_token_bias  # added to the first logits sampled from, then dropped
         self.free = config.grammar is None  # any token may be given (`accept`): no grammar to keep in step
         self.chain: Any = None
         self.constrained: Any = None  # the chain with the grammar first: for a token the grammar rejected
@@ -69,6 +70,11 @@ class Sampler:
 
     def sample(self, index: int = -1) -> int:
         """The next token from the logits at batch `index` (-1: the last)."""
+        if self.first_bias:  # the answer's first token: a call's opening favoured (tool_choice auto)
+            logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
+            for token_id, bias in self.first_bias:
+                logits[token_id] += bias
+            self.first_bias = ()
         token = int(llama_cpp.llama_sampler_sample(self.chain, self.ctx, index))
         if self.grammar is None:
             return token

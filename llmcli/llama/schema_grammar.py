@@ -28,6 +28,7 @@ from llmcli.answer.grammar_limits import MAX_REPEAT
 from llmcli.answer.sampling_config import SamplingConfig, check_grammar
 from llmcli.answer.tool_calls import FORMATS, ToolSpec
 from llmcli.errors import UsageError
+from llmcli.llama.vocab import Vocabulary
 
 DIGIT = "[0-9]"
 
@@ -264,10 +265,29 @@ def _literal(text: str) -> str:
     return json.dumps(text) if text else '""'
 
 
-def with_tool_grammar(sampling: SamplingConfig, spec: ToolSpec | None, thinking_open: bool = False) -> SamplingConfig:
+def with_tool_grammar(sampling: SamplingConfig, spec: ToolSpec | None, thinking_open: bool = False,
+                      preference: float = 0.0, vocab: Vocabulary | None = None) -> SamplingConfig:
     """The sampling of an answer that may call tools: its grammar is the tools' (a --grammar and tools cannot be
-    combined: the request is refused before this)."""
+    combined: the request is refused before this). Under `auto`, with a `preference` and the model's `vocab`: the
+    first token of the call's opening gets that much more logit at the answer's first token, and an answer that begins
+    with it is held to the call's grammar from there (a small model rarely opens a call by itself: the decision stays
+    the model's, on its own probabilities, shifted by a preference the user sets)."""
     if spec is None or not spec.active:
         return sampling
     grammar, triggers = tool_grammar(spec, thinking_open)
-    return dataclasses.replace(sampling, grammar=grammar, grammar_triggers=triggers, grammar_origin="the tools")
+    sampling = dataclasses.replace(sampling, grammar=grammar, grammar_triggers=triggers, grammar_origin="the tools")
+    if spec.choice.mode != "auto" or preference <= 0 or vocab is None or thinking_open:
+        return sampling
+    fmt = FORMATS[spec.format]
+    opening = fmt.start or '{"name": "'
+    tokens = vocab.tokenize(opening, add_special=False)
+    if not tokens:
+        return sampling
+    piece = vocab.piece(tokens[0], special=True).decode("utf-8", "replace").strip()
+    if not piece or not opening.startswith(piece):
+        return sampling  # (a first token that is not the opening's own first characters: nothing to anchor on)
+    # The answer so far is that first token alone (a full match: an answer that merely begins with the same character,
+    # as an end-of-generation token's text `<|im_end|>` does, never holds to the call's grammar): the grammar from there.
+    anchored = r"^\s*(" + re.escape(piece) + r")$"  # (^…$: llama.cpp looks for a pattern anywhere in the answer)
+    return dataclasses.replace(sampling, grammar_triggers=(*triggers, anchored),
+                               first_token_bias=((tokens[0], preference),))

@@ -1,0 +1,126 @@
+"""`llmcli eval tools` (issue 40): BFCL-format items (written here, not BFCL's own) judged by BFCL's AST rules, table-tested
+in-process; the command end to end on SmolLM2; and `auto` with a call preference in run and serve (Ollama's API, which
+offers nothing but `auto`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_cli, start_server, stop_server
+
+from llmcli.eval.bfcl import Call, Item, judge, load
+
+DATA = Path(__file__).parent / "data" / "eval"
+AREA = {"name": "geometry.circle_area", "parameters": {"type": "dict", "properties": {
+    "radius": {"type": "float"}, "unit": {"type": "string"}, "exact": {"type": "boolean"}, "sides": {"type": "integer"},
+    "point": {"type": "dict"}, "tags": {"type": "array"}}, "required": ["radius"]}}
+SIMPLE = Item("s", "simple", ({"role": "user", "content": "?"},), (AREA,), ({"geometry.circle_area": {
+    "radius": [3.0], "unit": ["cm", ""], "exact": [True, ""], "sides": [4, ""], "point": [{"x": [1], "y": [2, ""]}, ""],
+    "tags": [["Red Box", "b"], ""]}},))
+PARALLEL = Item("p", "parallel", ({"role": "user", "content": "?"},), (AREA,), (
+    {"geometry.circle_area": {"radius": [1.0]}}, {"geometry.circle_area": {"radius": [2.0]}}))
+IRRELEVANT = Item("i", "irrelevance", ({"role": "user", "content": "?"},), (AREA,), None)
+
+
+@pytest.mark.parametrize("item, calls, correct, reason", [
+    (SIMPLE, [Call("geometry_circle_area", {"radius": 3})], True, ""),  # an integer for a float; optional ones left out
+    (SIMPLE, [Call("geometry_circle_area", {"radius": 3.0, "unit": " CM."})], True, ""),  # strings standardized
+    (SIMPLE, [Call("geometry_circle_area", {"radius": 3.5})], False, "is none of"),
+    (SIMPLE, [Call("geometry_circle_area", {"unit": "cm"})], False, "lacks its required 'radius'"),
+    (SIMPLE, [Call("geometry_circle_area", {"radius": 3, "colour": "red"})], False, "no parameter 'colour'"),
+    (SIMPLE, [Call("geometry_circle_area", {"radius": 3, "sides": 4.0})], False, "is none of"),  # a float for an int
+    (SIMPLE, [Call("geometry_circle_area", {"radius": 3, "exact": 1})], False, "is none of"),  # 1 is not true
+    (SIMPLE, [Call("geometry_circle_area", {"radius": 3, "point": {"x": 1}})], True, ""),  # nested, "" optional
+    (SIMPLE, [Call("geometry_circle_area", {"radius": 3, "point": {"x": 2}})], False, "is none of"),
+    (SIMPLE, [Call("geometry_circle_area", {"radius": 3, "tags": ["red box", "B"]})], True, ""),
+    (SIMPLE, [Call("area", {"radius": 3})], False, "called area where geometry_circle_area"),
+    (SIMPLE, [], False, "0 calls where 1 was asked for"),
+    (SIMPLE, [Call("geometry_circle_area", {"radius": 3})] * 2, False, "2 calls where 1"),
+    (PARALLEL, [Call("geometry_circle_area", {"radius": 2}), Call("geometry_circle_area", {"radius": 1})], True, ""),
+    (PARALLEL, [Call("geometry_circle_area", {"radius": 1}), Call("geometry_circle_area", {"radius": 1})], False,
+     "is none of"),  # each asked call matched by a distinct one
+    (IRRELEVANT, [], True, ""),
+    (IRRELEVANT, [Call("geometry_circle_area", {"radius": 1})], False, "none fits"),
+])
+def test_bfcl_s_ast_rules(item, calls, correct, reason):
+    verdict = judge(item, calls)
+    assert verdict.correct is correct and reason in verdict.reason
+
+
+def test_items_are_read_with_their_answers_and_offered_as_openai_tools():
+    items = load("tools", DATA / "tools.json", DATA / "tools-answers.json")
+    assert [i.id for i in items] == ["tools_0", "tools_1"] and items[1].messages[0]["role"] == "system"
+    (tool,) = items[0].tools()
+    assert tool["function"]["name"] == "geometry_circle_area"  # (OpenAI allows no dot)
+    assert tool["function"]["parameters"]["type"] == "object"
+    assert tool["function"]["parameters"]["properties"]["radius"]["type"] == "number"
+    assert all(i.irrelevant for i in load("irrelevance", DATA / "irrelevance.json", None))
+    assert len(load("tools", DATA / "tools.json", DATA / "tools-answers.json", limit=1)) == 1
+
+
+def _eval(*args: str) -> dict:
+    result = run_cli("eval", "tools", "-m", "smollm2", "--json", *args)
+    assert result.code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_eval_tools_reports_each_category_through_the_run_path():
+    forced = _eval("--items", str(DATA / "tools.json"), "--answers", str(DATA / "tools-answers.json"),
+                   "--tool-choice", "required")
+    (row,) = forced["categories"]
+    assert row["category"] == "tools" and row["items"] == 2 and row["no_call_rate"] == 0.0
+    assert row["valid_call_rate"] == 1.0 and 0 <= row["correct"] <= 2 and row["seconds_per_item"] > 0
+    assert [i["id"] for i in forced["items"]] == ["tools_0", "tools_1"] and forced["tool_format"] == "generic"
+    assert all(i["calls"] and i["calls"][0]["name"] in ("geometry_circle_area", "weather_forecast", "stock_price")
+               for i in forced["items"])
+    none = _eval("--items", str(DATA / "irrelevance.json"), "--tool-choice", "none")
+    assert none["categories"][0]["accuracy"] == 1.0 and none["categories"][0]["no_call_rate"] == 1.0
+    table = run_cli("eval", "tools", "-m", "smollm2", "--items", str(DATA / "irrelevance.json"), "--tool-choice", "none")
+    assert table.stdout.splitlines()[1].split() == ["CATEGORY", "ITEMS", "ACCURACY", "VALID", "CALLS", "NO", "CALL",
+                                                    "S/ITEM"]
+    missing = run_cli("eval", "tools", "nonsense", "-m", "smollm2")
+    assert missing.code == 2 and ("no BFCL category" in missing.stderr or "bfcl-eval" in missing.stderr)
+
+
+def test_ctrl_c_reports_what_was_measured(tmp_path):
+    import pexpect
+
+    many = tmp_path / "irrelevance.json"
+    many.write_text((DATA / "irrelevance.json").read_text() * 20)
+    child = pexpect.spawn(sys.executable, ["-m", "llmcli", "eval", "tools", "-m", "smollm2", "--items", str(many),
+                                           "--tool-choice", "none", "--json", "-n", "64"], timeout=60, encoding="utf-8",
+                          dimensions=(20, 200))
+    child.expect("eval tools · irrelevance")  # the progress bar (on a terminal): an item is done
+    child.sendintr()
+    child.expect(pexpect.EOF)
+    child.close()
+    report = json.loads(child.before[child.before.index("{"):])
+    assert child.exitstatus == 130 and report["interrupted"] is True and 1 <= len(report["items"]) < 40
+
+
+def test_auto_calls_when_the_preference_says_so_in_run_and_through_ollama_s_api(tmp_path):
+    """Under `auto` a small model rarely opens a call by itself; --call-preference favours the call's opening at the
+    answer's first token (30: always). The same scheduler answers serve's requests: Ollama's API has only `auto`."""
+    functions = tmp_path / "tools.py"
+    functions.write_text("def forecast(city: str) -> str:\n    \"\"\"The weather forecast for a city.\"\"\"\n"
+                         "    return 'rain'\n")
+    args = ["run", "--functions", str(functions), "--tool-choice", "auto", "--chain-limit", "0", "--temp", "0", "-n",
+            "48", "--json", "Will it rain in Lisbon?"]
+    called = json.loads(run_cli(*args, "--call-preference", "30").stdout)
+    assert called["tool_calls"] and called["tool_calls"][0]["name"] == "forecast" and called["tool_calls"][0]["error"] is None
+    plain = json.loads(run_cli(*args, "--call-preference", "0").stdout)  # the model's own choice (none expected)
+    assert plain["finish_reason"] in ("stop", "length", "tool_calls")
+    ollama = pytest.importorskip("ollama")
+    proc, url = start_server(tmp_path, "--temp", "0", "--call-preference", "30")
+    try:
+        reply = ollama.Client(host=url).chat(model="smollm2", messages=[{"role": "user", "content": "Rain in Lisbon?"}],
+                                             tools=[{"type": "function", "function": {
+                                                 "name": "forecast", "description": "The weather forecast for a city.",
+                                                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                                "required": ["city"]}}}], options={"num_predict": 48})
+        assert reply.message.tool_calls and reply.message.tool_calls[0].function.name == "forecast"
+    finally:
+        stop_server(proc)
