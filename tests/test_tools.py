@@ -50,6 +50,9 @@ GOLDEN = {
         ('<tool_call>{"name": "divide", "arguments": {}}</tool_call>', "", [("divide", "{}", "no tool is called")]),
         ('<tool_call>{"name": "weather", "arguments": {"city": "Par', "", [("weather", '{"city": "Par', "cut off")]),
         ("A plain answer with a < sign and <b>tags</b>.", "A plain answer with a < sign and <b>tags</b>.", []),
+        ('<tool_call>{"name": "multiply", "arguments": {"a": 1, "b": 2}}</tool_call><tool_call>{"name": "multiply", '
+         '"arguments": {"b": 2, "a": 1}}</tool_call><tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}'
+         "</tool_call>", "", [("multiply", '{"a": 1, "b": 2}', None)]),  # a repeated call: it and what follows go
     ],
     "mistral": [
         ('[TOOL_CALLS] [{"name": "multiply", "arguments": {"a": 12, "b": 7}}, {"name": "weather", "arguments": '
@@ -184,11 +187,12 @@ def test_a_named_choice_calls_that_tool_and_auto_never_leaks_markup(served):
         assert "<tool_call" not in content and "tool_call>" not in content and '"arguments"' not in content
 
 
-def test_streamed_calls_reassemble_to_the_whole_answer_and_parallel_gives_several(served):
+def test_streamed_calls_reassemble_to_the_whole_answer_and_never_repeat_a_call(served):
     _, url = served
     client = _client(url)
     # SmolLM2's end of generation (<|im_end|>, token 2) banned: the grammar lets the answer end only after a call, so
-    # parallel calls (parallel_tool_calls, the default) follow one another until max_tokens cuts the last one.
+    # parallel calls (parallel_tool_calls, the default) follow one another until max_tokens cuts the last one, or the
+    # model repeats a call it made (a small model's habit): the answer ends there, without it (issue 40).
     request = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTION}], "tools": TOOLS,
                "tool_choice": "required", "temperature": 1.0, "max_tokens": 80, "logit_bias": {"2": -100}}
     # Both answers of a seed start from the same slot state: the prompt already cached. (A prompt evaluated whole and
@@ -210,7 +214,13 @@ def test_streamed_calls_reassemble_to_the_whole_answer_and_parallel_gives_severa
         assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
             (c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
         assert all(c["id"].startswith("call_") for c in calls.values())
-        assert len(calls) >= 2 and all(_valid(c) for c in whole.message.tool_calls[:2])
+        made = []
+        for call in whole.message.tool_calls or ():
+            try:
+                made.append((call.function.name, json.loads(call.function.arguments)))
+            except ValueError:
+                pass  # (the last call, cut by max_tokens)
+        assert calls and all(made.count(call) == 1 for call in made)  # later calls come out whole, none twice
 
 
 def test_bad_tools_are_400s_naming_what_is_wrong(served):

@@ -56,6 +56,11 @@ class GenerationOptions:
                     call_preference=values["call_preference"])
         return dataclasses.replace(found, **given) if given else found
 
+    def for_turn(self, from_user: bool) -> GenerationOptions:
+        """--call-preference favours a call in the answer to the user's message; after tool results the model reads
+        them, and its own choice decides whether it calls again (favoured, a small model calls until its limit)."""
+        return self if from_user or not self.call_preference else dataclasses.replace(self, call_preference=0.0)
+
     def for_prompt(self, prompt_text: str, template_source: str | None) -> GenerationOptions:
         """These options for one rendered prompt — the one place run, chat, --batch and serve decide it: a template
         that opened a think block starts the answer inside it (`thinking_open`), and a reasoning model (its template
@@ -118,6 +123,8 @@ class Answer:
             tokens.append(token)
         if self.stream.stop is not None:
             self.finish = "stop_sequence"
+        elif self.calls is not None and self.calls.repeated:
+            self.finish = "stop"  # (a call the answer had made already: it ends there, as "tool_calls")
         elif self.n_out >= self.limit:
             self.finish = "length"
         elif self.n_out > self.room:

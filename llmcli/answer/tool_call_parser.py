@@ -134,6 +134,7 @@ class ToolCallParser:
         self._sent = 0  # characters of the current call's arguments sent
         self._id = ""
         self._seen_text = False  # llama3: only an answer that begins with "{" is a call
+        self.repeated = False  # the model wrote a call it had already made (the answer ends there; it is dropped)
 
     def feed(self, text: str) -> tuple[str, list[CallEvent]]:
         events: list[CallEvent] = []
@@ -217,6 +218,8 @@ class ToolCallParser:
         scanner = self._scanner
         assert scanner is not None
         index = len(self.calls)
+        if index > 0:  # a later call comes out whole, once it is known not to repeat an earlier one
+            return
         if not self._started and scanner.name is not None:
             self._started = True
             events.append(CallStarted(index, self._id, scanner.name))
@@ -250,12 +253,23 @@ class ToolCallParser:
             error = error or "the call names no tool"
         if error is None:
             error = self.spec.check(name or "", arguments)
+        if error is None and index > 0 and any(c.name == name and _same_arguments(c.arguments, arguments)
+                                               for c in self.calls):
+            self.repeated, self._state = True, "done"  # a small model repeats one call until its limit: it goes,
+            return  # and whatever follows it
         if not self._started:
             self._started = True
             events.append(CallStarted(index, self._id, name or ""))
         if len(arguments) > self._sent:
             events.append(CallArguments(index, arguments[self._sent:]))
         self.calls.append(ToolCall(self._id, name or "", arguments, error))
+
+
+def _same_arguments(first: str, second: str) -> bool:
+    try:
+        return bool(json.loads(first) == json.loads(second))
+    except ValueError:
+        return first == second
 
 
 def parse_calls(text: str, spec: ToolSpec) -> tuple[str, list[ToolCall]]:

@@ -133,6 +133,7 @@ def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
                                                  max_draft=limits.max_draft, tools=request.tools,
                                                  logprobs=request.logprobs).for_prompt(rendered.text,
                                                                                         prompter.template_source)
+    generation = generation.for_turn(from_user=not request.messages or request.messages[-1].role == "user")
     return Parsed(rendered.tokens, generation, sampling.effective_seed(), request.stream, request.include_usage,
                   _stable(request, prompter, rendered.tokens))
 
