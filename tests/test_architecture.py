@@ -146,3 +146,9 @@ def test_the_answerer_is_narrow_and_every_answerer_has_all_of_it():
         assert answering - {"options", "history", "notices"} <= given, implementation  # (instance attributes)
     assert local <= set(dir(Session))
     assert not local & set(dir(RemoteSession)) and RemoteSession.local is None
+
+
+def test_top_level_help_says_what_each_command_is():
+    shown = " ".join(run_cli("--help").stdout.split())  # (its lines wrap)
+    assert "OpenAI, Anthropic and Ollama APIs and a chat page" in shown  # (not "an OpenAI-compatible server")
+    assert "eval How well a model calls tools" in shown
