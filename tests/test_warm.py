@@ -238,3 +238,15 @@ def test_embed_through_the_warm_server_gives_the_in_process_vectors(runtime):
     for remote, mine in zip(served, here, strict=True):
         assert max(abs(a - b) for a, b in zip(remote["embedding"], mine["embedding"], strict=True)) < 1e-5
     assert len(servers(runtime)) == 1
+
+
+def test_without_the_serve_extra_answers_are_given_in_this_process_quietly_unless_warm_was_asked_for(runtime,
+                                                                                                    monkeypatch):
+    import llmcli.pipeline.warm
+
+    monkeypatch.setattr(llmcli.pipeline.warm, "serve_installed", lambda: False)  # (the forked runs inherit it)
+    default = {**runtime, "LLMCLI_KEEP_ALIVE": ""}
+    quiet = run_cli("run", "-m", "smollm2", "-n", "2", PROMPT, env=default)
+    assert quiet.code == 0 and quiet.stderr.startswith("load ") and "serve" not in quiet.stderr, quiet.stderr
+    asked = run_cli("run", "-m", "smollm2", "-n", "2", "--keep-alive", "5m", PROMPT, env=default)
+    assert asked.code == 0 and "a warm server needs the serve extra" in asked.stderr and servers(default) == []

@@ -126,7 +126,8 @@ def open_answering(request: Request, on_progress: ProgressCallback | None = None
 
         return open_remote(request, first, constraint, cancel)
     notices: list[str] = []
-    if keeps_loaded(first["keep_alive"]) and not (request.shape.batch and first.sources["keep_alive"] == "default"):
+    chosen = first.sources["keep_alive"] != "default"
+    if keeps_loaded(first["keep_alive"]) and not (request.shape.batch and not chosen) and _warm_possible(chosen, notices):
         # (--batch answers in this process unless a keep-alive is set: it sizes the KV cache to its prompts and decodes
         # them together, where a warm server has one slot; its load is a small part of a batch's time)
         from llmcli.pipeline.remote import open_warm  # speaks HTTP only
@@ -151,6 +152,20 @@ def open_answering(request: Request, on_progress: ProgressCallback | None = None
     pipeline = open_local(request, on_progress, cancel, on_waiting, config, constraint)
     pipeline.session.notices[:0] = notices
     return pipeline
+
+
+def _warm_possible(chosen: bool, notices: list[str]) -> bool:
+    """A warm server needs the serve extra: without it, answers are given in this process — quietly when warm was
+    only the default, with a notice (and how to install it) when a keep-alive was asked for."""
+    from llmcli.pipeline.warm import serve_installed
+
+    if serve_installed():
+        return True
+    if chosen:
+        from llmcli.install_hint import install_hint
+
+        notices.append(f"a warm server needs the serve extra ({install_hint('serve')}); answering in this process")
+    return False
 
 
 def log_entry(pipeline: Pipeline[Answerer], kind: str, prompt: str, record: Mapping[str, Any],

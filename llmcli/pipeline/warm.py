@@ -113,6 +113,13 @@ def ensure(model_path: Path, effective: settings.Settings, template_file: Path |
     return WarmServer(socket, str(state.get("model") or model_path.stem), int(state.get("pid") or 0), start_s)
 
 
+def serve_installed() -> bool:
+    """Whether `llmcli serve`'s dependencies (the serve extra) are here: a warm server needs them."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("starlette", "uvicorn", "sse_starlette"))
+
+
 def first_start_notice(model: str, keep_alive: str) -> str | None:
     """The one line said the first time a warm server starts for this user (None ever after): what stays loaded,
     for how long, and how to stop it or turn it off. A marker in the data dir remembers it was said."""
