@@ -80,8 +80,9 @@ class Scheduler:
         tokens to copy in first (--batch). Raises what the sampler chain raises (a grammar llama.cpp refuses);
         nothing is started then."""
         engine = self.engine
+        calls = options.tools is not None and options.tools.active  # (the call's opening is read in the vocabulary)
         sampler = engine.sampler(with_tool_grammar(options.sampling, options.tools, options.thinking_open,
-                                                   options.call_preference, engine.vocab), seed)
+                                                   options.call_preference, engine.vocab if calls else None), seed)
         kv = engine.kv
         if shared and self.prefix_seq is not None:
             kv.remove(seq)
