@@ -149,18 +149,16 @@ def _warm(request: Any, pooling: str, normalize: bool, truncate: bool, progress:
     from llmcli.cli import output
     from llmcli.errors import LlmcliError
     from llmcli.pipeline import resolve_settings
-    from llmcli.pipeline.warm import WarmEmbedder, ensure, first_start_notice, serve_installed
+    from llmcli.pipeline.warm import WarmEmbedder, ensure, first_start_notice, without_serve
     from llmcli.units import keeps_loaded
 
     effective, model = resolve_settings(request, progress)
     if not keeps_loaded(effective["keep_alive"]):
         return None
-    if not serve_installed():  # (quietly in this process, unless a keep-alive was asked for)
-        if effective.sources["keep_alive"] != "default":
-            from llmcli.install_hint import install_hint
-
-            output.print_notice(output.stderr_console(), f"a warm server needs the serve extra ({install_hint('serve')}); "
-                                "embedding in this process")
+    why_not = without_serve(effective.sources["keep_alive"] != "default", "embedding")
+    if why_not is not None:  # (quietly in this process, unless a keep-alive was asked for)
+        if why_not:
+            output.print_notice(output.stderr_console(), why_not)
         return None
     if pooling != "model":
         output.print_notice(output.stderr_console(), "--keep-alive's server embeds with the model's own pooling: "

@@ -10,6 +10,7 @@ SIGTTOU), and it is always put back as it was: the answer's end, Ctrl-C, SIGTERM
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,10 +33,11 @@ def _foreground_terminal() -> int | None:
     except OSError:
         return None
     try:
-        if os.tcgetpgrp(fd) == os.getpgrp():
-            return fd
+        foreground = os.tcgetpgrp(fd) == os.getpgrp()
     except OSError:
-        pass
+        foreground = False
+    if foreground:
+        return fd
     os.close(fd)
     return None
 
@@ -61,10 +63,8 @@ def echo_off() -> Iterator[None]:
         yield
     finally:
         _held.pop()
-        try:
+        with contextlib.suppress(termios.error):
             termios.tcsetattr(fd, termios.TCSANOW, before)
-        except termios.error:
-            pass
         os.close(fd)
 
 
@@ -84,7 +84,5 @@ def echo_on() -> Iterator[None]:
     try:
         yield
     finally:
-        try:
+        with contextlib.suppress(termios.error):
             termios.tcsetattr(fd, termios.TCSANOW, quiet)
-        except termios.error:
-            pass

@@ -77,7 +77,8 @@ class AnswerSink:
                     raise StdoutClosed() from None
             elif not self.as_json:
                 self._write(event.text.translate(_NEUTRALISE) if self.terminal else event.text)
-                self._line_open = self.terminal and not event.text.endswith("\n") if event.text else self._line_open
+                if event.text:
+                    self._line_open = self.terminal and not event.text.endswith("\n")
             return
         if self._thought_open:
             self._end_thought()
@@ -197,9 +198,10 @@ def _show(events: Iterable[AnswerEvent], sink: AnswerSink, console: Console, qui
                 sink.pause()
                 print_notice(console, event.text)
                 continue
-            early = isinstance(event, Done) and sink.as_json and on_done is not None
-            if early and isinstance(event, Done) and on_done is not None:  # (before the record is written: what
-                on_done(event)  # on_done does, such as logging the answer, can be in it)
+            early = False
+            if isinstance(event, Done) and sink.as_json and on_done is not None:
+                on_done(event)  # (before the record is written: what it does, such as logging the answer, can be in it)
+                early = True
             sink.handle(event)
             if isinstance(event, Done):
                 done = event

@@ -55,10 +55,10 @@ class CpuLoad:
 
     def update(self, minimum_s: float = WINDOW_S) -> float:
         """The others' share since the last reading, once at least `minimum_s` has passed (else the last one)."""
-        if self._mark is None:
-            return self.others
+        if self._mark is None or time.monotonic() - self._mark[0] < minimum_s:
+            return self.others  # (asked every 50 ms between decode steps: /proc/stat is read once a window)
         now = self._sample()
-        if now is None or now[0] - self._mark[0] < minimum_s:
+        if now is None:
             return self.others
         elapsed = now[0] - self._mark[0]
         others_s = (now[1] - self._mark[1]) - (now[2] - self._mark[2])

@@ -121,6 +121,7 @@ class Engine:
         self.n_ctx: int = -(-per_sequence // CELL_PADDING) * CELL_PADDING if config.kv_later else (
             llama_cpp.llama_n_ctx_seq(self._ctx))
         self._share = CoreShare(threads, load) if load is not None else None  # --threads given: fixed
+        self._busy_said = False  # the notice that other processes cut the thread count: said once
         if self._share is not None:  # about to compute: peers that start now see this one before they prefill
             self._share.register(self._share.threads(window_s=FIRST_WINDOW_S))  # (the load's time: a first reading)
         self.vocab = Vocabulary(llama_cpp.llama_model_get_vocab(self._model))
@@ -229,7 +230,7 @@ class Engine:
         """Once: why decoding was slower than this machine gives when idle — other processes took cores, and the
         thread count was cut to what they left (what to try: free them, or -t)."""
         share = self._share
-        if share is None or share.squeezed is None or getattr(self, "_busy_said", False):
+        if share is None or share.squeezed is None or self._busy_said:
             return None
         self._busy_said = True
         others, left = share.squeezed

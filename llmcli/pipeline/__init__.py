@@ -155,17 +155,14 @@ def open_answering(request: Request, on_progress: ProgressCallback | None = None
 
 
 def _warm_possible(chosen: bool, notices: list[str]) -> bool:
-    """A warm server needs the serve extra: without it, answers are given in this process — quietly when warm was
-    only the default, with a notice (and how to install it) when a keep-alive was asked for."""
-    from llmcli.pipeline.warm import serve_installed
+    """A warm server needs the serve extra: without it, answers are given in this process (said when a keep-alive
+    was asked for)."""
+    from llmcli.pipeline.warm import without_serve
 
-    if serve_installed():
-        return True
-    if chosen:
-        from llmcli.install_hint import install_hint
-
-        notices.append(f"a warm server needs the serve extra ({install_hint('serve')}); answering in this process")
-    return False
+    why_not = without_serve(chosen, "answering")
+    if why_not:
+        notices.append(why_not)
+    return why_not is None
 
 
 def log_entry(pipeline: Pipeline[Answerer], kind: str, prompt: str, record: Mapping[str, Any],

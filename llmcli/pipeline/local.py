@@ -38,7 +38,7 @@ def check_memory(model: models.ResolvedModel, header: GGUFHeader, cells: int, kv
 
     weights = sum(p.stat().st_size for p in model.files)
     memory.check_memory(model.name, weights, memory.kv_cache_bytes(header, cells, 1, kv_type) if cells else 0, force,
-                        held_by_others(model.path))
+                        0 if force else held_by_others(model.path))
 
 
 def open_pipeline(request: Request, on_progress: ProgressCallback | None = None, cancel: Cancellation | None = None,

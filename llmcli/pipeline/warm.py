@@ -123,17 +123,36 @@ def serve_installed() -> bool:
 def first_start_notice(model: str, keep_alive: str) -> str | None:
     """The one line said the first time a warm server starts for this user (None ever after): what stays loaded,
     for how long, and how to stop it or turn it off. A marker in the data dir remembers it was said."""
-    marker = paths.data_dir() / "warm-servers-explained"
+    if not _first_time(paths.data_dir() / "warm-servers-explained"):
+        return None
+    kept = "until `llmcli stop`" if parse_keep_alive(keep_alive) is None else f"for {keep_alive} after each answer"
+    return (f"{model} stays loaded {kept}, so the next run starts at once: `llmcli ps` shows it, `llmcli stop` "
+            "unloads it, --keep-alive 0 (or keep_alive = \"0\" in the config file, or LLMCLI_KEEP_ALIVE=0) turns this off")
+
+
+def _first_time(marker: Path) -> bool:
+    """Whether `marker` is made now (False: it was there); a data dir that cannot be written counts as a first time
+    each time (said again rather than never)."""
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
         os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     except FileExistsError:
-        return None
+        return False
     except OSError:
-        pass  # (a read-only data dir: said each time a server starts, rather than never)
-    kept = "until `llmcli stop`" if parse_keep_alive(keep_alive) is None else f"for {keep_alive} after each answer"
-    return (f"{model} stays loaded {kept}, so the next run starts at once: `llmcli ps` shows it, `llmcli stop` "
-            "unloads it, --keep-alive 0 (or keep_alive = \"0\" in the config file, or LLMCLI_KEEP_ALIVE=0) turns this off")
+        return True
+    return True
+
+
+def without_serve(asked: bool, instead: str) -> str | None:
+    """None when a warm server can run here; else why not, to be said when a keep-alive was asked for ("" when warm
+    was only the default: then the answer is quietly this process's). `instead`: what is done instead."""
+    if serve_installed():
+        return None
+    if not asked:
+        return ""
+    from llmcli.install_hint import install_hint
+
+    return f"a warm server needs the serve extra ({install_hint('serve')}); {instead} in this process"
 
 
 def held_by_others(model_path: Path) -> int:
