@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from llmcli.answer.answer_text import StopMatcher
 from llmcli.answer.events import Done, Token
 from llmcli.answer.finish import from_openai
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.image_bytes import ImageError, decode_data
+from llmcli.answer.images import MARKER, MAX_IMAGES, ImageInput
 from llmcli.answer.message import Message
 from llmcli.answer.sampling_config import ANSWER_FIELDS, WIRE_FIELDS
 from llmcli.answer.stats import AnswerClock
@@ -89,27 +91,71 @@ def message_of(message: Any, index: int) -> Message:
         parsed_calls.append(ToolCall(str(call.get("id") or new_call_id()), name,
                                      arguments if isinstance(arguments, str) else json.dumps(arguments)))
     content = message.get("content")
-    text = "" if content is None and role == "assistant" else text_of(content, f"messages[{index}]")
+    text, images = ("", ()) if content is None and role == "assistant" else content_of(
+        content, f"messages[{index}]", image_part=openai_image if role == "user" else None)
     if role == "tool":
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str):
             raise WireError(f"messages[{index}]: a tool message needs its tool_call_id", "messages")
         name = message.get("name")
         return Message("tool", text, tool_call_id=call_id, name=name if isinstance(name, str) else None)
-    return Message(ROLES[role], text, tool_calls=tuple(parsed_calls))
+    return Message(ROLES[role], text, tool_calls=tuple(parsed_calls), images=images)
 
 
 def text_of(content: Any, where: str, param: str = "messages", part_types: tuple[str, ...] = ("text",)) -> str:
-    """A message's text: a string, or a list of text parts (`{"type": "text", "text": …}`; every protocol's
-    messages read it, each with its part types)."""
+    """A text's content: a string, or a list of text parts (`{"type": "text", "text": …}`; every protocol's
+    messages read it, each with its part types). An image where only text may be: a 400 saying so."""
+    return content_of(content, where, param, part_types, None)[0]
+
+
+ImagePart = Callable[[dict[str, Any]], "str | None"]  # a protocol's image part -> its data (a data URI or base64)
+
+
+def openai_image(part: dict[str, Any]) -> str | None:
+    """Chat Completions' `{"type": "image_url", "image_url": {"url": …}}` (or the URL alone)."""
+    if part.get("type") != "image_url":
+        return None
+    url = part.get("image_url")
+    return url.get("url") if isinstance(url, dict) else url if isinstance(url, str) else ""
+
+
+def content_of(content: Any, where: str, param: str = "messages", part_types: tuple[str, ...] = ("text",),
+               image_part: ImagePart | None = openai_image) -> tuple[str, tuple[ImageInput, ...]]:
+    """A message's content: its text, with a marker where each image sits, and the images, decoded and checked (a
+    400 names the bad one). `image_part` reads the protocol's image parts (None: none may be there)."""
     if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in part_types
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    if isinstance(content, list) and any(isinstance(p, dict) and "image" in str(p.get("type", "")) for p in content):
-        raise WireError(f"{where}: images are not supported (this server's model reads text only)", param)
-    raise WireError(f"{where}.content must be a string or a list of text parts", param)
+        return content, ()
+    if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+        raise WireError(f"{where}.content must be a string or a list of text parts", param)
+    texts: list[str] = []
+    images: list[ImageInput] = []
+    for index, part in enumerate(content):
+        if part.get("type") in part_types and isinstance(part.get("text"), str):
+            texts.append(part["text"].replace(MARKER, "<__media _>"))
+            continue
+        data = image_part(part) if image_part is not None else None
+        if data is None:
+            if "image" in str(part.get("type", "")):
+                raise WireError(f"{where}: an image is not taken here, only text", param)
+            raise WireError(f"{where}.content must be a string or a list of text parts", param)
+        images.append(image_from(data, f"{where}.content[{index}]", param))
+        texts.append(MARKER)
+    if len(images) > MAX_IMAGES:
+        raise WireError(f"{where}: {len(images)} images; a prompt takes at most {MAX_IMAGES}", param)
+    return "".join(texts), tuple(images)
+
+
+def image_from(data: str, where: str, param: str) -> ImageInput:
+    """An image a request sent (a data URI or base64), decoded; a 400 saying what is wrong with it."""
+    if not isinstance(data, str) or not data:
+        raise WireError(f"{where}: an image needs its data (a data:image/...;base64 URI)", param)
+    if data.startswith(("http://", "https://")):
+        raise WireError(f"{where}: image URLs are not fetched by this server; send the image itself as a "
+                        "data:image/...;base64 URI", param)
+    try:
+        return decode_data(data, where)
+    except ImageError as exc:
+        raise WireError(exc.message, param) from None
 
 
 # -- an answer, written ----------------------------------------------------------------------------------

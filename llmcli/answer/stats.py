@@ -30,6 +30,9 @@ class Stats:
     accepted_tokens: int = 0  # of those, the ones the model agreed with (each saved a pass)
     reasoning_tokens: int = 0  # of the completion, the tokens of the think block (--think-budget bounds them)
     warm: bool = False  # answered by a warm server that had the model loaded already (no load was waited for)
+    images: int = 0  # images in the prompt
+    images_encoded: int = 0  # of those, encoded for this answer (the others' embeddings or KV cells were reused)
+    image_s: float = 0.0  # encoding them (part of the prefill)
 
     @property
     def acceptance(self) -> float:
@@ -56,6 +59,8 @@ class Stats:
             restored_tokens=self.restored_tokens + later.restored_tokens, restore_s=self.restore_s + later.restore_s,
             draft_tokens=self.draft_tokens + later.draft_tokens, accepted_tokens=self.accepted_tokens + later.accepted_tokens,
             reasoning_tokens=self.reasoning_tokens + later.reasoning_tokens, warm=self.warm,
+            images=later.images, images_encoded=self.images_encoded + later.images_encoded,
+            image_s=self.image_s + later.image_s,
         )
 
     def to_dict(self) -> dict[str, float | int | None]:
@@ -79,6 +84,9 @@ class AnswerClock:
     first_token: float | None = None  # the first token sampled
     first_text: float | None = None  # the first text shown (a character held back for UTF-8 or a stop comes later)
     last_token: float | None = None
+    images: int = 0  # images in the prompt
+    images_encoded: int = 0  # ... encoded for this answer
+    image_s: float = 0.0  # ... and the seconds that took
 
     def token(self, now: float, shown: bool) -> None:
         """A token was sampled at `now`; `shown`: it completed text of the answer (or its reasoning)."""
@@ -101,7 +109,8 @@ class AnswerClock:
             ttft_s=(self.first_text or first) - self.submitted, completion_tokens=completion_tokens,
             decode_steps=decode_steps, decode_s=(self.last_token or first) - first if decode_steps else 0.0,
             total_s=now - self.submitted, seed=seed, threads=threads, draft_tokens=draft_tokens,
-            accepted_tokens=accepted_tokens, reasoning_tokens=reasoning_tokens,
+            accepted_tokens=accepted_tokens, reasoning_tokens=reasoning_tokens, images=self.images,
+            images_encoded=self.images_encoded, image_s=self.image_s,
         )
 
 
@@ -119,6 +128,9 @@ def summary_line(stats: Stats, finish_reason: str, stop_sequence: str | None = N
         if stats.prefill_tokens:
             prompt += f" @ {stats.prefill_tps:.0f} tok/s"
         parts.append(prompt)
+    if stats.images:
+        encoded = f"{stats.images_encoded} encoded in {stats.image_s:.2f} s" if stats.images_encoded else "cached"
+        parts.append(f"{stats.images} image{'' if stats.images == 1 else 's'} ({encoded})")
     if stats.completion_tokens:  # a time to the first token needs one
         parts.append(f"TTFT {stats.ttft_s:.2f} s")
     answer = f"{stats.completion_tokens} tok"

@@ -127,7 +127,7 @@ class Conversation:
         warning = self.log(text, record, self.history[start:]) if self.log is not None and not interrupted else None
         self._write({"type": "exchange", "user": text, **record, "interrupted": interrupted,
                      "sampling": self.settings_record(),
-                     "messages": [dataclasses.asdict(m) for m in self.history[start:]]})
+                     "messages": [m.record() for m in self.history[start:]]})
         return warning
 
     def take_save_failure(self) -> str | None:
@@ -198,7 +198,7 @@ class Conversation:
 
     def save(self, path: Path) -> None:
         data = {"model": self.model_name, "system": self.system,
-                "messages": [dataclasses.asdict(m) for m in self.history], "settings": self.settings_record()}
+                "messages": [m.record() for m in self.history], "settings": self.settings_record()}
         try:
             path.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
         except OSError as exc:
@@ -219,7 +219,7 @@ class Conversation:
             raise UsageError(f"cannot load {path}: roles, contents and the system prompt must be strings")
         self.history[:] = messages
         self.set_system(data.get("system"))
-        self._write({"type": "load", "messages": [dataclasses.asdict(m) for m in messages]})
+        self._write({"type": "load", "messages": [m.record() for m in messages]})
         saved_settings = data.get("settings")
         current = self.settings_record()
         changed = []

@@ -26,7 +26,9 @@ from llmcli.answer.batch_jsonl import BatchItem, Summary
 from llmcli.answer.context_budget import overflow
 from llmcli.answer.events import AnswerEvent, Done, Notice
 from llmcli.answer.generation import GenerationOptions
-from llmcli.answer.message import Message
+from llmcli.answer.images import MARKER as IMAGE_MARKER
+from llmcli.answer.images import MAX_IMAGES, ImageInput
+from llmcli.answer.message import Message, user_message
 from llmcli.answer.reasoning import opens_thinking
 from llmcli.answer.shared_prefix import shared_prefix
 from llmcli.answer.stats import AnswerClock
@@ -37,9 +39,10 @@ from llmcli.decode.prompt_cache import PromptCache
 from llmcli.decode.scheduler import Scheduler
 from llmcli.decode.serving import SlotServer
 from llmcli.decode.speculative import Speculation
-from llmcli.errors import ResourceError, UsageError
+from llmcli.errors import ResourceError, TemplateError, UsageError
 from llmcli.interrupt import Cancellation
 from llmcli.llama.engine import Engine
+from llmcli.llama.vision import Vision
 from llmcli.llama.vocab import Vocabulary
 from llmcli.prompt import chat_template as templates
 from llmcli.prompt.chat_template import ChatTemplate
@@ -74,18 +77,41 @@ def find_template(header: GGUFHeader, options: PromptOptions) -> tuple[ChatTempl
 
 
 def render_prompt(template: ChatTemplate | None, vocab: Vocabulary, messages: list[Message],
-                  options: PromptOptions, tools: ToolSpec | None = None) -> RenderedPrompt:
+                  options: PromptOptions, tools: ToolSpec | None = None, vision: Vision | None = None) -> RenderedPrompt:
     """Messages -> the exact text and tokens the model sees: the chat template (with --think/--no-think and the
-    tools), or without one the contents joined by blank lines."""
+    tools), or without one the contents joined by blank lines; each image's tokens where its marker is."""
     messages, variables = templates.tools_in_prompt(messages, tools, template.source if template else None)
+    images = [image for message in messages for image in message.images]
     if template is None:
         text = "\n\n".join(m.content for m in messages)
-        return RenderedPrompt(text, vocab.tokenize(text, add_special=True))
+        return _tokenized(text, vocab, True, images, vision)
     bos = vocab.bos_text
     text = template.render(messages, bos_token=bos, eos_token=vocab.eos_text,
                            variables={**thinking_variables(options.think), **variables})
     # A template that writes the BOS token itself must not get a second one from the tokenizer.
-    return RenderedPrompt(text, vocab.tokenize(text, add_special=not (bos and text.startswith(bos))))
+    return _tokenized(text, vocab, not (bos and text.startswith(bos)), images, vision)
+
+
+def _tokenized(text: str, vocab: Vocabulary, add_special: bool, images: list[ImageInput],
+               vision: Vision | None) -> RenderedPrompt:
+    if not images:
+        return RenderedPrompt(text, vocab.tokenize(text, add_special=add_special))
+    if vision is None:
+        raise UsageError("this model does not see images: it has no vision projector",
+                         hint="Give the model's mmproj file with --mmproj PATH, or use a vision model.")
+    if len(images) > MAX_IMAGES:
+        raise UsageError(f"{len(images)} images: a prompt takes at most {MAX_IMAGES}")
+    pieces = text.split(IMAGE_MARKER)
+    if len(pieces) != len(images) + 1:
+        raise TemplateError(f"the chat template placed {len(pieces) - 1} of the prompt's {len(images)} images")
+    tokens: list[int] = []
+    for index, piece in enumerate(pieces):
+        tokens += vocab.tokenize(piece, add_special=add_special and index == 0)
+        if index < len(images):
+            tokens += vision.tokenize(images[index])
+    if tokens[-1] < 0:  # the answer's first token needs the logits of a text token
+        tokens += vocab.tokenize("\n", add_special=False)
+    return RenderedPrompt(text, tokens)
 
 
 def thinking_variables(think: bool | None) -> dict[str, bool]:
@@ -159,16 +185,16 @@ class Session:
     def render_history(self) -> RenderedPrompt:
         """The conversation so far (the system prompt and the history), as the model sees it before a new message."""
         return render_prompt(self.template, self.engine.vocab, with_system(self.options.system, list(self.history)),
-                             self.options)
+                             self.options, vision=self.engine.vision)
 
-    def fit(self, user_text: str, max_tokens: int | None) -> int:
+    def fit(self, user_text: str, max_tokens: int | None, images: tuple[ImageInput, ...] = ()) -> int:
         room = self.answer_room(max_tokens)
         dropped = 0
-        while len(self.render(user_text).tokens) + room > self.engine.n_ctx:
+        while len(self.render(user_text, images=images).tokens) + room > self.engine.n_ctx:
             if not exchange_starts(self.history):  # nothing older to drop
                 if self.options.on_overflow == "truncate":
                     return dropped  # ask() truncates the message itself
-                raise overflow(len(self.render(user_text, []).tokens), max_tokens, self.engine.n_ctx,
+                raise overflow(len(self.render(user_text, [], images=images).tokens), max_tokens, self.engine.n_ctx,
                                self.engine.n_ctx_train, reserve=room)
             del self.history[: oldest_exchange_end(self.history)]
             dropped += 1
@@ -198,23 +224,25 @@ class Session:
         summary.parallel = parallel
         return summary
 
-    def messages_with(self, user_text: str | None, history: list[Message] | None = None) -> list[Message]:
+    def messages_with(self, user_text: str | None, history: list[Message] | None = None,
+                      images: tuple[ImageInput, ...] = ()) -> list[Message]:
         """The conversation and the new message (None: the history ends with tool results; the model goes on)."""
-        new = [Message("user", user_text)] if user_text is not None else []
+        new = [user_message(user_text, images)] if user_text is not None else []
         return with_system(self.options.system, [*(self.history if history is None else history), *new])
 
     def render(self, user_text: str | None, history: list[Message] | None = None,
-               tools: ToolSpec | None = None) -> RenderedPrompt:
+               tools: ToolSpec | None = None, images: tuple[ImageInput, ...] = ()) -> RenderedPrompt:
         """The exact text and tokens the model will see for this new message (after `history`, else the session's)."""
-        return render_prompt(self.template, self.engine.vocab, self.messages_with(user_text, history), self.options,
-                             tools)
+        return render_prompt(self.template, self.engine.vocab, self.messages_with(user_text, history, images),
+                             self.options, tools, self.engine.vision)
 
     def render_conversation(self, messages: list[Message], think: bool | None = None,
                             tools: ToolSpec | None = None) -> RenderedPrompt:
         """The exact prompt of a whole conversation as a request gives it (serve): this session's template, system
         prompt and options, `think` given (None: the session's)."""
         options = self.options if think is None else dataclasses.replace(self.options, think=think)
-        return render_prompt(self.template, self.engine.vocab, with_system(options.system, messages), options, tools)
+        return render_prompt(self.template, self.engine.vocab, with_system(options.system, messages), options, tools,
+                             self.engine.vision)
 
     def slot_server(self, n_slots: int, queue_size: int) -> SlotServer:
         """This session's model answering requests in `n_slots` slots (serve): the same engine, speculation and
@@ -228,15 +256,15 @@ class Session:
     def _fits(self, prompt: RenderedPrompt, max_tokens: int | None) -> bool:
         return len(prompt.tokens) + (max_tokens or 1) <= self.engine.n_ctx
 
-    def _truncate(self, user_text: str, max_tokens: int | None,
-                  tools: ToolSpec | None = None) -> tuple[str, RenderedPrompt]:
+    def _truncate(self, user_text: str, max_tokens: int | None, tools: ToolSpec | None = None,
+                  images: tuple[ImageInput, ...] = ()) -> tuple[str, RenderedPrompt]:
         """Keep the system prompt and the end of the message: the fewest leading characters dropped that fit."""
         budget = self.engine.n_ctx - self.answer_room(max_tokens)
         low, high = 0, len(user_text)
         best = None
         while low <= high:
             drop = (low + high) // 2
-            candidate = self.render(user_text[drop:], tools=tools)
+            candidate = self.render(user_text[drop:], tools=tools, images=images)
             if len(candidate.tokens) <= budget:
                 best, high = (user_text[drop:], candidate), drop - 1
             else:
@@ -251,7 +279,7 @@ class Session:
         return best
 
     def ask(self, user_text: str | None, options: GenerationOptions,
-            stable_text: str | None = None) -> Iterator[AnswerEvent]:
+            stable_text: str | None = None, images: tuple[ImageInput, ...] = ()) -> Iterator[AnswerEvent]:
         """Answer `user_text` (None: the history ends with tool results, the model goes on); the exchange joins the
         history when the answer is done (the reply with its tool calls).
 
@@ -267,10 +295,10 @@ class Session:
             raise overflow(len(self.engine.vocab.tokenize(user_text, add_special=False)), options.max_tokens, n_ctx,
                            self.engine.n_ctx_train)
         kept = user_text[-n_ctx * MAX_CHARS_PER_TOKEN :] if user_text is not None and too_long else user_text
-        prompt = self.render(kept, tools=tools)
+        prompt = self.render(kept, tools=tools, images=images)
         if kept is not None and truncate and (too_long or not self._fits(prompt, options.max_tokens)):
             whole = user_text or ""
-            user_text, prompt = self._truncate(kept, options.max_tokens, tools)
+            user_text, prompt = self._truncate(kept, options.max_tokens, tools, images)
             stable_text = None  # the document's start is gone: the next question cuts it elsewhere
             left = user_text or ""  # (counted in characters: a huge input is cut before it is tokenized at all)
             yield Notice(
@@ -297,7 +325,7 @@ class Session:
         clock = AnswerClock(started, load_s, prompt_s)
         for event in self.scheduler.answer(prompt.tokens, options, seed, clock, split_at=stable):
             if isinstance(event, Done):
-                self.history += [*([Message("user", user_text)] if user_text is not None else []),
+                self.history += [*([user_message(user_text, images)] if user_text is not None else []),
                                  Message("assistant", event.text, tool_calls=event.tool_calls)]
                 if restored:
                     event = dataclasses.replace(event, stats=dataclasses.replace(

@@ -31,6 +31,7 @@ from typing import Any
 from llmcli.answer.batch_jsonl import BatchItem, Record, Summary
 from llmcli.answer.events import Done, answer_record
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.images import text_before_image
 from llmcli.answer.shared_prefix import shared_prefix
 from llmcli.answer.stats import AnswerClock
 from llmcli.decode.scheduler import Scheduler
@@ -83,6 +84,7 @@ def plan(items: list[BatchItem], render: Callable[[str], list[int]], engine: Eng
     shared = 0
     if len(prompts) > 1:  # each prompt keeps at least one token of its own: its logits give the first answer token
         shared = min(min(shared_prefix(prompts[0], p) for p in prompts), min(len(p) for p in prompts) - 1)
+        shared = text_before_image(prompts[0], 0, shared)  # the shared prefix is text: each prompt's images its own
     n_slots = max(1, min(n_parallel, len(prompts)))
     longest_rest = max((len(p) - shared for p in prompts), default=1)
     room = generation.max_tokens or answer_room

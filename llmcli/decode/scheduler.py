@@ -28,6 +28,7 @@ from typing import Any
 
 from llmcli.answer.events import DecodeEvent, Prefill
 from llmcli.answer.generation import Answer, GenerationOptions
+from llmcli.answer.images import has_images, image_start, text_before_image
 from llmcli.answer.reasoning import CLOSE as THINK_CLOSE
 from llmcli.answer.stats import AnswerClock
 from llmcli.decode.speculative import Candidate, Drafter, Speculation, choose_drafts
@@ -90,9 +91,17 @@ class Scheduler:
             cached = shared
         else:
             cached = kv.keep_prefix(prompt, seq, reuse_at_least)
+        if has_images(prompt):  # an image is evaluated whole: a kept prefix or a split never ends inside one
+            if (start := image_start(prompt, cached)) < cached:
+                kv.remove(seq, start, -1)
+                cached = start
+            if split_at is not None:
+                split_at = image_start(prompt, split_at)
         kv.checkpoints.pop(seq, None)
         clock = clock or AnswerClock()
         clock.prefill_started = time.perf_counter()
+        if engine.vision is not None:
+            clock.images = sum(1 for token in prompt if token < 0 and engine.vision.run(token))
         drafter = Drafter.for_mode(options.speculate, prompt, self.speculation.draft_model)
         slot = Slot(seq, prompt, options, sampler, Answer(options, len(prompt), engine.n_ctx), clock, drafter,
                     cached, cached, split_at if split_at is not None and cached < split_at < len(prompt) else None, tag)
@@ -133,7 +142,7 @@ class Scheduler:
         started = time.perf_counter()
         outcome, to_sample = self._pass(plan)
         if outcome != "ok":
-            return self._not_decoded(outcome, plan.chunks)
+            return self._not_decoded(outcome, plan.prompt_chunks)
         return self._apply(plan, to_sample, started)
 
     def plan(self) -> StepPlan:
@@ -151,12 +160,16 @@ class Scheduler:
         used = sum(1 + len(p.draft) for p in planned)
         chunks = []
         for slot in prefilling:
+            if slot.prompt[slot.prefilled] < 0:  # an image begins here: its own pass (embeddings, not tokens)
+                run = self.engine.vision.run(slot.prompt[slot.prefilled]) if self.engine.vision is not None else []
+                return StepPlan([], [], image=Chunk(slot, slot.prefilled, slot.prefilled + max(1, len(run))))
+        for slot in prefilling:
             if used >= capacity:
                 break
             begin, end = slot.prefilled, len(slot.prompt)
             if slot.split_at is not None and begin < slot.split_at:
                 end = slot.split_at
-            end = min(end, begin + capacity - used)
+            end = text_before_image(slot.prompt, begin, min(end, begin + capacity - used))
             chunks.append(Chunk(slot, begin, end))
             used += end - begin
         return StepPlan(planned, chunks)
@@ -167,6 +180,8 @@ class Scheduler:
         if plan.single:
             slot = plan.decoding[0].slot
             return self.engine.decode_one(slot.pending or 0), [(slot, -1, _NO_DRAFT)]
+        if plan.image is not None:
+            return self._image_pass(plan.image), []
         batch = self._batch
         batch.clear()
         to_sample: list[tuple[Slot, int, list[int]]] = []
@@ -185,12 +200,25 @@ class Scheduler:
         what = "evaluating the prompt" if plan.chunks else "decoding"
         return self.engine.decode(batch, what, abortable=bool(plan.chunks)), to_sample
 
+    def _image_pass(self, chunk: Chunk) -> str:
+        """Evaluate one image of a slot's prompt (encoded first, unless its embeddings are cached)."""
+        slot, engine = chunk.slot, self.engine
+        if chunk.end > self.cells:
+            return "full"
+        if engine.vision is None:
+            raise LlmcliError("this prompt holds an image, but no vision projector is loaded")
+        before = (engine.vision.encode_s, engine.vision.encoded)
+        outcome = engine.decode_image(slot.prompt[chunk.begin], chunk.begin, slot.seq)
+        slot.clock.image_s += engine.vision.encode_s - before[0]
+        slot.clock.images_encoded += engine.vision.encoded - before[1]
+        return outcome
+
     def _apply(self, plan: StepPlan, to_sample: list[tuple[Slot, int, list[int]]], started: float) -> list[Event]:
         """The pass was evaluated: the chunks' slots move on, each slot samples, finished answers end."""
         now = time.perf_counter()
         elapsed = now - started
         engine, kv = self.engine, self.engine.kv
-        for chunk in plan.chunks:
+        for chunk in plan.prompt_chunks:
             slot = chunk.slot
             slot.prefilled = chunk.end
             self.totals.prefill_tokens += chunk.end - chunk.begin
@@ -199,7 +227,7 @@ class Scheduler:
             elif slot.prefilled == slot.split_at and not kv.checkpoint_here(slot.seq):
                 slot.prefilled = slot.cached = 0  # llama.cpp refused its own state: evaluate the prompt again
         n_passed = plan.n_tokens
-        if not plan.chunks:
+        if not plan.prompt_chunks:
             self.speculation.cost.observe_pass(n_passed, elapsed)
         engine.adapt_threads(now)
         for planned in plan.decoding:
@@ -207,10 +235,10 @@ class Scheduler:
         events: list[Event] = []
         sampled = sum(self._sample(slot, first, draft, events, elapsed, n_passed, len(plan.decoding))
                       for slot, first, draft in to_sample)
-        if not plan.chunks:
+        if not plan.prompt_chunks:
             self.totals.decode_steps_s += time.perf_counter() - started
             self.totals.decode_step_tokens += sampled
-        for slot in [p.slot for p in plan.decoding] + [c.slot for c in plan.chunks]:
+        for slot in [p.slot for p in plan.decoding] + [c.slot for c in plan.prompt_chunks]:
             if slot.answer.finish is not None:
                 events += self.finish(slot, slot.answer.finish)
         return events

@@ -87,7 +87,10 @@ class LookupDrafter:
                 best, matched = stop, n
                 if n == longest:
                     break
-        return tokens[best : min(best + k, end)], next(size for size in NGRAM_SIZES if matched >= size)
+        draft = tokens[best : min(best + k, end)]
+        if draft and min(draft) < 0:  # an image's placeholders are not tokens to draft
+            draft = draft[: next(i for i, token in enumerate(draft) if token < 0)]
+        return draft, next(size for size in NGRAM_SIZES if matched >= size) if draft else 0
 
 
 # What a draft from each source is worth before anything is measured: the chance that a drafted token is
@@ -272,7 +275,12 @@ class Drafter:
     @staticmethod
     def for_mode(mode: str, prompt: Sequence[int], model: DraftModel | None) -> Drafter | None:
         """The drafter of an answer decoded with `mode` (None: off)."""
-        return None if mode not in MODES or mode == "off" else Drafter(mode, prompt, model)
+        if mode not in MODES or mode == "off":
+            return None
+        if model is not None and min(prompt, default=0) < 0:  # a draft model does not see the prompt's images
+            mode = "lookup" if mode == "draft" else "auto"
+            model = None
+        return Drafter(mode, prompt, model)
 
     def appended(self, token: int) -> None:
         if self.lookup is not None:

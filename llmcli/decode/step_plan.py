@@ -73,10 +73,17 @@ class StepPlan:
     decoding: list[Planned]
     chunks: list[Chunk]
     single: bool = False
+    image: Chunk | None = None  # a pass of one image's embeddings (the prompt's placeholder run [begin, end)), alone
 
     @property
     def n_tokens(self) -> int:
-        return sum(1 + len(p.draft) for p in self.decoding) + sum(c.end - c.begin for c in self.chunks)
+        image = self.image.end - self.image.begin if self.image is not None else 0
+        return sum(1 + len(p.draft) for p in self.decoding) + sum(c.end - c.begin for c in self.chunks) + image
+
+    @property
+    def prompt_chunks(self) -> list[Chunk]:
+        """The prompt parts this pass evaluates: text chunks, or an image."""
+        return [self.image] if self.image is not None else self.chunks
 
 
 @dataclass

@@ -34,8 +34,10 @@ from llmcli.llama.cpu_topology import physical_cores
 from llmcli.llama.kv_cache import KVCache
 from llmcli.llama.llama_log import llama_backend
 from llmcli.llama.sampler_chain import Sampler
+from llmcli.llama.vision import Vision
 from llmcli.llama.vocab import Vocabulary
 from llmcli.store.gguf_header import GGUFHeader, read_header
+from llmcli.store.projector import check_projector, read_projector
 
 DEFAULT_MAX_CTX = 4096  # llama-cpp-python's 512 is too small for chat; the training context is often too big
 
@@ -129,6 +131,7 @@ class Engine:
         self._one = (llama_cpp.llama_token * 1)()  # the token of a 1-token pass
         self._batch: Batch | None = None  # a pass of several tokens (a draft to verify)
         self._greedy: Any = None  # a greedy sampler, made on first use (a draft model drafts with it)
+        self.vision: Vision | None = None  # a projector, once attached: images in prompts
         self.load_s = time.perf_counter() - started
 
     def _create_context(self, n_cells: int, n_seq_max: int, unified: bool) -> None:
@@ -162,7 +165,21 @@ class Engine:
         (run --batch sizes it to its work); an answer still ends at `n_ctx` tokens. The weights stay loaded."""
         self._create_context(n_cells, n_seq_max, unified=False)
 
+    def attach_projector(self, path: Path) -> Vision:
+        """Load the vision projector at `path` (checked against this model first) for images in prompts."""
+        projector = read_projector(path)
+        check_projector(projector, self.header)
+        started = time.perf_counter()
+        n_embd = llama_cpp.llama_model_n_embd(self._model)
+        self.vision = Vision(path, self._model, self.n_threads, n_embd)
+        self.load_s += time.perf_counter() - started
+        return self.vision
+
     def close(self) -> None:
+        vision: Vision | None = getattr(self, "vision", None)
+        if vision is not None:
+            vision.close()
+            self.vision = None
         share: CoreShare | None = getattr(self, "_share", None)
         if share is not None:
             share.unregister()
@@ -304,6 +321,30 @@ class Engine:
                 self.kv.resync(seq)  # the micro-batches llama.cpp stored before it stopped stay
             return "aborted"
         raise self._decode_error(rc, what)
+
+    def decode_image(self, token: int, pos: int, seq: int) -> str:
+        """Evaluate the image whose placeholder run begins with `token` into sequence `seq` at `pos` (encoded first,
+        unless its embeddings are cached): `ok`, `full` (nothing evaluated) or `aborted` (Ctrl-C; what llama.cpp
+        stored stays); recorded in the KV bookkeeping as `decode`'s are."""
+        vision = self.vision
+        assert vision is not None
+        ids = vision.run(token)
+        if not ids:
+            raise LlmcliError("an image of the prompt is no longer prepared (more than 32 images in flight?)")
+        if pos + len(ids) > self.kv.n_ctx:
+            return "full"
+        llama_cpp.llama_set_abort_callback(self._ctx, self._abort, None)
+        try:
+            rc = vision.evaluate(self._ctx, token, pos, seq, self.config.n_batch)
+        finally:
+            llama_cpp.llama_set_abort_callback(self._ctx, llama_cpp.ggml_abort_callback(), None)
+        if rc == 0:
+            self.kv.appended(ids, seq)
+            return "ok"
+        self.kv.resync(seq)
+        if self.cancel:
+            return "aborted"
+        raise self._decode_error(rc, "evaluating an image")
 
     def decode_one(self, token: int) -> str:
         """Evaluate one token appended to sequence 0: a single answer's plain step, without building a batch

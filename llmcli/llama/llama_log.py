@@ -41,6 +41,16 @@ class LlamaLog:
             self.interrupted = True
 
     interrupted = False
+    _multimodal = False
+
+    def route_multimodal(self) -> None:
+        """The multimodal library (mtmd, CLIP) logs through its own setting: routed here too, once."""
+        if not self._multimodal:
+            from llama_cpp import mtmd_cpp
+
+            mtmd_cpp.mtmd_log_set(self._callback, ctypes.c_void_p(0))
+            mtmd_cpp.mtmd_helper_log_set(self._callback, ctypes.c_void_p(0))
+            self._multimodal = True
 
     def raise_if_interrupted(self) -> None:
         if self.interrupted:

@@ -177,7 +177,7 @@ def log_entry(pipeline: Pipeline[Answerer], kind: str, prompt: str, record: Mapp
     return answer_log.Entry(kind, pipeline.model.name, known_sha256(path) if path else None,
                             pipeline.session.options.system, prompt, record.get("text") or "", record.get("reasoning"),
                             used, record.get("finish_reason") or "", record.get("timings") or {}, conversation_id,
-                            [dataclasses.asdict(m) for m in messages] if messages and any(
+                            [m.record() for m in messages] if messages and any(
                                 m.tool_calls or m.role == "tool" for m in messages) else None)
 
 

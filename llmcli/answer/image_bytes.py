@@ -1,0 +1,91 @@
+"""Images as a prompt takes them: bytes (a file's, a data URI's, base64) decoded by Pillow — the only importer, and
+only when an image is given — into bounded RGB pixels, and every bad image refused with one line before anything is decoded without bounds.
+
+What is refused: not an image (or a format other than PNG, JPEG, GIF, WebP, BMP), a truncated or damaged file, more
+than MAX_PIXELS pixels (the header is read before any pixel: a decompression bomb is never decoded), an animated image
+(which frame would be meant?), more than MAX_IMAGE_BYTES. Modes are converted (CMYK, greyscale, palette, alpha on white)
+and a large picture is scaled down to at most `max_side` on its longer side: the projector resizes to its own size
+anyway, and a smaller bitmap is faster to hash, send and preprocess.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import warnings
+
+from llmcli.answer.images import ImageInput
+from llmcli.errors import UsageError
+from llmcli.units import human_size
+
+MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image file or a request's image: larger is refused before it is read whole
+MAX_PIXELS = 50_000_000  # width × height read from the header: more is refused before any pixel is decoded
+DEFAULT_MAX_SIDE = 1536  # pixels on the longer side after scaling down (the projectors here see 224–896)
+FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "WEBP": "image/webp", "BMP": "image/bmp"}
+
+
+class ImageError(UsageError):
+    """An image that cannot be used: the one-line reason (the servers answer it as their protocol's 400)."""
+
+
+def decode_image(data: bytes, source: str, max_side: int = DEFAULT_MAX_SIDE) -> ImageInput:
+    """`data` (an image file's bytes) as RGB pixels, checked and bounded; ImageError says why not."""
+    from PIL import Image, UnidentifiedImageError
+
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ImageError(f"{source}: {human_size(len(data))} is more than an image may be ({human_size(MAX_IMAGE_BYTES)})")
+    if not data:
+        raise ImageError(f"{source}: empty, not an image")
+    Image.MAX_IMAGE_PIXELS = MAX_PIXELS  # Pillow's own guard, at this bound (an error past it, not a warning)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            picture = Image.open(io.BytesIO(data), formats=list(FORMATS))
+            width, height = picture.size
+            if width * height > MAX_PIXELS or width < 1 or height < 1:
+                raise ImageError(f"{source}: {width} × {height} pixels is more than an image may have "
+                                 f"({MAX_PIXELS:,} pixels)")
+            if getattr(picture, "n_frames", 1) > 1:
+                raise ImageError(f"{source}: an animated image ({picture.n_frames} frames): give one frame as a still "
+                                 "image")
+            picture.load()
+            rgb = _as_rgb(picture)
+    except ImageError:
+        raise
+    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise ImageError(f"{source}: not an image llmcli reads (PNG, JPEG, GIF, WebP or BMP)") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:  # Pillow's truncated and damaged files
+        raise ImageError(f"{source}: a damaged or truncated image ({str(exc) or type(exc).__name__})") from None
+    if max(rgb.size) > max_side:
+        rgb.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
+    return ImageInput(rgb.width, rgb.height, rgb.tobytes(), source, data, FORMATS[str(picture.format)])
+
+
+def _as_rgb(picture: object) -> object:
+    """RGB pixels: transparency over white, CMYK and palettes converted."""
+    from PIL import Image
+
+    assert isinstance(picture, Image.Image)
+    if picture.mode in ("RGBA", "LA", "PA") or (picture.mode == "P" and "transparency" in picture.info):
+        rgba = picture.convert("RGBA")
+        canvas = Image.new("RGB", rgba.size, (255, 255, 255))
+        canvas.paste(rgba, mask=rgba.getchannel("A"))
+        return canvas
+    return picture.convert("RGB")
+
+
+def decode_data(text: str, source: str) -> ImageInput:
+    """An image sent in a request: a `data:image/...;base64,` URI or bare base64 (Ollama's `images`, Anthropic's
+    `source.data`)."""
+    if text.startswith("data:"):
+        header, _, text = text.partition(",")
+        if not header.endswith(";base64"):
+            raise ImageError(f"{source}: a data URI must be base64 (data:image/png;base64,...)")
+    if len(text) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise ImageError(f"{source}: more than an image may be ({human_size(MAX_IMAGE_BYTES)})")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError(f"{source}: not valid base64") from None
+    return decode_image(data, source)
