@@ -16,6 +16,7 @@ from typing import Protocol
 from llmcli.answer.batch_jsonl import BatchItem, Record, Summary
 from llmcli.answer.events import AnswerEvent
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.images import ImageInput
 from llmcli.answer.message import Message
 from llmcli.answer.tool_calls import ToolSpec
 from llmcli.config.settings import default
@@ -102,7 +103,7 @@ class LocalModel(Protocol):
         ...
 
     def render(self, user_text: str | None, history: list[Message] | None = None,
-               tools: ToolSpec | None = None) -> RenderedPrompt:
+               tools: ToolSpec | None = None, images: tuple[ImageInput, ...] = ()) -> RenderedPrompt:
         """The exact prompt of this new message (None: of the history as it is)."""
         ...
 
@@ -110,7 +111,7 @@ class LocalModel(Protocol):
         """The context and what the conversation takes of it."""
         ...
 
-    def fit(self, user_text: str, max_tokens: int | None) -> int:
+    def fit(self, user_text: str, max_tokens: int | None, images: tuple[ImageInput, ...] = ()) -> int:
         """Drop the oldest exchanges until the prompt of `user_text` and room for the answer fit; how many."""
         ...
 
@@ -155,9 +156,9 @@ class Answerer(Protocol):
         ...
 
     def ask(self, user_text: str | None, options: GenerationOptions,
-            stable_text: str | None = None) -> Iterator[AnswerEvent]:
-        """Answer `user_text` after the history (None: the history ends with tool results and the model goes on);
-        the exchange joins the history when the answer is done."""
+            stable_text: str | None = None, images: tuple[ImageInput, ...] = ()) -> Iterator[AnswerEvent]:
+        """Answer `user_text` (with `images`) after the history (None: the history ends with tool results and the
+        model goes on); the exchange joins the history when the answer is done."""
         ...
 
     def take_notices(self) -> list[str]:

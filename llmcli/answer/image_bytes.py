@@ -1,5 +1,6 @@
 """Images as a prompt takes them: bytes (a file's, a data URI's, base64) decoded by Pillow — the only importer, and
-only when an image is given — into bounded RGB pixels, and every bad image refused with one line before anything is decoded without bounds.
+only when an image is given — into bounded RGB pixels, and every bad image refused with one line before anything is
+decoded without bounds.
 
 What is refused: not an image (or a format other than PNG, JPEG, GIF, WebP, BMP), a truncated or damaged file, more
 than MAX_PIXELS pixels (the header is read before any pixel: a decompression bomb is never decoded), an animated image
@@ -14,10 +15,14 @@ import base64
 import binascii
 import io
 import warnings
+from typing import TYPE_CHECKING
 
 from llmcli.answer.images import ImageInput
 from llmcli.errors import UsageError
 from llmcli.units import human_size
+
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image file or a request's image: larger is refused before it is read whole
 MAX_PIXELS = 50_000_000  # width × height read from the header: more is refused before any pixel is decoded
@@ -46,9 +51,9 @@ def decode_image(data: bytes, source: str, max_side: int = DEFAULT_MAX_SIDE) -> 
             if width * height > MAX_PIXELS or width < 1 or height < 1:
                 raise ImageError(f"{source}: {width} × {height} pixels is more than an image may have "
                                  f"({MAX_PIXELS:,} pixels)")
-            if getattr(picture, "n_frames", 1) > 1:
-                raise ImageError(f"{source}: an animated image ({picture.n_frames} frames): give one frame as a still "
-                                 "image")
+            frames = int(getattr(picture, "n_frames", 1))
+            if frames > 1:
+                raise ImageError(f"{source}: an animated image ({frames} frames): give one frame as a still image")
             picture.load()
             rgb = _as_rgb(picture)
     except ImageError:
@@ -62,11 +67,10 @@ def decode_image(data: bytes, source: str, max_side: int = DEFAULT_MAX_SIDE) -> 
     return ImageInput(rgb.width, rgb.height, rgb.tobytes(), source, data, FORMATS[str(picture.format)])
 
 
-def _as_rgb(picture: object) -> object:
+def _as_rgb(picture: PILImage) -> PILImage:
     """RGB pixels: transparency over white, CMYK and palettes converted."""
     from PIL import Image
 
-    assert isinstance(picture, Image.Image)
     if picture.mode in ("RGBA", "LA", "PA") or (picture.mode == "P" and "transparency" in picture.info):
         rgba = picture.convert("RGBA")
         canvas = Image.new("RGB", rgba.size, (255, 255, 255))

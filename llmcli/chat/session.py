@@ -77,7 +77,8 @@ def find_template(header: GGUFHeader, options: PromptOptions) -> tuple[ChatTempl
 
 
 def render_prompt(template: ChatTemplate | None, vocab: Vocabulary, messages: list[Message],
-                  options: PromptOptions, tools: ToolSpec | None = None, vision: Vision | None = None) -> RenderedPrompt:
+                  options: PromptOptions, tools: ToolSpec | None = None,
+                  vision: Callable[[], Vision] | None = None) -> RenderedPrompt:
     """Messages -> the exact text and tokens the model sees: the chat template (with --think/--no-think and the
     tools), or without one the contents joined by blank lines; each image's tokens where its marker is."""
     messages, variables = templates.tools_in_prompt(messages, tools, template.source if template else None)
@@ -93,12 +94,12 @@ def render_prompt(template: ChatTemplate | None, vocab: Vocabulary, messages: li
 
 
 def _tokenized(text: str, vocab: Vocabulary, add_special: bool, images: list[ImageInput],
-               vision: Vision | None) -> RenderedPrompt:
+               load_vision: Callable[[], Vision] | None) -> RenderedPrompt:
     if not images:
         return RenderedPrompt(text, vocab.tokenize(text, add_special=add_special))
-    if vision is None:
-        raise UsageError("this model does not see images: it has no vision projector",
-                         hint="Give the model's mmproj file with --mmproj PATH, or use a vision model.")
+    if load_vision is None:
+        raise UsageError("images are not read here: only a model loaded with its projector sees them")
+    vision = load_vision()
     if len(images) > MAX_IMAGES:
         raise UsageError(f"{len(images)} images: a prompt takes at most {MAX_IMAGES}")
     pieces = text.split(IMAGE_MARKER)
@@ -185,7 +186,7 @@ class Session:
     def render_history(self) -> RenderedPrompt:
         """The conversation so far (the system prompt and the history), as the model sees it before a new message."""
         return render_prompt(self.template, self.engine.vocab, with_system(self.options.system, list(self.history)),
-                             self.options, vision=self.engine.vision)
+                             self.options, vision=self.engine.load_vision)
 
     def fit(self, user_text: str, max_tokens: int | None, images: tuple[ImageInput, ...] = ()) -> int:
         room = self.answer_room(max_tokens)
@@ -234,7 +235,7 @@ class Session:
                tools: ToolSpec | None = None, images: tuple[ImageInput, ...] = ()) -> RenderedPrompt:
         """The exact text and tokens the model will see for this new message (after `history`, else the session's)."""
         return render_prompt(self.template, self.engine.vocab, self.messages_with(user_text, history, images),
-                             self.options, tools, self.engine.vision)
+                             self.options, tools, self.engine.load_vision)
 
     def render_conversation(self, messages: list[Message], think: bool | None = None,
                             tools: ToolSpec | None = None) -> RenderedPrompt:
@@ -242,7 +243,7 @@ class Session:
         prompt and options, `think` given (None: the session's)."""
         options = self.options if think is None else dataclasses.replace(self.options, think=think)
         return render_prompt(self.template, self.engine.vocab, with_system(options.system, messages), options, tools,
-                             self.engine.vision)
+                             self.engine.load_vision)
 
     def slot_server(self, n_slots: int, queue_size: int) -> SlotServer:
         """This session's model answering requests in `n_slots` slots (serve): the same engine, speculation and

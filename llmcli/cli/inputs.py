@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import select
 import sys
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from llmcli.errors import ResourceError, UsageError
+
+if TYPE_CHECKING:
+    from llmcli.answer.images import ImageInput
 
 
 def stdin_grace_s() -> float:
@@ -81,3 +85,32 @@ def combine_input(prompt: str | None, stdin_text: str | None, prompt_first: bool
     if not text.strip():
         raise UsageError("no prompt given", hint='Pass a prompt: llmcli run "..." or pipe text into llmcli run -')
     return text
+
+
+def read_images(names: list[str] | None) -> tuple[ImageInput, ...]:
+    """`--image PATH` (repeatable; `-`: the image is piped on stdin, once), each decoded and checked."""
+    from llmcli.answer.image_bytes import MAX_IMAGE_BYTES, ImageError, decode_image
+    from llmcli.answer.images import MAX_IMAGES
+
+    names = names or []
+    if len(names) > MAX_IMAGES:
+        raise UsageError(f"{len(names)} images: a prompt takes at most {MAX_IMAGES}")
+    if names.count("-") > 1:
+        raise UsageError("--image - reads stdin: give it once")
+    images = []
+    for name in names:
+        if name == "-":
+            stream = sys.stdin
+            if stream is None or _is_tty(stream):
+                raise UsageError("--image - reads the image from stdin, but stdin is a terminal",
+                                 hint="Pipe it in: llmcli run --image - \"What is this?\" < photo.png")
+            images.append(decode_image(stream.buffer.read(MAX_IMAGE_BYTES + 1), "stdin"))
+            continue
+        path = Path(name).expanduser()
+        try:
+            with path.open("rb") as handle:
+                data = handle.read(MAX_IMAGE_BYTES + 1)
+        except OSError as exc:
+            raise ImageError(f"cannot read the image {name}: {exc.strerror or exc}") from None
+        images.append(decode_image(data, path.name))
+    return tuple(images)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from llmcli.answer.events import Done
+    from llmcli.answer.images import ImageInput
     from llmcli.pipeline import Request
     from llmcli.tools.tool_loop import ToolRunner
 
@@ -52,6 +53,10 @@ SaveOpt = Annotated[Optional[str], typer.Option(
     "other $placeholders) and the settings given.", show_default=False, rich_help_panel=TEMPLATES)]
 VarOpt = Annotated[Optional[list[str]], typer.Option(
     "--var", help="NAME=VALUE for a template's $NAME. Repeatable.", show_default=False, rich_help_panel=TEMPLATES)]
+ImageOpt = Annotated[Optional[list[str]], typer.Option(
+    "--image", "-i", help="Ask about an image (PNG, JPEG, GIF, WebP, BMP): a file, or `-` for one piped on stdin. "
+    "Repeatable. The model needs its vision projector (found with it, or --mmproj).", show_default=False,
+    rich_help_panel=INPUT)]
 DEFAULT_PARALLEL = 4
 
 
@@ -63,6 +68,7 @@ class Message:
     prompt_arg: str | None = None
     stdin_text: str | None = None
     prompt_first: bool = False
+    images: tuple[ImageInput, ...] = ()  # --image: pictures the message asks about (before its text)
 
     @property
     def stable(self) -> str:
@@ -118,11 +124,12 @@ def run(
     template: TemplateOpt = None,
     save: SaveOpt = None,
     var: VarOpt = None,
+    image: ImageOpt = None,
     **given: Any,
 ) -> None:
     """Answer one prompt, streamed to stdout; stats on stderr."""
     from llmcli.cli import output
-    from llmcli.cli.inputs import combine_input, read_message
+    from llmcli.cli.inputs import combine_input, read_images, read_message
 
     prompt_text = " ".join(prompt) if prompt else None  # (`llmcli run hello world`: one prompt of two words)
 
@@ -133,6 +140,8 @@ def run(
             raise UsageError("--batch reads its prompts from the file; drop the prompt argument")
         if ToolOptions.of(given).used:
             raise UsageError("--batch answers without tools: drop --functions and --mcp")
+        if image:
+            raise UsageError('--batch reads each record\'s images from the file: {"prompt": "...", "images": ["a.png"]}')
         n_parallel = parallel or DEFAULT_PARALLEL
         run_batch_command(batch, o.build_request(given, n_parallel), n_parallel, quiet)
     if parallel is not None:
@@ -150,15 +159,21 @@ def run(
         given.update({name: value for name, value in chosen.settings.items() if given.get(name) in (None, [])})
         if chosen.system and not given.get("system"):
             given["system"] = chosen.system
-    if chosen is not None and not chosen.needs_input and prompt_text is None and (sys.stdin is None or sys.stdin.isatty()):
-        message = Message(chosen.render(None, _variables(var)))
+    images = read_images(image)
+    if "-" in (image or []):  # stdin held the image: the prompt is the argument alone
+        if prompt_text in (None, "-"):
+            raise UsageError("--image - reads stdin: give the question as the prompt argument")
+        message = Message(chosen.render(prompt_text, _variables(var)) if chosen is not None else prompt_text or "",
+                          prompt_text, images=images)
+    elif chosen is not None and not chosen.needs_input and prompt_text is None and (sys.stdin is None or sys.stdin.isatty()):
+        message = Message(chosen.render(None, _variables(var)), images=images)
     else:
         prompt_arg, stdin_text, notice = read_message(prompt_text, wait_stdin)
         if notice and not quiet:
             output.print_notice(console, notice)
         text = combine_input(prompt_arg, stdin_text, prompt_first)
         message = Message(chosen.render(text, _variables(var)) if chosen is not None else text, prompt_arg, stdin_text,
-                          prompt_first)
+                          prompt_first, images)
     tools = ToolOptions.of(given)
     if tools.used and (given.get("grammar") or given.get("grammar_file") or given.get("json_schema")
                        or given.get("output_format")):
@@ -196,7 +211,7 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
             local = session.local
             if local is None:
                 raise UsageError("the server renders the prompt with --endpoint: --show-prompt is not available")
-            rendered = local.render(message.text)
+            rendered = local.render(message.text, images=message.images)
             sys.stdout.write(rendered.text + "\n")
             mode = "raw" if local.template_source is None else "chat template"
             console.print(f"{len(rendered.tokens)} tokens ({pipeline.model.name}, {mode}, context {local.context().n_ctx})")
@@ -218,9 +233,10 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
             if runner is not None:
                 from llmcli.tools.tool_loop import answer_with_tools
 
-                events = answer_with_tools(session, message.text, generation, runner, pipeline.cancel, message.stable)
+                events = answer_with_tools(session, message.text, generation, runner, pipeline.cancel, message.stable,
+                                           message.images)
             else:
-                events = session.ask(message.text, generation, stable_text=message.stable)
+                events = session.ask(message.text, generation, stable_text=message.stable, images=message.images)
             done = show_answer(events, sink, console, options.quiet, logged)
         format_error = done.format_error if done is not None else None
         call_cut = runner is not None and done is not None and tool_call_cut_off(done)

@@ -17,7 +17,7 @@ from llmcli.errors import UsageError
 if TYPE_CHECKING:
     from llmcli.pipeline.local import Tokenizer
 
-SETTINGS_TAKEN = ("model", "system", "ctx_size", "think")  # what changes a prompt's tokens or the context
+SETTINGS_TAKEN = ("model", "system", "ctx_size", "think", "mmproj")  # what changes a prompt's tokens or the context
 ChatOpt = Annotated[bool, typer.Option(
     "--chat", help="Count the rendered chat prompt of the text as one message (chat template and system prompt), as "
     "`run` sends it; without it, the text as-is (as `run --raw`).")]
@@ -28,6 +28,9 @@ TokenizeJsonOpt = Annotated[bool, typer.Option(
 FilesArg = Annotated[Optional[list[str]], typer.Argument(
     help="Text files to count (`-` or none: stdin; one argument that names no file: that text). With --chat: the "
     "prompt, as `run` takes it.", show_default=False)]
+ImageOpt = Annotated[Optional[list[str]], typer.Option(
+    "--image", "-i", help="Count with an image (as `run --image`: the model's projector says how many tokens it "
+    "takes). Repeatable; `-`: piped on stdin.", show_default=False)]
 TextArg = Annotated[Optional[str], typer.Argument(help="The text (`-` or none: stdin).", show_default=False)]
 
 
@@ -39,15 +42,21 @@ def count(
     chat_template_file: o.TemplateFileOpt = None,
     offline: o.OfflineOpt = False,
     as_json: CountJsonOpt = False,
+    image: ImageOpt = None,
     **given: Any,
 ) -> None:
     """Count tokens: per file and in total, against the context size; only the vocabulary is loaded."""
     from llmcli.cli import output
+    from llmcli.cli.inputs import read_images
 
     _check_chat_only(given, chat, chat_template_file)
-    inputs = _inputs(files, chat)
+    images = read_images(image)
+    if "-" in (image or []) and not files:
+        raise UsageError("--image - reads stdin: give the text as an argument")
+    inputs = _inputs(files, chat) if files or not images else [("prompt", "")]
     with _tokenizer(given, chat, chat_template_file, offline) as tokenizer:
-        counted = [(name, len(tokenizer.chat(text).tokens if chat else tokenizer.raw(text))) for name, text in inputs]
+        counted = [(name, len(tokenizer.chat(text, images).tokens if chat else tokenizer.raw(text, images)))
+                   for name, text in inputs]
         _notices(tokenizer, chat)
     total = sum(n for _, n in counted)
     fits = total <= tokenizer.n_ctx

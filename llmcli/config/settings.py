@@ -108,6 +108,8 @@ _SAMPLING_KEY = "general.sampling."
 SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _s("model", str, None, "A .gguf path, OWNER/REPO[:QUANT] from Hugging Face, an alias or an installed model.",
        "--model", "-m", panel=MODEL, default_text="the config file's, else the first installed model"),
+    _s("mmproj", str, None, "The model's vision projector (an mmproj .gguf): images in prompts.", panel=MODEL,
+       default_text="found with the model: beside its file, in its Hub repository or Ollama manifest"),
     _s("system", str, None, "System prompt.", "--system", "-s", panel=MODEL, chat=True),
     _s("think", bool, None, "Reasoning models: let the model think first, or not (the chat template's "
        "enable_thinking); no effect on models without the switch.", "--think/--no-think", panel=MODEL,

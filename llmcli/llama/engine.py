@@ -25,7 +25,7 @@ import llama_cpp
 from llmcli.answer.context_budget import overflow
 from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.config.settings import default
-from llmcli.errors import IntegrityError, LlmcliError, ResourceError
+from llmcli.errors import IntegrityError, LlmcliError, ResourceError, UsageError
 from llmcli.interrupt import Cancellation
 from llmcli.llama.batch import Batch
 from llmcli.llama.core_share import CoreShare
@@ -37,7 +37,7 @@ from llmcli.llama.sampler_chain import Sampler
 from llmcli.llama.vision import Vision
 from llmcli.llama.vocab import Vocabulary
 from llmcli.store.gguf_header import GGUFHeader, read_header
-from llmcli.store.projector import check_projector, read_projector
+from llmcli.store.projector import Projector, check_projector, read_projector
 
 DEFAULT_MAX_CTX = 4096  # llama-cpp-python's 512 is too small for chat; the training context is often too big
 
@@ -131,7 +131,8 @@ class Engine:
         self._one = (llama_cpp.llama_token * 1)()  # the token of a 1-token pass
         self._batch: Batch | None = None  # a pass of several tokens (a draft to verify)
         self._greedy: Any = None  # a greedy sampler, made on first use (a draft model drafts with it)
-        self.vision: Vision | None = None  # a projector, once attached: images in prompts
+        self.projector: Projector | None = None  # a vision projector, checked against this model (`use_projector`)
+        self.vision: Vision | None = None  # ... loaded on the first image (`load_vision`)
         self.load_s = time.perf_counter() - started
 
     def _create_context(self, n_cells: int, n_seq_max: int, unified: bool) -> None:
@@ -165,14 +166,21 @@ class Engine:
         (run --batch sizes it to its work); an answer still ends at `n_ctx` tokens. The weights stay loaded."""
         self._create_context(n_cells, n_seq_max, unified=False)
 
-    def attach_projector(self, path: Path) -> Vision:
-        """Load the vision projector at `path` (checked against this model first) for images in prompts."""
+    def use_projector(self, path: Path) -> Projector:
+        """The vision projector at `path` for images in prompts: its header read and checked against this model now
+        (IntegrityError), the projector itself loaded on the first image (a text prompt never waits for it)."""
         projector = read_projector(path)
         check_projector(projector, self.header)
-        started = time.perf_counter()
-        n_embd = llama_cpp.llama_model_n_embd(self._model)
-        self.vision = Vision(path, self._model, self.n_threads, n_embd)
-        self.load_s += time.perf_counter() - started
+        self.projector = projector
+        return projector
+
+    def load_vision(self) -> Vision:
+        """The projector, loaded (once); UsageError when this model has none."""
+        if self.vision is None:
+            if self.projector is None:
+                raise UsageError("this model does not see images: it has no vision projector",
+                                 hint="Give the model's mmproj file with --mmproj PATH, or use a vision model.")
+            self.vision = Vision(self.projector.path, self._model, self.n_threads, llama_cpp.llama_model_n_embd(self._model))
         return self.vision
 
     def close(self) -> None:

@@ -90,8 +90,21 @@ class VocabularyFile:
                                  hint="Check that the file is a complete GGUF model supported by this llama.cpp build.")
         self.vocab = Vocabulary(llama_cpp.llama_model_get_vocab(self._model))
         self.load_s = time.perf_counter() - started
+        self._vision: Any = None
+
+    def vision(self, projector: Path) -> Any:
+        """The vision projector at `projector` over this vocabulary (a `Vision`: its image tokens counted without the
+        model's weights), loaded once."""
+        from llmcli.llama.vision import Vision
+
+        if self._vision is None:
+            self._vision = Vision(projector, self._model, 1, llama_cpp.llama_model_n_embd(self._model))
+        return self._vision
 
     def close(self) -> None:
+        if getattr(self, "_vision", None) is not None:
+            self._vision.close()
+            self._vision = None
         if getattr(self, "_model", None):
             llama_cpp.llama_model_free(self._model)
             self._model = None

@@ -14,6 +14,7 @@ from llmcli.answer.answerer import Answerer, LocalModel, ProgressCallback, Promp
 from llmcli.answer.batch_jsonl import BatchItem, Summary
 from llmcli.answer.events import AnswerEvent, Notice, Token
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.images import ImageInput
 from llmcli.answer.message import Message
 from llmcli.interrupt import Cancellation
 from llmcli.remote.client import NetworkError
@@ -75,10 +76,10 @@ class FallbackAnswerer:
         return self._current.batch(items, generation, parallel, cancel, on_result, on_progress)
 
     def ask(self, user_text: str | None, options: GenerationOptions,
-            stable_text: str | None = None) -> Iterator[AnswerEvent]:
+            stable_text: str | None = None, images: tuple[ImageInput, ...] = ()) -> Iterator[AnswerEvent]:
         shown: list[str] = []  # the answer's text already delivered
         try:
-            for event in self._current.ask(user_text, options, stable_text):
+            for event in self._current.ask(user_text, options, stable_text, images):
                 if isinstance(event, Token) and not event.reasoning:
                     shown.append(event.text)
                 yield event
@@ -94,7 +95,7 @@ class FallbackAnswerer:
         local = self._local.generation
         options = dataclasses.replace(options, constraint=local.constraint, sampling=dataclasses.replace(
             options.sampling, grammar=local.sampling.grammar, grammar_origin=local.sampling.grammar_origin))
-        yield from _after(self._current.ask(user_text, options, stable_text), "".join(shown))
+        yield from _after(self._current.ask(user_text, options, stable_text, images), "".join(shown))
 
     def close(self) -> None:
         if self._local is not None:

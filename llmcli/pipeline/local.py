@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
 from llmcli import paths
 from llmcli.answer.answerer import PromptOptions, RenderedPrompt, with_system
 from llmcli.answer.constraint import Constraint
 from llmcli.answer.generation import GenerationOptions
-from llmcli.answer.message import Message
+from llmcli.answer.images import ImageInput
+from llmcli.answer.message import user_message
 from llmcli.answer.sampling_config import SamplingConfig, parse_logit_bias
 from llmcli.chat.session import Session, find_template, render_prompt
 from llmcli.config import settings
@@ -23,12 +25,14 @@ from llmcli.interrupt import Cancellation
 from llmcli.llama.cpu_topology import physical_cores
 from llmcli.llama.engine import CELL_PADDING, Engine, EngineConfig, default_context
 from llmcli.llama.schema_grammar import with_grammar
+from llmcli.llama.vision import Vision
 from llmcli.llama.vocab import VocabularyFile
 from llmcli.pipeline import Pipeline, Request, fetch_for, resolve_settings
 from llmcli.prompt.chat_template import ChatTemplate
 from llmcli.store import memory, models
 from llmcli.store.cache import Fetch, ProgressCallback, WaitingNotice
 from llmcli.store.gguf_header import GGUFHeader, read_header
+from llmcli.store.projector import check_projector, read_projector
 from llmcli.units import counted
 
 
@@ -39,6 +43,17 @@ def check_memory(model: models.ResolvedModel, header: GGUFHeader, cells: int, kv
     weights = sum(p.stat().st_size for p in model.files)
     memory.check_memory(model.name, weights, memory.kv_cache_bytes(header, cells, 1, kv_type) if cells else 0, force,
                         0 if force else held_by_others(model.path))
+
+
+def projector_of(effective: settings.Settings, model: models.ResolvedModel) -> Path | None:
+    """The vision projector to use: --mmproj, else the one found with the model (None: the model reads text only)."""
+    given = effective["mmproj"]
+    if not given:
+        return model.projector
+    path = Path(given).expanduser()
+    if not path.is_file():
+        raise UsageError(f"--mmproj {given}: no such file")
+    return path
 
 
 def open_pipeline(request: Request, on_progress: ProgressCallback | None = None, cancel: Cancellation | None = None,
@@ -75,6 +90,9 @@ def open_local(request: Request, on_progress: ProgressCallback | None, cancel: C
         engine = Engine(model.path, engine_config, cancel)
     with ExitStack() as resources:  # a failure from here on closes what was opened, in reverse
         resources.callback(engine.close)
+        projector = projector_of(effective, model)
+        if projector is not None:
+            engine.use_projector(projector)
         vocab = engine.vocab
         biases = parse_logit_bias(list(request.logit_bias), lambda t: vocab.tokenize(t, add_special=False), vocab.n_tokens)
         sampling = SamplingConfig.from_settings(effective.values, logit_bias=biases, grammar=constraint.grammar,
@@ -124,15 +142,27 @@ class Tokenizer:
     prompt: PromptOptions
     n_ctx: int  # the context `run` would have, with these settings
     notices: list[str]
+    projector: Path | None = None  # the model's vision projector (checked): images are counted with it
 
-    def raw(self, text: str) -> list[int]:
-        """The tokens of `text` sent as-is (as `run --raw` sends it)."""
-        return self.vocabulary.vocab.tokenize(text, add_special=True)
+    def raw(self, text: str, images: tuple[ImageInput, ...] = ()) -> list[int]:
+        """The tokens of `text` sent as-is (as `run --raw` sends it), its images first."""
+        if not images:
+            return self.vocabulary.vocab.tokenize(text, add_special=True)
+        return render_prompt(None, self.vocabulary.vocab, [user_message(text, images)], self.prompt,
+                             vision=self._vision).tokens
 
-    def chat(self, text: str) -> RenderedPrompt:
-        """The rendered prompt of `text` as a new message: system prompt and template applied (as `run` does)."""
-        messages = with_system(self.prompt.system, [Message("user", text)])
-        return render_prompt(self.template, self.vocabulary.vocab, messages, self.prompt)
+    def chat(self, text: str, images: tuple[ImageInput, ...] = ()) -> RenderedPrompt:
+        """The rendered prompt of `text` (and its images) as a new message: system prompt and template applied (as
+        `run` does)."""
+        messages = with_system(self.prompt.system, [user_message(text, images)])
+        return render_prompt(self.template, self.vocabulary.vocab, messages, self.prompt, vision=self._vision)
+
+    def _vision(self) -> Vision:
+        if self.projector is None:
+            raise UsageError("this model does not see images: it has no vision projector",
+                             hint="Give the model's mmproj file with --mmproj PATH, or use a vision model.")
+        vision: Vision = self.vocabulary.vision(self.projector)
+        return vision
 
     def close(self) -> None:
         self.vocabulary.close()
@@ -153,7 +183,10 @@ def open_tokenizer(request: Request) -> Tokenizer:
     template, notices = find_template(header, prompt)
     requested = effective["ctx_size"] or default_context(header.context_length)
     n_ctx = -(-requested // CELL_PADDING) * CELL_PADDING  # as llama.cpp pads it
-    return Tokenizer(effective, model, VocabularyFile(model.path), template, prompt, n_ctx, notices)
+    projector = projector_of(effective, model)
+    if projector is not None:
+        check_projector(read_projector(projector), header)
+    return Tokenizer(effective, model, VocabularyFile(model.path), template, prompt, n_ctx, notices, projector)
 
 
 def _speculation(effective: settings.Settings, engine: Engine, config: EngineConfig, fetch: Fetch,

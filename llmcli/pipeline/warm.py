@@ -34,7 +34,7 @@ from llmcli.units import parse_keep_alive
 
 # What the server fixes when it loads the model: sent once, when it starts (each request sends the rest).
 LOAD_SETTINGS = ("ctx_size", "threads", "batch_size", "mlock", "mmap", "flash_attn", "kv_type", "speculate",
-                 "draft_model", "draft_max", "tool_format", "special")
+                 "draft_model", "draft_max", "tool_format", "special", "mmproj")
 START_TIMEOUT_S = 300.0  # a large model's first load (page cache cold, weights repacked)
 MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sun_path, less its terminating NUL, on Linux)
 

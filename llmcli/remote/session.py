@@ -15,9 +15,10 @@ from llmcli.answer.answerer import ProgressCallback, PromptOptions, ResultCallba
 from llmcli.answer.batch_jsonl import BatchItem, Summary
 from llmcli.answer.events import AnswerEvent, DecodeEvent, Done, Token, answer_record
 from llmcli.answer.generation import GenerationOptions
-from llmcli.answer.message import Message
+from llmcli.answer.images import ImageInput
+from llmcli.answer.message import Message, user_message
 from llmcli.answer.openai_wire import ChunkReader, message_dict, sampling_fields, tool_fields
-from llmcli.errors import LlmcliError
+from llmcli.errors import LlmcliError, UsageError
 from llmcli.interrupt import Cancellation
 from llmcli.remote.client import Client, NetworkError
 
@@ -25,7 +26,7 @@ from llmcli.remote.client import Client, NetworkError
 # --endpoint, they are named in a notice, never dropped without a word.
 NOT_SENT = frozenset({"ctx_size", "threads", "batch_size", "mlock", "mmap", "speculate", "draft_model", "draft_max",
                       "flash_attn", "kv_type", "prompt_cache", "prompt_cache_min", "prompt_cache_size", "hub_timeout",
-                      "on_overflow", "special", "logprobs"})
+                      "on_overflow", "special", "logprobs", "mmproj"})
 
 
 @dataclass(frozen=True)
@@ -79,14 +80,15 @@ class RemoteSession:
         return self.client.endpoint.url
 
     def ask(self, user_text: str | None, options: GenerationOptions,
-            stable_text: str | None = None) -> Iterator[AnswerEvent]:
-        """Answer `user_text` after the history; the exchange joins the history when the answer is done."""
-        for event in exchange(self, user_text, options, self.history):
+            stable_text: str | None = None, images: tuple[ImageInput, ...] = ()) -> Iterator[AnswerEvent]:
+        """Answer `user_text` (and its images) after the history; the exchange joins the history when the answer is
+        done."""
+        for event in exchange(self, user_text, options, self.history, images):
             if isinstance(event, Done) and self.loaded is not None:
                 (load_s, warm), self.loaded = self.loaded, None
                 event = dataclasses.replace(event, stats=dataclasses.replace(event.stats, load_s=load_s, warm=warm))
             if isinstance(event, Done):
-                self.history += [*([Message("user", user_text)] if user_text is not None else []),
+                self.history += [*([user_message(user_text, images)] if user_text is not None else []),
                                  Message("assistant", event.text, tool_calls=event.tool_calls)]
             yield event
 
@@ -134,15 +136,17 @@ class RemoteSession:
 
 
 def exchange(session: RemoteSession, user_text: str | None, options: GenerationOptions,
-             history: list[Message]) -> Iterator[DecodeEvent]:
+             history: list[Message], images: tuple[ImageInput, ...] = ()) -> Iterator[DecodeEvent]:
     """One request and its streamed answer, as events; the Done carries the whole answer."""
     started = time.perf_counter()
     chat = not session.options.raw
     body = session.request.body(options, session.options.think if chat else None)
     if chat:
-        new = [Message("user", user_text)] if user_text is not None else []
+        new = [user_message(user_text, images)] if user_text is not None else []
         messages = with_system(session.options.system, [*history, *new])
         body["messages"] = [message_dict(m) for m in messages]
+    elif images:
+        raise UsageError("images need a chat request: --raw sends text only")
     else:
         body["prompt"] = user_text or ""
     answer = ChunkReader(options.stops, started, options.tools)

@@ -30,6 +30,7 @@ OLLAMA_PREFIX, LMSTUDIO_PREFIX = "ollama:", "lmstudio:"
 OLLAMA_REGISTRY, OLLAMA_NAMESPACE = "registry.ollama.ai", "library"
 _MODEL_LAYER = "application/vnd.ollama.image.model"
 _LAYER = "application/vnd.ollama.image."
+_PROJECTOR_LAYER = "application/vnd.ollama.image.projector"
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _DIGEST = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
 MAX_MANIFEST_BYTES = 1 << 20
@@ -55,6 +56,7 @@ class FoundModel:
     size: int | None = None  # what the store says its size is
     defaults: dict[str, Any] = field(default_factory=dict)  # settings the store keeps for it (Ollama's params)
     ignored: tuple[str, ...] = ()  # what the store keeps that llmcli does not use
+    projector: Path | None = None  # its vision projector (Ollama's projector layer; an mmproj file beside it)
 
     def checked(self) -> FoundModel:
         """The file exists, has the recorded size and (once per file version) the sha256 its name promises."""
@@ -114,8 +116,10 @@ def ollama_model(name: str) -> FoundModel:
         raise ModelNotFoundError(f"{label}: its manifest has {len(model_layers)} model layers; llmcli loads one GGUF")
     digest, size = _digest(model_layers[0], label), model_layers[0].get("size")
     defaults, ignored = _ollama_extras(root, layers, label)
+    projectors = [layer for layer in layers if layer.get("mediaType") == _PROJECTOR_LAYER]
+    projector = root / "blobs" / f"sha256-{_digest(projectors[0], label)}" if projectors else None
     return FoundModel(label, root / "blobs" / f"sha256-{digest}", f"ollama:{manifest_path.relative_to(root)}", digest,
-                      size if isinstance(size, int) else None, defaults, ignored)
+                      size if isinstance(size, int) else None, defaults, ignored, projector)
 
 
 def _manifest_layers(path: Path, label: str) -> list[dict[str, Any]]:
@@ -147,7 +151,7 @@ def _ollama_extras(root: Path, layers: list[dict[str, Any]], label: str) -> tupl
     ignored: list[str] = []
     for layer in layers:
         kind = str(layer.get("mediaType", "")).removeprefix(_LAYER)
-        if kind in ("model", "license"):
+        if kind in ("model", "license", "projector"):
             continue
         blob = root / "blobs" / f"sha256-{_digest(layer, label)}"
         if kind not in ("params", "system"):

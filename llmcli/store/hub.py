@@ -33,7 +33,7 @@ from llmcli.errors import ExitCode, IntegrityError, LlmcliError, ModelNotFoundEr
 from llmcli.file_hashes import sha256_of
 from llmcli.store import memory
 from llmcli.store.cache import CachedModel, Fetch, Fetched, ProgressCallback, choose, from_cache, partial_downloads, remove_file
-from llmcli.store.references import HubReference, check_filename, choices
+from llmcli.store.references import HubReference, check_filename, choices, projector_file
 from llmcli.units import human_size
 
 DISK_MARGIN = 64 * 1024 * 1024
@@ -98,12 +98,13 @@ def fetch(reference: HubReference, policy: Fetch) -> Fetched:
         with waiting:
             commit, remote = _listing(reference, policy.timeout)
         choice = choose(reference, list(remote))
-        files = [remote[name] for name in choice.files]
+        projector = projector_file(list(remote), choice)  # a vision model's projector comes with it
+        files = [remote[name] for name in (*choice.files, *([projector] if projector else []))]
         memory.check_memory(str(reference), sum(f.size or 0 for f in files), force=policy.force)
         _check_disk_space(reference, files)
         prune_partial()  # partial files a killed process left behind
         downloaded = tuple(_download(reference, file, policy) for file in files)
-    return Fetched(reference, commit, downloaded, choice.quant)
+    return Fetched(reference, commit, downloaded[: len(choice.files)], choice.quant)
 
 
 def _host() -> str:

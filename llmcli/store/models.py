@@ -25,6 +25,7 @@ from llmcli.install_hint import install_hint
 from llmcli.store import foreign_stores, references
 from llmcli.store.cache import Fetch, from_cache
 from llmcli.store.packages import PACKAGE_EXTRAS, PackagedModel, ensure_assembled, packaged_models
+from llmcli.store.projector import projector_beside
 
 # Popular small models, by the names people use for them.
 ALIASES = {
@@ -53,6 +54,7 @@ class ResolvedModel:
     shards: tuple[Path, ...] = ()  # every file of a split model
     defaults: dict[str, Any] = field(default_factory=dict)  # settings its store keeps for it (Ollama's params)
     notices: tuple[str, ...] = ()  # what the user should know about where it came from
+    projector: Path | None = None  # its vision projector, found with it (images in prompts); --mmproj overrides
 
     @property
     def files(self) -> tuple[Path, ...]:
@@ -117,7 +119,8 @@ def _from_alias(name: str, target: str, aliases: dict[str, str], fetch: Fetch, s
 
 def _from_elsewhere(found: foreign_stores.FoundModel) -> ResolvedModel:
     notices = (f"{found.name}: not used: {', '.join(found.ignored)}",) if found.ignored else ()
-    return ResolvedModel(found.path, found.name, found.source, defaults=found.defaults, notices=notices)
+    return ResolvedModel(found.path, found.name, found.source, defaults=found.defaults, notices=notices,
+                         projector=found.projector or projector_beside(found.path))
 
 
 def _from_hub(reference: references.HubReference, fetch: Fetch) -> ResolvedModel:
@@ -134,7 +137,8 @@ def _from_hub(reference: references.HubReference, fetch: Fetch) -> ResolvedModel
 
         fetched = hub.fetch(reference, fetch)
     name = f"{reference.repo_id}:{fetched.quant}" if fetched.quant else f"{reference.repo_id}/{fetched.paths[0].name}"
-    return ResolvedModel(fetched.paths[0], name, f"hf:{reference.repo_id}@{fetched.commit}", fetched.paths)
+    return ResolvedModel(fetched.paths[0], name, f"hf:{reference.repo_id}@{fetched.commit}", fetched.paths,
+                         projector=projector_beside(fetched.paths[0]))
 
 
 def _looks_like_path(reference: str) -> bool:
@@ -154,7 +158,7 @@ def _from_path(path: Path) -> ResolvedModel:
         raise UsageError(f"{path} is not a regular file (a FIFO or device cannot hold a model)")
     if not os.access(path, os.R_OK):
         raise ModelNotFoundError(f"cannot read model file {path}: permission denied")
-    return ResolvedModel(path.resolve(), path.stem, "file")
+    return ResolvedModel(path.resolve(), path.stem, "file", projector=projector_beside(path) or projector_beside(path.resolve()))
 
 
 def _from_package(model: PackagedModel) -> ResolvedModel:

@@ -20,7 +20,7 @@ _BOUNDED = {"image_size": 8192, "patch_size": 1024, "embedding_length": 1 << 16,
             "block_count": 512, "attention.head_count": 1024, "projection_dim": 1 << 20}
 # Where each projector type's output width is, as (tensor, dimension): the truth, whatever projection_dim says.
 _OUTPUT_WIDTH = {"gemma3": ("mm.input_projection.weight", 0), "mlp": ("mm.2.weight", 1),
-                 "mlp_norm": ("mm.2.weight", 1), "idefics3": ("mm.model.fc.weight", 1), "ldp": ("mm.model.mb_block.1.block.2.1.weight", 1)}
+                 "mlp_norm": ("mm.2.weight", 1), "idefics3": ("mm.model.fc.weight", 1)}
 MROPE = {"qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger", "qwen2.5o"}  # positions llmcli's slots do not count
 
 

@@ -148,6 +148,20 @@ def choices(filenames: list[str]) -> list[Choice]:
     return sorted(result, key=lambda c: c.first)
 
 
+PROJECTOR_PREFERENCE = ("F16", "BF16", "Q8_0", "F32")  # llama.cpp publishes f16 projectors: quantized ones see worse
+
+
+def projector_file(filenames: list[str], model: Choice) -> str | None:
+    """The vision projector (mmproj) published with `model` in its repository, fetched beside it: of several, the
+    one in the model's folder, then by PROJECTOR_PREFERENCE."""
+    folder = model.first.rsplit("/", 1)[0] if "/" in model.first else ""
+    found = [name for name in filenames if "mmproj" in name.rsplit("/", 1)[-1].lower() and name.lower().endswith(".gguf")
+             and (name.rsplit("/", 1)[0] if "/" in name else "") == folder]
+    ranked = sorted(found, key=lambda name: (PROJECTOR_PREFERENCE.index(quant_of(name) or "")
+                                            if quant_of(name) in PROJECTOR_PREFERENCE else len(PROJECTOR_PREFERENCE), name))
+    return ranked[0] if ranked else None
+
+
 def select(available: list[Choice], quant: str | None, repo_id: str) -> Choice:
     """The file(s) to fetch: the quant asked for, else by QUANT_PREFERENCE; ambiguity lists the choices."""
     if not available:

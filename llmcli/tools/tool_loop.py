@@ -16,6 +16,7 @@ from typing import Protocol
 from llmcli.answer.answerer import Answerer
 from llmcli.answer.events import AnswerEvent, Done, Notice
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.images import ImageInput
 from llmcli.answer.message import Message
 from llmcli.answer.stats import Stats
 from llmcli.answer.tool_calls import Tool, ToolCall, ToolChoice, ToolResult, ToolSpec
@@ -103,7 +104,8 @@ class ToolRunner:
 
 
 def answer_with_tools(answerer: Answerer, user_text: str, generation: GenerationOptions, runner: ToolRunner,
-                      cancel: Cancellation, stable_text: str | None = None) -> Iterator[AnswerEvent]:
+                      cancel: Cancellation, stable_text: str | None = None,
+                      images: tuple[ImageInput, ...] = ()) -> Iterator[AnswerEvent]:
     """The events of every round (text, calls, notices) and one Done at the end: the last round's, carrying every
     call made and every result, with the rounds' stats added up (`Stats.then`). -n bounds the whole answer: each
     round has what the ones before it left."""
@@ -122,7 +124,8 @@ def answer_with_tools(answerer: Answerer, user_text: str, generation: Generation
         options = dataclasses.replace(generation, tools=runner.spec(first=round_number == 0),
                                       max_tokens=generation.max_tokens if left is None else left)
         done = None
-        for event in answerer.ask(text, options, stable_text if round_number == 0 else None):
+        first = round_number == 0
+        for event in answerer.ask(text, options, stable_text if first else None, images if first else ()):
             if isinstance(event, Done):
                 done = event
             else:
