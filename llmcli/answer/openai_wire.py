@@ -263,6 +263,10 @@ class ChunkReader:
         cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
         completion = int(self.usage.get("completion_tokens") or self.pieces)
         self.clock.prefill_done = self.clock.first_token
+        server = self.server_timings  # llmcli serve's own record: the images it read
+        self.clock.images, self.clock.images_encoded = _count(server, "images"), _count(server, "images_encoded")
+        image_s = server.get("image_s")
+        self.clock.image_s = float(image_s) if isinstance(image_s, (int, float)) and image_s >= 0 else 0.0
         stats = self.clock.stats(prompt_tokens=prompt, cached_tokens=cached, prefill_tokens=max(0, prompt - cached),
                                  completion_tokens=completion, decode_steps=max(0, completion - 1))
         own = self.server_timings.get("finish_reason")  # llmcli serve says why, in llmcli's words
@@ -276,3 +280,8 @@ class ChunkReader:
             finish = "tool_calls"
         return tail, Done(finish, stats, stop if isinstance(stop, str) else None, text="".join(self.text),
                           reasoning="".join(self.thought).strip() or None, tool_calls=calls)
+
+
+def _count(record: Mapping[str, Any], key: str) -> int:
+    value = record.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0

@@ -10,6 +10,7 @@ does not encode it again) and decodes the embeddings at the run's positions.
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from llmcli.answer.images import ImageInput, placeholder_ids
 from llmcli.errors import IntegrityError, LlmcliError
 from llmcli.llama.llama_log import llama_backend
 
-CACHED_IMAGES = 32  # images whose chunk (and, once encoded, embeddings) are kept: an LRU
+CACHED_IMAGES = 64  # images whose chunk (and, once encoded, embeddings) are kept: an LRU
 _IMAGE_CHUNK = 1  # MTMD_INPUT_CHUNK_TYPE_IMAGE
 _NO_CALLBACK = mtmd.mtmd_helper_post_decode_callback()  # a NULL function pointer: no callback after each batch
 
@@ -63,6 +64,8 @@ class Vision:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # first placeholder id -> the image
         self.encode_s = 0.0  # seconds spent encoding images (the stats' image_s)
         self.encoded = 0  # images encoded (not taken from the cache)
+        # A server's requests tokenize on their own threads while its scheduler evaluates: one at a time in mtmd.
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         for entry in self._entries.values():
@@ -74,6 +77,10 @@ class Vision:
 
     def tokenize(self, image: ImageInput) -> list[int]:
         """The prompt tokens of `image`: the projector's own text around it, and its placeholder ids."""
+        with self._lock:
+            return self._tokenize(image)
+
+    def _tokenize(self, image: ImageInput) -> list[int]:
         rgb = (ctypes.c_ubyte * len(image.rgb)).from_buffer_copy(image.rgb)
         bitmap = mtmd.mtmd_bitmap_init(image.width, image.height, rgb)
         chunks = mtmd.mtmd_input_chunks_init()
@@ -113,13 +120,20 @@ class Vision:
 
     def run(self, token: int) -> list[int]:
         """The placeholder ids of the image whose run begins with `token` (empty: no image known here begins with it)."""
-        entry = self._entries.get(token)
-        return entry.ids if entry is not None else []
+        with self._lock:
+            entry = self._entries.get(token)
+            return entry.ids if entry is not None else []
 
     def evaluate(self, ctx: Any, token: int, pos: int, seq: int, n_batch: int) -> int:
         """Encode the image whose run begins with `token` (unless its embeddings are cached) and decode them into
         sequence `seq` from position `pos`; llama.cpp's return code (0: done)."""
-        entry = self._entries[token]
+        with self._lock:
+            return self._evaluate(ctx, token, pos, seq, n_batch)
+
+    def _evaluate(self, ctx: Any, token: int, pos: int, seq: int, n_batch: int) -> int:
+        entry = self._entries.get(token)
+        if entry is None:
+            raise LlmcliError("an image of the prompt is no longer prepared (more images in flight than are kept)")
         self._entries.move_to_end(token)
         if entry.embeddings is None:
             started = time.perf_counter()

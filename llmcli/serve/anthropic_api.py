@@ -5,8 +5,8 @@ thinking, text and tool_use block, message_delta, message_stop; a ping after the
 Taken: system (a string or text blocks), messages of text, tool_use and tool_result blocks, max_tokens (required, as
 Anthropic requires it), stop_sequences, temperature, top_k, top_p, tools with tool_choice (auto, any, tool, none;
 disable_parallel_tool_use), thinking (enabled, adaptive or disabled: the template's switch), output_config.format (a
-JSON schema). Earlier thinking blocks are left
-out of the prompt, as Anthropic's own models drop them. Refused, saying so: images and documents, server tools.
+JSON schema), images (base64 blocks). Earlier thinking blocks are left
+out of the prompt, as Anthropic's own models drop them. Refused, saying so: documents, server tools.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from typing import Any
 
 from llmcli.answer.events import DecodeEvent, Done, Token
 from llmcli.answer.finish import finish_reason
+from llmcli.answer.images import MARKER as IMAGE_MARKER
+from llmcli.answer.images import MAX_IMAGES, ImageInput
 from llmcli.answer.message import Message
-from llmcli.answer.openai_wire import WireError, text_of
+from llmcli.answer.openai_wire import WireError, image_from, text_of
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.answer.tool_calls import ToolCall
 from llmcli.serve.answer_request import (
@@ -106,13 +108,14 @@ def _message(message: Any, index: int, calls: dict[str, str]) -> list[Message]:
     if not isinstance(content, list):
         raise ApiError(400, f"{where}.content: must be a string or a list of content blocks", param="messages")
     texts: list[str] = []
+    images: list[ImageInput] = []
     uses: list[ToolCall] = []
     results: list[Message] = []
     for number, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         here = f"{where}.content.{number}"
         if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+            texts.append(block["text"].replace(IMAGE_MARKER, "<__media _>"))
         elif kind == "tool_use" and role == "assistant":
             call_id, name, given = block.get("id"), block.get("name"), block.get("input", {})
             if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(given, dict):
@@ -129,14 +132,29 @@ def _message(message: Any, index: int, calls: dict[str, str]) -> list[Message]:
                                    tool_call_id=call_id, name=calls.get(call_id)))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue
-        elif kind in ("image", "document"):
-            raise ApiError(400, f"{here}: {kind}s are not supported (this server's model reads text only)",
-                           param="messages")
+        elif kind == "image" and role == "user":
+            images.append(image_from(_image_data(block.get("source"), here), here, "messages"))
+            texts.append(IMAGE_MARKER)
+        elif kind == "document":
+            raise ApiError(400, f"{here}: documents are not supported (send their text)", param="messages")
         else:
             raise ApiError(400, f"{here}: a {role} message cannot hold a {kind!r} block here", param="messages")
     if role == "assistant":
         return [Message("assistant", "".join(texts), tool_calls=tuple(uses))]
-    return results + ([Message("user", "".join(texts))] if texts or not results else [])
+    if len(images) > MAX_IMAGES:
+        raise ApiError(400, f"{where}: {len(images)} images; a message takes at most {MAX_IMAGES}", param="messages")
+    return results + ([Message("user", "".join(texts), images=tuple(images))] if texts or not results else [])
+
+
+def _image_data(source: Any, where: str) -> str:
+    """An image block's `source`: base64 with its media type (a URL is not fetched by this server)."""
+    if not isinstance(source, dict) or source.get("type") not in ("base64", "url"):
+        raise ApiError(400, f"{where}.source: an image's source is {{type: base64, media_type, data}}", param="messages")
+    if source["type"] == "url":
+        raise ApiError(400, f"{where}.source: image URLs are not fetched by this server; send the image as base64",
+                       param="messages")
+    data = source.get("data")
+    return data if isinstance(data, str) else ""
 
 
 def _tools(tools: Any) -> Any:

@@ -6,7 +6,8 @@ Taken as Ollama takes them: `options` (num_predict, temperature, top_k, top_p, m
 repeat_last_n, presence_penalty, frequency_penalty, seed, stop, mirostat…), `format` ("json" or a JSON schema),
 `system`, `raw`, `think`, `tools` (calls come back in `message.tool_calls`, their arguments an object), `logprobs`.
 Read and left to the server: `keep_alive` (one model, always loaded), the load options (num_ctx within the server's
-context, num_thread, num_gpu, num_batch, use_mmap…). Refused, saying so: `images`, `suffix`, `template`, `context`.
+context, num_thread, num_gpu, num_batch, use_mmap…). Refused, saying so: `suffix`, `template`, `context`. `images`
+(base64) are read.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Any
 
 from llmcli.answer.events import DecodeEvent, Done, Token
 from llmcli.answer.finish import finish_reason
-from llmcli.answer.message import Message
-from llmcli.answer.openai_wire import WireError
+from llmcli.answer.images import MAX_IMAGES, ImageInput
+from llmcli.answer.message import Message, user_message
+from llmcli.answer.openai_wire import WireError, image_from
 from llmcli.answer.tool_calls import ToolCall
 from llmcli.serve.answer_request import (
     AnswerRequest,
@@ -102,15 +104,27 @@ def parse_generate(body: Any, prompter: Prompter) -> list[AnswerRequest]:
     if system is not None and not isinstance(system, str):
         raise ApiError(400, "system must be a string")
     fields = _answer_fields(body)
+    images = _images(body.get("images"), "images")
     if body.get("raw"):
+        if images:
+            raise ApiError(400, "images need the chat template: raw takes text only")
         return [AnswerRequest(prompt=(system or "") + prompt, prompt_param="prompt", **fields)]
-    messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
+    messages = ([Message("system", system)] if system else []) + [user_message(prompt, images)]
     return [AnswerRequest(messages=messages, prompt_param="prompt", **fields)]
 
 
+def _images(given: Any, where: str) -> tuple[ImageInput, ...]:
+    """Ollama's `images`: a list of base64 images (a message's, or /api/generate's)."""
+    if given in (None, []):
+        return ()
+    if not isinstance(given, list) or not all(isinstance(image, str) for image in given):
+        raise ApiError(400, f"{where} must be a list of base64 images")
+    if len(given) > MAX_IMAGES:
+        raise ApiError(400, f"{where}: {len(given)} images; a prompt takes at most {MAX_IMAGES}")
+    return tuple(image_from(image, f"{where}[{index}]", where) for index, image in enumerate(given))
+
+
 def _answer_fields(body: Mapping[str, Any]) -> dict[str, Any]:
-    if body.get("images"):
-        raise ApiError(400, "images are not supported (this server's model reads text only)")
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "options must be an object")
@@ -152,8 +166,7 @@ def _messages(messages: list[Any]) -> list[Message]:
         where = f"messages[{index}]"
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}")
-        if message.get("images"):
-            raise ApiError(400, f"{where}: images are not supported (this server's model reads text only)")
+        images = _images(message.get("images"), f"{where}.images") if message.get("role") == "user" else ()
         content = message.get("content") or ""
         if not isinstance(content, str):
             raise ApiError(400, f"{where}.content must be a string")
@@ -171,7 +184,7 @@ def _messages(messages: list[Any]) -> list[Message]:
             parsed.append(Message("tool", content, tool_call_id=answered.id if answered else f"call_{index}",
                                   name=name if isinstance(name, str) else (answered.name if answered else None)))
         else:
-            parsed.append(Message(role, content))
+            parsed.append(user_message(content, images) if images else Message(role, content))
     return parsed
 
 

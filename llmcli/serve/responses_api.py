@@ -7,7 +7,7 @@ Taken: input (a string, or messages and the function_call / function_call_output
 instructions, tools (function tools) with tool_choice and parallel_tool_calls, max_output_tokens, temperature, top_p,
 text.format (text, json_object, json_schema), reasoning (its effort: the template's thinking switch), stream, store
 and previous_response_id: a stored response's conversation continues (kept while the server runs, the latest
-MAX_KEPT; one that is not kept is a 400 saying so). Refused, saying so: built-in tools, images and files.
+MAX_KEPT; one that is not kept is a 400 saying so). Refused, saying so: built-in tools and files.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from llmcli.answer.events import DecodeEvent, Done, Token
 from llmcli.answer.finish import finish_reason
 from llmcli.answer.message import Message
-from llmcli.answer.openai_wire import text_of
+from llmcli.answer.openai_wire import content_of, text_of
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.answer.tool_calls import ToolCall
 from llmcli.serve.answer_request import (
@@ -111,6 +111,14 @@ def parse_response_request(body: Any, prompter: Prompter, kept: Mapping[str, lis
     return ResponsesRequest(answer, echo, conversation, bool(store))
 
 
+def _input_image(part: dict[str, Any]) -> str | None:
+    """The Responses API's `{"type": "input_image", "image_url": "data:…"}` (a `file_id` is not kept here)."""
+    if part.get("type") != "input_image":
+        return None
+    url = part.get("image_url")
+    return url if isinstance(url, str) else ""
+
+
 def _input(given: Any) -> list[Message]:
     """A string (one user message), or items: messages, and the calls and their outputs of earlier turns."""
     if isinstance(given, str):
@@ -123,7 +131,9 @@ def _input(given: Any) -> list[Message]:
         where = f"input[{index}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message" and item.get("role") in ROLES:
-            messages.append(Message(ROLES[item["role"]], text_of(item.get("content"), where, "input", TEXT_PARTS)))
+            text, images = content_of(item.get("content"), where, "input", TEXT_PARTS,
+                                      _input_image if item["role"] == "user" else None)
+            messages.append(Message(ROLES[item["role"]], text, images=images))
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
             if not all(isinstance(v, str) for v in (call_id, name, arguments)):
