@@ -24,6 +24,7 @@ from llmcli import paths
 from llmcli.answer.answerer import Answerer, exchange_starts, last_exchange_start, oldest_exchange_end, template_source
 from llmcli.answer.events import AnswerEvent, Done, Notice, answer_record
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.images import ImageInput
 from llmcli.answer.message import Message
 from llmcli.answer.sampling_config import SETTING_FIELDS
 from llmcli.config.setting_values import parse_text
@@ -94,10 +95,10 @@ class Conversation:
     def history(self) -> list[Message]:
         return self.session.history
 
-    def ask(self, text: str) -> Iterator[AnswerEvent]:
-        """Answer `text`: fit the context first (dropping the oldest exchanges), then stream; the exchange is logged
-        and recorded."""
-        dropped = self._fit(text)
+    def ask(self, text: str, images: tuple[ImageInput, ...] = ()) -> Iterator[AnswerEvent]:
+        """Answer `text` (about `images`): fit the context first (dropping the oldest exchanges), then stream; the
+        exchange is logged and recorded."""
+        dropped = self._fit(text, images)
         if dropped and self.session.local is not None:
             shifted = self.session.local.shift_for(text)
             how = ("" if shifted is None else "; the rest of the KV cache was shifted, not evaluated again" if shifted
@@ -105,8 +106,8 @@ class Conversation:
             yield Notice(f"context nearly full: dropped the {counted(dropped, 'oldest exchange')} "
                          f"(the system prompt is kept){how}")
         start = len(self.history)
-        events = answer_with_tools(self.session, text, self.generation, self.tools, self.cancel) \
-            if self.tools is not None else self.session.ask(text, self.generation)
+        events = answer_with_tools(self.session, text, self.generation, self.tools, self.cancel, images=images) \
+            if self.tools is not None else self.session.ask(text, self.generation, images=images)
         for event in events:
             if isinstance(event, Done):
                 self.turn_stats.append(event)
@@ -135,11 +136,11 @@ class Conversation:
         failure, self.save_failure = self.save_failure, None
         return failure
 
-    def _fit(self, text: str) -> int:
+    def _fit(self, text: str, images: tuple[ImageInput, ...] = ()) -> int:
         """Drop the oldest exchanges until the prompt plus room for the answer fits; returns how many (a server says
         itself when the conversation no longer fits)."""
         local = self.session.local
-        dropped = local.fit(text, self.generation.max_tokens) if local is not None else 0
+        dropped = local.fit(text, self.generation.max_tokens, images) if local is not None else 0
         if dropped:
             self._write({"type": "drop", "exchanges": dropped})
         return dropped

@@ -7,11 +7,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmcli.errors import UsageError
 from llmcli.units import counted
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from llmcli.answer.images import ImageInput
     from llmcli.chat.conversation import Conversation
     from llmcli.interrupt import Cancellation
 
@@ -36,6 +38,7 @@ def help_text() -> str:
   /save FILE            save the conversation as JSON;  /load FILE  load one
   /history              the conversation so far (tool calls and results too)
   /tools                the tools the model may call (--functions, --mcp)
+  /image PATH           ask the next message about this picture (or drop an image file's path into a message)
   /stats                timings of the last reply and of the whole conversation
   /exit                 leave (or Ctrl-D)
 A line with only \"\"\" starts and ends a multi-line message; a line ending in \\ continues."""
@@ -53,6 +56,7 @@ class Repl:
         self.console = console
         self.quiet = quiet
         self.as_json = as_json
+        self.images: list[ImageInput] = []  # /image: pictures the next message asks about
 
     # -- input -----------------------------------------------------------------------------
 
@@ -112,6 +116,8 @@ class Repl:
         from llmcli.errors import LlmcliError
 
         command, _, argument = text[1:].partition(" ") if text.startswith("/") else ("", "", text)
+        if "/" in command:  # a path (an image file dropped on the terminal): a message, not a command
+            command, argument = "", text
         command = command.lower()
         if command in ("exit", "quit", "bye"):
             return False
@@ -151,7 +157,25 @@ class Repl:
 
 
 def _message(repl: Repl, text: str) -> None:
-    repl.reply(repl.conversation.ask(text))
+    from llmcli.cli.inputs import dropped_images, read_images
+
+    text, paths = dropped_images(text)
+    images = (*repl.images, *read_images(paths))
+    repl.images = []
+    if paths:
+        repl.console.print(f"[{', '.join(image.source for image in images)}: asked about with this message]")
+    repl.reply(repl.conversation.ask(text, images))
+
+
+def _image(repl: Repl, argument: str) -> None:
+    from llmcli.cli.inputs import dropped_images, read_images
+
+    if not argument:
+        raise UsageError("usage: /image PATH (the next message asks about it)")
+    _, paths = dropped_images(argument)
+    repl.images += read_images(paths or [argument])
+    repl.console.print(f"[{counted(len(repl.images), 'image')} attached: the next message asks about "
+                       f"{'it' if len(repl.images) == 1 else 'them'}]")
 
 
 def _help(repl: Repl, argument: str) -> None:
@@ -267,13 +291,16 @@ def _load(repl: Repl, argument: str) -> None:
 
 
 def _history(repl: Repl, argument: str) -> None:
+    from llmcli.answer.images import described
+
     conversation = repl.conversation
     if conversation.system:
         repl.console.print(f"[system] {conversation.system}")
     for message in conversation.history:
         mark = " (interrupted)" if message.interrupted else ""
         calls = "".join(f" → {call.name}({call.arguments})" for call in message.tool_calls)
-        text = message.content + calls if message.content else calls.lstrip(" ")
+        content = described(message.content, message.images)
+        text = content + calls if content else calls.lstrip(" ")
         repl.console.print(f"[{message.role}{mark}] {text}")
     if not conversation.history:
         repl.console.print("(no messages yet)")
@@ -299,6 +326,7 @@ def _stats(repl: Repl, argument: str) -> None:
 COMMANDS = {
     "help": _help, "?": _help, "system": _system, "set": _set, "show": _show, "clear": _clear,
     "undo": _undo, "retry": _retry, "save": _save, "load": _load, "stats": _stats, "history": _history, "tools": _tools,
+    "image": _image,
 }
 
 

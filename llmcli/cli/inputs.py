@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import select
 import sys
 from pathlib import Path
@@ -114,3 +115,24 @@ def read_images(names: list[str] | None) -> tuple[ImageInput, ...]:
             raise ImageError(f"cannot read the image {name}: {exc.strerror or exc}") from None
         images.append(decode_image(data, path.name))
     return tuple(images)
+
+
+# A path a terminal pastes when an image file is dropped on it: quoted ('…', "…"), or with backslash-escaped spaces.
+_DROPPED = re.compile(r"""(?:'([^'\n]+\.(?:png|jpe?g|gif|webp|bmp))'|"([^"\n]+\.(?:png|jpe?g|gif|webp|bmp))"|"""
+                      r"""((?:[^\s'"\\]|\\.)+\.(?:png|jpe?g|gif|webp|bmp)))(?=\s|$)""", re.IGNORECASE)
+
+
+def dropped_images(text: str) -> tuple[str, list[str]]:
+    """Image files named in a chat message (dropped on the terminal, as Ollama reads them): the message without
+    them, and their paths. Only names of files that exist count: other text stays as typed."""
+    paths: list[str] = []
+
+    def take(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2) or re.sub(r"\\(.)", r"\1", match.group(3))
+        if not Path(name).expanduser().is_file():
+            return match.group(0)
+        paths.append(name)
+        return ""
+
+    left = _DROPPED.sub(take, text)
+    return (" ".join(left.split()) if paths else text), paths
