@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from llmcli.answer.images import MAX_IMAGES
 
 Record = dict[str, Any]
 
@@ -17,13 +20,15 @@ class BatchItem:
     prompt: str | None
     extra: dict[str, Any] = field(default_factory=dict)  # other JSONL fields, carried to the output
     error: str | None = None
+    images: tuple[str, ...] = ()  # the record's `images`: paths (relative to the batch file's folder) or data URIs
 
     def error_record(self, message: str) -> Record:
         return {**self.extra, "index": self.index, "error": message}
 
 
-def parse_items(lines: Iterable[str]) -> list[BatchItem]:
-    """One prompt per line, or JSONL objects with a `prompt` field; bad lines become error items."""
+def parse_items(lines: Iterable[str], base: Path | None = None) -> list[BatchItem]:
+    """One prompt per line, or JSONL objects with a `prompt` field (and `images`: paths, relative to `base`, or data
+    URIs); bad lines become error items."""
     items = []
     for index, raw in enumerate(lines):
         line = raw.rstrip("\r\n")
@@ -43,7 +48,12 @@ def parse_items(lines: Iterable[str]) -> list[BatchItem]:
             extra = record if isinstance(record, dict) else {}
             items.append(BatchItem(index, None, extra, 'no "prompt" string in the object'))
             continue
-        items.append(BatchItem(index, prompt, record))
+        images = record.pop("images", None) or []
+        if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images) or len(images) > MAX_IMAGES:
+            items.append(BatchItem(index, None, record, f'"images" must be a list of at most {MAX_IMAGES} paths or data URIs'))
+            continue
+        refs = tuple(i if i.startswith("data:") or base is None else str(base / Path(i).expanduser()) for i in images)
+        items.append(BatchItem(index, prompt, record, images=refs))
     return items
 
 

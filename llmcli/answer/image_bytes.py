@@ -15,6 +15,7 @@ import base64
 import binascii
 import io
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmcli.answer.images import ImageInput
@@ -93,3 +94,17 @@ def decode_data(text: str, source: str) -> ImageInput:
     except (binascii.Error, ValueError):
         raise ImageError(f"{source}: not valid base64") from None
     return decode_image(data, source)
+
+
+def read_image(reference: str) -> ImageInput:
+    """An image named by a file path or given as a data URI (a --batch record's `images`), read within
+    MAX_IMAGE_BYTES and decoded."""
+    if reference.startswith("data:"):
+        return decode_data(reference, "a data URI")
+    path = Path(reference).expanduser()
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(MAX_IMAGE_BYTES + 1)
+    except OSError as exc:
+        raise ImageError(f"cannot read the image {reference}: {exc.strerror or exc}") from None
+    return decode_image(data, path.name)

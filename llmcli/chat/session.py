@@ -26,6 +26,7 @@ from llmcli.answer.batch_jsonl import BatchItem, Summary
 from llmcli.answer.context_budget import overflow
 from llmcli.answer.events import AnswerEvent, Done, Notice
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.image_bytes import read_image
 from llmcli.answer.images import MARKER as IMAGE_MARKER
 from llmcli.answer.images import MAX_IMAGES, ImageInput
 from llmcli.answer.message import Message, user_message
@@ -213,13 +214,18 @@ class Session:
                              hint="Use --speculate auto or lookup with --batch; a draft model drafts for run and chat.")
         if generation.reasoning and opens_thinking(self.render("").text):  # the same template for every prompt
             generation = dataclasses.replace(generation, thinking_open=True)
-        plan = batch_run.plan(items, lambda text: self.render(text, []).tokens, self.engine, generation, parallel)
+        def render(item: BatchItem) -> list[int]:
+            images = tuple(read_image(reference) for reference in item.images)
+            return self.render(item.prompt or "", [], images=images).tokens
+
+        plan = batch_run.plan(items, render, self.engine, generation, parallel)
         if self.check_kv is not None:
             self.check_kv(plan.cells)
         self.scheduler.close()
         self.engine.resize(plan.cells, plan.n_sequences)
         try:
-            summary = batch_run.BatchRun(self.engine, plan, generation, cancel, on_result, self.speculation).run(on_progress)
+            summary = batch_run.BatchRun(self.engine, plan, generation, cancel, on_result, self.speculation,
+                                         render).run(on_progress)
         finally:
             self.scheduler = Scheduler(self.engine, 1, self.speculation)
         summary.parallel = parallel

@@ -49,7 +49,7 @@ def run_batch_command(source: str, request: Request, parallel: int, quiet: bool)
             lines = Path(source).read_text(encoding="utf-8", errors="replace").splitlines()
         except OSError as exc:
             raise UsageError(f"cannot read --batch {source}: {exc.strerror}") from None
-    items = parse_items(lines)
+    items = parse_items(lines, None if source == "-" else Path(source).parent)
     console = output.stderr_console()
     with output.open_pipeline(request, console) as pipeline:
         logged = BatchLog(pipeline, items)

@@ -90,7 +90,7 @@ def combine_input(prompt: str | None, stdin_text: str | None, prompt_first: bool
 
 def read_images(names: list[str] | None) -> tuple[ImageInput, ...]:
     """`--image PATH` (repeatable; `-`: the image is piped on stdin, once), each decoded and checked."""
-    from llmcli.answer.image_bytes import MAX_IMAGE_BYTES, ImageError, decode_image
+    from llmcli.answer.image_bytes import MAX_IMAGE_BYTES, decode_image, read_image
     from llmcli.answer.images import MAX_IMAGES
 
     names = names or []
@@ -106,14 +106,8 @@ def read_images(names: list[str] | None) -> tuple[ImageInput, ...]:
                 raise UsageError("--image - reads the image from stdin, but stdin is a terminal",
                                  hint="Pipe it in: llmcli run --image - \"What is this?\" < photo.png")
             images.append(decode_image(stream.buffer.read(MAX_IMAGE_BYTES + 1), "stdin"))
-            continue
-        path = Path(name).expanduser()
-        try:
-            with path.open("rb") as handle:
-                data = handle.read(MAX_IMAGE_BYTES + 1)
-        except OSError as exc:
-            raise ImageError(f"cannot read the image {name}: {exc.strerror or exc}") from None
-        images.append(decode_image(data, path.name))
+        else:
+            images.append(read_image(name))
     return tuple(images)
 
 

@@ -64,7 +64,7 @@ class BatchPlan:
         return self.cells_per_sequence * self.n_sequences
 
 
-def plan(items: list[BatchItem], render: Callable[[str], list[int]], engine: Engine, generation: GenerationOptions,
+def plan(items: list[BatchItem], render: Callable[[BatchItem], list[int]], engine: Engine, generation: GenerationOptions,
          n_parallel: int, answer_room: int = DEFAULT_ANSWER_ROOM) -> BatchPlan:
     """Render every prompt, find their shared prefix and size the KV cache: each sequence holds the longest
     prompt plus -n (else `answer_room`: it grows when an answer needs more), at most the context."""
@@ -73,10 +73,10 @@ def plan(items: list[BatchItem], render: Callable[[str], list[int]], engine: Eng
     for item in items:
         if item.error is None:
             try:
-                prompt = render(item.prompt or "")
+                prompt = render(item)
                 engine.check_budget(len(prompt), generation.max_tokens)
             except LlmcliError as exc:
-                item = BatchItem(item.index, item.prompt, item.extra, exc.message)
+                item = BatchItem(item.index, item.prompt, item.extra, exc.message, item.images)
             else:
                 tokens[item.index] = prompt
         planned.append(item)
@@ -95,9 +95,12 @@ class BatchRun:
     """Answers a list of items in `n_slots` slots; `on_result(index, record)` as each finishes (any order)."""
 
     def __init__(self, engine: Engine, batch_plan: BatchPlan, generation: GenerationOptions,
-                 cancel: Cancellation, on_result: Callable[[int, Record], None], speculation: Speculation | None = None):
-        """`engine` has been resized for the plan: `batch_plan.cells` cells, `batch_plan.n_sequences` sequences."""
-        self.engine, self.plan, self.generation = engine, batch_plan, generation
+                 cancel: Cancellation, on_result: Callable[[int, Record], None], speculation: Speculation | None = None,
+                 render: Callable[[BatchItem], list[int]] | None = None):
+        """`engine` has been resized for the plan: `batch_plan.cells` cells, `batch_plan.n_sequences` sequences.
+        `render`: an item's prompt rendered again as its slot starts (one with images: the plan kept only its tokens,
+        and the projector keeps only the latest images prepared, so thousands of pictures are never held at once)."""
+        self.engine, self.plan, self.generation, self.render = engine, batch_plan, generation, render
         self.cancel, self.on_result = cancel, on_result
         self.scheduler = Scheduler(engine, batch_plan.n_slots, speculation or Speculation(), batch_plan.cells_per_sequence,
                                    prefix_seq=batch_plan.n_slots if batch_plan.shared else None, keep_cells=False)
@@ -143,6 +146,12 @@ class BatchRun:
                 return
             item = self.queue.popleft()
             tokens = self.plan.tokens[item.index]
+            if item.images and self.render is not None:
+                try:
+                    tokens = self.render(item)
+                except LlmcliError as exc:  # (its image changed or went away since the plan)
+                    self._error(item, exc.message)
+                    continue
             self.summary.prompt_tokens += len(tokens)
             seed = item.extra.get("seed")  # a JSONL line may carry its own seed
             if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32 - 1:

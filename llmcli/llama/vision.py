@@ -24,7 +24,7 @@ from llmcli.answer.images import ImageInput, placeholder_ids
 from llmcli.errors import IntegrityError, LlmcliError
 from llmcli.llama.llama_log import llama_backend
 
-CACHED_IMAGES = 64  # images whose chunk (and, once encoded, embeddings) are kept: an LRU
+CACHED_IMAGES = 24  # images whose chunk (the preprocessed picture) and embeddings are kept: an LRU (~10 MB each)
 _IMAGE_CHUNK = 1  # MTMD_INPUT_CHUNK_TYPE_IMAGE
 _NO_CALLBACK = mtmd.mtmd_helper_post_decode_callback()  # a NULL function pointer: no callback after each batch
 

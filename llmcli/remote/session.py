@@ -15,6 +15,7 @@ from llmcli.answer.answerer import ProgressCallback, PromptOptions, ResultCallba
 from llmcli.answer.batch_jsonl import BatchItem, Summary
 from llmcli.answer.events import AnswerEvent, DecodeEvent, Done, Token, answer_record
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.image_bytes import read_image
 from llmcli.answer.images import ImageInput
 from llmcli.answer.message import Message, user_message
 from llmcli.answer.openai_wire import ChunkReader, message_dict, sampling_fields, tool_fields
@@ -109,7 +110,8 @@ class RemoteSession:
             if item.error is not None:
                 return item.error_record(item.error)
             try:
-                *_, done = exchange(self, item.prompt or "", generation, [])
+                images = tuple(read_image(reference) for reference in item.images)
+                *_, done = exchange(self, item.prompt or "", generation, [], images)
             except NetworkError:
                 raise
             except LlmcliError as exc:
