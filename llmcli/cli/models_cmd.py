@@ -87,8 +87,10 @@ def list_models(as_json: ListJsonOpt = False, available: AvailableOpt = False, e
     for e in entries:
         d = e.to_dict()
         rows.append((e.name, d["quant"] or "?", human_size(e.size) if e.size else "", human_count(d["params"]),
-                     d["architecture"] or f"({e.problem})", d["context_length"] or "", e.source))
-    output.print_table(("NAME", "QUANT", "SIZE", "PARAMS", "ARCH", "CTX", "SOURCE"), rows, right=("SIZE", "PARAMS", "CTX"),
+                     d["architecture"] or f"({e.problem})", d["context_length"] or "",
+                     "text, images" if e.projector else "text", e.source))
+    output.print_table(("NAME", "QUANT", "SIZE", "PARAMS", "ARCH", "CTX", "READS", "SOURCE"), rows,
+                       right=("SIZE", "PARAMS", "CTX"),
                        empty="no models yet: pull one (llmcli pull OWNER/REPO), or see llmcli list --available")
 
 
@@ -123,6 +125,10 @@ def show(
         rows.append((f"{kind} token", f"{token['id']} {token['text']!r}"))
     chat_template = info["chat_template"]
     rows.append(("chat template", f"{len(chat_template)} characters (--template prints it)" if chat_template else "none"))
+    vision = info["vision"]
+    rows.append(("images", "no (no vision projector found with it; --mmproj gives one)" if vision is None else
+                 f"{vision['projector']}: {vision['problem']}" if vision["problem"] else
+                 f"yes: {vision['type']} projector, {vision['image_size']} px ({vision['projector']})"))
     output.print_fields(rows)
 
 

@@ -15,6 +15,7 @@ from llmcli.store import cache, models
 from llmcli.store.cache import CachedModel, Fetch
 from llmcli.store.gguf_header import GGUFHeader, read_header, string_items
 from llmcli.store.packages import PACKAGE_EXTRAS, PackagedModel, packaged_models
+from llmcli.store.projector import check_projector, projector_beside, read_projector
 from llmcli.store.references import choices, looks_like_hub, parse
 
 
@@ -27,6 +28,7 @@ class Entry:
     header: GGUFHeader | None  # None when the file failed its pre-flight check
     problem: str | None = None
     params: int | None = None  # all shards of a split model; else the header's count
+    projector: Path | None = None  # its vision projector, found with it: the model sees images
 
     def to_dict(self) -> dict[str, Any]:
         h = self.header
@@ -39,6 +41,7 @@ class Entry:
             "params": self.params or (h.n_params if h else None),
             "architecture": h.architecture if h else None,
             "context_length": h.context_length if h else None,
+            "projector": str(self.projector) if self.projector else None,
             "problem": self.problem,
         }
 
@@ -46,10 +49,11 @@ class Entry:
 NOT_ASSEMBLED = "not assembled yet: built from its packages on first use"
 
 
-def _entry(name: str, path: Path, source: str, size: int | None = None) -> Entry:
+def _entry(name: str, path: Path, source: str, size: int | None = None, projector: Path | None = None) -> Entry:
     try:
         header = read_header(path)
-        return Entry(name, path, source, size if size is not None else header.file_size, header)
+        return Entry(name, path, source, size if size is not None else header.file_size, header,
+                     projector=projector or projector_beside(path))
     except (IntegrityError, OSError) as exc:
         return Entry(name, path, source, size or 0, None, getattr(exc, "message", str(exc)))
 
@@ -72,12 +76,14 @@ def entries(everywhere: bool = False) -> list[Entry]:
                 total = sum(read_header(path).n_params for path in cached.files)
             except (IntegrityError, OSError):
                 total = None
-            entry = Entry(entry.name, entry.path, entry.source, entry.size, entry.header, entry.problem, total)
+            entry = Entry(entry.name, entry.path, entry.source, entry.size, entry.header, entry.problem, total,
+                          entry.projector)
         found.append(entry)
     if everywhere:
         from llmcli.store import foreign_stores
 
-        found += [_entry(model.name, model.path, model.source) for model in foreign_stores.all_models()]
+        found += [_entry(model.name, model.path, model.source, projector=model.projector)
+                  for model in foreign_stores.all_models()]
     return found
 
 
@@ -122,7 +128,22 @@ def describe(model: models.ResolvedModel) -> dict[str, Any]:
         "license": meta.get("general.license"),
         "chat_template": header.chat_template,
         "tensors": len(header.tensors),
+        "vision": _vision(model.projector, header),
     }
+
+
+def _vision(path: Path | None, model: GGUFHeader) -> dict[str, Any] | None:
+    """What `show` says of the projector found with a model (None: it reads text only)."""
+    if path is None:
+        return None
+    try:
+        projector = read_projector(path)
+        check_projector(projector, model)
+        problem = None
+    except (IntegrityError, OSError) as exc:
+        return {"projector": str(path), "problem": getattr(exc, "message", str(exc))}
+    return {"projector": str(path), "type": projector.kind, "image_size": projector.image_size,
+            "sees": projector.sees, "problem": problem}
 
 
 def assembled_copy(reference: str) -> Path | None:
