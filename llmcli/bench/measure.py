@@ -23,6 +23,7 @@ from llmcli.answer.sampling_config import greedy_without_end
 from llmcli.bench.baseline_loop import RawLoop
 from llmcli.bench.contention import busy_cores, busy_decode_rate, pair_decode_rate
 from llmcli.bench.environment import memory_bandwidth
+from llmcli.bench.images import image_rows
 from llmcli.bench.plan import BenchPlan
 from llmcli.bench.prompt_cache import kv_type_rows, prompt_cache_rows
 from llmcli.bench.rows import Row
@@ -124,7 +125,7 @@ class Benchmark:
         plan = self.plan
         per_repetition = (len(plan.depths) * 2 + 5 + len(plan.parallel) + 2 * plan.contention + 2 * len(plan.cache_lengths)
                           + (2 * (1 + cpu_topology.physical_cores()) if plan.busy else 0)
-                          + len(plan.kv_types) + 6 * plan.speculation + len(plan.batch_sizes))
+                          + len(plan.kv_types) + 6 * plan.speculation + len(plan.batch_sizes) + 3 * bool(plan.image))
         total = len(self.models) * len(self.threads) * (plan.repetitions * per_repetition + 1)  # + the bandwidth probe
         done = 0
         for model, header in zip(self.models, self.headers, strict=True):
@@ -174,6 +175,8 @@ class Benchmark:
         if plan.speculation:
             yield from pass_cost_rows(model.path, threads, plan.n_batch, max(plan.prompt_tokens, 256), plan.repetitions, row)
             yield from speculation_rows(model.path, threads, plan.n_batch, plan.gen_tokens, plan.repetitions, row)
+        if plan.image is not None and model.projector is not None:  # (the CLI checked that every model sees)
+            yield from image_rows(model.path, model.projector, plan.image, threads, plan.n_batch, plan.repetitions, row)
         if plan.kv_types:
             yield from kv_type_rows(model.path, header, threads, plan.n_batch, plan.kv_types, plan.prompt_tokens,
                                     plan.gen_tokens, plan.repetitions, row)

@@ -22,3 +22,4 @@ class BenchPlan:
     cache_lengths: tuple[int, ...] = ()  # prompt lengths for TTFT cold vs warm (prompt cache), e.g. (512, 2048)
     kv_types: tuple[str, ...] = ()  # KV cache types to compare (speed and memory), e.g. ("f16", "q8_0")
     speculation: bool = False  # pass costs, and decoding with and without drafts (grounded and ungrounded)
+    image: str | None = None  # a picture: its encoding and the TTFT of a question about it (models that see)

@@ -63,6 +63,9 @@ def bench(
     speculate: Annotated[bool, typer.Option(
         "--speculate", help="Also measure speculative decoding: the cost of an n-token pass, and decode rates with and "
         "without drafts on a grounded task (copy a text) and an ungrounded one (a story).")] = False,
+    image: Annotated[Optional[str], typer.Option(
+        "--image", help="Also measure a picture (a model that sees): its encoding, and the TTFT of a question about it "
+        "encoded now, with its embeddings kept and with its KV cells kept.", show_default=False)] = None,
     tune: Annotated[bool, typer.Option(
         "--tune", help="Instead: find this machine's best threads, batch size, flash attention, KV type and mmap for "
         "the model (each judged against the default beyond the noise).")] = False,
@@ -120,9 +123,18 @@ def bench(
         cache_lengths=_int_list(prompt_cache, "--prompt-cache", 16) if prompt_cache else (),
         kv_types=_kv_types(kv_type) if kv_type else (),
         speculation=speculate,
+        image=image,
     )
     default_model = settings.resolve({}, config=config)["model"]
     resolved = [models.resolve(m, config.aliases) for m in (model or [default_model])]
+    if image is not None:
+        from llmcli.answer.image_bytes import read_image
+
+        read_image(image)  # a bad picture is said before anything is measured
+        blind = [m.name for m in resolved if m.projector is None]
+        if blind:
+            raise UsageError(f"bench --image: {', '.join(blind)} does not see images (no vision projector found with it)",
+                             hint="Put its mmproj file beside the model.")
     benchmark = Benchmark(resolved, [read_header(m.path) for m in resolved], plan)
     with output.progress_bar("benchmark") as advance:
         for step in benchmark.run():

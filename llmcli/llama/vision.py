@@ -118,6 +118,12 @@ class Vision:
             mtmd.mtmd_input_chunk_free(old.chunk)
         return ids
 
+    def forget_embeddings(self) -> None:
+        """Encode every image again when it is next evaluated (bench's cold rows)."""
+        with self._lock:
+            for entry in self._entries.values():
+                entry.embeddings = None
+
     def run(self, token: int) -> list[int]:
         """The placeholder ids of the image whose run begins with `token` (empty: no image known here begins with it)."""
         with self._lock:
