@@ -92,3 +92,63 @@ def split_gguf(src: Path, out_dir: Path, stem: str, parts: int) -> list[Path]:
         path.write_bytes(body + b"".join(data))
         paths.append(path)
     return paths
+
+
+def write_projector(path: Path, n_embd_text: int, kind: str = "mlp", width: int = 64, layers: int = 2,
+                    image_size: int = 56, patch: int = 14, heads: int = 4, ffn: int | None = None,
+                    scale_factor: int = 2, seed: int = 0, out_scale: float = 0.5) -> Path:
+    """A random-weight vision projector (mmproj) that llama.cpp's mtmd loads: SigLIP-shaped blocks of `width`, then a
+    `kind` projection (gemma3: average pool by `scale_factor`, RMS norm, one matrix; mlp: LLaVA's two layers) into
+    `n_embd_text`. Kilobytes at the defaults, encoded in milliseconds; its answers mean nothing. `out_scale`: the
+    projection's weights (large enough that a picture changes the answer)."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ffn = ffn or 4 * width
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", kind)
+    for key, value in (("image_size", image_size), ("patch_size", patch), ("embedding_length", width),
+                       ("feed_forward_length", ffn), ("block_count", layers), ("attention.head_count", heads),
+                       ("projection_dim", n_embd_text)):
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    if kind == "gemma3":
+        writer.add_uint32("clip.vision.projector.scale_factor", scale_factor)
+
+    def tensor(name: str, *shape: int, scale: float = 0.02, ones: bool = False) -> None:
+        data = np.ones(shape, np.float32) if ones else (rng.standard_normal(shape) * scale).astype(np.float32)
+        writer.add_tensor(name, data)
+
+    tensor("v.patch_embd.weight", width, 3, patch, patch)
+    tensor("v.patch_embd.bias", width)
+    tensor("v.position_embd.weight", (image_size // patch) ** 2, width)
+    for i in range(layers):
+        for part in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            tensor(f"v.blk.{i}.{part}.weight", width, width)
+            tensor(f"v.blk.{i}.{part}.bias", width)
+        tensor(f"v.blk.{i}.ffn_up.weight", ffn, width)
+        tensor(f"v.blk.{i}.ffn_up.bias", ffn)
+        tensor(f"v.blk.{i}.ffn_down.weight", width, ffn)
+        tensor(f"v.blk.{i}.ffn_down.bias", width)
+        for norm in ("ln1", "ln2"):
+            tensor(f"v.blk.{i}.{norm}.weight", width, ones=True)
+            tensor(f"v.blk.{i}.{norm}.bias", width)
+    tensor("v.post_ln.weight", width, ones=True)
+    tensor("v.post_ln.bias", width)
+    if kind == "gemma3":
+        tensor("mm.soft_emb_norm.weight", width, ones=True)
+        tensor("mm.input_projection.weight", width, n_embd_text, scale=out_scale)
+    else:
+        tensor("mm.0.weight", n_embd_text, width, scale=out_scale)
+        tensor("mm.0.bias", n_embd_text)
+        tensor("mm.2.weight", n_embd_text, n_embd_text, scale=out_scale / 10)
+        tensor("mm.2.bias", n_embd_text)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

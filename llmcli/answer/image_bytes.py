@@ -59,7 +59,9 @@ def decode_image(data: bytes, source: str, max_side: int = DEFAULT_MAX_SIDE) -> 
             rgb = _as_rgb(picture)
     except ImageError:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning):
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):  # (Pillow's check, from the header alone)
+        raise ImageError(f"{source}: more than {MAX_PIXELS:,} pixels, more than an image may have") from None
+    except UnidentifiedImageError:
         raise ImageError(f"{source}: not an image llmcli reads (PNG, JPEG, GIF, WebP or BMP)") from None
     except (OSError, ValueError, SyntaxError, EOFError) as exc:  # Pillow's truncated and damaged files
         raise ImageError(f"{source}: a damaged or truncated image ({str(exc) or type(exc).__name__})") from None

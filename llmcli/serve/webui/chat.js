@@ -8,7 +8,10 @@ const SETTINGS = "llmcli.settings";
 const KEY = "llmcli.key";
 const NUMBERS = ["temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "seed"];
 
+const MAX_SIDE = 1024; // pictures are scaled down to this many pixels on their longer side before they are kept and sent
+
 const page = {
+  attachments: [], // data URIs of the images the next message asks about
   conversations: load(STORE, []),
   current: null,
   controller: null, // the answer being streamed: its AbortController
@@ -25,7 +28,59 @@ function load(name, fallback) {
 }
 
 function save() {
-  localStorage.setItem(STORE, JSON.stringify(page.conversations));
+  try {
+    localStorage.setItem(STORE, JSON.stringify(page.conversations));
+  } catch {
+    $("status").textContent = "This browser's storage is full: older conversations (and their images) are not kept.";
+  }
+}
+
+// ---- images --------------------------------------------------------------------------------------------------
+
+function attach(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    const url = URL.createObjectURL(file);
+    const picture = new Image();
+    picture.onload = () => {
+      const scale = Math.min(1, MAX_SIDE / Math.max(picture.width, picture.height));
+      const canvas = document.createElement("canvas");
+      canvas.width = Math.max(1, Math.round(picture.width * scale));
+      canvas.height = Math.max(1, Math.round(picture.height * scale));
+      canvas.getContext("2d").drawImage(picture, 0, 0, canvas.width, canvas.height);
+      URL.revokeObjectURL(url);
+      page.attachments.push(canvas.toDataURL("image/png"));
+      showAttachments();
+    };
+    picture.onerror = () => {
+      URL.revokeObjectURL(url);
+      $("status").textContent = file.name + " is not an image this browser can read.";
+    };
+    picture.src = url;
+  }
+}
+
+function showAttachments() {
+  const box = $("attachments");
+  box.replaceChildren();
+  page.attachments.forEach((image, index) => {
+    const item = el("div", "attachment");
+    item.append(thumb(image), button("×", "remove", () => { page.attachments.splice(index, 1); showAttachments(); }));
+    box.append(item);
+  });
+}
+
+function thumb(source) {
+  const picture = el("img", "thumb");
+  picture.src = source;
+  picture.alt = "an attached image";
+  return picture;
+}
+
+function wire({ role, content, images }) {
+  if (!images?.length) return { role, content };
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  return { role, content: content ? [...parts, { type: "text", text: content }] : parts };
 }
 
 function $(id) {
@@ -82,6 +137,11 @@ function messageView(message, index) {
   view.dataset.index = String(index);
   view.append(el("div", "role", message.role));
   if (message.reasoning) view.append(thinkingView(message.reasoning, false));
+  if (message.images?.length) {
+    const images = el("div", "images");
+    message.images.forEach((image) => images.append(thumb(image)));
+    view.append(images);
+  }
   const body = el("div", message.role === "assistant" ? "body" : "body plain");
   body.append(message.role === "assistant" ? markdown(message.content) : document.createTextNode(message.content));
   view.append(body);
@@ -124,7 +184,7 @@ function edit(view, index) {
     button("Save & send", "save", () => {
       if (!area.value.trim()) return;
       page.current.messages = page.current.messages.slice(0, index);
-      ask(area.value);
+      ask(area.value, message.images || []);
     }),
     button("Cancel", "cancel", showAll),
   );
@@ -138,10 +198,10 @@ function regenerate() {
   answer();
 }
 
-function ask(text) {
+function ask(text, images = []) {
   const conv = conversation();
-  conv.messages.push({ role: "user", content: text });
-  if (conv.title === "New chat") conv.title = text.trim().split("\n")[0].slice(0, 60) || "New chat";
+  conv.messages.push(images.length ? { role: "user", content: text, images } : { role: "user", content: text });
+  if (conv.title === "New chat") conv.title = text.trim().split("\n")[0].slice(0, 60) || (images.length ? "An image" : "New chat");
   answer();
 }
 
@@ -215,6 +275,7 @@ function statsLine(timings, finish, started, firstAt, pieces) {
   if (timings) {
     const parts = ["TTFT " + timings.ttft_s.toFixed(2) + " s", timings.decode_tokens_per_s.toFixed(1) + " tok/s",
       timings.completion_tokens + " tokens", timings.cached_tokens + "/" + timings.prompt_tokens + " prompt tokens cached"];
+    if (timings.images) parts.push(timings.images + (timings.images === 1 ? " image" : " images"));
     return parts.join(" · ") + (finish ? " · " + finish : "");
   }
   const ttft = firstAt === null ? "" : "TTFT " + ((firstAt - started) / 1000).toFixed(2) + " s · ";
@@ -226,7 +287,7 @@ function statsLine(timings, finish, started, firstAt, pieces) {
 async function answer() {
   const conv = conversation();
   const system = $("system").value.trim();
-  const sent = conv.messages.map(({ role, content }) => ({ role, content }));
+  const sent = conv.messages.map(wire);
   if (system) sent.unshift({ role: "system", content: system });
   const reply = { role: "assistant", content: "", reasoning: "" };
   conv.messages.push(reply);
@@ -311,9 +372,12 @@ function start() {
   $("composer").addEventListener("submit", (event) => {
     event.preventDefault();
     const text = $("prompt").value;
-    if (!text.trim() || page.controller) return;
+    if ((!text.trim() && !page.attachments.length) || page.controller) return;
     $("prompt").value = "";
-    ask(text);
+    const images = page.attachments;
+    page.attachments = [];
+    showAttachments();
+    ask(text, images);
   });
   $("prompt").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
@@ -322,6 +386,16 @@ function start() {
     }
   });
   $("stop").addEventListener("click", () => page.controller?.abort());
+  $("image-file").addEventListener("change", (event) => { attach(event.target.files); event.target.value = ""; });
+  $("prompt").addEventListener("paste", (event) => {
+    const files = [...(event.clipboardData?.files || [])].filter((file) => file.type.startsWith("image/"));
+    if (files.length) { event.preventDefault(); attach(files); }
+  });
+  $("composer").addEventListener("dragover", (event) => event.preventDefault());
+  $("composer").addEventListener("drop", (event) => {
+    const files = [...(event.dataTransfer?.files || [])];
+    if (files.length) { event.preventDefault(); attach(files); }
+  });
   $("new-chat").addEventListener("click", () => {
     if (page.controller) return;
     page.current = null;

@@ -1,0 +1,209 @@
+"""Images: a random-weight projector (tests/gguf_tools.py `write_projector`) beside SmolLM2 makes a model that sees.
+Its answers mean nothing; what is checked is the plumbing — a picture changes the first token's logits against none and
+against another picture, the same picture gives the same logits twice, its tokens are counted alike by `count`, `run`
+and `serve`, a repeated picture is not encoded again, every way in (run, chat, --batch, each protocol of serve) reaches
+the model, and every bad picture is refused with one line."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+from conftest import start_server, stop_server
+from gguf_tools import write_projector
+from PIL import Image
+
+
+@pytest.fixture(scope="module")
+def seeing(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2 in a folder with a vision projector beside it (found with it, as LM Studio's folders hold them)."""
+    folder = tmp_path_factory.mktemp("seeing")
+    (folder / "smol.gguf").symlink_to(smollm2)
+    write_projector(folder / "mmproj-smol-f16.gguf", 576)
+    return folder / "smol.gguf"
+
+
+def _png(seed: int, size: tuple[int, int] = (64, 48)) -> bytes:
+    pixels = bytes((seed * 97 + i * 31 + (i // 7) * 13) % 256 for i in range(size[0] * size[1] * 3))
+    out = io.BytesIO()
+    Image.frombytes("RGB", size, pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("pictures")
+    made = {"one.png": _png(1), "two.png": _png(2)}
+    cmyk = io.BytesIO()
+    Image.new("CMYK", (40, 30), (0, 200, 200, 0)).save(cmyk, "JPEG")
+    made["cmyk.jpg"] = cmyk.getvalue()
+    frames = [Image.new("RGB", (16, 16), (i * 80, 0, 0)) for i in range(3)]
+    gif = io.BytesIO()
+    frames[0].save(gif, "GIF", save_all=True, append_images=frames[1:])
+    made["animated.gif"] = gif.getvalue()
+    made["truncated.png"] = _png(3)[:80]
+    made["notes.png"] = b"these are notes, not a picture\n"
+    # A 20,000 x 20,000 PNG whose header promises 400 megapixels (a decompression bomb): refused before any pixel.
+    header = struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0)
+    made["bomb.png"] = (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(b"\0" * 60001))
+                        + _chunk(b"IEND", b""))
+    for name, data in made.items():
+        (folder / name).write_bytes(data)
+    with (folder / "huge.png").open("wb") as handle:  # past the 20 MiB an image may be: refused before it is read whole
+        handle.truncate(21 * 1024 * 1024)
+    return {name: folder / name for name in [*made, "huge.png"]}
+
+
+def _first_logprobs(cli, model: Path, *args: str) -> list[tuple[str, float]]:
+    result = cli("run", "-m", str(model), "--temp", "0", "-n", "1", "--json", "--logprobs", "5", *args, "What is this?")
+    assert result.code == 0, result.stderr
+    record = json.loads(result.stdout)
+    return [(top["token"], round(top["logprob"], 4)) for top in record["logprobs"][0]["top_logprobs"]]
+
+
+def test_a_picture_reaches_the_model(cli, seeing: Path, pictures: dict[str, Path]) -> None:
+    one = _first_logprobs(cli, seeing, "--image", str(pictures["one.png"]))
+    assert one == _first_logprobs(cli, seeing, "--image", str(pictures["one.png"]))  # the same picture: the same
+    assert one != _first_logprobs(cli, seeing, "--image", str(pictures["two.png"]))  # another picture: not
+    assert one != _first_logprobs(cli, seeing)  # none: not
+    piped = cli("run", "-m", str(seeing), "--temp", "0", "-n", "1", "--json", "--logprobs", "5", "--image", "-",
+                "What is this?", input=pictures["one.png"].read_bytes())
+    assert piped.code == 0, piped.stderr
+    assert [(t["token"], round(t["logprob"], 4)) for t in json.loads(piped.stdout)["logprobs"][0]["top_logprobs"]] == one
+
+
+def test_image_tokens_are_counted_alike_and_reported(cli, seeing: Path, pictures: dict[str, Path]) -> None:
+    image = str(pictures["one.png"])
+    counted = cli("count", "--chat", "-m", str(seeing), "--image", image, "What is this?")
+    assert counted.code == 0, counted.stderr
+    shown = cli("run", "-m", str(seeing), "--show-prompt", "--image", image, "What is this?")
+    assert shown.code == 0 and "<__media__>" in shown.stdout
+    result = cli("run", "-m", str(seeing), "--temp", "0", "-n", "2", "--json", "--image", image, "What is this?")
+    record = json.loads(result.stdout)
+    text_only = cli("count", "--chat", "-m", str(seeing), "What is this?")
+    assert record["usage"]["prompt_tokens"] == int(counted.stdout) == int(shown.stderr.split()[0])
+    assert int(counted.stdout) > int(text_only.stdout) + 8  # the picture's tokens (16 here) and its newline
+    timings = record["timings"]
+    assert timings["images"] == 1 and timings["images_encoded"] == 1 and timings["image_s"] > 0
+    plain = cli("run", "-m", str(seeing), "--temp", "0", "-n", "2", "--image", image, "What is this?")
+    assert "1 image (1 encoded in" in plain.stderr
+
+
+def test_a_picture_asked_about_again_is_not_encoded_again(cli, seeing: Path, pictures: dict[str, Path]) -> None:
+    """chat: the second question about the picture reuses its KV cells; /image and a dropped path both attach."""
+    one, two = pictures["one.png"], pictures["two.png"]
+    script = f"/image {one}\nWhat is it?\nAnd now?\n{two} and this one?\n/history\n"
+    result = cli("chat", "-m", str(seeing), "--temp", "0", "-n", "3", input=script)
+    assert result.code == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "tok/s" in line or "TTFT" in line]
+    assert "1 image (1 encoded in" in lines[0]
+    assert "1 image (cached)" in lines[1] and "cached" in lines[1].split("prompt")[1]  # its cells kept
+    assert "2 images (1 encoded in" in lines[2]  # the new one encoded, the first one's cells kept
+    assert f"[image: {one.name}]" in result.stderr and f"[image: {two.name}]" in result.stderr
+    assert "1 image attached" in result.stderr
+
+
+@pytest.mark.parametrize(("name", "says"), [
+    ("notes.png", "not an image llmcli reads"), ("truncated.png", "damaged or truncated"),
+    ("bomb.png", "more than 50,000,000 pixels, more than an image may have"), ("animated.gif", "an animated image (3 frames)"),
+    ("huge.png", "is more than an image may be"), ("missing.png", "cannot read the image"),
+])
+def test_bad_pictures_are_one_line(cli, seeing: Path, pictures: dict[str, Path], name: str, says: str) -> None:
+    path = pictures.get(name, pictures["one.png"].parent / name)
+    result = cli("run", "-m", str(seeing), "-n", "1", "--image", str(path), "hi")
+    assert result.code == 2 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_what_cannot_see_says_so(cli, smollm2: Path, seeing: Path, gemma3: Path, pictures: dict[str, Path],
+                                 tmp_path: Path) -> None:
+    cmyk = cli("run", "-m", str(seeing), "-n", "1", "--image", str(pictures["cmyk.jpg"]), "hi")
+    assert cmyk.code == 0, cmyk.stderr  # CMYK is converted, not refused
+    blind = cli("run", "-m", str(smollm2), "-n", "1", "--image", str(pictures["one.png"]), "hi")
+    assert blind.code == 2 and "this model does not see images" in blind.stderr and "--mmproj" in blind.stderr
+    other = cli("run", "-m", str(gemma3), "--mmproj", str(seeing.parent / "mmproj-smol-f16.gguf"), "-n", "1", "hi")
+    assert other.code == 5 and "writes embeddings of width 576, but gemma3-270m.gguf takes 640" in other.stderr
+    not_one = cli("run", "-m", str(seeing), "--mmproj", str(smollm2), "-n", "1", "hi")
+    assert not_one.code == 5 and "is not a vision projector" in not_one.stderr
+    shown = cli("show", str(seeing))
+    assert "yes: mlp projector, 56 px" in shown.stdout
+    assert "no (no vision projector found" in cli("show", str(smollm2)).stdout
+
+
+def test_gemma3_projector_and_batch_records(cli, gemma3: Path, pictures: dict[str, Path], tmp_path: Path) -> None:
+    """Gemma 3's projector (pooled, non-causal image tokens) and --batch records with images, relative to the file."""
+    folder = tmp_path / "g"
+    folder.mkdir()
+    (folder / "gemma.gguf").symlink_to(gemma3)
+    write_projector(folder / "mmproj-gemma-f16.gguf", 640, kind="gemma3")
+    (tmp_path / "one.png").write_bytes(pictures["one.png"].read_bytes())
+    records = [{"prompt": "A picture of", "images": ["one.png"], "id": "a"}, {"prompt": "A picture of", "id": "b"},
+               {"prompt": "A picture of", "images": ["nope.png"]}, {"prompt": "A picture of", "images": "one.png"}]
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = cli("run", "-m", str(folder / "gemma.gguf"), "--batch", str(batch), "-n", "2", "--temp", "0", "--raw")
+    assert result.code == 0, result.stderr
+    out = [json.loads(line) for line in result.stdout.splitlines()]
+    assert out[0]["id"] == "a" and out[0]["timings"]["images"] == 1 and out[1]["timings"]["images"] == 0
+    assert out[0]["usage"]["prompt_tokens"] > out[1]["usage"]["prompt_tokens"]
+    assert "cannot read the image" in out[2]["error"] and '"images" must be a list' in out[3]["error"]
+    alone = cli("run", "-m", str(folder / "gemma.gguf"), "-n", "2", "--temp", "0", "--raw", "--json",
+                "--image", str(tmp_path / "one.png"), "A picture of")
+    assert json.loads(alone.stdout)["text"] == out[0]["text"]  # a batch record's answer is a run's
+
+
+def test_every_protocol_reaches_the_model(seeing: Path, pictures: dict[str, Path], tmp_path: Path) -> None:
+    """The official clients, each sending the picture its protocol's way; a bad picture is each protocol's 400."""
+    import anthropic
+    import ollama
+    import openai
+
+    data = pictures["one.png"].read_bytes()
+    b64 = base64.b64encode(data).decode()
+    uri = "data:image/png;base64," + b64
+    proc, url = start_server(tmp_path, "-m", str(seeing), "--temp", "0")
+    try:
+        chat = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        text_only = chat.chat.completions.create(model="smol", max_tokens=1, messages=[
+            {"role": "user", "content": "What is this?"}]).usage.prompt_tokens
+        reply = chat.chat.completions.create(model="smol", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": uri}}]}])
+        counts = {"chat": reply.usage.prompt_tokens}
+        assert reply.model_extra["timings"]["images"] == 1
+        response = chat.responses.create(model="smol", max_output_tokens=16, input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": uri}]}])
+        counts["responses"] = response.usage.input_tokens
+        message = anthropic.Anthropic(base_url=url, api_key="none").messages.create(
+            model="smol", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]}])
+        counts["anthropic"] = message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+        local = ollama.Client(host=url)
+        counts["ollama chat"] = local.chat(model="smol", messages=[
+            {"role": "user", "content": "What is this?", "images": [data]}], options={"num_predict": 2}).prompt_eval_count
+        counts["ollama generate"] = local.generate(model="smol", prompt="What is this?", images=[data],
+                                                   options={"num_predict": 2}).prompt_eval_count
+        assert all(count > text_only + 8 for count in counts.values()), (text_only, counts)
+        with pytest.raises(openai.BadRequestError, match="not an image llmcli reads"):
+            chat.chat.completions.create(model="smol", max_tokens=1, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}])
+        with pytest.raises(openai.BadRequestError, match="image URLs are not fetched"):
+            chat.chat.completions.create(model="smol", max_tokens=1, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}])
+        with pytest.raises(anthropic.BadRequestError, match="an animated image"):
+            anthropic.Anthropic(base_url=url, api_key="none").messages.create(
+                model="smol", max_tokens=1, messages=[{"role": "user", "content": [{"type": "image", "source": {
+                    "type": "base64", "media_type": "image/gif",
+                    "data": base64.b64encode(pictures["animated.gif"].read_bytes()).decode()}}]}])
+        with pytest.raises(ollama.ResponseError, match="more than 50,000,000 pixels"):
+            local.generate(model="smol", prompt="hi", images=[pictures["bomb.png"].read_bytes()])
+    finally:
+        stop_server(proc)
