@@ -96,6 +96,18 @@ def no_template_model(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -
     return rewrite_metadata(smollm2, tmp_path_factory.mktemp("models") / "no-template.gguf", drop=("tokenizer.chat_template",))
 
 
+@pytest.fixture(scope="session")
+def seeing(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2 in a folder with a random-weight vision projector beside it (found with it, as LM Studio's folders
+    hold them): a model that sees, whose answers about pictures mean nothing."""
+    from gguf_tools import write_projector
+
+    folder = tmp_path_factory.mktemp("seeing")
+    (folder / "smol.gguf").symlink_to(smollm2)
+    write_projector(folder / "mmproj-smol-f16.gguf", 576)
+    return folder / "smol.gguf"
+
+
 @dataclass
 class Result:
     code: int

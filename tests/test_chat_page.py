@@ -244,3 +244,34 @@ def test_a_client_that_is_not_a_browser_gets_one_line_at_the_root(server):
         urllib.request.urlopen(server + "/ui/other.js", timeout=10)
     assert missing.value.code == 404
 
+
+
+def test_the_page_asks_about_an_attached_image(browser, seeing, tmp_path):
+    """A picture picked (or pasted, or dropped) goes with the message as an image_url part; the conversation shows it."""
+    from PIL import Image
+
+    picture = tmp_path / "red.png"
+    Image.new("RGB", (80, 60), (220, 30, 30)).save(picture)
+    proc, url = start_server(tmp_path, "-m", str(seeing), "--temp", "0")
+    try:
+        page = open_page(browser, url)
+        page.wait_for_selector("#model option", state="attached")
+        sent = []
+        page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
+        use_grammar(page, "A red picture.")
+        page.set_input_files("#image-file", str(picture))
+        page.locator("#attachments img.thumb").wait_for()
+        send(page, "What is this?")
+        answer = last_answer(page)
+        answer.locator(".stats").wait_for()
+        assert "1 image" in answer.locator(".stats").inner_text()
+        assert answer.locator(".body").inner_text() == "A red picture."
+        assert page.locator("article.message.user img.thumb").count() == 1
+        assert page.locator("#attachments img").count() == 0  # sent: no longer attached
+        parts = sent[0]["messages"][-1]["content"]
+        assert parts[0]["type"] == "image_url" and parts[0]["image_url"]["url"].startswith("data:image/png;base64,")
+        assert parts[1] == {"type": "text", "text": "What is this?"}
+        assert kept(page)[0]["messages"][0]["images"][0].startswith("data:image/png")
+        assert page.evaluate("window.violations") == []
+    finally:
+        stop_server(proc)

@@ -19,15 +19,6 @@ from gguf_tools import write_projector
 from PIL import Image
 
 
-@pytest.fixture(scope="module")
-def seeing(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2 in a folder with a vision projector beside it (found with it, as LM Studio's folders hold them)."""
-    folder = tmp_path_factory.mktemp("seeing")
-    (folder / "smol.gguf").symlink_to(smollm2)
-    write_projector(folder / "mmproj-smol-f16.gguf", 576)
-    return folder / "smol.gguf"
-
-
 def _png(seed: int, size: tuple[int, int] = (64, 48)) -> bytes:
     pixels = bytes((seed * 97 + i * 31 + (i // 7) * 13) % 256 for i in range(size[0] * size[1] * 3))
     out = io.BytesIO()
@@ -207,3 +198,37 @@ def test_every_protocol_reaches_the_model(seeing: Path, pictures: dict[str, Path
             local.generate(model="smol", prompt="hi", images=[pictures["bomb.png"].read_bytes()])
     finally:
         stop_server(proc)
+
+
+def test_the_projector_comes_with_its_model(cli, seeing: Path, smollm2: Path, pictures: dict[str, Path], serve_hub,
+                                            tmp_path: Path) -> None:
+    """A Hub repository's mmproj is fetched (and checked) with the model; Ollama's projector layer is used in place."""
+    projector = seeing.parent / "mmproj-smol-f16.gguf"
+    quantized = tmp_path / "mmproj-smol-Q8_0.gguf"
+    quantized.write_bytes(b"never fetched: f16 is preferred")
+    hub = serve_hub({"someone/SmolVLM-GGUF": {"smol-Q4_K_M.gguf": smollm2, projector.name: projector,
+                                              quantized.name: quantized}})
+    asked = cli("run", "-m", "someone/SmolVLM-GGUF", "-n", "1", "--image", str(pictures["one.png"]), "hi")
+    assert asked.code == 0, asked.stderr
+    assert len(hub.requests("GET", "/cdn/")) == 2  # the model and its f16 projector, not the Q8_0 one
+    assert "never fetched" not in "".join(p.read_text(errors="replace")[:40] for p in
+                                          (tmp_path / "home" / "cache").rglob("mmproj*"))
+    listed = {e["name"]: e for e in json.loads(cli("list", "--json").stdout)}
+    assert listed["someone/SmolVLM-GGUF:Q4_K_M"]["projector"].endswith(projector.name)
+    root = tmp_path / "ollama"
+    (root / "blobs").mkdir(parents=True)
+    import hashlib
+
+    model_sha, projector_sha = (hashlib.sha256(p.read_bytes()).hexdigest() for p in (smollm2, projector))
+    for digest, target in ((model_sha, smollm2), (projector_sha, projector)):
+        (root / "blobs" / f"sha256-{digest}").symlink_to(target)
+    manifest = root / "manifests" / "registry.ollama.ai" / "library" / "seer" / "latest"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"layers": [
+        {"mediaType": "application/vnd.ollama.image.model", "digest": "sha256:" + model_sha, "size": smollm2.stat().st_size},
+        {"mediaType": "application/vnd.ollama.image.projector", "digest": "sha256:" + projector_sha,
+         "size": projector.stat().st_size}]}))
+    env = {"OLLAMA_MODELS": str(root)}
+    shown = cli("show", "ollama:seer", env=env)
+    assert "yes: mlp projector" in shown.stdout and "not used: projector" not in shown.stderr
+    assert cli("run", "-m", "ollama:seer", "-n", "1", "--image", str(pictures["one.png"]), "hi", env=env).code == 0

@@ -52,11 +52,11 @@ class Vision:
         params.print_timings = False
         params.warmup = False
         params.n_threads = n_threads
-        self._ctx = mtmd.mtmd_init_from_file(str(projector).encode(), model, params)
-        if not self._ctx:
+        self._mtmd = mtmd.mtmd_init_from_file(str(projector).encode(), model, params)
+        if not self._mtmd:
             raise IntegrityError(f"llama.cpp could not load the projector {projector}: {log.take_error() or 'unknown reason'}",
                                  hint="Check that it is the mmproj file published with this model.")
-        if not mtmd.mtmd_support_vision(self._ctx):
+        if not mtmd.mtmd_support_vision(self._mtmd):
             self.close()
             raise IntegrityError(f"{projector.name} has no image encoder")
         self.path = projector
@@ -71,9 +71,9 @@ class Vision:
         for entry in self._entries.values():
             mtmd.mtmd_input_chunk_free(entry.chunk)
         self._entries.clear()
-        if getattr(self, "_ctx", None):
-            mtmd.mtmd_free(self._ctx)
-            self._ctx = None
+        if getattr(self, "_mtmd", None):
+            mtmd.mtmd_free(self._mtmd)
+            self._mtmd = None
 
     def tokenize(self, image: ImageInput) -> list[int]:
         """The prompt tokens of `image`: the projector's own text around it, and its placeholder ids."""
@@ -88,7 +88,7 @@ class Vision:
             part = mtmd.mtmd_input_part()
             part.bitmap = bitmap
             parts = (ctypes.POINTER(mtmd.mtmd_input_part) * 1)(ctypes.pointer(part))
-            rc = mtmd.mtmd_tokenize_from_parts(self._ctx, chunks, parts, 1, False)
+            rc = mtmd.mtmd_tokenize_from_parts(self._mtmd, chunks, parts, 1, False)
             if rc != 0:
                 raise LlmcliError(f"llama.cpp could not prepare the image {image.source} (code {rc}): "
                                   f"{llama_backend().take_error() or 'no reason given'}")
@@ -143,16 +143,16 @@ class Vision:
         self._entries.move_to_end(token)
         if entry.embeddings is None:
             started = time.perf_counter()
-            rc = mtmd.mtmd_encode_chunk(self._ctx, entry.chunk)
+            rc = mtmd.mtmd_encode_chunk(self._mtmd, entry.chunk)
             if rc != 0:
                 raise LlmcliError(f"llama.cpp could not encode an image (code {rc}): "
                                   f"{llama_backend().take_error() or 'no reason given'}")
-            output = mtmd.mtmd_get_output_embd(self._ctx)
+            output = mtmd.mtmd_get_output_embd(self._mtmd)
             size = entry.n_tokens * self.n_embd
             entry.embeddings = (ctypes.c_float * size)()
             ctypes.memmove(entry.embeddings, output, size * ctypes.sizeof(ctypes.c_float))
             self.encode_s += time.perf_counter() - started
             self.encoded += 1
         new_pos = llama_cpp.llama_pos(0)
-        return int(mtmd.mtmd_helper_decode_image_chunk(self._ctx, ctx, entry.chunk, entry.embeddings, pos, seq, n_batch,
+        return int(mtmd.mtmd_helper_decode_image_chunk(self._mtmd, ctx, entry.chunk, entry.embeddings, pos, seq, n_batch,
                                                        ctypes.byref(new_pos), _NO_CALLBACK, None))

@@ -70,6 +70,11 @@ class FoundModel:
             raise IntegrityError(f"{self.name}: {self.path} does not match its sha256 name",
                                  hint="The file is damaged: pull it again with the tool that owns it (llmcli never "
                                  "changes another tool's files).")
+        projector = self.projector
+        if projector is not None and projector.parent.name == "blobs" and (
+                remembered_sha256(projector) != projector.name.removeprefix("sha256-")):
+            raise IntegrityError(f"{self.name}: its projector {projector} does not match its sha256 name",
+                                 hint="The file is damaged: pull it again with the tool that owns it.")
         return self
 
 

@@ -40,23 +40,22 @@ function save() {
 function attach(files) {
   for (const file of files) {
     if (!file.type.startsWith("image/")) continue;
-    const url = URL.createObjectURL(file);
-    const picture = new Image();
-    picture.onload = () => {
-      const scale = Math.min(1, MAX_SIDE / Math.max(picture.width, picture.height));
-      const canvas = document.createElement("canvas");
-      canvas.width = Math.max(1, Math.round(picture.width * scale));
-      canvas.height = Math.max(1, Math.round(picture.height * scale));
-      canvas.getContext("2d").drawImage(picture, 0, 0, canvas.width, canvas.height);
-      URL.revokeObjectURL(url);
-      page.attachments.push(canvas.toDataURL("image/png"));
-      showAttachments();
+    const reader = new FileReader();  // a data: URL (the page's policy allows images from data:, not blob:)
+    reader.onload = () => {
+      const picture = new Image();
+      picture.onload = () => {
+        const scale = Math.min(1, MAX_SIDE / Math.max(picture.width, picture.height));
+        const canvas = document.createElement("canvas");
+        canvas.width = Math.max(1, Math.round(picture.width * scale));
+        canvas.height = Math.max(1, Math.round(picture.height * scale));
+        canvas.getContext("2d").drawImage(picture, 0, 0, canvas.width, canvas.height);
+        page.attachments.push(canvas.toDataURL("image/png"));
+        showAttachments();
+      };
+      picture.onerror = () => { $("status").textContent = file.name + " is not an image this browser can read."; };
+      picture.src = reader.result;
     };
-    picture.onerror = () => {
-      URL.revokeObjectURL(url);
-      $("status").textContent = file.name + " is not an image this browser can read.";
-    };
-    picture.src = url;
+    reader.readAsDataURL(file);
   }
 }
 
