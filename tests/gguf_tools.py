@@ -96,11 +96,12 @@ def split_gguf(src: Path, out_dir: Path, stem: str, parts: int) -> list[Path]:
 
 def write_projector(path: Path, n_embd_text: int, kind: str = "mlp", width: int = 64, layers: int = 2,
                     image_size: int = 56, patch: int = 14, heads: int = 4, ffn: int | None = None,
-                    scale_factor: int = 2, seed: int = 0, out_scale: float = 0.5) -> Path:
+                    scale_factor: int = 2, seed: int = 0, out_scale: float = 0.5, f16: bool = False) -> Path:
     """A random-weight vision projector (mmproj) that llama.cpp's mtmd loads: SigLIP-shaped blocks of `width`, then a
     `kind` projection (gemma3: average pool by `scale_factor`, RMS norm, one matrix; mlp: LLaVA's two layers) into
     `n_embd_text`. Kilobytes at the defaults, encoded in milliseconds; its answers mean nothing. `out_scale`: the
-    projection's weights (large enough that a picture changes the answer)."""
+    projection's weights (large enough that a picture changes the answer). `f16`: matrices in f16, as published
+    projectors hold them (for realistic sizes)."""
     import gguf
     import numpy as np
 
@@ -120,8 +121,8 @@ def write_projector(path: Path, n_embd_text: int, kind: str = "mlp", width: int 
         writer.add_uint32("clip.vision.projector.scale_factor", scale_factor)
 
     def tensor(name: str, *shape: int, scale: float = 0.02, ones: bool = False) -> None:
-        data = np.ones(shape, np.float32) if ones else (rng.standard_normal(shape) * scale).astype(np.float32)
-        writer.add_tensor(name, data)
+        data = np.ones(shape, np.float32) if ones else (rng.standard_normal(shape, np.float32) * scale)
+        writer.add_tensor(name, data.astype(np.float16) if f16 and len(shape) > 1 and "position" not in name else data)
 
     tensor("v.patch_embd.weight", width, 3, patch, patch)
     tensor("v.patch_embd.bias", width)

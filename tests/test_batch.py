@@ -155,7 +155,7 @@ def test_a_long_answer_grows_the_kv_cache_without_changing_any_answer():
         f"items = batch_jsonl.parse_items({QUESTIONS[1:3]!r})\n"
         "texts = {}\n"
         "for room in (4096, 1):\n"
-        "    bp = batch_run.plan(items, lambda t: s.render(t, []).tokens, s.engine, p.generation, 2, answer_room=room)\n"
+        "    bp = batch_run.plan(items, lambda item: s.render(item.prompt, []).tokens, s.engine, p.generation, 2, answer_room=room)\n"
         "    s.engine.resize(bp.cells, bp.n_sequences)\n"
         "    out = {}\n"
         "    run = batch_run.BatchRun(s.engine, bp, p.generation, Cancellation(), lambda i, r: out.__setitem__(i, r['text']))\n"

@@ -232,3 +232,27 @@ def test_the_projector_comes_with_its_model(cli, seeing: Path, smollm2: Path, pi
     shown = cli("show", "ollama:seer", env=env)
     assert "yes: mlp projector" in shown.stdout and "not used: projector" not in shown.stderr
     assert cli("run", "-m", "ollama:seer", "-n", "1", "--image", str(pictures["one.png"]), "hi", env=env).code == 0
+
+
+def test_a_warm_run_sends_the_picture_to_its_server(cli, seeing: Path, pictures: dict[str, Path]) -> None:
+    """run's default path: the picture goes to the model's warm server as an image_url part; the same greedy answer
+    and token counts as in this process, and the second question finds its cells kept."""
+    import shutil
+    import tempfile
+
+    runtime = {"LLMCLI_RUNTIME_DIR": tempfile.mkdtemp(prefix="llmcli-rt-", dir="/tmp")}
+    image = ("--image", str(pictures["one.png"]))
+    try:
+        ask = ("run", "-m", str(seeing), "--temp", "0", "-n", "8", "--json", *image, "What is this?")
+        in_process = json.loads(cli(*ask).stdout)
+        cold = cli(*ask, "--keep-alive", "5m", env=runtime)
+        assert cold.code == 0, cold.stderr
+        record = json.loads(cold.stdout)
+        assert record["text"] == in_process["text"] and record["usage"] == in_process["usage"]
+        assert record["timings"]["images"] == 1 and record["timings"]["images_encoded"] == 1
+        again = cli("run", "-m", str(seeing), "--keep-alive", "5m", "--temp", "0", "-n", "1", *image, "What is this?",
+                    env=runtime)
+        assert again.code == 0 and again.stderr.startswith("warm") and "1 image (cached)" in again.stderr, again.stderr
+    finally:
+        cli("stop", env=runtime)
+        shutil.rmtree(runtime["LLMCLI_RUNTIME_DIR"], ignore_errors=True)

@@ -91,17 +91,17 @@ class Scheduler:
             cached = shared
         else:
             cached = kv.keep_prefix(prompt, seq, reuse_at_least)
+        clock = clock or AnswerClock()
         if has_images(prompt):  # an image is evaluated whole: a kept prefix or a split never ends inside one
             if (start := image_start(prompt, cached)) < cached:
                 kv.remove(seq, start, -1)
                 cached = start
             if split_at is not None:
                 split_at = image_start(prompt, split_at)
+            vision = engine.load_vision()
+            clock.images = sum(1 for token in prompt if token < 0 and vision.run(token))
         kv.checkpoints.pop(seq, None)
-        clock = clock or AnswerClock()
         clock.prefill_started = time.perf_counter()
-        if engine.vision is not None:
-            clock.images = sum(1 for token in prompt if token < 0 and engine.vision.run(token))
         drafter = Drafter.for_mode(options.speculate, prompt, self.speculation.draft_model)
         slot = Slot(seq, prompt, options, sampler, Answer(options, len(prompt), engine.n_ctx), clock, drafter,
                     cached, cached, split_at if split_at is not None and cached < split_at < len(prompt) else None, tag)
