@@ -57,18 +57,36 @@ def parse_items(lines: Iterable[str], base: Path | None = None) -> list[BatchIte
     return items
 
 
-def in_order(write: Callable[[Record], None]) -> Callable[[int, Record], None]:
-    """Results arrive in any order; `write` sees them in input order, each as soon as it can."""
+def in_order(write: Callable[[Record], None], order: list[int] | None = None) -> Callable[[int, Record], None]:
+    """Results arrive in any order; `write` sees them in input order (`order`: the indices, else 0, 1, 2…), each as
+    soon as it can."""
     waiting: dict[int, Record] = {}
-    next_index = [0]
+    position = [0]
+
+    def expected() -> int:
+        return position[0] if order is None else order[position[0]] if position[0] < len(order) else -1
 
     def accept(index: int, record: Record) -> None:
         waiting[index] = record
-        while next_index[0] in waiting:
-            write(waiting.pop(next_index[0]))
-            next_index[0] += 1
+        while expected() in waiting:
+            write(waiting.pop(expected()))
+            position[0] += 1
 
     return accept
+
+
+def answered(lines: Iterable[str]) -> dict[int, Record]:
+    """The records of an earlier output (--resume) that answer their prompt: not an error, not interrupted."""
+    kept: dict[int, Record] = {}
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # (a line cut short when the job was killed)
+        index = record.get("index") if isinstance(record, dict) else None
+        if isinstance(index, int) and "error" not in record and record.get("finish_reason") not in (None, "interrupted"):
+            kept[index] = record
+    return kept
 
 
 @dataclass

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,34 +40,97 @@ class BatchLog:
             output.print_notice(output.stderr_console(), warning)
 
 
-def run_batch_command(source: str, request: Request, parallel: int, quiet: bool) -> None:
-    from llmcli.answer.batch_jsonl import in_order, parse_items
+@dataclass(frozen=True)
+class RayOptions:
+    """--ray's own options: the cluster (None: $RAY_ADDRESS, else a local one) and how many workers."""
+
+    address: str | None = None
+    workers: int | None = None
+
+
+def run_batch_command(source: str, request: Request, parallel: int, quiet: bool, ray: RayOptions | None = None,
+                      resume: Path | None = None) -> None:
+    from llmcli.answer.batch_jsonl import answered, in_order, parse_items
     from llmcli.cli import output
     from llmcli.cli.stream import write_json_line
 
-    if source == "-":
-        lines = sys.stdin.read().splitlines()
-    else:
-        try:
-            lines = Path(source).read_text(encoding="utf-8", errors="replace").splitlines()
-        except OSError as exc:
-            raise UsageError(f"cannot read --batch {source}: {exc.strerror}") from None
-    items = parse_items(lines, None if source == "-" else Path(source).parent)
+    items = parse_items(_read(source, "--batch"), None if source == "-" else Path(source).parent)
+    kept = {index: record for index, record in answered(_read(str(resume), "--resume")).items()
+            if index < len(items)} if resume is not None else {}
     console = output.stderr_console()
+    if resume is not None and not quiet:
+        output.print_notice(console, f"--resume: {len(kept)} of {len(items)} records are answered in {resume}: "
+                                     "copied, not asked again")
+    todo = [item for item in items if item.index not in kept]
+    if ray is not None:
+        _run_on_ray(todo, items, kept, request, parallel, quiet, ray)
+        return
     with output.open_pipeline(request, console) as pipeline:
         logged = BatchLog(pipeline, items)
 
         def write(record: dict[str, Any]) -> None:
             write_json_line(record)
-            logged.add(record)
+            if record["index"] not in kept:
+                logged.add(record)
 
+        accept = in_order(write)
+        for index, record in sorted(kept.items()):
+            accept(index, record)
         with output.progress_bar("batch") as advance, pipeline.cancel.on_signals():
-            summary = pipeline.session.batch(items, pipeline.generation, parallel, pipeline.cancel, in_order(write),
+            summary = pipeline.session.batch(todo, pipeline.generation, parallel, pipeline.cancel, accept,
                                              lambda done, total, rate: advance(done, total, f"batch · {rate:.0f} tok/s"))
         signum = pipeline.cancel.signum
     logged.record(quiet)
+    _end(summary, signum, quiet)
+
+
+def _run_on_ray(todo: list[Any], items: list[Any], kept: dict[int, Any], request: Request, parallel: int, quiet: bool,
+                ray: RayOptions) -> None:
+    """The batch as a Ray job (llmcli/cluster/ray_batch.py): the same records, the same summary, the log."""
+    from llmcli.answer.batch_jsonl import in_order
+    from llmcli.cli import output
+    from llmcli.cli.stream import write_json_line
+    from llmcli.cluster.ray_batch import RayJob, ray_module, run_on_ray
+    from llmcli.interrupt import Cancellation
+    from llmcli.store.answer_log import record as log_record
+
+    ray_module()  # a missing extra is said before anything starts
+    threads = request.settings.get("threads") or 1
+    job = RayJob(todo, request, parallel, ray.address, ray.workers, threads)
+    records = sys.stdout  # the JSONL's: what Ray's own threads print (a worker's death, in colour) goes elsewhere
+    accept = in_order(lambda record: write_json_line(record, records))
+    for index, record in sorted(kept.items()):
+        accept(index, record)
+    console = output.stderr_console()
+    cancel = Cancellation()
+    with output.progress_bar("ray") as advance, cancel.on_signals(), open(os.devnull, "w") as sink, \
+            contextlib.redirect_stdout(sys.stderr if request.verbose else sink):
+        summary = run_on_ray(job, cancel, accept,
+                             lambda done, total, rate, alive: advance(done, total, f"ray · {alive} workers · {rate:.0f} tok/s"),
+                             None if quiet else lambda text: console.print(text, style="dim"))
+    warning = log_record(job.log_entries) if job.log_entries else None
+    if warning:
+        output.print_notice(console, warning)
+    if not quiet and job.worker_memory:
+        mib = max(job.worker_memory) / 2**20
+        console.print(f"ray: each worker held {mib:.0f} MiB (the model's pages, shared on a node, included)", style="dim")
+    _end(summary, cancel.signum, quiet)
+
+
+def _read(source: str, flag: str) -> list[str]:
+    if source == "-":
+        return sys.stdin.read().splitlines()
+    try:
+        return Path(source).read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as exc:
+        raise UsageError(f"cannot read {flag} {source}: {exc.strerror}") from None
+
+
+def _end(summary: Any, signum: int | None, quiet: bool) -> None:
+    from llmcli.cli import output
+
     if not quiet:
-        console.print(summary_line(summary), style="dim")
+        output.stderr_console().print(summary_line(summary), style="dim")
     if signum is not None:
         raise typer.Exit(128 + signum)
     raise typer.Exit(ExitCode.OK)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
@@ -57,6 +58,20 @@ ImageOpt = Annotated[Optional[list[str]], typer.Option(
     "--image", "-i", help="Ask about an image (PNG, JPEG, GIF, WebP, BMP): a file, or `-` for one piped on stdin. "
     "Repeatable. The model needs its vision projector (found with it, or --mmproj).", show_default=False,
     rich_help_panel=INPUT)]
+RayOpt = Annotated[bool, typer.Option(
+    "--ray", help="With --batch: answer on a Ray cluster — $RAY_ADDRESS or --ray-address, else a local one of this "
+    "machine's cores (needs the ray extra).", rich_help_panel="Batch")]
+RayAddressOpt = Annotated[Optional[str], typer.Option(
+    "--ray-address", help="With --batch: the Ray cluster to answer on (HOST:6379, ray://HOST:10001); implies --ray.",
+    show_default=False, rich_help_panel="Batch")]
+RayWorkersOpt = Annotated[Optional[int], typer.Option(
+    "--ray-workers", min=1, max=4096, show_default=False, rich_help_panel="Batch",
+    help="With --ray: workers, each loading the model once on -t threads (1 unless given). [default: the cluster's "
+    "CPUs / threads]")]
+ResumeOpt = Annotated[Optional[Path], typer.Option(
+    "--resume", help="With --batch: skip the records this earlier output (JSONL) already answers; append the rest "
+    "to it: llmcli run --batch in.jsonl --resume out.jsonl >> out.jsonl", dir_okay=False, show_default=False,
+    rich_help_panel="Batch")]
 DEFAULT_PARALLEL = 4
 
 
@@ -125,6 +140,10 @@ def run(
     save: SaveOpt = None,
     var: VarOpt = None,
     image: ImageOpt = None,
+    ray: RayOpt = False,
+    ray_address: RayAddressOpt = None,
+    ray_workers: RayWorkersOpt = None,
+    resume: ResumeOpt = None,
     **given: Any,
 ) -> None:
     """Answer one prompt, streamed to stdout; stats on stderr."""
@@ -134,7 +153,7 @@ def run(
     prompt_text = " ".join(prompt) if prompt else None  # (`llmcli run hello world`: one prompt of two words)
 
     if batch is not None:
-        from llmcli.cli.batch import run_batch_command
+        from llmcli.cli.batch import RayOptions, run_batch_command
 
         if prompt_text is not None:
             raise UsageError("--batch reads its prompts from the file; drop the prompt argument")
@@ -143,9 +162,13 @@ def run(
         if image:
             raise UsageError('--batch reads each record\'s images from the file: {"prompt": "...", "images": ["a.png"]}')
         n_parallel = parallel or DEFAULT_PARALLEL
-        run_batch_command(batch, o.build_request(given, n_parallel), n_parallel, quiet)
+        on_ray = RayOptions(ray_address, ray_workers) if ray or ray_address is not None else None
+        run_batch_command(batch, o.build_request(given, n_parallel), n_parallel, quiet, on_ray, resume)
     if parallel is not None:
         raise UsageError("--parallel applies to --batch", hint="llmcli run --batch FILE --parallel N")
+    if ray or ray_address is not None or ray_workers is not None or resume is not None:
+        raise UsageError("--ray, --ray-address, --ray-workers and --resume apply to --batch",
+                         hint="llmcli run --batch FILE --ray")
     if given.get("logprobs") is not None and not as_json:
         raise UsageError("--logprobs is part of the JSON record: add --json", hint='llmcli run --json --logprobs 3 "…"')
     console = output.stderr_console()

@@ -219,10 +219,11 @@ def _show(events: Iterable[AnswerEvent], sink: AnswerSink, console: Console, qui
     return done
 
 
-def write_json_line(record: Any) -> None:
-    """One JSON object per line on stdout (--batch, chat --json), flushed."""
+def write_json_line(record: Any, stream: Any = None) -> None:
+    """One JSON object per line on stdout (or `stream`: --batch, chat --json), flushed."""
+    stream = stream or sys.stdout
     try:
-        sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
-        sys.stdout.flush()
+        stream.write(json.dumps(record, ensure_ascii=False) + "\n")
+        stream.flush()
     except BrokenPipeError:
         raise StdoutClosed() from None

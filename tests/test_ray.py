@@ -1,0 +1,120 @@
+"""`run --batch --ray` on a local Ray cluster (loopback only; started for the job and gone after it): the same records
+as a local --batch, every record exactly once when a worker is killed mid-job, Ctrl-C leaves no Ray process, --resume
+continues an interrupted job, and a missing extra is one line. One test: two local clusters at once would share
+Ray's ports and session folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+pytest.importorskip("ray")
+
+WORDS = ["colour", "fruit", "planet", "animal", "tree", "river", "city", "metal", "bird", "flower", "stone", "song"]
+ARGS = ("--temp", "0", "-n", "24", "-P", "2", "--no-log")
+
+
+def ray_processes() -> list[str]:
+    found = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in found if any(name in line for name in ("raylet", "gcs_server", "ray::", "ray/_private"))]
+
+
+def job(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "LLMCLI_KEEP_ALIVE": "0"}
+    return subprocess.Popen([sys.executable, "-m", "llmcli", "run", "--batch", str(tmp_path / "in.jsonl"), *ARGS, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def started(proc: subprocess.Popen[str]) -> str:
+    """Until the job says its workers loaded the model (its first line on stderr)."""
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    assert line.startswith("ray: "), line + proc.stderr.read()
+    return line
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 240) -> tuple[str, str]:
+    """Wait, then read what is left through the same buffered files `started` read from (communicate() would skip
+    what they hold). The outputs are small: no pipe fills while waiting."""
+    proc.wait(timeout=timeout)
+    assert proc.stdout is not None and proc.stderr is not None
+    return proc.stdout.read(), proc.stderr.read()
+
+
+def records(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_a_batch_on_ray_answers_as_locally_survives_a_killed_worker_and_stops_clean(tmp_path: Path) -> None:
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"Name a {word}.", "id": i}) + "\n"
+                                               for i, word in enumerate(WORDS * 2)))
+    local = run_cli("run", "--batch", str(tmp_path / "in.jsonl"), *ARGS)
+    assert local.code == 0, local.stderr
+    expected = {r["index"]: r["text"] for r in records(local.stdout)}
+
+    on_ray = job(tmp_path, "--ray")  # 2 workers × 1 thread on these 2 cores
+    assert "2 workers × 1 thread" in started(on_ray)
+    out, err = finish(on_ray)
+    assert on_ray.returncode == 0, err
+    answered = records(out)
+    assert [r["index"] for r in answered] == list(range(24)) and [r["id"] for r in answered] == list(range(24))
+    assert {r["index"]: r["text"] for r in answered} == expected  # greedy answers identical to a local --batch
+    assert "batch: 24 prompts (0 errors)" in err and "ray, 2 workers × 1 thread" in err and "MiB" in err
+
+    killed = job(tmp_path, "--ray")
+    started(killed)
+    time.sleep(0.5)  # into the first blocks
+    workers = [int(line.split()[0]) for line in ray_processes() if "BatchWorker" in line]
+    assert workers, ray_processes()
+    os.kill(workers[0], signal.SIGKILL)
+    out, err = finish(killed)
+    assert killed.returncode == 0, err
+    answered = records(out)
+    assert [r["index"] for r in answered] == list(range(24))  # each exactly once, in input order
+    assert all("error" not in r for r in answered) and "1 replaced" in err
+    assert {r["index"]: r["text"] for r in answered} == expected
+
+    stopped = job(tmp_path, "--ray")
+    started(stopped)
+    assert stopped.stdout is not None
+    first = stopped.stdout.readline()  # a record is answered (in order: the first)
+    stopped.send_signal(signal.SIGINT)
+    out, err = finish(stopped, 120)
+    out = first + out
+    assert stopped.returncode == 130 and "Traceback" not in err, err
+    partial = records(out)
+    assert [r["index"] for r in partial] == list(range(24))  # the output says where it stopped
+    assert any(r.get("error") == "interrupted before it was answered" for r in partial)
+    deadline = time.monotonic() + 30
+    while ray_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray_processes() == []  # no raylet, GCS or worker outlives the job
+
+    (tmp_path / "part.jsonl").write_text(out)
+    resumed = job(tmp_path, "--resume", str(tmp_path / "part.jsonl"))  # (locally: --resume is any batch's)
+    out, err = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, err
+    whole = records(out)
+    assert [r["index"] for r in whole] == list(range(24)) and all("error" not in r for r in whole)
+    assert {r["index"]: r["text"] for r in whole} == expected
+    kept = sum("error" not in r for r in partial)
+    assert f"--resume: {kept} of 24 records are answered" in err and f"batch: {24 - kept} prompts" in err
+
+
+def test_without_the_ray_extra_ray_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    code = ("import sys; sys.modules['ray'] = None; sys.argv = ['llmcli', 'run', '--batch', sys.argv[1], '--ray']; "
+            "from llmcli.cli import main; main()")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.jsonl")], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "LLMCLI_KEEP_ALIVE": "0"})
+    assert result.returncode == 2 and "--ray needs Ray, which is not installed" in result.stderr
+    assert "[ray]" in result.stderr and "Traceback" not in result.stderr
+    assert run_cli("run", "--ray", "hi").code == 2
