@@ -108,6 +108,19 @@ def test_a_batch_on_ray_answers_as_locally_survives_a_killed_worker_and_stops_cl
     kept = sum("error" not in r for r in partial)
     assert f"--resume: {kept} of 24 records are answered" in err and f"batch: {24 - kept} prompts" in err
 
+    texts = tmp_path / "texts.jsonl"  # embed --input --ray: the records a local embed writes, the same vectors
+    texts.write_text("".join(json.dumps({"text": f"A note on a {word}.", "k": i}) + "\n" for i, word in enumerate(WORDS))
+                     + "not json\n")
+    here = run_cli("embed", "--input", str(texts))
+    there = run_cli("embed", "--input", str(texts), "--ray", "--ray-workers", "1")
+    assert there.code == 0 and "embed: 13 texts (1 error)" in there.stderr, there.stderr
+    mine, theirs = records(here.stdout), records(there.stdout)
+    assert [r.get("k") for r in theirs] == [r.get("k") for r in mine] and "error" in theirs[-1]
+    for a, b in zip(mine[:-1], theirs[:-1], strict=True):
+        dot = sum(x * y for x, y in zip(a["embedding"], b["embedding"], strict=True))
+        assert dot / (sum(x * x for x in a["embedding"]) * sum(y * y for y in b["embedding"])) ** 0.5 > 0.9999
+    assert ray_processes() == []
+
 
 def test_without_the_ray_extra_ray_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')

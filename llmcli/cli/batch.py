@@ -87,24 +87,33 @@ def run_batch_command(source: str, request: Request, parallel: int, quiet: bool,
 def _run_on_ray(todo: list[Any], items: list[Any], kept: dict[int, Any], request: Request, parallel: int, quiet: bool,
                 ray: RayOptions) -> None:
     """The batch as a Ray job (llmcli/cluster/ray_batch.py): the same records, the same summary, the log."""
+    from llmcli.cluster.ray_batch import BatchWorker, RayJob
+
+    threads = request.settings.get("threads") or 1
+    job = RayJob(todo, BatchWorker, (request, parallel, threads), parallel, ray.address, ray.workers, threads)
+    summary, signum = run_ray_job(job, kept, quiet, request.verbose)
+    _end(summary, signum, quiet)
+
+
+def run_ray_job(job: Any, kept: dict[int, Any], quiet: bool, verbose: bool) -> tuple[Any, int | None]:
+    """A Ray job's records on stdout in input order (`kept` ones too), its progress, the log, the workers' memory:
+    (its summary, the signal that stopped it)."""
     from llmcli.answer.batch_jsonl import in_order
     from llmcli.cli import output
     from llmcli.cli.stream import write_json_line
-    from llmcli.cluster.ray_batch import RayJob, ray_module, run_on_ray
+    from llmcli.cluster.ray_batch import ray_module, run_on_ray
     from llmcli.interrupt import Cancellation
     from llmcli.store.answer_log import record as log_record
 
     ray_module()  # a missing extra is said before anything starts
-    threads = request.settings.get("threads") or 1
-    job = RayJob(todo, request, parallel, ray.address, ray.workers, threads)
     records = sys.stdout  # the JSONL's: what Ray's own threads print (a worker's death, in colour) goes elsewhere
-    accept = in_order(lambda record: write_json_line(record, records))
+    accept = in_order(lambda record: write_json_line(record, records), sorted([*kept, *(i.index for i in job.items)]))
     for index, record in sorted(kept.items()):
         accept(index, record)
     console = output.stderr_console()
     cancel = Cancellation()
     with output.progress_bar("ray") as advance, cancel.on_signals(), open(os.devnull, "w") as sink, \
-            contextlib.redirect_stdout(sys.stderr if request.verbose else sink):
+            contextlib.redirect_stdout(sys.stderr if verbose else sink):
         summary = run_on_ray(job, cancel, accept,
                              lambda done, total, rate, alive: advance(done, total, f"ray · {alive} workers · {rate:.0f} tok/s"),
                              None if quiet else lambda text: console.print(text, style="dim"))
@@ -114,7 +123,7 @@ def _run_on_ray(todo: list[Any], items: list[Any], kept: dict[int, Any], request
     if not quiet and job.worker_memory:
         mib = max(job.worker_memory) / 2**20
         console.print(f"ray: each worker held {mib:.0f} MiB (the model's pages, shared on a node, included)", style="dim")
-    _end(summary, cancel.signum, quiet)
+    return summary, cancel.signum
 
 
 def _read(source: str, flag: str) -> list[str]:

@@ -33,6 +33,15 @@ PerBatchOpt = Annotated[int, typer.Option("--texts-per-pass", min=1, max=256,
                                           "prompt tokens per step).")]
 
 
+RayOpt = Annotated[bool, typer.Option(
+    "--ray", help="With --input: embed on a Ray cluster — $RAY_ADDRESS or --ray-address, else a local one (needs the "
+    "ray extra); JSONL out.")]
+RayAddressOpt = Annotated[Optional[str], typer.Option(
+    "--ray-address", help="With --input: the Ray cluster to embed on; implies --ray.", show_default=False)]
+RayWorkersOpt = Annotated[Optional[int], typer.Option(
+    "--ray-workers", min=1, max=4096, show_default=False, help="With --ray: workers, each loading the model once.")]
+
+
 @o.with_settings(request=False, only=SETTINGS_TAKEN)
 def embed(
     text: TextArg = None,
@@ -45,6 +54,9 @@ def embed(
     truncate: TruncateOpt = False,
     texts_per_batch: PerBatchOpt = 32,
     force: o.ForceOpt = False,
+    ray: RayOpt = False,
+    ray_address: RayAddressOpt = None,
+    ray_workers: RayWorkersOpt = None,
     **given: Any,
 ) -> None:
     """Embed texts with any GGUF (a dedicated embedding model, or a chat model with mean pooling)."""
@@ -54,6 +66,11 @@ def embed(
     if output_format not in ("jsonl", "npy"):
         raise UsageError(f"--format must be jsonl or npy (got {output_format!r})")
     records = _records(text, input_file, field)
+    if ray or ray_address is not None:
+        if input_file is None or output_format != "jsonl":
+            raise UsageError("--ray embeds an --input file into JSONL", hint="llmcli embed --input texts.jsonl --ray")
+        _embed_on_ray(records, field, given, pooling, normalize, truncate, texts_per_batch, force,
+                      ray_address, ray_workers)
     embedder = _open(given, pooling, normalize, truncate, texts_per_batch, force)
     texts = [record.get(field, "") if "error" not in record else "" for record in records]
     with embedder.engine, output.progress_bar("embed") as advance:
@@ -237,3 +254,29 @@ def _write_npy(records: list[dict[str, Any]], results: list[Any]) -> None:
     except BrokenPipeError:
         raise StdoutClosed() from None
     raise typer.Exit(ExitCode.OK)
+
+
+def _embed_on_ray(records: list[dict[str, Any]], field: str, given: dict[str, Any], pooling: str, normalize: bool,
+                  truncate: bool, per_pass: int, force: bool, address: str | None, workers: int | None) -> None:
+    """`embed --input FILE --ray`: the records embedded by Ray workers (llmcli/cluster/ray_batch.py), in input order."""
+    from llmcli.answer.batch_jsonl import BatchItem
+    from llmcli.cli import output
+    from llmcli.cli.batch import run_ray_job
+    from llmcli.cluster.ray_batch import EmbedWorker, RayJob
+    from llmcli.embed.embedding import POOLINGS
+    from llmcli.pipeline import Request
+
+    if pooling not in POOLINGS:
+        raise UsageError(f"--pooling must be one of {', '.join(POOLINGS)} (got {pooling!r})")
+    request = Request(settings=o.given_settings(given), profile=given["profile"], force=force)
+    threads = request.settings.get("threads") or 1
+    items = [BatchItem(index, record.get(field), {k: v for k, v in record.items() if k != "error"}, record.get("error"))
+             for index, record in enumerate(records)]
+    job = RayJob(items, EmbedWorker, (request, threads, pooling, normalize, truncate, per_pass), per_pass, address,
+                 workers, threads)
+    summary, signum = run_ray_job(job, {}, False, False)
+    from llmcli.units import counted
+
+    output.stderr_console().print(f"embed: {counted(len(records), 'text')} ({counted(summary.errors, 'error')}) · "
+                                  f"{summary.prompt_tokens} tok · {summary.wall_s:.2f} s · {summary.where}", style="dim")
+    raise typer.Exit(128 + signum if signum is not None else ExitCode.OK)

@@ -1,13 +1,15 @@
-"""`run --batch FILE --ray`: the same JSONL in and out as a local --batch, answered by a pool of Ray actors.
+"""`run --batch FILE --ray` (and `embed --input FILE --ray`): the same JSONL in and out as a local --batch (or embed),
+answered by a pool of Ray actors.
 
-Each actor (`BatchWorker`) loads the model once — llmcli's own pipeline: engine, scheduler, `--parallel` sequences — on
-the CPUs Ray gives it (its threads), and answers blocks of records with the local batch path (`Session.batch`). The
-driver hands out blocks, one at a time per actor, and writes each block's records when the whole block is back, in
-input order: a worker that dies (killed, out of memory, its node gone) loses only its block, which goes to another
-worker (a replacement is started); so every record appears exactly once. A block whose worker died twice becomes error
-records (a record that kills llama.cpp is not retried forever). A record that fails by itself (too long, a bad image) is
-the same error record as locally. Ctrl-C (or SIGTERM) kills the actors and, for a local cluster started for the job,
-the cluster: no Ray process outlives the job; the records not answered say so, as a local batch's do.
+Each actor (`BatchWorker`; `EmbedWorker` for embeddings) loads the model once — llmcli's own pipeline: engine,
+scheduler, `--parallel` sequences — on the CPUs Ray gives it (its threads), and answers blocks of records with the
+local batch path (`Session.batch`). The driver hands out blocks, one at a time per actor, and writes each block's
+records when the whole block is back, in input order: a worker that dies (killed, out of memory, its node gone) loses
+only its block, which goes to another worker (a replacement is started); so every record appears exactly once. A block
+whose worker died three times becomes error records (a record that kills llama.cpp is not retried forever). A record
+that fails by itself (too long, a bad image) is the same error record as locally. Ctrl-C (or SIGTERM) kills the actors
+and, for a local cluster started for the job, the cluster: no Ray process outlives the job; the records not answered
+say so, as a local batch's do.
 
 No address: a local Ray cluster of this machine's cores, started for the job and stopped after it. An address (or
 RAY_ADDRESS, Ray's own variable): the user's cluster, where every node resolves the model itself (a path on shared
@@ -70,9 +72,38 @@ class BatchWorker:
         return records, summary, entries
 
     def memory(self) -> int:
-        """This worker's resident memory, bytes (the model's mapped pages included)."""
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return _resident()
+
+
+class EmbedWorker:
+    """One actor: an embedding model loaded once (`embed --input FILE --ray`), embedding blocks of records whose
+    `prompt` is the text (their other fields carried)."""
+
+    def __init__(self, request: Any, threads: int, pooling: str, normalize: bool, truncate: bool, per_pass: int):
+        import dataclasses
+
+        from llmcli.pipeline.local import open_embedder
+
+        settings = dict(request.settings)
+        settings.setdefault("threads", threads)
+        _, _, self.embedder = open_embedder(dataclasses.replace(request, settings=settings), pooling, normalize, truncate,
+                                            per_pass)
+
+    def answer(self, items: list[BatchItem]) -> tuple[list[Record], Summary, list[Any]]:
+        results = list(self.embedder.embed([item.prompt or "" for item in items]))
+        records = [{**item.extra, "index": item.index, "embedding": result.vector, "tokens": result.tokens}
+                   if result.vector is not None else item.error_record(result.error or "no vector")
+                   for item, result in zip(items, results, strict=True)]
+        return records, Summary(prompts=len(items), prompt_tokens=sum(r.tokens or 0 for r in results)), []
+
+    def memory(self) -> int:
+        return _resident()
+
+
+def _resident() -> int:
+    """This worker's resident memory, bytes (the model's mapped pages included)."""
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass
@@ -80,12 +111,12 @@ class RayJob:
     """What the job is, and how far it got."""
 
     items: list[BatchItem]
-    request: Any
-    parallel: int
+    worker: type  # BatchWorker or EmbedWorker
+    worker_args: tuple[Any, ...]  # what it is made with (the request first)
+    parallel: int  # records a worker answers at once (a block is whole rounds of them)
     address: str | None
     workers: int | None  # None: as many as the cluster's CPUs allow at `threads` each
     threads: int
-    block_size: int = 0  # 0: chosen from the job's size
     summary: Summary = field(default_factory=Summary)
     log_entries: list[Any] = field(default_factory=list)
     worker_memory: list[int] = field(default_factory=list)
@@ -126,12 +157,12 @@ class _Driver:
         self.n_workers = max(1, job.workers or cpus // max(1, job.threads))
         if job.threads > cpus:
             raise UsageError(f"--threads {job.threads} per worker: the cluster has {cpus} CPUs")
-        self.actor_class = ray.remote(num_cpus=job.threads, max_restarts=0)(BatchWorker)
+        self.actor_class = ray.remote(num_cpus=job.threads, max_restarts=0)(job.worker)
         todo = [item for item in job.items if item.error is None]
         for item in job.items:
             if item.error is not None:
                 self._record(item.index, item.error_record(item.error), error=True)
-        size = job.block_size or _block_size(len(todo), self.n_workers, job.parallel)
+        size = _block_size(len(todo), self.n_workers, job.parallel)
         self.blocks: deque[tuple[list[BatchItem], int]] = deque(
             (todo[start : start + size], 0) for start in range(0, len(todo), size))
         self.running: dict[Any, tuple[Any, list[BatchItem], int]] = {}  # future -> (actor, block, tries)
@@ -142,7 +173,7 @@ class _Driver:
                        f"≤ {size} records, {'a local cluster' if job.address is None else job.address}")
 
     def _new_actor(self) -> Any:
-        return self.actor_class.remote(self.job.request, self.job.parallel, self.job.threads)
+        return self.actor_class.remote(*self.job.worker_args)
 
     def _loaded(self) -> None:
         """Wait until every worker has loaded the model (their memory then); a load that fails is the job's error,
