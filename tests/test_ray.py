@@ -53,7 +53,19 @@ def records(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines()]
 
 
-def test_a_batch_on_ray_answers_as_locally_survives_a_killed_worker_and_stops_clean(tmp_path: Path) -> None:
+@pytest.fixture
+def ray_sessions(monkeypatch: pytest.MonkeyPatch):
+    """Ray's session folders (logs, sockets) in a short folder of the test's own, removed after it."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="llmcli-ray-", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_batch_on_ray_answers_as_locally_survives_a_killed_worker_and_stops_clean(tmp_path: Path, ray_sessions) -> None:
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"Name a {word}.", "id": i}) + "\n"
                                                for i, word in enumerate(WORDS * 2)))
     local = run_cli("run", "--batch", str(tmp_path / "in.jsonl"), *ARGS)
