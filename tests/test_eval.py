@@ -124,3 +124,28 @@ def test_auto_calls_when_the_preference_says_so_in_run_and_through_ollama_s_api(
         assert reply.message.tool_calls and reply.message.tool_calls[0].function.name == "forecast"
     finally:
         stop_server(proc)
+
+
+@pytest.mark.parametrize(("question", "expected"), [
+    ("What is the weather forecast for Lisbon?", 2 / 3),  # weather, forecast of weather, forecast, lisbon
+    ("Forecast the weather for 3 days in Porto", 3 / 4),  # forecast, weather, days of forecast, weather, days, porto
+    ("Will it rain in Lisbon tomorrow?", 0.0),  # will, rain, lisbon, tomorrow: no word of the tool's
+    ("Who wrote Hamlet?", 0.0),
+    ("", 0.0),
+])
+def test_the_relevance_prior_counts_the_question_s_words_the_tools_use(question, expected):
+    """--call-preference adds CALL_RELEVANCE times the share of the question's content words the tools' names,
+    descriptions and parameters use: a question about what a tool does is led further toward a call."""
+    from llmcli.answer.generation import CALL_RELEVANCE, GenerationOptions
+    from llmcli.answer.sampling_config import SamplingConfig
+    from llmcli.answer.tool_calls import Tool, ToolSpec, relevance
+
+    tools = (Tool("weather_forecast", "The weather forecast for a city.",
+                  '{"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}'),)
+    score = relevance(question, tools)
+    assert score == pytest.approx(expected)
+    options = GenerationOptions(SamplingConfig(), call_preference=4.0, tools=ToolSpec(tools))
+    assert options.for_turn(question).call_preference == pytest.approx(4.0 + CALL_RELEVANCE * score)
+    assert options.for_turn(None).call_preference == 0.0  # after tool results: the model's own choice
+    assert GenerationOptions(SamplingConfig(), call_preference=0.0, tools=ToolSpec(tools)).for_turn(
+        question).call_preference == 0.0  # 0: the model's own choice, whatever the question

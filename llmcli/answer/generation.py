@@ -20,10 +20,11 @@ from llmcli.answer.reasoning import ReasoningSplitter, opens_thinking
 from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.answer.stats import Stats
 from llmcli.answer.tool_call_parser import CallEvent, ToolCallParser
-from llmcli.answer.tool_calls import ToolSpec
+from llmcli.answer.tool_calls import ToolSpec, relevance
 from llmcli.config.settings import default
 
 SPECULATE_MODES = ("auto", "lookup", "draft", "off")
+CALL_RELEVANCE = 3.0  # added to --call-preference for a question wholly about what the tools do (relevance 1)
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,16 @@ class GenerationOptions:
                     call_preference=values["call_preference"])
         return dataclasses.replace(found, **given) if given else found
 
-    def for_turn(self, from_user: bool) -> GenerationOptions:
-        """--call-preference favours a call in the answer to the user's message; after tool results the model reads
-        them, and its own choice decides whether it calls again (favoured, a small model calls until its limit)."""
-        return self if from_user or not self.call_preference else dataclasses.replace(self, call_preference=0.0)
+    def for_turn(self, question: str | None) -> GenerationOptions:
+        """--call-preference favours a call in the answer to the user's message (`question`), the more the more of it
+        is about what the tools do (CALL_RELEVANCE × `relevance`); after tool results (None) the model reads them, and
+        its own choice decides whether it calls again (favoured, a small model calls until its limit)."""
+        if not self.call_preference:
+            return self
+        if question is None or self.tools is None:
+            return dataclasses.replace(self, call_preference=0.0)
+        bonus = CALL_RELEVANCE * relevance(question, self.tools.offered)
+        return dataclasses.replace(self, call_preference=self.call_preference + bonus)
 
     def for_prompt(self, prompt_text: str, template_source: str | None) -> GenerationOptions:
         """These options for one rendered prompt — the one place run, chat, --batch and serve decide it: a template

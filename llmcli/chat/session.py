@@ -314,7 +314,7 @@ class Session:
                 f"{len(prompt.tokens)} tokens"
             )
         self._last_prompt_tokens = len(prompt.tokens)
-        options = options.for_turn(from_user=user_text is not None)  # (None: the history ends with tool results)
+        options = options.for_turn(kept)  # (None: the history ends with tool results)
         room = n_ctx - len(prompt.tokens)
         if options.max_tokens and options.max_tokens > room > 0 and not truncate:  # -n past the context: capped
             yield Notice(f"-n {options.max_tokens} is more than the context has left after the prompt: the answer "

@@ -133,7 +133,9 @@ def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
                                                  max_draft=limits.max_draft, tools=request.tools,
                                                  logprobs=request.logprobs).for_prompt(rendered.text,
                                                                                         prompter.template_source)
-    generation = generation.for_turn(from_user=not request.messages or request.messages[-1].role == "user")
+    last = request.messages[-1] if request.messages else None
+    generation = generation.for_turn(last.content if last is not None and last.role == "user" else None if last is not None
+                                     else request.prompt if isinstance(request.prompt, str) else "")
     return Parsed(rendered.tokens, generation, sampling.effective_seed(), request.stream, request.include_usage,
                   _stable(request, prompter, rendered.tokens))
 
