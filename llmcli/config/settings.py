@@ -183,7 +183,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _s("call_preference", float, 3.0, "With --tool-choice auto: how strongly the answer is led to begin with a call "
        "(added to the logit of the call's opening at the answer's first token, plus up to 3 more the more of the "
        "question is about what the tools do; 0: the model's own choice). A small model rarely opens a call by itself; "
-       "too much and it calls where no tool fits (`llmcli eval tools` measures both).", panel=TOOLS, check=lambda v: 0 <= v <= 30, rule="must be between 0 and 30"),
+       "too much and it calls where no tool fits (`llmcli eval tools` measures both).", panel=TOOLS,
+       check=lambda v: 0 <= v <= 30, rule="must be between 0 and 30"),
     _s("tool_format", str, "auto", "How the model writes a tool call: auto (recognised from its chat template, as "
        "llama-server does; generic when the template knows no tools), hermes (<tool_call>), mistral ([TOOL_CALLS]), "
        "llama3, or generic (llmcli describes the tools in the system prompt).",
