@@ -13,7 +13,8 @@ from llmcli.answer.image_bytes import read_image
 from llmcli.answer.sampling_config import greedy_without_end
 from llmcli.bench.rows import Row
 from llmcli.chat.session import Session
-from llmcli.llama.engine import Engine, EngineConfig
+from llmcli.llama.engine import Engine
+from llmcli.llama.engine_config import EngineConfig
 
 QUESTION = "Describe this picture in one sentence."
 

@@ -33,7 +33,8 @@ from llmcli.decode.batch_run import BatchRun
 from llmcli.decode.batch_run import plan as batch_planned
 from llmcli.interrupt import Cancellation
 from llmcli.llama import cpu_topology
-from llmcli.llama.engine import Engine, EngineConfig
+from llmcli.llama.engine import Engine
+from llmcli.llama.engine_config import EngineConfig
 from llmcli.store.gguf_header import GGUFHeader
 from llmcli.store.models import ResolvedModel
 

@@ -21,7 +21,8 @@ from llmcli.bench.baseline_loop import RawLoop
 from llmcli.bench.rows import Row
 from llmcli.chat.session import Session
 from llmcli.decode.prompt_cache import GIB, PromptCache, PromptCacheConfig
-from llmcli.llama.engine import Engine, EngineConfig
+from llmcli.llama.engine import Engine
+from llmcli.llama.engine_config import EngineConfig
 from llmcli.store.gguf_header import GGUFHeader
 from llmcli.store.memory import kv_cache_bytes
 

@@ -17,7 +17,8 @@ from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.bench.rows import Row
 from llmcli.chat.session import Session
-from llmcli.llama.engine import Engine, EngineConfig
+from llmcli.llama.engine import Engine
+from llmcli.llama.engine_config import EngineConfig
 
 PASS_SIZES = tuple(range(1, 17))  # the cost of a k-token pass for k = 1 ... 16
 GROUNDED = (  # about 450 tokens: a 256-token answer that copies it stays inside it

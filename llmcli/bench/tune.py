@@ -24,7 +24,8 @@ from llmcli.bench.compare import welch_significant
 from llmcli.bench.measure import FILLER, Progress
 from llmcli.config.settings import default
 from llmcli.llama import cpu_topology
-from llmcli.llama.engine import Engine, EngineConfig
+from llmcli.llama.engine import Engine
+from llmcli.llama.engine_config import EngineConfig
 
 DECODE_SAMPLE = 16  # decode steps timed per sample (the answer's time is extrapolated from their rate)
 BATCH_SIZES = (64, 128, 256, 512, 1024)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from llmcli.errors import LlmcliError
 from llmcli.llama.batch import Batch
-from llmcli.llama.engine import POOLING, Engine
+from llmcli.llama.engine import Engine
+from llmcli.llama.engine_config import POOLING
 from llmcli.store.gguf_header import GGUFHeader
 
 POOLINGS = ("model", *POOLING)  # model: the model's own, else mean

@@ -16,7 +16,6 @@ import ctypes
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +23,13 @@ import llama_cpp
 
 from llmcli.answer.context_budget import overflow
 from llmcli.answer.sampling_config import SamplingConfig
-from llmcli.config.settings import default
 from llmcli.errors import IntegrityError, LlmcliError, ResourceError, UsageError
 from llmcli.interrupt import Cancellation
 from llmcli.llama.batch import Batch
 from llmcli.llama.core_share import CoreShare
 from llmcli.llama.cpu_load import CpuLoad
 from llmcli.llama.cpu_topology import physical_cores
+from llmcli.llama.engine_config import CELL_PADDING, FLASH_ATTN, KV_TYPES, POOLING, EngineConfig, default_context
 from llmcli.llama.kv_cache import KVCache
 from llmcli.llama.llama_log import llama_backend
 from llmcli.llama.sampler_chain import Sampler
@@ -39,37 +38,7 @@ from llmcli.llama.vocab import Vocabulary
 from llmcli.store.gguf_header import GGUFHeader, read_header
 from llmcli.store.projector import Projector, check_projector, read_projector
 
-DEFAULT_MAX_CTX = 4096  # llama-cpp-python's 512 is too small for chat; the training context is often too big
-
-
-def default_context(n_ctx_train: int | None) -> int:
-    """The model's training context, capped at DEFAULT_MAX_CTX."""
-    return min(n_ctx_train or DEFAULT_MAX_CTX, DEFAULT_MAX_CTX)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    n_ctx: int | None = None  # per sequence; None: the model's training context, capped at DEFAULT_MAX_CTX
-    n_threads: int | None = None  # None: one per physical core, shared with other generating llmcli processes
-    n_batch: int = default("batch_size")  # prompt tokens evaluated per llama_decode call
-    verbose: bool = False  # llama.cpp's own log lines on stderr
-    mmap: bool = default("mmap")  # map the file instead of reading it into memory
-    mlock: bool = default("mlock")  # keep the weights in RAM (no swapping)
-    n_seq_max: int = 1  # parallel sequences (slots), each with n_ctx tokens of its own
-    kv_type: str = default("kv_type")  # f16, q8_0 or q4_0: the type of the cached keys and values
-    flash_attn: str = default("flash_attn")  # auto, on or off (on whenever the KV cache is quantized)
-    kv_later: bool = False  # a minimal KV cache now: the caller sizes it with `resize` (run --batch)
-    pooling: str | None = None  # embeddings (mean, cls, last) instead of logits; the sequences share n_ctx cells
-
-
-CELL_PADDING = 256  # llama.cpp rounds a context's cells up to a multiple of this
 FIRST_WINDOW_S = 0.2  # the load is read for what other processes take, if it lasted this long (10 ms ticks)
-
-KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
-POOLING = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
-           "last": llama_cpp.LLAMA_POOLING_TYPE_LAST}
-FLASH_ATTN = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-              "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 
 
 class Engine:

@@ -15,7 +15,7 @@ from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.images import ImageInput
 from llmcli.answer.message import user_message
 from llmcli.answer.sampling_config import SamplingConfig, parse_logit_bias
-from llmcli.chat.session import Session, find_template, render_prompt
+from llmcli.chat.session import Session
 from llmcli.config import settings
 from llmcli.decode.prompt_cache import GIB, PromptCache, PromptCacheConfig
 from llmcli.decode.speculative import DraftModel, Speculation
@@ -23,12 +23,14 @@ from llmcli.embed.embedding import Embedder, pooling_of
 from llmcli.errors import UsageError
 from llmcli.interrupt import Cancellation
 from llmcli.llama.cpu_topology import physical_cores
-from llmcli.llama.engine import CELL_PADDING, Engine, EngineConfig, default_context
+from llmcli.llama.engine import Engine
+from llmcli.llama.engine_config import CELL_PADDING, EngineConfig, default_context
 from llmcli.llama.schema_grammar import with_grammar
 from llmcli.llama.vision import Vision
 from llmcli.llama.vocab import VocabularyFile
 from llmcli.pipeline import Pipeline, Request, fetch_for, resolve_settings
 from llmcli.prompt.chat_template import ChatTemplate
+from llmcli.prompt.rendering import find_template, render_prompt
 from llmcli.store import memory, models
 from llmcli.store.cache import Fetch, ProgressCallback, WaitingNotice
 from llmcli.store.gguf_header import GGUFHeader, read_header

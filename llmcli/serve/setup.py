@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from llmcli.answer.sampling_config import SamplingConfig
-from llmcli.chat.session import Session, thinking_variables
+from llmcli.chat.session import Session
 from llmcli.pipeline import Pipeline, Request, Shape, resolve_settings
 from llmcli.pipeline.local import open_pipeline
+from llmcli.prompt.rendering import thinking_variables
 from llmcli.serve.answer_request import Limits, Prompter
 from llmcli.serve.model_facts import ModelFacts, read_facts
 from llmcli.serve.model_pool import Served
