@@ -27,10 +27,31 @@ def ray_processes() -> list[str]:
     return [line for line in found if any(name in line for name in ("raylet", "gcs_server", "ray::", "ray/_private"))]
 
 
+JOBS: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test():
+    """A job a failed assertion left running is stopped as a user would (SIGTERM: its Ray cluster stops with it), else
+    killed."""
+    yield
+    while JOBS:
+        proc = JOBS.pop()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def job(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "LLMCLI_KEEP_ALIVE": "0"}
-    return subprocess.Popen([sys.executable, "-m", "llmcli", "run", "--batch", str(tmp_path / "in.jsonl"), *ARGS, *args],
+    proc = subprocess.Popen([sys.executable, "-m", "llmcli", "run", "--batch", str(tmp_path / "in.jsonl"), *ARGS, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    JOBS.append(proc)
+    return proc
 
 
 def started(proc: subprocess.Popen[str]) -> str:

@@ -1,4 +1,4 @@
-"""An image in a prompt, as plain data: its pixels (RGB, already decoded and bounded by llmcli/prompt/image_files.py),
+"""An image in a prompt, as plain data: its pixels (RGB, already decoded and bounded by llmcli/answer/image_bytes.py),
 the key its content gives it, and the token ids that stand for it in a prompt's token list.
 
 A prompt with images is still one list of token ids: each image is a run of negative ids (a vocabulary has none)
@@ -34,7 +34,6 @@ class ImageInput:
         digest = hashlib.sha256(f"{self.width}x{self.height}:".encode())
         digest.update(self.rgb)
         object.__setattr__(self, "key", digest.hexdigest())
-
 
     def data_uri(self) -> str:
         return f"data:{self.mime};base64,{base64.b64encode(self.encoded).decode()}"
