@@ -23,7 +23,7 @@ import llama_cpp
 
 from llmcli.answer.context_budget import overflow
 from llmcli.answer.sampling_config import SamplingConfig
-from llmcli.errors import IntegrityError, LlmcliError, ResourceError, UsageError
+from llmcli.errors import LlmcliError, ResourceError, UsageError
 from llmcli.interrupt import Cancellation
 from llmcli.llama.batch import Batch
 from llmcli.llama.core_share import CoreShare
@@ -35,6 +35,7 @@ from llmcli.llama.llama_log import llama_backend
 from llmcli.llama.sampler_chain import Sampler
 from llmcli.llama.vision import Vision
 from llmcli.llama.vocab import Vocabulary
+from llmcli.llama.weights import load_weights
 from llmcli.store.gguf_header import GGUFHeader, read_header
 from llmcli.store.projector import Projector, check_projector, read_projector
 
@@ -55,27 +56,8 @@ class Engine:
         started = time.perf_counter()
         load = CpuLoad() if config.n_threads is None else None  # (what other processes take, read over the load)
 
-        model_params = llama_cpp.llama_model_default_params()
-        # Called as loading proceeds; returning False aborts it: Ctrl-C during a load is honoured at once.
-        self._load_progress = llama_cpp.llama_progress_callback(lambda progress, data: not self.cancel)
-        model_params.progress_callback = self._load_progress
-        model_params.load_mode = {
-            (True, False): llama_cpp.LLAMA_LOAD_MODE_AUTO,  # llama.cpp picks mmap on the CPU
-            (True, True): llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
-            (False, False): llama_cpp.LLAMA_LOAD_MODE_NONE,
-            (False, True): llama_cpp.LLAMA_LOAD_MODE_MLOCK,
-        }[(config.mmap, config.mlock)]
-        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
-        log.raise_if_interrupted()
-        if self.cancel:
-            if self._model:
-                llama_cpp.llama_model_free(self._model)
-            self.cancel.raise_for_signal()
-        if not self._model:
-            raise IntegrityError(
-                f"llama.cpp could not load {path}: {log.take_error() or 'unknown reason'}",
-                hint="Check that the file is a complete GGUF model supported by this llama.cpp build.",
-            )
+        self._weights = load_weights(path, config, self.cancel)
+        self._model = self._weights.pointer
         self.n_ctx_train: int = llama_cpp.llama_model_n_ctx_train(self._model)
         self.n_threads = threads = config.n_threads or physical_cores()
         self.n_swa: int = llama_cpp.llama_model_n_swa(self._model)  # sliding-window attention span (0: none)
@@ -86,7 +68,7 @@ class Engine:
         try:
             self._create_context(cells, config.n_seq_max, unified=config.pooling is not None)
         except ResourceError:
-            llama_cpp.llama_model_free(self._model)
+            self._weights.free()
             raise
         # What one sequence may use: llama.cpp's (it pads), or, sized later, what it would have been.
         self.n_ctx: int = -(-per_sequence // CELL_PADDING) * CELL_PADDING if config.kv_later else (
@@ -171,7 +153,7 @@ class Engine:
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
         if getattr(self, "_model", None):
-            llama_cpp.llama_model_free(self._model)
+            self._weights.free()
             self._model = None
 
     def __enter__(self) -> Engine:

@@ -145,7 +145,7 @@ class Cursor:
 
 def _check_unique(cur: Cursor, texts: list[bytes], offset: int) -> None:
     """No token repeats an earlier one, compared as llama.cpp reads them: as C strings (a NUL byte ends one)."""
-    if any(b"\0" in text for text in texts):
+    if b"\0" in b"".join(texts):
         texts = [text.split(b"\0", 1)[0] for text in texts]
     if len(set(texts)) < len(texts):
         first: dict[bytes, int] = {}
