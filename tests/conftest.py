@@ -350,15 +350,54 @@ def ctrl_c_when(args: list[str], seen: bytes, timeout: float = 30) -> tuple[int,
 LOGS: dict[int, Path] = {}
 
 
-def start_server(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+class Forked:
+    """A forked `llmcli` child, as much of subprocess.Popen as the tests use of a server's."""
+
+    def __init__(self, pid: int, args: list[str]):
+        self.pid, self.args = pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            time.sleep(0.02)
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start_server(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes] | Forked, str]:
     """`llmcli serve` on a free port (one llama.cpp thread: tests run two at a time); (process, base URL) once it
     listens."""
     env = {**os.environ, "LLMCLI_THREADS": "1", "LLMCLI_DATA_DIR": str(tmp_path / "data"),
            "LLMCLI_CACHE_DIR": str(tmp_path / "cache"), "XDG_CONFIG_HOME": str(tmp_path / "config")}
     path = tmp_path / f"serve-{time.monotonic_ns()}.log"
     log = path.open("w+b")
-    proc = subprocess.Popen([sys.executable, "-m", "llmcli", "serve", "--port", "0", *args], stdout=subprocess.DEVNULL,
-                            stderr=log, env=env)
+    proc: subprocess.Popen[bytes] | Forked
+    if os.environ.get("LLMCLI_TEST_SUBPROCESS") or threading.active_count() > 1:
+        proc = subprocess.Popen([sys.executable, "-m", "llmcli", "serve", "--port", "0", *args],
+                                stdout=subprocess.DEVNULL, stderr=log, env=env)
+    else:  # forked as run_cli's runs are: llmcli, its model's header and weights already loaded
+        quiet = os.open(os.devnull, os.O_RDWR)
+        proc = Forked(_fork_llmcli(["serve", "--port", "0", *args], env, quiet, quiet, log.fileno()), ["serve", *args])
+        os.close(quiet)
     LOGS[proc.pid] = path
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -374,7 +413,7 @@ def start_server(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], s
     pytest.fail(f"llmcli serve did not start: {log.read().decode(errors='replace')}")
 
 
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
+def stop_server(proc: subprocess.Popen[bytes] | Forked) -> None:
     """SIGTERM: in-flight answers end, the server exits with 143 (128 + SIGTERM, as every llmcli command), cleanly."""
     proc.send_signal(signal.SIGTERM)
     try:
