@@ -156,7 +156,7 @@ def test_an_agent_s_long_prefix_is_evaluated_once_across_slots_sessions_and_rest
     system = " ".join(f"Rule {i}: keep the file tidy and name things plainly." for i in range(30))  # ~430 tokens
     tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {
         "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
-    flags = ("-m", model, "-P", "2", "-c", "2048", "--temp", "0", "--prompt-cache-min", "64")
+    flags = ("-m", str(gemma3) if model == "gemma3-270m" else model, "-P", "2", "-c", "2048", "--temp", "0", "--prompt-cache-min", "64")
 
     def ask(url: str, question: str) -> dict:
         reply = httpx2.post(f"{url}/v1/chat/completions", timeout=120, json={

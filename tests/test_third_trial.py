@@ -247,8 +247,8 @@ def test_more_threads_than_cores_is_a_notice():
 
 # 13. a control token (here an image marker, forced by a grammar) is not answer text unless --special
 
-def test_control_tokens_are_left_out_of_the_answer_unless_special():
-    args = ("run", "-m", "gemma3-270m", "--raw", "--temp", "0", "-n", "5", "--grammar",
+def test_control_tokens_are_left_out_of_the_answer_unless_special(gemma3):
+    args = ("run", "-m", str(gemma3), "--raw", "--temp", "0", "-n", "5", "--grammar",
             'root ::= "<start_of_image><strong>Paris"', "The capital of France:")
     plain = json.loads(run_cli(*args, "--json").stdout)
     assert plain["text"] == "<strong>Paris" and plain["usage"]["completion_tokens"] == 3  # (<strong> is text: HTML)

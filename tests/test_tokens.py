@@ -22,8 +22,9 @@ def prompt_tokens(*args: str, input: str | None = None) -> int:
     return json.loads(result.stdout)["usage"]["prompt_tokens"]
 
 
-@pytest.mark.parametrize("model", ["smollm2", "gemma3-270m"])
-def test_counts_equal_what_run_reports_for_the_same_input(tmp_path, model):
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_counts_equal_what_run_reports_for_the_same_input(tmp_path, request, name):
+    model = str(request.getfixturevalue(name))  # (the model's file: assembled once a session, not once a test)
     doc = tmp_path / "doc.md"
     doc.write_text(DOC, encoding="utf-8")
     raw = counted("-m", model, str(doc))
