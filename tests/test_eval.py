@@ -76,9 +76,10 @@ def test_eval_tools_reports_each_category_through_the_run_path():
     assert [i["id"] for i in forced["items"]] == ["tools_0", "tools_1"] and forced["tool_format"] == "generic"
     assert all(i["calls"] and i["calls"][0]["name"] in ("geometry_circle_area", "weather_forecast", "stock_price")
                for i in forced["items"])
-    none = _eval("--items", str(DATA / "irrelevance.json"), "--tool-choice", "none")
+    none = _eval("--items", str(DATA / "irrelevance.json"), "--tool-choice", "none", "-n", "8")  # (any text: no call)
     assert none["categories"][0]["accuracy"] == 1.0 and none["categories"][0]["no_call_rate"] == 1.0
-    table = run_cli("eval", "tools", "-m", "smollm2", "--items", str(DATA / "irrelevance.json"), "--tool-choice", "none")
+    table = run_cli("eval", "tools", "-m", "smollm2", "--items", str(DATA / "irrelevance.json"), "--tool-choice", "none",
+                    "-n", "8")
     assert table.stdout.splitlines()[1].split() == ["CATEGORY", "ITEMS", "ACCURACY", "VALID", "CALLS", "NO", "CALL",
                                                     "S/ITEM"]
     missing = run_cli("eval", "tools", "nonsense", "-m", "smollm2")
