@@ -68,17 +68,6 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# The files whose tests take longest go first: with workers that steal work from each other, a long test that starts
-# last ends last, alone. (A file's tests stay together: its module fixtures, servers among them, are set up once.)
-LONG_FIRST = ("test_ray.py", "test_bench.py", "test_mcp.py", "test_speculative.py", "test_batch.py", "test_serve.py",
-              "test_warm.py", "test_chat_page.py", "test_prompt_cache.py", "test_tools.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: index for index, name in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (a stable sort: the rest keep their order)
-
-
 @pytest.fixture(autouse=True)
 def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Config, cache and data dirs in tmp_path; no colour; a fixed terminal width; no inherited model."""

@@ -299,3 +299,34 @@ def test_words_of_an_unquoted_prompt_are_one_prompt():
     joined = run_cli("run", "--show-prompt", "hello", "big", "world")
     quoted = run_cli("run", "--show-prompt", "hello big world")
     assert joined.code == 0 and joined.stdout == quoted.stdout and "hello big world" in joined.stdout
+
+
+def test_kept_weights_serve_the_later_engines_and_outlive_them(smollm2):
+    """`keep_loaded` (what the suite's forked runs inherit): an engine made after it uses the process's weights, and
+    closing it leaves them loaded for the next one; another load mode loads its own. The same greedy tokens."""
+    code = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from llmcli.llama.engine import Engine\n"
+        "from llmcli.llama.engine_config import EngineConfig\n"
+        "from llmcli.llama.weights import keep_loaded\n"
+        "path = Path(sys.argv[1])\n"
+        "def greedy(config):\n"
+        "    engine = Engine(path, config)\n"
+        "    engine.prefill(engine.vocab.tokenize('The capital of France is'))\n"
+        "    found = (engine.greedy_token(), engine._weights.owned, engine.load_s)\n"
+        "    engine.close()\n"
+        "    return found\n"
+        "config = EngineConfig(n_threads=1, n_ctx=256)\n"
+        "alone = greedy(config)\n"
+        "keep_loaded(path)\n"
+        "kept, again = greedy(config), greedy(config)\n"
+        "other = greedy(EngineConfig(n_threads=1, n_ctx=256, mmap=False))\n"
+        "print(json.dumps({'alone': alone, 'kept': kept, 'again': again, 'other': other}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(smollm2)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout)
+    assert found["alone"][1] is True and found["kept"][1] is False and found["again"][1] is False
+    assert found["other"][1] is True  # (read into memory, not mapped: its own weights)
+    assert found["alone"][0] == found["kept"][0] == found["again"][0] == found["other"][0]
