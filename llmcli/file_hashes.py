@@ -33,9 +33,14 @@ def known_sha256(path: Path) -> str | None:
     return _remembered(path, compute=False)
 
 
-def _remembered(path: Path, compute: bool) -> str | None:
+def memo_key(path: Path) -> str:
+    """What a hash is remembered by: the file's resolved path, size and mtime (a changed file is hashed again)."""
     stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
+def _remembered(path: Path, compute: bool) -> str | None:
+    key = memo_key(path)
     store = paths.hash_memo_file()
     known = _read(store)
     if key not in known:

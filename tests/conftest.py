@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import compileall
 import importlib
+import json
 import os
 import pty
 import re
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from xml.etree import ElementTree
 
+import httpx2
 import pytest
 
 # Imported once here, inherited by every forked CLI run (a run's own imports cost ~0.2 s of its ~0.5 s): the CLI,
@@ -41,14 +43,24 @@ for _module in ("llmcli.cli.run", "llmcli.cli.chat", "llmcli.cli.chat_repl", "ll
     importlib.import_module(_module)
 
 
+# The tests' HTTP requests, through one client: building one costs ~25 ms of CPU (its SSL context reads the system's
+# certificates). No connection is kept between requests, as with httpx2.post().
+HTTP = httpx2.Client(limits=httpx2.Limits(max_keepalive_connections=0))
+
+MODEL_HASHES: dict[str, str] = {}  # the hash memo's entries for the models below, written into every test's data dir
+
+
 def _load_once(path: Path) -> Path:
-    """Read the GGUF header of a model the tests use and load its weights, once in this process: the CLI runs forked
-    from it inherit both (the parsed header, and the weights shared copy-on-write: ~0.2 s of CPU a run)."""
+    """Read the GGUF header of a model the tests use, load its weights and hash it, once in this process: the CLI runs
+    forked from it inherit the parsed header and the weights (shared copy-on-write: ~0.2 s of CPU a run), and each
+    test's hash memo starts with its sha256 (a logged answer records it: ~0.25 s of CPU a test, hashed again)."""
+    from llmcli.file_hashes import memo_key, sha256_of
     from llmcli.llama.weights import keep_loaded
 
     read_metadata(path)
     read_header(path)
     keep_loaded(path)
+    MODEL_HASHES[memo_key(path)] = sha256_of(path)
     return path
 
 
@@ -87,6 +99,8 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("LLMCLI_KEEP_ALIVE", "0")  # warm servers off (a test about them turns them on with --keep-alive)
     monkeypatch.setenv("NO_COLOR", "1")
     monkeypatch.setenv("COLUMNS", "120")
+    (home / "data").mkdir(parents=True)
+    (home / "data" / "hashes.json").write_text(json.dumps(MODEL_HASHES))  # (paths.hash_memo_file())
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
         # Test workers share the cores: one llama.cpp thread each, or their OpenMP threads spin against
         # each other (tests that measure threads set -t themselves).

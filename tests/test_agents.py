@@ -8,9 +8,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx2
 import pytest
-from conftest import LOGS, run_cli, start_server, stop_server
+from conftest import HTTP, LOGS, run_cli, start_server, stop_server
 
 
 def _fields(typed: type) -> set[str]:
@@ -73,11 +72,11 @@ def test_no_field_of_an_official_request_type_is_refused_as_unknown(server):
     unknown = []
     for path, fields in _official_fields().items():
         for name in sorted(fields - set(BASE[path])):
-            reply = httpx2.post(f"{server}{path}", json={**BASE[path], name: None}, timeout=60)
+            reply = HTTP.post(f"{server}{path}", json={**BASE[path], name: None}, timeout=60)
             if reply.status_code >= 400 and "not a field this route takes" in reply.text:
                 unknown.append((path, name))
     assert unknown == []
-    refused = httpx2.post(f"{server}/v1/chat/completions", json={**BASE["/v1/chat/completions"], "frobnicate": 1})
+    refused = HTTP.post(f"{server}/v1/chat/completions", json={**BASE["/v1/chat/completions"], "frobnicate": 1})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "frobnicate"  # typos stay caught
 
 
@@ -91,15 +90,15 @@ def test_claude_code_s_first_request_is_answered(server):
                          {"role": "system", "content": "The user is in /tmp."}],
             "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
             "metadata": {"user_id": "x"}}
-    reply = httpx2.post(f"{server}/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"}, timeout=120)
+    reply = HTTP.post(f"{server}/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"}, timeout=120)
     assert reply.status_code == 200, reply.text[:500]
     assert reply.json()["stop_reason"] in ("end_turn", "max_tokens", "tool_use")  # 32000 clamped to what fits
-    counted = httpx2.post(f"{server}/v1/messages/count_tokens", json={
+    counted = HTTP.post(f"{server}/v1/messages/count_tokens", json={
         "model": "smollm2", "messages": body["messages"], "system": body["system"],
         "tools": [{**tools[0], "input_schema": {"type": "object", "properties": {"x": {"type": "string", "minLength": 5000}}}}]})
     assert counted.status_code == 200, counted.text  # counting builds no grammar (this one would need 5000 repeats)
     assert counted.json()["input_tokens"] > 10
-    closed = httpx2.post(f"{server}/v1/messages", json={**body, "tools": [{**tools[0], "input_schema": {
+    closed = HTTP.post(f"{server}/v1/messages", json={**body, "tools": [{**tools[0], "input_schema": {
         "type": "object", "properties": {"never": False}, "required": ["never"]}}], "tool_choice": {"type": "any"}})
     assert closed.status_code == 400 and "false" in closed.json()["error"]["message"]
     assert "object has no attribute" not in closed.text and "Traceback" not in closed.text
@@ -112,16 +111,16 @@ def test_codex_s_responses_request_and_a_chat_client_s_new_fields_are_answered(s
              "include": ["reasoning.encrypted_content"], "client_metadata": {"x": "y"}, "prompt_cache_key": "k",
              "reasoning": {"effort": "low", "summary": "auto"}, "text": {"verbosity": "low"}, "truncation": "auto",
              "parallel_tool_calls": False, "tool_choice": "auto", "tools": []}
-    reply = httpx2.post(f"{server}/v1/responses", json=codex, timeout=120)
+    reply = HTTP.post(f"{server}/v1/responses", json=codex, timeout=120)
     assert reply.status_code == 200 and reply.json()["status"] in ("completed", "incomplete"), reply.text
     chat = {"messages": HI, "max_tokens": 4, "modalities": ["text"], "verbosity": "low", "store": False,
             "prompt_cache_key": "k", "safety_identifier": "s", "metadata": {"a": "b"}, "max_completion_tokens": 100000}
-    assert httpx2.post(f"{server}/v1/chat/completions", json=chat, timeout=60).status_code == 200
-    audio = httpx2.post(f"{server}/v1/chat/completions", json={**chat, "modalities": ["text", "audio"]}, timeout=60)
+    assert HTTP.post(f"{server}/v1/chat/completions", json=chat, timeout=60).status_code == 200
+    audio = HTTP.post(f"{server}/v1/chat/completions", json={**chat, "modalities": ["text", "audio"]}, timeout=60)
     assert audio.status_code == 400 and audio.json()["error"]["param"] == "modalities"
-    (card,) = httpx2.get(f"{server}/v1/models", timeout=30).json()["data"][:1]
+    (card,) = HTTP.get(f"{server}/v1/models", timeout=30).json()["data"][:1]
     assert card["max_model_len"] == 2048  # the real limit, which a larger max_tokens is clamped to
-    assert "num_ctx 2048" in httpx2.post(f"{server}/api/show", json={"model": "smollm2"}, timeout=30).json()["parameters"]
+    assert "num_ctx 2048" in HTTP.post(f"{server}/api/show", json={"model": "smollm2"}, timeout=30).json()["parameters"]
     said = SERVER_LOG[0].read_text()  # one line per answer on the server's stderr, as run's stats line
     assert "POST /v1/responses · prompt " in said and "POST /v1/chat/completions · prompt " in said
     assert " · TTFT " in said and "stop: max tokens" in said
@@ -140,7 +139,7 @@ def test_a_long_prompt_keeps_each_stream_alive_in_its_protocol_s_way(server):
                           "event: response.in_progress"),
     }
     for path, (body, keepalive) in cases.items():
-        with httpx2.stream("POST", f"{server}{path}", json=body, timeout=120) as stream:
+        with HTTP.stream("POST", f"{server}{path}", json=body, timeout=120) as stream:
             lines = [line for line in stream.iter_lines()]
         first_data = next(i for i, line in enumerate(lines) if line.startswith("data:") and "delta" in line
                           or line.startswith("event: content_block") or line.startswith("event: response.output"))
@@ -159,7 +158,7 @@ def test_an_agent_s_long_prefix_is_evaluated_once_across_slots_sessions_and_rest
     flags = ("-m", str(gemma3) if model == "gemma3-270m" else model, "-P", "2", "-c", "2048", "--temp", "0", "--prompt-cache-min", "64")
 
     def ask(url: str, question: str) -> dict:
-        reply = httpx2.post(f"{url}/v1/chat/completions", timeout=120, json={
+        reply = HTTP.post(f"{url}/v1/chat/completions", timeout=120, json={
             "max_tokens": 6, "tools": tools, "messages": [{"role": "system", "content": system},
                                                             {"role": "user", "content": question}]})
         assert reply.status_code == 200, reply.text

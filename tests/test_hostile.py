@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx2
 import pytest
-from conftest import run_cli, start_server, stop_server
+from conftest import HTTP, run_cli, start_server, stop_server
 from gguf_tools import rewrite_metadata
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -43,7 +43,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subproces
 
 def post(url: str, path: str, body: object, headers: dict[str, str] | None = None, timeout: float = 60) -> httpx2.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx2.post(f"{url}{path}", content=content, timeout=timeout,
+    return HTTP.post(f"{url}{path}", content=content, timeout=timeout,
                        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})})
 
 
@@ -139,9 +139,9 @@ def test_a_web_page_cannot_drive_the_server(server):
         assert_shape(shape, rebound.json(), path)
     for host in ("localhost", "127.0.0.1", "[::1]:80", "llmcli.localhost"):
         assert post(url, "/v1/chat/completions", {"messages": HI, "max_tokens": 1}, {"Host": host}).status_code == 200
-    health = httpx2.get(f"{url}/health", timeout=10).json()
+    health = HTTP.get(f"{url}/health", timeout=10).json()
     assert "pid" not in health and all("path" not in m for m in health["models"])
-    keyed = httpx2.get(f"{url}/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+    keyed = HTTP.get(f"{url}/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
     assert keyed["pid"] > 0 and keyed["models"][0]["path"].endswith(".gguf")
 
 
@@ -150,8 +150,8 @@ def test_allow_host_admits_a_reverse_proxy_s_name(tmp_path):
     try:
         headers = {"Content-Type": "application/json"}
         body = json.dumps({"messages": HI, "max_tokens": 1})
-        ok = httpx2.post(f"{url}/v1/chat/completions", content=body, headers={**headers, "Host": "llm.example.org"})
-        other = httpx2.post(f"{url}/v1/chat/completions", content=body, headers={**headers, "Host": "evil.example.org"})
+        ok = HTTP.post(f"{url}/v1/chat/completions", content=body, headers={**headers, "Host": "llm.example.org"})
+        other = HTTP.post(f"{url}/v1/chat/completions", content=body, headers={**headers, "Host": "evil.example.org"})
         assert ok.status_code == 200 and other.status_code == 403
     finally:
         stop_server(proc)
@@ -176,7 +176,7 @@ def test_odd_bodies_names_and_ids_are_400s_in_the_protocol_s_shape(server):
         assert_shape(SHAPES.get(path, "openai"), reply.json(), path)
     headers = {"Authorization": f"Bearer {KEY}"}
     for name in (long_name, "a" * 5000):
-        reply = httpx2.get(f"{url}/v1/models/{name}", headers=headers, timeout=10)
+        reply = HTTP.get(f"{url}/v1/models/{name}", headers=headers, timeout=10)
         assert reply.status_code in (400, 404) and "error" in reply.json()
 
 
@@ -252,9 +252,9 @@ def test_a_looping_template_is_stopped_on_serve_s_worker_thread_and_sigterm_ends
     proc, url = start_server(tmp_path, "-m", str(looping_model), "-c", "256", "--shutdown-grace", "1")
     try:
         started = time.monotonic()
-        reply = httpx2.post(f"{url}/v1/chat/completions", json={"messages": HI, "max_tokens": 1}, timeout=60)
+        reply = HTTP.post(f"{url}/v1/chat/completions", json={"messages": HI, "max_tokens": 1}, timeout=60)
         assert reply.status_code == 400 and "longer than 2 s" in reply.json()["error"]["message"], reply.text
-        pending = threading.Thread(target=lambda: httpx2.post(f"{url}/v1/chat/completions",
+        pending = threading.Thread(target=lambda: HTTP.post(f"{url}/v1/chat/completions",
                                                               json={"messages": HI}, timeout=60), daemon=True)
         pending.start()  # a rendering in flight when SIGTERM comes
         time.sleep(0.3)
@@ -399,9 +399,10 @@ def test_the_hash_memo_is_written_whole_and_merged(tmp_path, monkeypatch):
         model.write_bytes(bytes([i]) * 100)
     script = "import sys; from pathlib import Path; from llmcli.file_hashes import remembered_sha256; " \
              "remembered_sha256(Path(sys.argv[1]))"
+    memo = paths.hash_memo_file()
+    memo.unlink()  # (the suite's own memo of its models: this test starts from none)
     writers = [subprocess.Popen([sys.executable, "-c", script, str(model)]) for model in models]
     assert all(w.wait(timeout=60) == 0 for w in writers)
-    memo = paths.hash_memo_file()
     assert len(json.loads(memo.read_text())) == 8  # eight processes at once: every hash kept
     before = memo.read_bytes()
 

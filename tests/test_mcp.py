@@ -92,8 +92,8 @@ def test_mcp_call_and_its_faults(tmp_path, pids, http_server):
 
 
 def test_run_calls_an_mcp_tool_and_its_result_reaches_the_model(tmp_path, pids, http_server):
-    config = _config(tmp_path, pids, local=_stdio(pids), remote={"url": http_server},
-                     broken={"command": str(tmp_path / "no-such-server")})
+    config = _config(tmp_path, pids, local=_stdio(pids, tools=["shout"]), remote={"url": http_server, "tools": ["shout"]},
+                     broken={"command": str(tmp_path / "no-such-server")})  # (two tools: a short prompt to prefill)
     for tool in ("local_shout", "remote_shout"):
         result = run_cli("run", "--mcp", str(config), "--tool-choice", tool, "--tools-debug", "--temp", "0", "-n", "40",
                          "--chain-limit", "1", "--json", "Shout hello.")
@@ -108,7 +108,7 @@ def test_run_calls_an_mcp_tool_and_its_result_reaches_the_model(tmp_path, pids, 
 
 
 def test_ctrl_c_during_an_mcp_call_stops_it_and_its_server(tmp_path, pids):
-    config = _config(tmp_path, pids, local=_stdio(pids))
+    config = _config(tmp_path, pids, local=_stdio(pids, tools=["hang"]))
     code, err = ctrl_c_when(["run", "--mcp", str(config), "--tool-choice", "local_hang", "--tools-debug", "--temp", "0",
                              "-n", "40", "Wait."], b"tool call local_hang(")
     assert code == 130 and b"Traceback" not in err

@@ -11,9 +11,8 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-import httpx2
 import pytest
-from conftest import run_cli, start_server, stop_server
+from conftest import HTTP, run_cli, start_server, stop_server
 
 from llmcli.units import parse_keep_alive
 
@@ -41,14 +40,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def complete(url: str, model: str) -> dict:
-    reply = httpx2.post(f"{url}/v1/completions", headers=AUTH, json={"model": model, "prompt": PROMPT, "max_tokens": 8,
+    reply = HTTP.post(f"{url}/v1/completions", headers=AUTH, json={"model": model, "prompt": PROMPT, "max_tokens": 8,
                                                        "temperature": 0}, timeout=180)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
 
 def loaded(url: str) -> list[str]:
-    return [model["path"] for model in httpx2.get(f"{url}/health", headers=AUTH, timeout=30).json()["models"]]
+    return [model["path"] for model in HTTP.get(f"{url}/health", headers=AUTH, timeout=30).json()["models"]]
 
 
 def test_two_models_alternate_under_load_with_one_loaded_at_a_time(tmp_path, gemma3):
@@ -102,23 +101,23 @@ def test_keep_alive_expires_a_loaded_model_and_a_request_s_own_keep_alive_wins(t
         while len(loaded(url)) == 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert [Path(p).name for p in loaded(url)] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]  # -m never expires
-        kept = httpx2.post(f"{url}/api/generate", headers=AUTH, timeout=180, json={
+        kept = HTTP.post(f"{url}/api/generate", headers=AUTH, timeout=180, json={
             "model": str(gemma3), "prompt": PROMPT, "raw": True, "stream": False, "keep_alive": "1h",
             "options": {"num_predict": 4}})
         assert kept.status_code == 200, kept.text
-        (ps,) = [m for m in httpx2.get(f"{url}/api/ps", headers=AUTH).json()["models"] if m["model"] != "smollm2:latest"]
+        (ps,) = [m for m in HTTP.get(f"{url}/api/ps", headers=AUTH).json()["models"] if m["model"] != "smollm2:latest"]
         expires = datetime.fromisoformat(ps["expires_at"].replace("Z", "+00:00"))
         assert expires - datetime.now(timezone.utc) > timedelta(minutes=55)  # an hour from now, not 1 s
-        (held,) = [m for m in httpx2.get(f"{url}/health", headers=AUTH).json()["models"] if not m["pinned"]]
+        (held,) = [m for m in HTTP.get(f"{url}/health", headers=AUTH).json()["models"] if not m["pinned"]]
         assert held["expires_in_s"] > 3300 and len(loaded(url)) == 2
-        httpx2.post(f"{url}/api/generate", headers=AUTH, timeout=180, json={"model": str(gemma3), "prompt": "", "keep_alive": 0})
+        HTTP.post(f"{url}/api/generate", headers=AUTH, timeout=180, json={"model": str(gemma3), "prompt": "", "keep_alive": 0})
         deadline = time.monotonic() + 30
         while len(loaded(url)) == 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert len(loaded(url)) == 1  # keep_alive 0: unloaded as soon as its request ended
-        missing = httpx2.post(f"{url}/api/chat", headers=AUTH, json={"model": "no-such-model", "messages": []})
+        missing = HTTP.post(f"{url}/api/chat", headers=AUTH, json={"model": "no-such-model", "messages": []})
         assert missing.status_code == 404 and missing.json()["error"].startswith("model 'no-such-model' not found")
-        missing = httpx2.post(f"{url}/v1/chat/completions", headers=AUTH, json={"model": "no-such-model", "messages": []})
+        missing = HTTP.post(f"{url}/v1/chat/completions", headers=AUTH, json={"model": "no-such-model", "messages": []})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     finally:
         stop_server(proc)

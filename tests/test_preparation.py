@@ -4,8 +4,7 @@ for run, the warm path and serve alike. `serve --special` once dropped control t
 
 from __future__ import annotations
 
-import httpx2
-from conftest import run_cli, start_server, stop_server
+from conftest import HTTP, run_cli, start_server, stop_server
 
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.sampling_config import SamplingConfig
@@ -23,7 +22,7 @@ def test_special_keeps_control_tokens_in_run_the_warm_run_and_serve(gemma3, tmp_
     run_cli("stop", env={"LLMCLI_RUNTIME_DIR": str(tmp_path / "rt")})
     proc, url = start_server(tmp_path, "-m", str(gemma3), "--special", "-c", "256")
     try:
-        served = httpx2.post(f"{url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8,
+        served = HTTP.post(f"{url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8,
                                                             "temperature": 0, "grammar": MARKED}, timeout=60).json()
     finally:
         stop_server(proc)

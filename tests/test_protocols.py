@@ -16,10 +16,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx2
 import jsonschema
 import pytest
-from conftest import run_cli, start_server, stop_server
+from conftest import HTTP, run_cli, start_server, stop_server
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -113,14 +112,14 @@ def test_ollama_chat_generate_stream_format_list_show_ps(server):
         client.chat(model="llama3", messages=[{"role": "user", "content": PROMPT}])
     assert missing.value.status_code == 404 and missing.value.error.startswith("model 'llama3' not found")
     headers = {"Authorization": f"Bearer {KEY}"}
-    image = httpx2.post(f"{server}/api/chat", headers=headers, json={
+    image = HTTP.post(f"{server}/api/chat", headers=headers, json={
         "model": "smollm2", "messages": [{"role": "user", "content": "What is this?", "images": ["aGk="]}]})
     assert image.status_code == 400 and set(image.json()) == {"error"} and "images" in image.json()["error"]
-    unknown = httpx2.post(f"{server}/api/generate", headers=headers,
+    unknown = HTTP.post(f"{server}/api/generate", headers=headers,
                           json={"model": "smollm2", "prompt": "x", "options": {"temperature": "hot"}})
     assert unknown.status_code == 400 and "temperature" in unknown.json()["error"]
-    assert httpx2.get(f"{server}/api/tags").status_code == 401  # the key guards Ollama's routes too
-    assert httpx2.get(f"{server}/api/version").json()["version"]
+    assert HTTP.get(f"{server}/api/tags").status_code == 401  # the key guards Ollama's routes too
+    assert HTTP.get(f"{server}/api/version").json()["version"]
 
 
 def test_ollama_tools_answer_as_openai_s_and_embed_equals_llmcli_embed(server):
@@ -196,7 +195,7 @@ def test_anthropic_messages_whole_streamed_count_tokens_and_errors(server):
                                      system="Answer briefly.", messages=[{"role": "user", "content": PROMPT}])
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == expected["text"].split()[1]
 
-    no_limit = httpx2.post(f"{server}/v1/messages", headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+    no_limit = HTTP.post(f"{server}/v1/messages", headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
                            json={"model": "smollm2", "messages": [{"role": "user", "content": PROMPT}]})
     assert no_limit.status_code == 400 and no_limit.json() == {
         "type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: Field required"}}
@@ -344,7 +343,7 @@ def test_an_ollama_an_anthropic_and_an_openai_answer_share_the_slots(server):
         stream = openai.chat.completions.create(model="smollm2", messages=messages, max_tokens=64, stream=True)
         return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
-    before = httpx2.get(f"{server}/health").json()["steps_by_busy"].get("3", 0)
+    before = HTTP.get(f"{server}/health").json()["steps_by_busy"].get("3", 0)
     results: dict[str, str] = {}
     errors: list[BaseException] = []
     start = threading.Barrier(3)
@@ -363,7 +362,7 @@ def test_an_ollama_an_anthropic_and_an_openai_answer_share_the_slots(server):
     for thread in threads:
         thread.join(timeout=300)
     assert not errors, errors
-    after = httpx2.get(f"{server}/health").json()["steps_by_busy"].get("3", 0)
+    after = HTTP.get(f"{server}/health").json()["steps_by_busy"].get("3", 0)
     assert after > before  # steps in which all three answers advanced together
     assert results["ollama"] == results["anthropic"] == results["openai"] != ""
 
@@ -424,14 +423,14 @@ def test_bad_bodies_get_a_4xx_in_each_protocol_s_shape_never_a_500(server):
     for path, shape in SHAPES.items():
         for body in [*BAD_BODIES, *ODD_BODIES]:
             content = body if isinstance(body, bytes) else json.dumps(body).encode()
-            reply = httpx2.post(f"{server}{path}", headers=headers, content=content, timeout=60)
+            reply = HTTP.post(f"{server}{path}", headers=headers, content=content, timeout=60)
             assert reply.status_code < 500, (path, body, reply.text)
             if body in BAD_BODIES:
                 assert 400 <= reply.status_code < 500, (path, body, reply.status_code, reply.text)
             if reply.status_code >= 400:
                 assert_shape(shape, reply.json(), (path, body))
     for path, shape in (("/api/nothing", "ollama"), ("/v1/messages/nothing", "anthropic"), ("/v1/nothing", "openai")):
-        missing = httpx2.get(f"{server}{path}", headers=headers)
+        missing = HTTP.get(f"{server}{path}", headers=headers)
         assert missing.status_code == 404
         assert_shape(shape, missing.json(), path)
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx2
 import pytest
-from conftest import run_cli, run_in_terminal, start_server, stop_server
+from conftest import HTTP, run_cli, run_in_terminal, start_server, stop_server
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -196,9 +195,9 @@ def test_a_think_budget_closes_the_block_and_the_answer_follows_in_run_the_warm_
     proc, url = start_server(tmp_path, "--chat-template-file", str(template), "-c", "512")
     try:
         body = {"max_tokens": 30, "temperature": 0, "messages": [{"role": "user", "content": "Say hi"}]}
-        openai = httpx2.post(f"{url}/v1/chat/completions", timeout=60,
+        openai = HTTP.post(f"{url}/v1/chat/completions", timeout=60,
                              json={**body, "think_budget": 8, "logit_bias": {"9617": -100}}).json()
-        anthropic = httpx2.post(f"{url}/v1/messages", timeout=60, json={
+        anthropic = HTTP.post(f"{url}/v1/messages", timeout=60, json={
             **body, "thinking": {"type": "enabled", "budget_tokens": 8}}).json()
     finally:
         stop_server(proc)

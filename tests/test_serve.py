@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx2
 import jsonschema
 import pytest
-from conftest import LOGS, run_cli, start_server, stop_server
+from conftest import HTTP, LOGS, run_cli, start_server, stop_server
 
 KEY = "test-key"
 PROMPTS = ["Say hi.", "Name a colour.", "What is two plus two?", "Write a word that rhymes with cat."]
@@ -115,7 +115,7 @@ def test_32_concurrent_streams_all_complete_with_run_s_greedy_answers(server):
     assert not errors and len(results) == 32
     divergent = [i for i, text in results.items() if text != expected[PROMPTS[i % 4]]]
     assert divergent == []  # one sequence per slot: a neighbour never changes an answer
-    health = httpx2.get(f"{url}/health").json()
+    health = HTTP.get(f"{url}/health").json()
     assert health["busy"] == 0 and health["waiting"] == 0
 
 
@@ -125,19 +125,19 @@ def test_faults_get_the_right_status_and_the_server_keeps_serving(server):
     chat = f"{url}/v1/chat/completions"
     baseline = rss_kib(proc)
     for _ in range(10):  # clients that go away mid-stream
-        with httpx2.stream("POST", chat, headers=auth, timeout=60, json={
+        with HTTP.stream("POST", chat, headers=auth, timeout=60, json={
                 "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 400, "stream": True}) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data:"))
     deadline = time.monotonic() + 30
-    while httpx2.get(f"{url}/health").json()["busy"] and time.monotonic() < deadline:
+    while HTTP.get(f"{url}/health").json()["busy"] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert httpx2.get(f"{url}/health").json()["busy"] == 0  # their slots were freed
+    assert HTTP.get(f"{url}/health").json()["busy"] == 0  # their slots were freed
 
     def status(body: bytes | dict, headers: dict[str, str] = auth) -> tuple[int, dict]:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        response = httpx2.post(chat, content=content, headers={**headers, "Content-Type": "application/json"}, timeout=60)
+        response = HTTP.post(chat, content=content, headers={**headers, "Content-Type": "application/json"}, timeout=60)
         return response.status_code, response.json()
 
     message = [{"role": "user", "content": "hi"}]
@@ -173,16 +173,16 @@ def test_a_full_queue_is_429_with_retry_after_and_sigterm_ends_the_streams_clean
         body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 200, "stream": True,
                 "logit_bias": {"0": -100, "1": -100, "2": -100}}  # no end of text: the slot stays busy
         ollama_body = {"model": "smollm2", "messages": body["messages"], "options": {"num_predict": 200}}
-        with httpx2.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as busy, \
-                httpx2.stream("POST", f"{url}/api/chat", json=ollama_body, timeout=60) as ollama_busy:
+        with HTTP.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as busy, \
+                HTTP.stream("POST", f"{url}/api/chat", json=ollama_body, timeout=60) as ollama_busy:
             lines = busy.iter_lines()  # kept: a dropped iterator closes the stream (the client goes away)
             next(line for line in lines if line.startswith("data:"))  # both slots are answering
             ollama_lines = ollama_busy.iter_lines()
             assert json.loads(next(ollama_lines))["done"] is False
-            refused = httpx2.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+            refused = HTTP.post(f"{url}/v1/chat/completions", json=body, timeout=60)
             assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
             assert refused.json()["error"]["type"] == "rate_limit_error"
-            refused = httpx2.post(f"{url}/api/chat", json=ollama_body, timeout=60)
+            refused = HTTP.post(f"{url}/api/chat", json=ollama_body, timeout=60)
             assert refused.status_code == 429 and "busy" in refused.json()["error"]
             proc.send_signal(signal.SIGTERM)  # mid-answer: they are cancelled, and their streams still end as streams
             rest = [line for line in lines if line.startswith("data:")]
@@ -287,16 +287,16 @@ def test_sigterm_lets_the_answers_in_flight_finish_within_the_grace(tmp_path):
     replies: dict[str, object] = {}
 
     def whole() -> None:
-        replies["whole"] = httpx2.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+        replies["whole"] = HTTP.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
 
     try:
-        with httpx2.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as stream:
+        with HTTP.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as stream:
             lines = stream.iter_lines()
             next(line for line in lines if line.startswith("data:"))
             thread = threading.Thread(target=whole)
             thread.start()
             deadline = time.monotonic() + 30
-            while httpx2.get(f"{url}/health").json()["busy"] < 2 and time.monotonic() < deadline:
+            while HTTP.get(f"{url}/health").json()["busy"] < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line.startswith("data:")]
@@ -351,6 +351,6 @@ def test_slow_and_idle_connections_are_closed_and_their_number_is_capped(tmp_pat
         assert dropped >= 4  # the cap: past the fourth (a client's share: the second), the idlest one makes room
         for sock in [slowloris, idle, slow_body, *held]:
             sock.close()
-        assert httpx2.get(f"{url}/health", timeout=10).json()["status"] == "ok"  # and the server serves on
+        assert HTTP.get(f"{url}/health", timeout=10).json()["status"] == "ok"  # and the server serves on
     finally:
         stop_server(proc)

@@ -6,8 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-import httpx2
-from conftest import run_cli
+from conftest import HTTP, run_cli
 
 
 def chat_lines(*lines: str, args: tuple[str, ...] = ()) -> tuple[str, str]:
@@ -143,7 +142,7 @@ def test_serve_ignores_a_config_file_endpoint(tmp_path):
     config.write_text('endpoint = "http://127.0.0.1:9/v1"\n')
     proc, url = start_server(tmp_path, "-c", "256")  # starts: the config file's endpoint is run's and chat's
     try:  # and answers from its own model, not from the (dead) endpoint
-        reply = httpx2.post(f"{url}/v1/chat/completions", timeout=60, json={
+        reply = HTTP.post(f"{url}/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert reply.status_code == 200 and reply.json()["model"] == "smollm2", reply.text
     finally:
