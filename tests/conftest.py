@@ -42,6 +42,8 @@ for _module in ("llmcli.cli.run", "llmcli.cli.chat", "llmcli.cli.chat_repl", "ll
                 "tomllib"):
     importlib.import_module(_module)
 
+sys.path.insert(0, str(Path(__file__).parent))  # the tests' helper modules
+import fake_hub  # noqa: E402 (found through the line above)
 
 # The tests' HTTP requests, through one client: building one costs ~25 ms of CPU (its SSL context reads the system's
 # certificates). No connection is kept between requests, as with httpx2.post().
@@ -60,7 +62,7 @@ def _load_once(path: Path) -> Path:
     read_metadata(path)
     read_header(path)
     keep_loaded(path)
-    MODEL_HASHES[memo_key(path)] = sha256_of(path)
+    MODEL_HASHES[memo_key(path)] = fake_hub.HASHES[path] = sha256_of(path)  # (the fake Hub's processes are forked)
     return path
 
 
@@ -71,8 +73,6 @@ for _packaged in packaged_models():  # the installed-packages scan, once: forked
 # `python -m llmcli` children (servers, warm servers, pty sessions) read llmcli's bytecode rather than compiling ~110
 # modules each time (~80 ms of CPU a process), also where PYTHONDONTWRITEBYTECODE=1 keeps Python from writing it.
 compileall.compile_dir(Path(llmcli.__file__).parent, quiet=2)
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 # A shell starts a background job (`pytest &`) with SIGINT ignored, and every process started from it inherits that:
 # the tests that press Ctrl-C on llmcli would then wait for an answer that never comes. They test llmcli, not the shell.

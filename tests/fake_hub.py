@@ -23,17 +23,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-_HASHES: dict[Path, str] = {}
+HASHES: dict[Path, str] = {}  # by path: each file is hashed once (conftest adds the models it hashed)
 
 
 def sha256_of(path: Path) -> str:
-    if path not in _HASHES:
+    if path not in HASHES:
         digest = hashlib.sha256()
         with path.open("rb") as handle:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
-        _HASHES[path] = digest.hexdigest()
-    return _HASHES[path]
+        HASHES[path] = digest.hexdigest()
+    return HASHES[path]
 
 
 @dataclass

@@ -427,10 +427,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _mcp_config(tmp_path: Path, mode: str = "stdio", **env: str) -> Path:
+def _mcp_config(tmp_path: Path, mode: str = "stdio", timeout: float = 5, **env: str) -> Path:
     config = tmp_path / "mcp.json"
     config.write_text(json.dumps({"mcpServers": {"t": {"command": sys.executable, "args": [str(MCP_SERVER), mode],
-                                                       "env": env, "timeout": 5}}}))
+                                                       "env": env, "timeout": timeout}}}))
     return config
 
 
@@ -458,7 +458,7 @@ def test_an_mcp_server_s_children_never_outlive_llmcli(tmp_path, ending):
 
 
 def test_an_mcp_server_s_garbage_and_failure_are_one_notice_each(tmp_path):
-    garbage = run_cli("mcp", "list", "--mcp", str(_mcp_config(tmp_path, "garbage")))
+    garbage = run_cli("mcp", "list", "--mcp", str(_mcp_config(tmp_path, "garbage", timeout=1)))  # (it never answers)
     assert "Traceback" not in garbage.stderr and garbage.stderr.count("Failed to parse JSONRPC") <= 1, garbage.stderr
     broken = run_cli("mcp", "list", "--mcp", str(_mcp_config(tmp_path, "broken")))
     assert "ModuleNotFoundError: No module named 'fastmcp_helpers'" in broken.stdout + broken.stderr, broken

@@ -179,10 +179,10 @@ def test_a_named_choice_calls_that_tool_and_auto_never_leaks_markup(served):
         tool_choice={"type": "function", "function": {"name": "weather"}})
     (call,) = named.choices[0].message.tool_calls
     assert call.function.name == "weather" and _valid(call)
-    for seed in range(3):
+    for seed in range(2):
         stream = client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": QUESTION}], tools=TOOLS, tool_choice="auto",
-            temperature=1.0, seed=seed, max_tokens=60, stream=True)
+            temperature=1.0, seed=seed, max_tokens=40, stream=True)
         content = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
         assert "<tool_call" not in content and "tool_call>" not in content and '"arguments"' not in content
 
