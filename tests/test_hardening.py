@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli, run_in_terminal
 from fake_hub import FakeHub, Fault
-from gguf_tools import rewrite_metadata
+from gguf_tools import copy_range, rewrite_metadata
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -113,9 +113,7 @@ def write_mutated(model: Path, path: Path, mutation: tuple[str, int, int]) -> No
             head[offset : offset + 8] = value.to_bytes(8, "little")
         end = offset if kind == "truncate" else model.stat().st_size
         target.write(head[:end])
-        copied = min(end, HEADER_END)
-        while copied < end and (done := os.copy_file_range(source.fileno(), target.fileno(), end - copied, copied, copied)):
-            copied += done
+        copy_range(source, target, min(end, HEADER_END), end, min(end, HEADER_END))
 
 
 @settings(max_examples=25, deadline=None, derandomize=True,  # the same cases on every run: CI cannot flake

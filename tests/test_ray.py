@@ -25,8 +25,11 @@ ARGS = ("--temp", "0", "-n", "24", "-P", "2", "--no-log")
 def ray_processes() -> list[str]:
     """Ray's live processes, as "PID ARGS" (an exited one not yet reaped by init, a zombie, holds nothing: not listed)."""
     found = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True).stdout.splitlines()
-    return [f"{pid} {args}" for pid, stat, args in (line.split(None, 2) for line in found if len(line.split(None, 2)) == 3)
-            if not stat.startswith("Z") and any(name in args for name in ("raylet", "gcs_server", "ray::", "ray/_private"))]
+    live = []
+    for pid, stat, args in (line.split(None, 2) for line in found):
+        if not stat.startswith("Z") and any(name in args for name in ("raylet", "gcs_server", "ray::", "ray/_private")):
+            live.append(f"{pid} {args}")
+    return live
 
 
 JOBS: list[subprocess.Popen[str]] = []
