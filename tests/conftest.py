@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 from xml.etree import ElementTree
 
 import httpx2
@@ -158,20 +159,45 @@ class Result:
 
 
 def run_cli(*args: str, input: str | bytes | None = None, env: dict[str, str] | None = None, timeout: float = 180) -> Result:
-    """Run `llmcli ARGS` as a user would: a separate process with real pipes, stdin from /dev/null
-    unless given. While this process is single-threaded (the fake Hub serves from a child process),
-    the child is forked from it (llmcli is already imported: no interpreter start-up per call); should
-    another thread ever run here, forking could inherit a held lock, so the child is then
-    `python -m llmcli`, as it is always with LLMCLI_TEST_SUBPROCESS=1."""
+    """Run `llmcli ARGS` as a user would: a separate process with real pipes, stdin from /dev/null unless given
+    (forked while this process is single-threaded: see spawn_cli)."""
+    proc = spawn_cli(*args, input=input, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    return Result(proc.wait(), out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
+
+
+def spawn_cli(*args: str, input: str | bytes | None = None, env: dict[str, str] | None = None,
+              text: bool = False) -> subprocess.Popen | Forked:
+    """Start `llmcli ARGS` with its stdout and stderr on pipes (`text`: read as str) and stdin from `input` (else
+    /dev/null). While this process is single-threaded (the fake Hub serves from a child process), the child is forked
+    from it: llmcli, its models' headers and weights are already loaded (a run costs ~0.3 s of CPU, not ~1.1 s). Should
+    another thread ever run here, forking could inherit a held lock, so the child is then `python -m llmcli`, as it is
+    always with LLMCLI_TEST_SUBPROCESS=1."""
     data = input.encode() if isinstance(input, str) else input
     environment = {**os.environ, **(env or {})}
+    feed = tempfile.TemporaryFile()
+    feed.write(data or b"")
+    feed.seek(0)
+    stdin = feed.fileno() if data is not None else subprocess.DEVNULL
     if os.environ.get("LLMCLI_TEST_SUBPROCESS") or threading.active_count() > 1:
-        proc = subprocess.run(
-            [sys.executable, "-m", "llmcli", *args], input=data, stdin=None if data is not None else subprocess.DEVNULL,
-            capture_output=True, timeout=timeout, env=environment,
-        )
-        return Result(proc.returncode, proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace"))
-    return _forked_cli(list(args), data, environment, timeout)
+        with feed:
+            return subprocess.Popen([sys.executable, "-m", "llmcli", *args], stdin=stdin, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, env=environment, text=text)
+    quiet = os.open(os.devnull, os.O_RDONLY)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = _fork_llmcli(list(args), environment, feed.fileno() if data is not None else quiet, out_w, err_w,
+                       (out_r, err_r))
+    for fd in (out_w, err_w, quiet):
+        os.close(fd)
+    feed.close()
+    mode = "r" if text else "rb"
+    return Forked(pid, list(args), open(out_r, mode), open(err_r, mode))
 
 
 def _fork_llmcli(args: list[str], environment: dict[str, str], stdin_fd: int, stdout_fd: int, stderr_fd: int,
@@ -214,42 +240,6 @@ def _fork_llmcli(args: list[str], environment: dict[str, str], stdin_fd: int, st
                 pass
             os._exit(code)
     return pid
-
-
-def _forked_cli(args: list[str], data: bytes | None, environment: dict[str, str], timeout: float) -> Result:
-    stdin = tempfile.TemporaryFile()
-    stdin.write(data or b"")
-    stdin.seek(0)
-    stdin_fd = stdin.fileno() if data is not None else os.open(os.devnull, os.O_RDONLY)
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    pid = _fork_llmcli(args, environment, stdin_fd, out_w, err_w, (out_r, err_r))
-    os.close(out_w)
-    os.close(err_w)
-    if data is None:
-        os.close(stdin_fd)
-    stdin.close()
-    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
-    selector = selectors.DefaultSelector()
-    for fd in chunks:
-        selector.register(fd, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    while selector.get_map():
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise subprocess.TimeoutExpired(["llmcli", *args], timeout)
-        for key, _ in selector.select(remaining):
-            block = os.read(key.fd, 65536)
-            if block:
-                chunks[key.fd].append(block)
-            else:
-                selector.unregister(key.fd)
-                os.close(key.fd)
-    _, status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    return Result(code, b"".join(chunks[out_r]).decode("utf-8", "replace"), b"".join(chunks[err_r]).decode("utf-8", "replace"))
 
 
 @pytest.fixture
@@ -350,8 +340,7 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 90, log: P
 
 def ctrl_c_when(args: list[str], seen: bytes, timeout: float = 30) -> tuple[int, bytes]:
     """Run `llmcli ARGS`, send Ctrl-C (SIGINT) once its stderr shows `seen`; (exit code, the rest of stderr)."""
-    proc = subprocess.Popen([sys.executable, "-m", "llmcli", *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = spawn_cli(*args)
     assert proc.stderr is not None
     while seen not in (line := proc.stderr.readline()):
         assert line, f"llmcli ended before {seen!r}"
@@ -365,11 +354,42 @@ LOGS: dict[int, Path] = {}
 
 
 class Forked:
-    """A forked `llmcli` child, as much of subprocess.Popen as the tests use of a server's."""
+    """A forked `llmcli` child, as much of subprocess.Popen as the tests use: its pipes (`stdout`, `stderr`, when it
+    has them), poll, wait, communicate, signals."""
 
-    def __init__(self, pid: int, args: list[str]):
-        self.pid, self.args = pid, args
+    def __init__(self, pid: int, args: list[str], stdout: IO | None = None, stderr: IO | None = None):
+        self.pid, self.args, self.stdout, self.stderr = pid, args, stdout, stderr
         self.returncode: int | None = None
+
+    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
+        """What is left on its pipes (read as subprocess.Popen does: what a readline() buffered is not seen again),
+        then its exit; TimeoutExpired if that takes longer than `timeout`."""
+        pipes = [pipe for pipe in (self.stdout, self.stderr) if pipe is not None]
+        chunks: dict[int, list[bytes]] = {pipe.fileno(): [] for pipe in pipes}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            for pipe in pipes:
+                selector.register(pipe.fileno(), selectors.EVENT_READ)
+            while selector.get_map():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise subprocess.TimeoutExpired(self.args, timeout or 0)
+                for key, _ in selector.select(remaining):
+                    block = os.read(key.fd, 65536)
+                    if block:
+                        chunks[key.fd].append(block)
+                    else:
+                        selector.unregister(key.fd)
+        results = []
+        for pipe in (self.stdout, self.stderr):
+            if pipe is None:
+                results.append(None)
+                continue
+            data = b"".join(chunks[pipe.fileno()])
+            results.append(data.decode() if "b" not in pipe.mode else data)
+            pipe.close()
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return results[0], results[1]
 
     def poll(self) -> int | None:
         if self.returncode is None:

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from conftest import run_cli
+from conftest import run_cli, spawn_cli
 
 QUESTIONS = [
     "What is the capital of France?", "Name three fruits.", "Why is the sky blue?", "Write a haiku about winter.",
@@ -84,8 +84,7 @@ def test_batch_from_a_file_and_a_prompt_argument_is_refused(tmp_path):
 def test_ctrl_c_leaves_valid_jsonl_with_interrupted_records(tmp_path):
     source = tmp_path / "many.txt"
     source.write_text("\n".join(f"Write a long story about the number {n}." for n in range(12)) + "\n")
-    proc = subprocess.Popen([sys.executable, "-m", "llmcli", "run", "--batch", str(source), "-P", "2", "-n", "100"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = spawn_cli("run", "--batch", str(source), "-P", "2", "-n", "100")
     first = proc.stdout.readline()  # the first answer is written as soon as it is done
     proc.send_signal(signal.SIGINT)
     # Read the rest through the same buffered reader: readline may already hold the next line (two answers

@@ -6,7 +6,7 @@ import io
 import json
 
 import numpy as np
-from conftest import run_cli
+from conftest import run_cli, spawn_cli
 
 TEXTS = ["The cat sat on the mat.", "Dogs bark loudly at night.", "The kitten sleeps on the rug.",
          "Stock prices fell sharply today.", "A recipe for apple pie."]
@@ -66,13 +66,10 @@ def test_texts_longer_than_the_context():
 
 
 def test_npy_is_one_float32_array(tmp_path):
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "llmcli", "embed", "--format", "npy"], input="\n".join(TEXTS).encode(),
-                          capture_output=True, timeout=120, env={**__import__("os").environ, "LLMCLI_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr
-    array = np.load(io.BytesIO(proc.stdout))
+    proc = spawn_cli("embed", "--format", "npy", input="\n".join(TEXTS), env={"LLMCLI_THREADS": "1"})
+    out, err = proc.communicate(timeout=120)  # (bytes: an array, not text)
+    assert proc.returncode == 0, err
+    array = np.load(io.BytesIO(out))
     assert array.shape == (5, 576) and array.dtype == np.float32
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_in_terminal
+from conftest import run_cli, run_in_terminal, spawn_cli
 from fake_hub import FakeHub, Fault
 from gguf_tools import copy_range, rewrite_metadata
 from hypothesis import HealthCheck, example, given, settings
@@ -198,8 +198,7 @@ def cache_entries(home: Path) -> list[str]:
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_during_a_download_leaves_nothing_partial(slow_hub, isolated_env, signum, code):
-    proc = subprocess.Popen([sys.executable, "-m", "llmcli", "pull", REPO], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = spawn_cli("pull", REPO)
     deadline = time.time() + 30
     while not slow_hub.requests("GET", "/cdn/") and time.time() < deadline:
         time.sleep(0.05)

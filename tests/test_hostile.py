@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx2
 import pytest
-from conftest import HTTP, run_cli, start_server, stop_server
+from conftest import HTTP, run_cli, spawn_cli, start_server, stop_server
 from gguf_tools import rewrite_metadata
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -441,14 +441,13 @@ def test_an_mcp_server_s_children_never_outlive_llmcli(tmp_path, ending):
     if ending == "exit":
         assert run_cli("mcp", "list", "--mcp", str(config)).code == 0
     else:
-        proc = subprocess.Popen([sys.executable, "-m", "llmcli", "mcp", "call", "--mcp", str(config), "t", "hang",
-                                 '{"seconds": 60}'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = spawn_cli("mcp", "call", "--mcp", str(config), "t", "hang", '{"seconds": 60}')
         deadline = time.monotonic() + 30
         while (not pids.exists() or len(pids.read_text().split()) < 3) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)  # the call is in flight
         proc.send_signal(getattr(signal, ending))
-        proc.wait(timeout=30)
+        proc.communicate(timeout=30)
     started = [int(p) for p in pids.read_text().split()]
     assert len(started) == 3  # the server, its child, and a child in a session of its own
     deadline = time.monotonic() + 10

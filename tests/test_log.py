@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, spawn_cli
 
 QUICK = ("--temp", "0", "-n", "6", "-q")
 
@@ -45,10 +44,7 @@ def test_runs_chat_and_batch_are_logged_and_found_by_a_word_of_their_answer(tmp_
 
 
 def test_eight_runs_at_once_leave_eight_records(isolated_env):
-    env = {**os.environ, "LLMCLI_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "llmcli", "run", *QUICK, f"Count to {i}."], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-             for i in range(8)]
+    procs = [spawn_cli("run", *QUICK, f"Count to {i}.", env={"LLMCLI_THREADS": "1"}) for i in range(8)]
     for proc in procs:
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0 and b"not in the log" not in err, err

@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
+from conftest import spawn_cli
 from fake_hub import FakeHub, Fault
 
 REPO = "bartowski/SmolLM2-135M-Instruct-GGUF"
@@ -178,11 +179,7 @@ def test_offline_miss_says_how_to_fix_it(cli, hub):
 
 
 def test_concurrent_pulls_share_one_verified_file(hub, isolated_env):
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "llmcli", "pull", REPO], stdin=subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        for _ in range(3)
-    ]
+    procs = [spawn_cli("pull", REPO) for _ in range(3)]
     results = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [r[1] for r in results]
     blobs = [f for f in cache_files(isolated_env) if "/blobs/" in f]

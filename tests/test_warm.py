@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, spawn_cli
 
 PROMPT = "Say hi."
 
@@ -146,10 +146,8 @@ def test_a_killed_server_is_replaced_and_an_idle_one_exits_leaving_nothing(runti
 def test_ctrl_c_cancels_the_answer_on_the_server(runtime):
     answer(runtime, "--keep-alive", "5m")
     (server,) = servers(runtime)
-    env = {**os.environ, **runtime}
-    proc = subprocess.Popen([sys.executable, "-m", "llmcli", "run", "--keep-alive", "5m", "-n", "4000", "--logit-bias",
-                             "2=-inf", "--logit-bias", "0=-inf", "--logit-bias", "1=-inf", "Tell a very long story."],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = spawn_cli("run", "--keep-alive", "5m", "-n", "4000", "--logit-bias", "2=-inf", "--logit-bias", "0=-inf",
+                     "--logit-bias", "1=-inf", "Tell a very long story.", env=runtime)
     assert proc.stdout is not None
     assert proc.stdout.read(16)  # it is answering
     proc.send_signal(signal.SIGINT)
