@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import compileall
+import fcntl
 import importlib
 import json
 import os
@@ -10,17 +11,22 @@ import pty
 import re
 import selectors
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 from xml.etree import ElementTree
 
 import httpx2
+import pexpect
+import pexpect.fdpexpect
 import pytest
 
 # Imported once here, inherited by every forked CLI run (a run's own imports cost ~0.2 s of its ~0.5 s): the CLI,
@@ -205,41 +211,119 @@ def _fork_llmcli(args: list[str], environment: dict[str, str], stdin_fd: int, st
     """Fork a child that becomes `llmcli ARGS` on these fds in this environment (llmcli already imported); its pid."""
     pid = os.fork()
     if pid == 0:
-        code = 70
         try:
             os.dup2(stdin_fd, 0)
             os.dup2(stdout_fd, 1)
             os.dup2(stderr_fd, 2)
             for fd in {*close, stdout_fd, stderr_fd} - {0, 1, 2}:
                 os.close(fd)
-            os.environ.clear()
-            os.environ.update(environment)
-            sys.stdin = open(0, encoding="utf-8", errors="surrogateescape", closefd=False)
-            sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
-            sys.stderr = open(2, "w", encoding="utf-8", closefd=False, buffering=1)
-            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
-                signal.signal(signum, signal.SIG_IGN if signum == signal.SIGPIPE else signal.default_int_handler
-                              if signum == signal.SIGINT else signal.SIG_DFL)
-            sys.argv = ["llmcli", *args]
-            from llmcli.cli import main
-
-            try:
-                main()
-                code = 0
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        except BaseException:  # a failure of the harness itself, not of llmcli
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            except BaseException:
-                pass
-            os._exit(code)
+        except BaseException:  # (the harness failed, not llmcli)
+            os._exit(70)
+        _become_llmcli(args, environment)
     return pid
+
+
+def _become_llmcli(args: list[str], environment: dict[str, str], terminal: bool = False) -> None:
+    """In a forked child whose fds 0, 1 and 2 are set: run `llmcli ARGS` as `python -m llmcli` would, then exit. On a
+    `terminal`, GNU readline (imported by pytest, set up for this process's terminal, or none) is set up again for
+    the child's, as a new process's would be."""
+    code = 70
+    try:
+        os.environ.clear()
+        os.environ.update(environment)
+        if terminal and "readline" in sys.modules:
+            import ctypes
+
+            reset = getattr(ctypes.CDLL(sys.modules["readline"].__file__), "rl_reset_terminal", None)
+            if reset is not None:  # (libedit has none)
+                reset(None)
+        sys.stdin = open(0, encoding="utf-8", errors="surrogateescape", closefd=False)
+        sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
+        sys.stderr = open(2, "w", encoding="utf-8", closefd=False, buffering=1)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+            signal.signal(signum, signal.SIG_IGN if signum == signal.SIGPIPE else signal.default_int_handler
+                          if signum == signal.SIGINT else signal.SIG_DFL)
+        sys.argv = ["llmcli", *args]
+        from llmcli.cli import main
+
+        try:
+            main()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # a failure of the harness itself, not of llmcli
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BaseException:
+            pass
+        os._exit(code)
+
+
+class Terminal(pexpect.fdpexpect.fdspawn):
+    """`llmcli ARGS` forked onto a pseudo-terminal of its own — its controlling terminal, as pexpect.spawn makes it:
+    Ctrl-C typed there interrupts it — driven as pexpect drives a program (expect, send, sendintr, close)."""
+
+    def __init__(self, pid: int, leader: int, **options: Any):
+        super().__init__(leader, **options)
+        self.pid = pid
+        self.exitstatus: int | None = None
+        self.signalstatus: int | None = None
+
+    def sendintr(self) -> None:
+        self.send("\x03")  # the terminal's interrupt character: SIGINT to its foreground process group
+
+    def sendeof(self) -> None:
+        self.send("\x04")  # the terminal's end-of-file character
+
+    def close(self, force: bool = True) -> None:
+        if self.child_fd != -1:
+            super().close()  # the terminal hangs up
+        deadline = time.monotonic() + 10
+        while self.exitstatus is None and self.signalstatus is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.exitstatus, self.signalstatus = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None, (
+                    os.WTERMSIG(status) if os.WIFSIGNALED(status) else None)
+            elif time.monotonic() > deadline:
+                os.kill(self.pid, signal.SIGKILL)
+            else:
+                time.sleep(0.02)
+
+
+TERMINALS: list[Terminal] = []
+
+
+def spawn_terminal(*args: str, env: dict[str, str] | None = None, dimensions: tuple[int, int] = (24, 80),
+                   **options: Any) -> pexpect.spawn | Terminal:
+    """`llmcli ARGS` on a pseudo-terminal of `dimensions` (rows, columns), as `pexpect.spawn(python -m llmcli ARGS)`
+    would start it (options: pexpect's timeout, encoding), forked while this process is single-threaded (as
+    spawn_cli's)."""
+    environment = {**os.environ, **(env or {})}
+    if os.environ.get("LLMCLI_TEST_SUBPROCESS") or threading.active_count() > 1:
+        return pexpect.spawn(sys.executable, ["-m", "llmcli", *args], env=environment, dimensions=dimensions,
+                             **options)
+    pid, leader = pty.fork()
+    if pid == 0:
+        try:
+            fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", dimensions[0], dimensions[1], 0, 0))
+        except BaseException:  # (the harness failed, not llmcli)
+            os._exit(70)
+        _become_llmcli(list(args), environment, terminal=True)
+    terminal = Terminal(pid, leader, **options)
+    TERMINALS.append(terminal)
+    return terminal
+
+
+@pytest.fixture(autouse=True)
+def no_terminal_outlives_its_test() -> Iterator[None]:
+    yield
+    while TERMINALS:
+        TERMINALS.pop().close()
 
 
 @pytest.fixture

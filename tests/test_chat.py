@@ -4,27 +4,22 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import sys
 
 import pexpect
 import pytest
-from conftest import run_cli
+from conftest import Terminal, run_cli, spawn_terminal
 
 PROMPT = ">>> "
 
 
-def spawn(*args: str, tmp_path=None) -> pexpect.spawn:
-    child = pexpect.spawn(
-        sys.executable, ["-m", "llmcli", "chat", *args], env={**os.environ, "TERM": "dumb"},
-        encoding="utf-8", timeout=120, dimensions=(40, 200),
-    )
+def spawn(*args: str, tmp_path=None) -> pexpect.spawn | Terminal:
+    child = spawn_terminal("chat", *args, env={"TERM": "dumb"}, encoding="utf-8", timeout=120, dimensions=(40, 200))
     child.expect("/help for commands")
     child.expect_exact(PROMPT)
     return child
 
 
-def say(child: pexpect.spawn, text: str) -> str:
+def say(child: pexpect.spawn | Terminal, text: str) -> str:
     """Send a message; return everything printed until the next prompt (answer and stats line)."""
     child.sendline(text)
     child.expect_exact(PROMPT)
@@ -238,8 +233,8 @@ def test_ctrl_c_before_the_reply_retry_at_temp_0_load_and_resume_say_what_happen
     """Ctrl-C while a long message is evaluated: nothing is left unanswered in the conversation (and no "partial
     reply" is claimed); /retry at --temp 0 says it gives the same reply; /load restores the saved settings too; a
     resumed short chat says why no KV state was saved."""
-    child = pexpect.spawn(sys.executable, ["-m", "llmcli", "chat", "--temp", "0", "-n", "8", "--plain"],
-                          env={**os.environ, "TERM": "xterm"}, encoding="utf-8", timeout=120, dimensions=(40, 200))
+    child = spawn_terminal("chat", "--temp", "0", "-n", "8", "--plain", env={"TERM": "xterm"}, encoding="utf-8",
+                           timeout=120, dimensions=(40, 200))
     child.expect_exact(PROMPT)  # (a terminal that draws the prefill's status line)
     child.sendline("Summarize: " + "the cat sat on the mat and looked around the room. " * 300)
     child.expect_exact("evaluating the prompt")  # (shown once the prefill has taken a second)

@@ -5,11 +5,10 @@ offers nothing but `auto`)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, start_server, stop_server
+from conftest import run_cli, spawn_terminal, start_server, stop_server
 
 from llmcli.eval.bfcl import Call, Item, judge, load
 
@@ -91,9 +90,8 @@ def test_ctrl_c_reports_what_was_measured(tmp_path):
 
     many = tmp_path / "irrelevance.json"
     many.write_text((DATA / "irrelevance.json").read_text() * 20)
-    child = pexpect.spawn(sys.executable, ["-m", "llmcli", "eval", "tools", "-m", "smollm2", "--items", str(many),
-                                           "--tool-choice", "none", "--json", "-n", "64"], timeout=60, encoding="utf-8",
-                          dimensions=(20, 200))
+    child = spawn_terminal("eval", "tools", "-m", "smollm2", "--items", str(many), "--tool-choice", "none", "--json",
+                           "-n", "64", timeout=60, encoding="utf-8", dimensions=(20, 200))
     child.expect("eval tools · irrelevance")  # the progress bar (on a terminal): an item is done
     child.sendintr()
     child.expect(pexpect.EOF)

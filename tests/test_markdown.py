@@ -7,17 +7,15 @@ back through pyte, a terminal emulator: the final screen, not the escape codes o
 from __future__ import annotations
 
 import io
-import os
 import random
 import re
-import sys
 import threading
 import time
 
 import pexpect
 import pyte
 import pytest
-from conftest import run_cli, run_in_terminal
+from conftest import run_cli, run_in_terminal, spawn_terminal
 from rich.console import Console
 
 from llmcli.cli.markdown_stream import MarkdownStream, settled_blocks
@@ -139,9 +137,8 @@ def test_a_terminal_narrower_than_a_table_or_a_code_line_wraps_them_cleanly():
 
 
 def test_ctrl_c_ends_a_rendered_answer_with_what_was_shown_and_the_cursor_back():
-    child = pexpect.spawn(sys.executable, ["-m", "llmcli", "run", "--temp", "0", "-n", "2000", "--no-repetition-guard", "--grammar",
-                                           'root ::= "- **la**\\n" root', "Sing"],
-                          env={**os.environ, **COLOUR}, timeout=60, dimensions=(30, 100))
+    child = spawn_terminal("run", "--temp", "0", "-n", "2000", "--no-repetition-guard", "--grammar",
+                           'root ::= "- **la**\\n" root', "Sing", env=COLOUR, timeout=60, dimensions=(30, 100))
     shown = b""
     while sum(line == " • la" for line in screen_of(shown, 100, 30)) < 6:  # rendered list items on the screen
         child.expect(b"la")
@@ -199,9 +196,8 @@ def test_keys_typed_while_an_answer_renders_are_not_echoed_under_it_and_each_lin
     """chat on a terminal, rendering Markdown (40 numbered lines): keys typed mid-answer, Enter included, are not
     echoed under it (an echoed newline moved the cursor under rich's open block, which was then drawn again) and begin
     the next prompt's line; Ctrl-C ends the answer with each line shown once. Nothing is typed but `keys`."""
-    child = pexpect.spawn(sys.executable, ["-m", "llmcli", "chat", "--temp", "0", "-n", "2000", "--no-save",
-                                           "--no-repetition-guard", "--grammar", NUMBERED],
-                          env={**os.environ, **COLOUR, "COLUMNS": "100"}, timeout=60, dimensions=(200, 100))
+    child = spawn_terminal("chat", "--temp", "0", "-n", "2000", "--no-save", "--no-repetition-guard", "--grammar",
+                           NUMBERED, env={**COLOUR, "COLUMNS": "100"}, timeout=60, dimensions=(200, 100))
     child.expect_exact(">>> ")
     child.sendline("Count")
     shown = b""

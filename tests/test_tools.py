@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import run_cli, start_server, stop_server
+from conftest import run_cli, spawn_terminal, start_server, stop_server
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -390,16 +390,13 @@ def test_chat_keeps_calls_in_its_history_and_resumes_them(functions):
 
 
 def test_approval_on_a_terminal_and_ctrl_c_during_a_tool(tmp_path):
-    import sys
-
     import pexpect
 
     slow = tmp_path / "slow.py"
     slow.write_text("import time\n\ndef wait() -> str:\n    \"\"\"Wait.\"\"\"\n    time.sleep(60)\n"
                     "    return 'done'\n")
-    child = pexpect.spawn(sys.executable, ["-m", "llmcli", "run", "--functions", str(slow), "--tool-choice", "wait",
-                                           "--tools-approve", "--tools-debug", "--temp", "0", "-n", "30", "-q", "Wait."],
-                          timeout=120, encoding="utf-8", env={**__import__("os").environ, "NO_COLOR": "1"})
+    child = spawn_terminal("run", "--functions", str(slow), "--tool-choice", "wait", "--tools-approve", "--tools-debug",
+                           "--temp", "0", "-n", "30", "-q", "Wait.", timeout=120, encoding="utf-8", env={"NO_COLOR": "1"})
     child.expect(r"run wait\(")
     child.sendline("n")  # refused: the model reads that it was not allowed, and the run goes on
     child.expect("the user did not allow this call")
