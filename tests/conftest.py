@@ -43,10 +43,10 @@ from llmcli.store.gguf_header import read_header, read_metadata
 from llmcli.store.packages import packaged_models
 
 # ... and what run, chat and --batch import as they start (their commands, the warm path's HTTP client, rich's live
-# display): ~0.1 s of CPU a forked run.
+# display): ~0.1 s of CPU a forked run; and the MCP client, for the runs given MCP servers.
 for _module in ("llmcli.cli.run", "llmcli.cli.chat", "llmcli.cli.chat_repl", "llmcli.cli.batch", "llmcli.cli.help",
                 "llmcli.pipeline.warm", "llmcli.remote.client", "llmcli.tools.tool_loop", "rich.live", "rich.progress",
-                "tomllib"):
+                "tomllib", "mcp.client.client", "mcp.client.stdio", "mcp.client.streamable_http"):  # (mcp: ~0.65 s)
     importlib.import_module(_module)
 
 sys.path.insert(0, str(Path(__file__).parent))  # the tests' helper modules

@@ -5,7 +5,6 @@ timeout, a server killed mid-call, Ctrl-C during a call); after each, no server 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -38,11 +37,12 @@ def pids(tmp_path: Path) -> Iterator[Path]:
     assert not [pid for pid in started if _alive(pid)], "an MCP server outlived llmcli"
 
 
-@pytest.fixture
-def http_server(pids: Path) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def http_server() -> Iterator[str]:
+    """One HTTP MCP server for the module's tests (the tests' own: not among the `pids` that must end with llmcli)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, str(SERVER), "http", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "MCP_PID_FILE": str(pids)})
+                            stderr=subprocess.DEVNULL)
     wait_for_port(port, proc, timeout=30)
     yield f"http://127.0.0.1:{port}/mcp"
     proc.terminate()
