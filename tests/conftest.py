@@ -422,6 +422,38 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 90, log: P
     pytest.fail(f"nothing listened on 127.0.0.1:{port} within {timeout:g} s")
 
 
+# llama-cpp-python's own server, with its weights where llmcli puts them (llmcli.llama.weight_buffers: not in AMX's
+# buffers, whose kernels crash on a CPU with AMX). Its settings have no such option; its Llama reads the defaults here.
+_LLAMA_CPP_SERVER = """
+import runpy, llama_cpp.llama_cpp as c
+from llmcli.llama.weight_buffers import use_extra_buffer_types
+defaults = c.llama_model_default_params
+def params():
+    made = defaults()
+    made.use_extra_bufts = use_extra_buffer_types()
+    return made
+c.llama_model_default_params = params
+runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+"""
+
+
+def start_llama_cpp_server(model: Path, log: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m llama_cpp.server` on `model` (alias `smol`, one thread, its output in `log`), listening: (process,
+    its /v1 URL). The caller stops it."""
+    port = free_port()
+    with log.open("wb") as output:
+        proc = subprocess.Popen([sys.executable, "-c", _LLAMA_CPP_SERVER, "--model", str(model), "--host", "127.0.0.1",
+                                 "--port", str(port), "--n_threads", "1", "--model_alias", "smol", *args],
+                                stdout=output, stderr=output, env={**os.environ, "NO_COLOR": "1"})
+    try:
+        wait_for_port(port, proc, log=log)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
 def ctrl_c_when(args: list[str], seen: bytes, timeout: float = 30) -> tuple[int, bytes]:
     """Run `llmcli ARGS`, send Ctrl-C (SIGINT) once its stderr shows `seen`; (exit code, the rest of stderr)."""
     proc = spawn_cli(*args)

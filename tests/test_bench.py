@@ -24,7 +24,8 @@ def bench_json(tmp_path_factory) -> dict:
 
 def test_json_has_environment_plan_and_every_test(bench_json):
     env = bench_json["environment"]
-    for key in ("cpu", "physical_cores", "llama_cpp_python", "llama_cpp_system_info", "threads", "models"):
+    for key in ("cpu", "physical_cores", "llama_cpp_python", "llama_cpp_system_info", "weight_buffers", "threads",
+                "models"):
         assert key in env
     assert len(env["models"][0]["sha256"]) == 64
     assert bench_json["plan"]["repetitions"] == 2

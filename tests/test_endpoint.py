@@ -7,7 +7,6 @@ Every request goes to 127.0.0.1 only; the fake server's waits are bounded.
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -18,10 +17,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
-from conftest import free_port, run_cli, start_server, stop_server, wait_for_port
+from conftest import run_cli, start_llama_cpp_server, start_server, stop_server
 
 
 class FakeServer:
@@ -222,14 +220,8 @@ def test_run_batch_and_chat_against_llmcli_serve(served, tmp_path):
 
 
 def test_run_and_batch_against_llama_cpp_python_s_own_server(smollm2, tmp_path):
-    port = free_port()
-    log = (tmp_path / "llama-server.log").open("w+b")
-    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2), "--host", "127.0.0.1",
-                             "--port", str(port), "--n_ctx", "512", "--n_threads", "1", "--model_alias", "smol"],
-                            stdout=log, stderr=log, env={**os.environ, "NO_COLOR": "1"})
+    proc, url = start_llama_cpp_server(smollm2, tmp_path / "llama-server.log", "--n_ctx", "512")
     try:
-        url = f"http://127.0.0.1:{port}/v1"
-        wait_for_port(port, proc, log=Path(log.name))
         result = run_cli("run", "--endpoint", url, "--json", "--temp", "0", "-n", "16", "Say hi.")
         assert result.code == 0, result.stderr
         record = json.loads(result.stdout)

@@ -351,3 +351,24 @@ def test_internal_error_is_one_line_with_the_debug_log(isolated_env):
     debug = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL,
                            timeout=60, env={**os.environ, "LLMCLI_DEBUG": "1"})
     assert "Traceback" in debug.stderr
+
+
+# -- llama.cpp's kernels that crash -----------------------------------------------------------------------------------
+
+
+def test_weights_stay_out_of_amx_buffers_whose_kernels_crash(monkeypatch, smollm2):
+    """A source build of llama.cpp on a CPU with AMX puts Q4 weights in AMX's buffers, whose kernels crash on the
+    first prompt of two tokens (ggml-org/llama.cpp#20824): where the CPU backend offers them, no extra buffer type is
+    used, and bench's records say so. (On such a CPU, every answering test in this suite is the proof.)"""
+    from llmcli.llama import weight_buffers
+
+    result = run_cli("run", "-m", "smollm2", "--raw", "-n", "2", "--temp", "0", "The capital of France is the city of")
+    assert result.code == 0 and result.stdout.strip(), result.stderr  # (a two-token prompt or more crashed with AMX)
+    offered = weight_buffers.extra_buffer_types()
+    assert weight_buffers.use_extra_buffer_types() == ("AMX" not in offered)
+    assert weight_buffers.weight_buffers_summary().startswith("off (AMX:" if "AMX" in offered else "")
+    for listed, used, summary in [(("AMX", "CPU_REPACK"), False, "off (AMX: llama.cpp's AMX kernels crash"),
+                                  (("CPU_REPACK",), True, "CPU_REPACK"), ((), True, "none")]:
+        monkeypatch.setattr(weight_buffers, "extra_buffer_types", lambda listed=listed: listed)
+        assert weight_buffers.use_extra_buffer_types() is used
+        assert weight_buffers.weight_buffers_summary().startswith(summary)

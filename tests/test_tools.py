@@ -450,21 +450,12 @@ def test_the_prefill_line_is_gone_before_a_call_is_asked_about_and_says_the_prom
 def test_run_with_functions_against_llama_cpp_python_s_own_server(functions, smollm2, tmp_path):
     """The loop is the client's: a server's own tool calling (llama-cpp-python's chatml-function-calling, which
     streams a named choice) works through it as llmcli serve's does."""
-    import os
-    import subprocess
-    import sys
+    from conftest import start_llama_cpp_server
 
-    from conftest import free_port, wait_for_port
-
-    port = free_port()
-    log = (tmp_path / "llama-server.log").open("w+b")
-    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2), "--host", "127.0.0.1",
-                             "--port", str(port), "--n_ctx", "1024", "--n_threads", "1", "--model_alias", "smol",
-                             "--chat_format", "chatml-function-calling"], stdout=log, stderr=log,
-                            env={**os.environ, "NO_COLOR": "1"})
+    proc, url = start_llama_cpp_server(smollm2, tmp_path / "llama-server.log", "--n_ctx", "1024",
+                                       "--chat_format", "chatml-function-calling")
     try:
-        wait_for_port(port, proc, log=Path(log.name))
-        result = run_cli("run", "--endpoint", f"http://127.0.0.1:{port}/v1", "--functions", functions, "--tool-choice",
+        result = run_cli("run", "--endpoint", url, "--functions", functions, "--tool-choice",
                          "multiply", "--temp", "0", "-n", "60", "--json", "What is 12 times 7?")
     finally:
         proc.terminate()

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from llmcli.file_hashes import sha256_of
 from llmcli.llama import cpu_topology
 from llmcli.llama import llama_log as backend
+from llmcli.llama.weight_buffers import weight_buffers_summary
 from llmcli.store.models import ResolvedModel
 
 
@@ -42,6 +43,7 @@ def machine() -> dict[str, object]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         **backend.build_info(),
+        "weight_buffers": weight_buffers_summary(),  # the extra buffer types the weights may use
     }
 
 

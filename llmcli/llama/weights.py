@@ -17,6 +17,7 @@ from llmcli.errors import IntegrityError
 from llmcli.interrupt import Cancellation
 from llmcli.llama.engine_config import EngineConfig
 from llmcli.llama.llama_log import llama_backend
+from llmcli.llama.weight_buffers import use_extra_buffer_types
 
 
 @dataclass
@@ -65,6 +66,7 @@ def load_weights(path: Path, config: EngineConfig, cancel: Cancellation, keep: b
     progress = llama_cpp.llama_progress_callback(lambda _progress, _data: not cancel)
     params.progress_callback = progress
     params.load_mode = mode
+    params.use_extra_bufts = use_extra_buffer_types()  # (not AMX's: weight_buffers)
     weights = Weights(llama_cpp.llama_model_load_from_file(str(path).encode(), params), owned=True)
     log.raise_if_interrupted()
     if cancel:
