@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,26 @@ def test_a_long_prompt_keeps_each_stream_alive_in_its_protocol_s_way(server):
                           or line.startswith("event: content_block") or line.startswith("event: response.output"))
         assert sum(line.startswith(keepalive) for line in lines[:first_data]) >= 2, (path, lines[:12])
         assert lines[-1] in ("data: [DONE]", "") or json.loads(lines[-1].removeprefix("data: "))  # still ends as usual
+
+
+def test_requests_sent_at_once_with_one_long_prefix_evaluate_it_once(server):
+    """An agent sends several requests at once with one system prompt: the first evaluates it, the others wait for
+    its cells and are given them (each reports them as cached), and answer as that one does."""
+    system = " ".join(f"Note {i}: the lighthouse keeper logs the weather at dusk." for i in range(12))  # ~170 tokens
+
+    def ask(question: str) -> dict:
+        reply = HTTP.post(f"{server}/v1/chat/completions", timeout=120, json={
+            "max_tokens": 8, "temperature": 0, "messages": [{"role": "system", "content": system},
+                                                              {"role": "user", "content": question}]})
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    with ThreadPoolExecutor(2) as pool:  # (the module's server has two slots)
+        first, second = pool.map(ask, ["What does note 3 say?"] * 2)
+    prompt = first["usage"]["prompt_tokens"]
+    cached = sorted(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, second))
+    assert cached == [0, prompt - 1]  # one evaluated it all; the other all but its last token, copied
+    assert first["choices"][0]["message"] == second["choices"][0]["message"]
 
 
 @pytest.mark.parametrize("model", ["smollm2", "gemma3-270m"])  # a full KV cache, and a sliding-window one

@@ -10,7 +10,9 @@ Each slot is one sequence of a non-unified KV cache of a whole context each, so 
 depend on its neighbours, and it never needs more cells than its slot has (at the context it ends with
 context_full, as a single answer does). A slot keeps its sequence's cache after a request ends: the next
 request whose prompt shares a prefix with it (a chat client resending the conversation) evaluates only the
-rest, and is placed in the free slot that shares the most.
+rest, and is placed in the free slot that shares the most. A request that shares more with the prompt of an answer
+in progress (MIN_COPY tokens or more: requests sent at once with one system prompt) is given a copy of that answer's
+cells for them, waiting while they are still being evaluated: the shared part is evaluated once.
 
 It never prints.
 """
@@ -31,6 +33,7 @@ from llmcli.answer.stats import AnswerClock
 from llmcli.decode.prompt_cache import PromptCache
 from llmcli.decode.scheduler import Scheduler
 from llmcli.decode.speculative import Speculation
+from llmcli.decode.step_plan import Slot
 from llmcli.llama.engine import Engine
 
 # A slot's cache is reused for a prompt that shares at least this many tokens with it, or all of it (a prompt asked
@@ -39,6 +42,11 @@ from llmcli.llama.engine import Engine
 # last bits, and greedy answers can part after a few tokens. Below it, a prompt is evaluated whole: the answer
 # `llmcli run` gives.
 MIN_REUSE = 32
+
+# A request whose prompt shares at least this many tokens with the prompt of an answer in progress (an agent's
+# requests sent at once, with one system prompt and one set of tools) is given that answer's cells for them instead
+# of evaluating them again; while that answer is still evaluating them, the request waits for them.
+MIN_COPY = 64
 
 
 class QueueFull(Exception):
@@ -163,18 +171,28 @@ class SlotServer:
             scheduler.close()
 
     def _admit(self) -> None:
-        """Waiting jobs into free slots: each into the free slot whose cache shares most of its prompt."""
+        """Waiting jobs into free slots: each into the free slot whose cache shares most of its prompt, or with the
+        cells of an answer in progress whose prompt shares more (MIN_COPY; a job waits while they are evaluated)."""
         scheduler, kv = self.scheduler, self.engine.kv
+        held: list[Job] = []
         while self.waiting:
             free = scheduler.free_sequences()
             if not free:
-                return
+                break
             job = self.waiting.popleft()
             if job.cancelled.is_set():
                 self._events.append((job, _cancelled(job)))
                 continue
             if self.engine.n_swa == 0:  # a sliding-window cache holds only its last window: any slot will do
                 free.sort(key=lambda seq: -shared_prefix(kv.tokens_of(seq), job.tokens))
+                source, shared = self._answering_with(job.tokens)
+                if source is not None and shared > shared_prefix(kv.tokens_of(free[0]), job.tokens):
+                    if source.prefilled < shared:
+                        held.append(job)  # its cells are being evaluated: after a step or a few
+                        continue
+                    kv.remove(free[0])
+                    kv.copy(source.seq, free[0])
+                    kv.remove(free[0], shared, -1)
             if self.prompt_cache is not None and job.stable is not None:  # (when the slot holds less of it)
                 self.prompt_cache.restore(job.tokens, job.stable, free[0])
             try:
@@ -183,6 +201,18 @@ class SlotServer:
             except Exception as exc:  # a grammar llama.cpp refuses: the request fails, the server goes on
                 job.failure = Failure(str(exc), refused=True)
                 self._events.append((job, _cancelled(job)))
+        self.waiting.extendleft(reversed(held))
+
+    def _answering_with(self, prompt: list[int]) -> tuple[Slot | None, int]:
+        """The answer in progress whose prompt shares the most of `prompt` (all but its last token at most: its
+        logits are needed), when that is MIN_COPY tokens or more, and how many."""
+        best, most = None, 0
+        for slot in self.scheduler.slots:
+            if slot is not None and not slot.finished:
+                shared = min(shared_prefix(slot.prompt, prompt), len(prompt) - 1)
+                if shared > most:
+                    best, most = slot, shared
+        return (best, most) if most >= MIN_COPY else (None, 0)
 
     def _drop_cancelled(self) -> None:
         for slot in self.scheduler.slots:
