@@ -1,12 +1,13 @@
 """Where llama.cpp's CPU backend may keep a model's weights: besides plain memory, its "extra" buffer types, which
-rearrange the weights for faster kernels as they load (CPU_REPACK: Q4_0, Q8_0, IQ4_NL on AVX2/AVX-512; AMX on Intel
-CPUs with AMX, in builds made on one; KLEIDIAI on Arm). llama.cpp offers them all or none (`use_extra_bufts`).
+rearrange the weights for faster kernels as they load (CPU_REPACK: Q4_0, IQ4_NL and, depending on the llama.cpp
+version, a few more on AVX2/AVX-512; AMX on Intel CPUs with AMX, in builds made on one; KLEIDIAI on Arm).
+llama.cpp offers them all or none (`use_extra_bufts`).
 
 Its AMX kernels are not safe: on a Sapphire Rapids CPU every prompt of two tokens or more crashes the process in
 `ggml_backend_amx_mul_mat`, whatever the quantization (Q4_0, Q4_1, Q4_K_M; ggml-org/llama.cpp#20824), and they gave
 wrong answers for Q4_0 and Q4_1 (#16315). A source build of llama-cpp-python (how pip installs it) compiles them in on
 such a CPU. Where the CPU backend offers the AMX buffer type, llmcli loads weights without extra buffer types: the
-kernels then used are llama.cpp's plain AVX-512 ones, which is also what a Q4_1 or Q4_K model would get from REPACK."""
+kernels then used are llama.cpp's plain AVX-512 ones, which is what a Q4_1 model gets anyway (REPACK has none for it)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def use_extra_buffer_types() -> bool:
 
 
 def weight_buffers_summary() -> str:
-    """For benchmark records and -v: `CPU_REPACK`, or `off (AMX: llama.cpp's AMX kernels crash …)`, or `none`."""
+    """For benchmark records: `CPU_REPACK`, or `off (AMX: llama.cpp's AMX kernels crash …)`, or `none`."""
     names = extra_buffer_types()
     unsafe = [name for name in names if name in UNSAFE]
     if unsafe:
