@@ -12,43 +12,36 @@ import pytest
 from conftest import run_cli, svg_panels
 from PIL import Image
 
-TINY = ("-p", "16", "-n", "8", "-r", "2")
+# The tests' one real smoke run (shapes, not speed): each thread count, depth and number of sequences at once.
+SWEEP = ("-p", "16", "-n", "8", "-r", "1", "-t", "1,2", "--depth", "0,16", "--parallel", "1,2")
 
 
 @pytest.fixture(scope="module")
 def bench_json(tmp_path_factory) -> dict:
-    result = run_cli("bench", *TINY, "--format", "json")
+    result = run_cli("bench", *SWEEP, "--format", "json")
     assert result.code == 0, result.stderr
     return json.loads(result.stdout)
 
 
-def test_json_has_environment_plan_and_every_test(bench_json):
+def test_json_has_environment_plan_and_every_test_at_each_thread_count_depth_and_number_of_sequences(bench_json):
     env = bench_json["environment"]
     for key in ("cpu", "physical_cores", "llama_cpp_python", "llama_cpp_system_info", "weight_buffers", "threads",
                 "models"):
         assert key in env
-    assert len(env["models"][0]["sha256"]) == 64
-    assert bench_json["plan"]["repetitions"] == 2
-    rows = {(r["test"], r["path"]): r for r in bench_json["results"]}
-    for test, path in [("pp16", "raw"), ("tg8", "raw"), ("tg8", "llmcli"), ("tg8", "raw, same prompt"), ("ttft", "llmcli"),
-                       ("overhead tg8", "ratio"), ("memory bandwidth", "roofline"), ("roofline tg8", "roofline")]:
-        assert (test, path) in rows, (test, path)
+    assert len(env["models"][0]["sha256"]) == 64 and env["threads"] == [1, 2]
+    assert bench_json["plan"]["repetitions"] == 1 and bench_json["plan"]["depths"] == [0, 16]
+    rows = {(r["test"], r["path"], r["threads"]): r for r in bench_json["results"]}
+    for threads in (1, 2):
+        for test, path in [("pp16", "raw"), ("tg8", "raw"), ("tg8", "raw, same prompt"), ("tg8", "llmcli"),
+                           ("ttft", "llmcli"), ("overhead tg8", "ratio"), ("memory bandwidth", "roofline"),
+                           ("roofline tg8", "roofline"), ("pp16 @ d16", "raw"), ("tg8 @ d16", "raw"),
+                           ("tg8 x1", "parallel"), ("tg8 x2", "parallel")]:
+            assert (test, path, threads) in rows, (test, path, threads)
+        assert any(test.startswith("overhead pp") for test, _, at in rows if at == threads)
     for row in bench_json["results"]:
-        assert row["mean"] > 0 and row["n"] == len(row["samples"])
+        assert row["mean"] > 0 and row["n"] == len(row["samples"]) and row["quant"] == "Q4_1"
         assert set(row) >= {"model", "size_bytes", "params", "quant", "threads", "unit", "sd"}
-    assert rows[("tg8", "llmcli")]["n"] == 2 and rows[("tg8", "llmcli")]["unit"] == "t/s"
-    assert any(test.startswith("overhead pp") for test, _ in rows)
-
-
-def test_a_sweep_measures_each_thread_count_depth_and_number_of_sequences():
-    result = run_cli("bench", "-p", "16", "-n", "8", "-r", "1", "-t", "1,2", "--depth", "0,16", "--parallel", "1,2",
-                     "--format", "json")
-    assert result.code == 0, result.stderr
-    rows = json.loads(result.stdout)["results"]
-    assert {row["threads"] for row in rows} == {1, 2}
-    tests = {row["test"] for row in rows}
-    assert {"pp16", "tg8", "pp16 @ d16", "tg8 @ d16", "ttft", "overhead tg8", "roofline tg8", "tg8 x1", "tg8 x2"} <= tests
-    assert all(row["quant"] == "Q4_1" for row in rows)
+    assert rows[("tg8", "llmcli", 1)]["n"] == 1 and rows[("tg8", "llmcli", 1)]["unit"] == "t/s"
 
 
 def _rows(record: dict) -> list:
@@ -140,8 +133,8 @@ def test_compare_reports_ratio_and_significance(tmp_path, bench_json):
     before = tmp_path / "a.json"
     after = tmp_path / "b.json"
     steady = json.loads(json.dumps(bench_json))
-    for row in steady["results"]:  # measured alongside other tests: fix the noise at 1 % (the statistics have their own test)
-        row["sd"] = row["mean"] * 0.01
+    for row in steady["results"]:  # a smoke run's one sample: fix the noise at 1 % over 3 (the statistics have their own test)
+        row["sd"], row["n"] = row["mean"] * 0.01, 3
     before.write_text(json.dumps(steady))
     slower = json.loads(json.dumps(steady))
     for row in slower["results"]:

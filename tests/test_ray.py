@@ -19,7 +19,8 @@ from conftest import run_cli
 pytest.importorskip("ray")
 
 WORDS = ["colour", "fruit", "planet", "animal", "tree", "river", "city", "metal", "bird", "flower", "stone", "song"]
-ARGS = ("--temp", "0", "-n", "24", "-P", "2", "--no-log")
+ARGS = ("--temp", "0", "-n", "16", "-P", "2", "--no-log")
+N = len(WORDS)  # prompts a job: 6 blocks of 2 over 2 workers, enough for a kill and a Ctrl-C to land mid-job
 
 
 def ray_processes() -> list[str]:
@@ -93,7 +94,7 @@ def ray_sessions(monkeypatch: pytest.MonkeyPatch):
 
 def test_a_batch_on_ray_answers_as_locally_through_a_killed_worker_and_stops_clean(tmp_path: Path, ray_sessions) -> None:
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"Name a {word}.", "id": i}) + "\n"
-                                               for i, word in enumerate(WORDS * 2)))
+                                               for i, word in enumerate(WORDS)))
     local = run_cli("run", "--batch", str(tmp_path / "in.jsonl"), *ARGS)
     assert local.code == 0, local.stderr
     expected = {r["index"]: r["text"] for r in records(local.stdout)}
@@ -107,10 +108,10 @@ def test_a_batch_on_ray_answers_as_locally_through_a_killed_worker_and_stops_cle
     out, err = finish(killed)
     assert killed.returncode == 0, err
     answered = records(out)
-    assert [r["index"] for r in answered] == list(range(24)) and [r["id"] for r in answered] == list(range(24))
+    assert [r["index"] for r in answered] == list(range(N)) and [r["id"] for r in answered] == list(range(N))
     assert all("error" not in r for r in answered) and "1 replaced" in err  # each exactly once, in input order
     assert {r["index"]: r["text"] for r in answered} == expected  # greedy answers identical to a local --batch
-    assert "batch: 24 prompts (0 errors)" in err and "ray, 2 workers × 1 thread" in err and "MiB" in err
+    assert f"batch: {N} prompts (0 errors)" in err and "ray, 2 workers × 1 thread" in err and "MiB" in err
 
     stopped = job(tmp_path, "--ray")
     started(stopped)
@@ -121,7 +122,7 @@ def test_a_batch_on_ray_answers_as_locally_through_a_killed_worker_and_stops_cle
     out = first + out
     assert stopped.returncode == 130 and "Traceback" not in err, err
     partial = records(out)
-    assert [r["index"] for r in partial] == list(range(24))  # the output says where it stopped
+    assert [r["index"] for r in partial] == list(range(N))  # the output says where it stopped
     assert any(r.get("error") == "interrupted before it was answered" for r in partial)
     deadline = time.monotonic() + 30
     while ray_processes() and time.monotonic() < deadline:
@@ -133,10 +134,10 @@ def test_a_batch_on_ray_answers_as_locally_through_a_killed_worker_and_stops_cle
     out, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, err
     whole = records(out)
-    assert [r["index"] for r in whole] == list(range(24)) and all("error" not in r for r in whole)
+    assert [r["index"] for r in whole] == list(range(N)) and all("error" not in r for r in whole)
     assert {r["index"]: r["text"] for r in whole} == expected
     kept = sum("error" not in r for r in partial)
-    assert f"--resume: {kept} of 24 records are answered" in err and f"batch: {24 - kept} prompts" in err
+    assert f"--resume: {kept} of {N} records are answered" in err and f"batch: {N - kept} prompts" in err
 
     texts = tmp_path / "texts.jsonl"  # embed --input --ray: the records a local embed writes, the same vectors
     texts.write_text("".join(json.dumps({"text": f"A note on a {word}.", "k": i}) + "\n" for i, word in enumerate(WORDS))

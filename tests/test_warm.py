@@ -226,6 +226,44 @@ def test_a_server_that_goes_away_leaves_the_answer_to_this_process(runtime, monk
         socket.unlink(missing_ok=True)
 
 
+def test_a_server_loading_its_model_never_asks_its_own_socket(runtime, monkeypatch):
+    """`serve --socket` listens before its model loads, and the load's memory check asks each warm server what it
+    holds: never its own socket, where nothing answers yet (it waited health's whole timeout, 2 s, at every start)."""
+    import http.server
+    import socketserver
+    import threading
+
+    from llmcli import paths
+    from llmcli.pipeline import warm
+
+    monkeypatch.setenv("LLMCLI_RUNTIME_DIR", runtime["LLMCLI_RUNTIME_DIR"])
+    monkeypatch.setattr(warm, "_LISTENING_HERE", set())
+    socket = paths.warm_servers_dir() / "own.sock"
+    socket.parent.mkdir(parents=True, mode=0o700)
+
+    class Answering(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            body = json.dumps({"pid": os.getpid(), "models": [{"path": "/elsewhere.gguf"}]}).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            return
+
+    fake = socketserver.UnixStreamServer(str(socket), Answering)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    try:
+        assert [found for found, _ in warm.running()] == [socket]  # another process's server: asked, counted
+        assert warm.held_by_others(Path("/a/model.gguf")) > 0
+        warm.listening_here(socket)
+        assert warm.running() == [] and warm.held_by_others(Path("/a/model.gguf")) == 0
+    finally:
+        fake.shutdown()
+        fake.server_close()
+
+
 def test_embed_through_the_warm_server_gives_the_in_process_vectors(runtime):
     lines = "A lighthouse keeper climbed the stairs.\nA recipe for bread.\n"
     here = [json.loads(line) for line in run_cli("embed", "--normalize", input=lines, env=runtime).stdout.splitlines()]

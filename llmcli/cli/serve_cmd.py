@@ -130,6 +130,7 @@ def serve(
     import socket
 
     from llmcli.cli import output
+    from llmcli.pipeline import warm
     from llmcli.serve.model_pool import ModelPool
     from llmcli.serve.setup import ServerModels
     from llmcli.units import parse_keep_alive
@@ -147,6 +148,7 @@ def serve(
     else:
         listening = _private_socket(socket_path)
         listen = {"fd": listening.fileno()}
+        warm.listening_here(socket_path)  # (the model's memory check never asks this process's own socket)
     found = ServerModels(o.build_request(given), parallel, queue if queue is not None else 4 * parallel, max_body,
                          max_answer, allow_pull)
     with output.download_progress() as progress:

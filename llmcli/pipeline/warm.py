@@ -38,6 +38,8 @@ LOAD_SETTINGS = ("ctx_size", "threads", "batch_size", "mlock", "mmap", "flash_at
 START_TIMEOUT_S = 300.0  # a large model's first load (page cache cold, weights repacked)
 MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sun_path, less its terminating NUL, on Linux)
 
+_LISTENING_HERE: set[Path] = set()  # the sockets this process serves on (`serve --socket`): never asked by itself
+
 
 @dataclass(frozen=True)
 class WarmServer:
@@ -79,8 +81,15 @@ def served_at(url: str) -> dict[str, Any]:
     return found
 
 
+def listening_here(socket: Path) -> None:
+    """`socket` is this process's own (`serve --socket` bound it before loading its model): `running()` leaves it out.
+    While the model loads, nothing answers there, and the load's memory check would wait on its own socket for
+    health's whole timeout (every warm server's start took 2 s longer)."""
+    _LISTENING_HERE.add(socket)
+
+
 def running() -> list[tuple[Path, dict[str, Any]]]:
-    """The warm servers of this user: each socket that answers, with its health."""
+    """The warm servers of this user: each socket that answers, with its health (this process's own left out)."""
     folder = paths.warm_servers_dir()
     found = []
     try:
@@ -88,6 +97,8 @@ def running() -> list[tuple[Path, dict[str, Any]]]:
     except OSError:  # another user's folder: none of its sockets is this user's server
         mine = False
     for socket in sorted(folder.glob("*.sock")) if mine else []:
+        if socket in _LISTENING_HERE:
+            continue
         state = health(socket)
         if state is not None:
             found.append((socket, state))
