@@ -52,6 +52,24 @@ def descendants(root: int) -> list[int]:
     return found
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs: one that has exited but that its parent (often init, which may reap only
+    now and then) has not reaped yet, a zombie, holds nothing (no memory, no socket, no core) and is not; another
+    user's process is."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            state = handle.read().rsplit(b")", 1)[-1].split()[:1]
+    except OSError:  # gone meanwhile; or no /proc (not Linux), and os.kill's answer stands
+        return not os.path.isdir("/proc/self")
+    return state != [b"Z"]
+
+
 def end_tree(root: int, grace: float = GRACE_S) -> None:
     """SIGTERM every process below `root`, SIGKILL what is left after `grace`; reap them all (root is a subreaper)."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):

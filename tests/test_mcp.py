@@ -73,7 +73,8 @@ def test_mcp_list_shows_each_server_its_state_and_tools(tmp_path, pids, http_ser
     assert rows["remote"]["state"] == "running" and "remote_hang" in [t["name"] for t in rows["remote"]["tools"]]
     assert rows["broken"]["state"] == "failed" and rows["broken"]["error"]
     assert rows["garbage"]["state"] == "failed" and "did not start within 1 s" in rows["garbage"]["error"]
-    table = run_cli("mcp", "list", "--mcp", str(config))
+    table = run_cli("mcp", "list", "--mcp", str(_config(tmp_path, pids, local=_stdio(pids, tools=["shout"]),
+                                                       broken={"command": str(tmp_path / "no-such-server")})))
     assert "local  running" in table.stdout and "broken  failed" in table.stdout
 
 

@@ -95,7 +95,8 @@ def test_overflow_hints_name_the_cause_and_a_fix_that_works():
     too_many = _hint(run_cli("run", "-q", "-c", "256", "-n", "100000", "--on-overflow", "truncate", "hi"))
     assert "-n 100000 does not fit" in too_many and "--on-overflow" not in too_many, too_many  # -n is the cause
     assert "even an empty message" not in too_many and "-n 2" in too_many  # "-n 2xx or less"
-    capped = run_cli("run", "-c", "256", "-n", "100000", "--json", "--logit-bias", "2=-inf", "hi")  # (2: SmolLM2's end)
+    capped = run_cli("run", "-c", "256", "-n", "100000", "--json", "--logit-bias", "2=-inf",  # (2: SmolLM2's end)
+                     "word " * 200)  # (a long prompt: little room left to decode)
     assert capped.code == 0, capped.stderr  # -n past the room left: capped to it, with a notice (not an error)
     room = int(re.search(r"-n 100000 is more than the context has left after the prompt: the answer stops at (\d+) "
                          "tokens", capped.stderr).group(1))

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import run_cli, spawn_cli
 
+from llmcli import reaper
+
 PROMPT = "Say hi."
 
 
@@ -47,12 +49,27 @@ def servers(env: dict[str, str]) -> list[dict]:
 def gone(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not reaper.alive(pid):  # (a zombie that init has not reaped yet holds nothing)
             return True
         time.sleep(0.1)
     return False
+
+
+def test_an_exited_process_that_init_has_not_reaped_yet_is_gone():
+    """`llmcli stop` waits for the server to be gone: a server that has exited stays a zombie until init reaps it,
+    which some inits do only every few seconds (and a container's PID 1 may never do)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(pid, 0)  # a zombie still takes signal 0: "is it there?" is the wrong question
+        assert not reaper.alive(pid) and reaper.alive(os.getpid())
+    finally:
+        os.waitpid(pid, 0)
+    assert not reaper.alive(pid)
 
 
 def test_a_warm_run_answers_as_in_process_over_a_private_socket_and_stop_ends_it(runtime):

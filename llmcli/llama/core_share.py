@@ -22,7 +22,7 @@ import os
 import time
 from pathlib import Path
 
-from llmcli import paths
+from llmcli import paths, reaper
 from llmcli.llama.cpu_load import WINDOW_S, CpuLoad
 
 RECHECK_S = 0.05
@@ -103,7 +103,7 @@ class CoreShare:
         for name in entries:
             if not name.isdigit() or int(name) == os.getpid():
                 continue
-            if not _alive(int(name)):  # a process that died without cleaning up
+            if not reaper.alive(int(name)):  # a process that died without cleaning up
                 (self.folder / name).unlink(missing_ok=True)
                 continue
             try:
@@ -117,11 +117,3 @@ class CoreShare:
         return others
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx2
 
-from llmcli import __version__, paths
+from llmcli import __version__, paths, reaper
 from llmcli.config import settings
 from llmcli.errors import LlmcliError
 from llmcli.remote.client import socket_transport
@@ -257,9 +257,7 @@ def stop(socket: Path, state: dict[str, Any], timeout: float = 30.0) -> bool:
         return True
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not reaper.alive(pid):  # (exited: a zombie until init reaps it, which may take seconds)
             if socket.suffix == ".json":  # a launch server's record (llmcli/pipeline/launch.py), its log and lock
                 for leftover in (socket, socket.with_suffix(".log"), socket.with_suffix(".lock")):
                     leftover.unlink(missing_ok=True)
