@@ -170,3 +170,9 @@ def test_a_long_answer_grows_the_kv_cache_without_changing_any_answer():
     assert result.returncode == 0, result.stderr
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
     assert outcome == {"same": True, "grown": outcome["grown"], "big": 0, "long": 80} and outcome["grown"] >= 1
+
+
+def test_batch_summary_counts_what_did_not_run():
+    result = run_cli("run", "--batch", "-", "-n", "2", input="hi\n")
+    assert result.code == 0, result.stderr
+    assert "batch: 1 prompt (0 errors)" in result.stderr

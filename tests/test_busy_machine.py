@@ -72,3 +72,47 @@ def test_a_run_beside_a_busy_core_decodes_on_the_core_left_and_t_is_obeyed(smoll
     assert chosen.stderr.count("other processes kept about") == 1 and "decoding used 1 thread " in chosen.stderr
     assert "other processes kept" not in fixed.stderr  # (-t given: nothing was cut)
     assert json.loads(fixed.stdout)["timings"]["threads"] == 2
+
+
+def _threads_used(*prefix: str, env: dict[str, str] | None = None) -> int:
+    proc = subprocess.run([*prefix, sys.executable, "-m", "llmcli", "run", "--json", "-q", "-n", "2", "hi"],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
+                          env={**os.environ, "LLMCLI_THREADS": "", **(env or {})})
+    assert proc.returncode == 0, proc.stderr
+    return int(json.loads(proc.stdout)["timings"]["threads"])
+
+
+def test_threads_follow_the_cpu_affinity():
+    from llmcli.llama.cpu_topology import physical_cores
+
+    assert 1 <= _threads_used() <= physical_cores()  # every core it may use, less those other processes keep busy
+    assert _threads_used("taskset", "-c", "0") == 1  # pinned to one CPU: one thread
+
+
+def test_a_generating_llmcli_takes_its_share_of_the_cores(isolated_env):
+    from llmcli.llama.cpu_topology import physical_cores
+
+    generating = isolated_env / "xdg-runtime" / "llmcli" / "generating"
+    generating.mkdir(parents=True)
+    peer = subprocess.Popen(["sleep", "60"])  # stands in for another llmcli that is generating
+    try:
+        (generating / str(peer.pid)).touch()
+        stale = generating / "999999999"  # a pid that does not run: left behind by a killed process
+        stale.touch()
+        assert _threads_used() <= max(1, physical_cores() // 2)
+        assert not stale.exists()
+        assert _threads_used(env={"LLMCLI_THREADS": "2"}) == 2  # --threads/LLMCLI_THREADS given: fixed
+    finally:
+        peer.kill()
+        peer.wait()
+    assert _threads_used() <= physical_cores()  # alone again (less what other processes keep busy)
+    assert sorted(p.name for p in generating.iterdir()) == []  # every run unregistered itself
+
+
+def test_more_threads_than_cores_is_a_notice():
+    from llmcli.llama.cpu_topology import physical_cores
+
+    cores = physical_cores()
+    over = run_cli("run", "-t", str(cores + 1), "-n", "1", "-q", "hi")
+    assert over.code == 0 and f"--threads {cores + 1} is more than the {cores} physical core" in over.stderr
+    assert "--threads" not in run_cli("run", "-t", str(cores), "-n", "1", "-q", "hi").stderr

@@ -83,3 +83,10 @@ def test_an_embedding_model_s_own_pooling_is_used(smollm2, tmp_path):
     mean = json.loads(run_cli("embed", "--pooling", "mean", TEXTS[0]).stdout)
     assert max(abs(a - b) for a, b in zip(own, last, strict=True)) < 1e-4
     assert max(abs(a - b) for a, b in zip(own, mean, strict=True)) > 1e-2
+
+
+def test_embedding_nothing_is_an_error():
+    too_long = run_cli("embed", "-c", "64", input="word " * 300)
+    assert too_long.code == 6 and "do not fit" in too_long.stderr
+    some = run_cli("embed", "-c", "64", input="short\n" + "word " * 300 + "\n")
+    assert some.code == 0 and "1 of 2 texts have an error record" in some.stderr

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import run_cli, start_llama_cpp_server, start_server, stop_server
+from conftest import HTTP, run_cli, start_llama_cpp_server, start_server, stop_server
 
 
 class FakeServer:
@@ -328,3 +328,16 @@ def test_a_model_by_id_and_cors_only_for_the_origins_given(served):
 
     assert preflight("https://app.example").get("access-control-allow-origin") == "https://app.example"
     assert "access-control-allow-origin" not in {k.lower() for k in preflight("https://evil.example")}
+
+
+def test_serve_ignores_a_config_file_endpoint(tmp_path):
+    config = tmp_path / "config" / "llmcli" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text('endpoint = "http://127.0.0.1:9/v1"\n')
+    proc, url = start_server(tmp_path, "-c", "256")  # starts: the config file's endpoint is run's and chat's
+    try:  # and answers from its own model, not from the (dead) endpoint
+        reply = HTTP.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert reply.status_code == 200 and reply.json()["model"] == "smollm2", reply.text
+    finally:
+        stop_server(proc)

@@ -26,6 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_protocols import SHAPES, assert_shape
 
+from llmcli import reaper
+
 KEY = "hostile-key"
 HI = [{"role": "user", "content": "hi"}]
 DEEP_GRAMMAR = "root ::= " + "(" * 30000 + '"a"' + ")" * 30000
@@ -420,13 +422,6 @@ def test_the_hash_memo_is_written_whole_and_merged(tmp_path, monkeypatch):
 MCP_SERVER = Path(__file__).parent / "data" / "mcp_server.py"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _mcp_config(tmp_path: Path, mode: str = "stdio", timeout: float = 5, **env: str) -> Path:
     config = tmp_path / "mcp.json"
     config.write_text(json.dumps({"mcpServers": {"t": {"command": sys.executable, "args": [str(MCP_SERVER), mode],
@@ -451,9 +446,9 @@ def test_an_mcp_server_s_children_never_outlive_llmcli(tmp_path, ending):
     started = [int(p) for p in pids.read_text().split()]
     assert len(started) == 3  # the server, its child, and a child in a session of its own
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
+    while any(reaper.alive(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [pid for pid in started if _alive(pid)], f"outlived llmcli ({ending})"
+    assert not [pid for pid in started if reaper.alive(pid)], f"outlived llmcli ({ending})"
 
 
 def test_an_mcp_server_s_garbage_and_failure_are_one_notice_each(tmp_path):

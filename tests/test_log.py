@@ -125,3 +125,39 @@ def test_a_template_with_input_from_stdin_and_placeholders(isolated_env):
     assert "summ" in run_cli("templates", "list").stdout
     assert "placeholders: $audience, $input" in run_cli("templates", "show", "summ").stdout
     assert run_cli("templates", "rm", "summ").code == 0 and run_cli("run", "-T", "summ", "x").code == 2
+
+
+def test_log_search_takes_everyday_text():
+    empty = run_cli("logs")
+    assert empty.code == 0 and empty.stdout == "" and "the log is empty" in empty.stderr
+    prompt = "what? a-b it's C++ magic"
+    assert run_cli("run", "--temp", "0", "-n", "2", prompt).code == 0
+    for query in ("what?", "a-b", "it's", "C++", "mag*", '"a b"', "nothing OR magic", "magic NOT nothing"):
+        found = run_cli("logs", "-q", query, "--json")
+        assert found.code == 0, (query, found.stderr)
+        assert [r["prompt"] for r in json.loads(found.stdout)] == [prompt], query
+    missing = run_cli("logs", "-q", "absent")
+    assert missing.code == 0 and "no answer matches" in missing.stderr
+    for bad in ('"open', "x OR", "NOT"):
+        refused = run_cli("logs", "-q", bad)
+        assert refused.code == 2 and refused.stderr.startswith("Error: cannot search for"), (bad, refused.stderr)
+        assert "fts5" not in refused.stderr.lower() and len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_templates_edit_opens_the_template_and_keeps_the_rest(isolated_env, tmp_path):
+    assert "no templates saved yet" in run_cli("templates", "list").stderr
+    config = isolated_env / "xdg-config" / "llmcli" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text('temp = 0.9  # mine\n\n[templates.sum]\n# why\nprompt = "Sum: $input"\n')
+    seen = tmp_path / "seen.toml"
+    editor = f"sh -c 'cp \"$0\" {seen}; echo \"temp = 0.3\" >> \"$0\"'"
+    edited = run_cli("templates", "edit", "sum", env={"EDITOR": editor, "VISUAL": ""})
+    assert edited.code == 0, edited.stderr
+    assert seen.read_text() == '[templates.sum]\n# why\nprompt = "Sum: $input"\n'  # the template, not the file
+    assert config.read_text() == 'temp = 0.9  # mine\n\n[templates.sum]\n# why\nprompt = "Sum: $input"\ntemp = 0.3\n'
+    broken = run_cli("templates", "edit", "sum", env={"EDITOR": "sh -c 'echo \"bogus = 1\" >> \"$0\"'", "VISUAL": ""})
+    assert broken.code == 2 and "unchanged" in broken.stderr
+    assert config.read_text().endswith("temp = 0.3\n")
+    config.write_text(config.read_text() + "bogus = 1\n")  # an unknown key: said by any command, not only its use
+    listed = run_cli("count", "hi")
+    assert listed.code == 2 and "[templates.sum] unknown key 'bogus'" in listed.stderr

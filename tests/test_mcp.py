@@ -14,15 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import ctrl_c_when, free_port, run_cli, wait_for_port
 
+from llmcli import reaper
+
 SERVER = Path(__file__).parent / "data" / "mcp_server.py"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.fixture
@@ -32,9 +26,9 @@ def pids(tmp_path: Path) -> Iterator[Path]:
     yield path
     started = [int(line) for line in path.read_text().split()] if path.exists() else []
     deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
+    while any(reaper.alive(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in started if _alive(pid)], "an MCP server outlived llmcli"
+    assert not [pid for pid in started if reaper.alive(pid)], "an MCP server outlived llmcli"
 
 
 @pytest.fixture(scope="module")

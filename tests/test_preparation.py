@@ -4,6 +4,8 @@ for run, the warm path and serve alike. `serve --special` once dropped control t
 
 from __future__ import annotations
 
+import json
+
 from conftest import HTTP, run_cli, start_server, stop_server
 
 from llmcli.answer.generation import GenerationOptions
@@ -43,3 +45,11 @@ def test_settings_become_options_in_one_place_and_the_prompt_decides_the_rest():
     assert not plain.thinking_open and plain.tools is not None and not plain.tools.think_first
     not_split = GenerationOptions.from_settings(values | {"reasoning": "stdout"}, SamplingConfig())
     assert not not_split.for_prompt("<think>\n", "<think>").thinking_open  # --reasoning stdout: all of it is the answer
+
+
+def test_control_tokens_are_left_out_of_the_answer_unless_special(gemma3):
+    args = ("run", "-m", str(gemma3), "--raw", "--temp", "0", "-n", "5", "--grammar",
+            'root ::= "<start_of_image><strong>Paris"', "The capital of France:")
+    plain = json.loads(run_cli(*args, "--json").stdout)
+    assert plain["text"] == "<strong>Paris" and plain["usage"]["completion_tokens"] == 3  # (<strong> is text: HTML)
+    assert run_cli(*args, "-q", "--special").stdout == "<start_of_image><strong>Paris\n"

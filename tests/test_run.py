@@ -323,3 +323,15 @@ def test_kept_weights_serve_the_later_engines_and_outlive_them(smollm2):
     assert found["alone"][1] is True and found["kept"][1] is False and found["again"][1] is False
     assert found["other"][1] is True  # (read into memory, not mapped: its own weights)
     assert found["alone"][0] == found["kept"][0] == found["again"][0] == found["other"][0]
+
+
+def test_prefill_progress_shows_on_a_terminal_and_is_gone_before_the_answer():
+    document = " ".join(f"item{i}" for i in range(150))  # ~470 tokens in chunks of 64: some seconds on one thread
+    args = ["run", "--no-prompt-cache", "-t", "1", "-b", "64", "--temp", "0", "-n", "4", "--grammar", 'root ::= "DONE"',
+            "Summarise."]
+    shown = run_in_terminal(args, {"NO_COLOR": "1"}, stdin=document, stderr=True).decode()
+    assert "evaluating the prompt · " in shown and " tokens · " in shown and "tok/s" in shown, shown[-2000:]
+    assert shown.rindex("evaluating the prompt") < shown.index("DONE")  # erased before the first token
+    assert "evaluating" not in shown[shown.index("DONE"):]
+    piped = run_cli(*args, input=document)
+    assert piped.code == 0 and piped.stdout == "DONE\n" and "evaluating" not in piped.stderr
