@@ -128,8 +128,8 @@ def test_codex_s_responses_request_and_a_chat_client_s_new_fields_are_answered(s
 
 
 def test_a_long_prompt_keeps_each_stream_alive_in_its_protocol_s_way(server):
-    def long(word: str) -> str:  # ~300 tokens: many keep-alive intervals (0.05 s) of prefill on one thread, none cached
-        return f"Read this {word} carefully. " * 60
+    def long(word: str) -> str:  # ~150 tokens: several keep-alive intervals (0.05 s) of prefill on one thread
+        return f"Read this {word} carefully. " * 30
 
     cases = {
         "/v1/chat/completions": ({"messages": [{"role": "user", "content": long("chat")}], "max_tokens": 2,
