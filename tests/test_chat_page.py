@@ -125,12 +125,14 @@ def test_the_page_streams_an_answer_and_stops_regenerates_edits_and_keeps_it(bro
                            "document.querySelector('article.message.assistant .stats')")
     assert len(asked) == 2 and kept(page)[0]["messages"][1]["content"] == ANSWER
 
+    use_grammar(page, "A better plan.")  # (a short answer this time)
     page.locator("article.message.user button.edit").click()  # an edited question: what followed it goes
     page.fill("article.message.user textarea", "Make a better plan")
     page.locator("article.message.user button.save").click()
     wait_until(page, "document.querySelector('article.message.assistant .stats')")
     messages = kept(page)[0]["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] == "Make a better plan"
+    assert messages[1]["content"] == "A better plan."  # the answer to the edited question replaced the old one
 
     # An answer that would go on for a long time: sampled words (greedy ones would loop, and the server's
     # repetition guard would end the answer before Stop does).
