@@ -270,7 +270,8 @@ def test_a_server_loading_its_model_never_asks_its_own_socket(runtime, monkeypat
             return
 
     fake = socketserver.UnixStreamServer(str(socket), Answering)
-    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    serving = threading.Thread(target=fake.serve_forever, daemon=True)
+    serving.start()
     try:
         assert [found for found, _ in warm.running()] == [socket]  # another process's server: asked, counted
         assert warm.held_by_others(Path("/a/model.gguf")) > 0
@@ -279,6 +280,7 @@ def test_a_server_loading_its_model_never_asks_its_own_socket(runtime, monkeypat
     finally:
         fake.shutdown()
         fake.server_close()
+        serving.join()  # (the next tests fork their CLI runs only while this process is single-threaded)
 
 
 def test_embed_through_the_warm_server_gives_the_in_process_vectors(runtime):
