@@ -85,7 +85,7 @@ def listening_here(socket: Path) -> None:
     """`socket` is this process's own (`serve --socket` bound it before loading its model): `running()` leaves it out.
     While the model loads, nothing answers there, and the load's memory check would wait on its own socket for
     health's whole timeout (every warm server's start took 2 s longer)."""
-    _LISTENING_HERE.add(socket)
+    _LISTENING_HERE.add(Path(os.path.abspath(socket)))
 
 
 def running() -> list[tuple[Path, dict[str, Any]]]:
@@ -97,7 +97,7 @@ def running() -> list[tuple[Path, dict[str, Any]]]:
     except OSError:  # another user's folder: none of its sockets is this user's server
         mine = False
     for socket in sorted(folder.glob("*.sock")) if mine else []:
-        if socket in _LISTENING_HERE:
+        if Path(os.path.abspath(socket)) in _LISTENING_HERE:
             continue
         state = health(socket)
         if state is not None:
