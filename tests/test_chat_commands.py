@@ -9,9 +9,9 @@ from pathlib import Path
 from conftest import run_cli
 
 
-def chat_lines(*lines: str, args: tuple[str, ...] = ()) -> tuple[str, str]:
+def chat_lines(*lines: str) -> tuple[str, str]:
     """A piped chat (one message or /command a line); (stdout, stderr)."""
-    result = run_cli("chat", "--no-save", "--temp", "0", "-n", "6", *args, input="\n".join(lines) + "\n")
+    result = run_cli("chat", "--no-save", "--temp", "0", "-n", "6", input="\n".join(lines) + "\n")
     assert result.code == 0, result.stderr
     assert "Traceback" not in result.stderr and "internal error" not in result.stderr
     return result.stdout, result.stderr
