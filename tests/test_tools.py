@@ -53,6 +53,10 @@ GOLDEN = {
         ('<tool_call>{"name": "multiply", "arguments": {"a": 1, "b": 2}}</tool_call><tool_call>{"name": "multiply", '
          '"arguments": {"b": 2, "a": 1}}</tool_call><tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}'
          "</tool_call>", "", [("multiply", '{"a": 1, "b": 2}', None)]),  # a repeated call: it and what follows go
+        ('<tool_call>{"name": "multiply", "arguments": {"a": 1, "b": 2}}</tool_call> <tool_call>{"name": "multiply", '
+         '"arguments": {"a": 1, "b', "", [("multiply", '{"a": 1, "b": 2}', None)]),  # a copy cut off goes too
+        ('<tool_call>{"name": "multiply", "arguments": {"a": 1, "b": 2}}</tool_call><tool_call>{"name": "weather", '
+         '"arguments": {"city": "Pa', "", [("multiply", '{"a": 1, "b": 2}', None), ("weather", '{"city": "Pa', "cut off")]),
     ],
     "mistral": [
         ('[TOOL_CALLS] [{"name": "multiply", "arguments": {"a": 12, "b": 7}}, {"name": "weather", "arguments": '
@@ -98,6 +102,35 @@ def test_each_format_parses_recorded_outputs(format_name):
         for (_, _, error), (_, _, want) in zip(got, expected, strict=True):
             assert (error is None) if want is None else (error is not None and want in error), (output, error)
         assert len({c.id for c in calls}) == len(calls) and all(c.id.startswith("call_") for c in calls)
+
+
+CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 7}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("after, finish, calls", [
+    ("", "tool_calls", 1),  # -n reached as the call closed
+    (" \n<tool_c", "tool_calls", 1),  # an opening that nothing followed
+    (' <tool_call>\n{"name": "multiply", "arguments": {"a": 1', "tool_calls", 1),  # a copy of the call, cut off
+    (' <tool_call>\n{"name": "multiply", "arguments": {"a": 13', "length", 2),  # another call, cut off: not run
+    (' <tool_call>\n{"name": "weather", "arg', "length", 2),
+])
+def test_a_limit_that_cuts_only_what_follows_the_calls_leaves_the_calls_standing(after, finish, calls):
+    """A small model repeats its call until -n cuts the copy: the whole calls before it are the answer ("tool_calls",
+    and they run), as when it repeats a whole call; a new call that the limit cut makes the answer "length"."""
+    from llmcli.answer.generation import Answer, GenerationOptions
+    from llmcli.answer.stats import Stats
+
+    text = CALL + after
+    pieces = [text[i : i + 3].encode() for i in range(0, len(text), 3)]  # a token every 3 characters
+    answer = Answer(GenerationOptions(max_tokens=len(pieces), tools=tool_spec(TOOLS, "required", "hermes")), 10, 1000)
+    for token, piece in enumerate(pieces):
+        answer.add(token, False, piece)
+    assert answer.finish == "length"
+    answer.close()
+    done = answer.done("length", Stats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+    assert (done.finish_reason, len(done.tool_calls)) == (finish, calls)
+    assert (done.tool_calls[0].name, done.tool_calls[0].error) == ("multiply", None)
+    assert all(call.error for call in done.tool_calls[1:])
 
 
 def _split(text: str, cuts: list[int]) -> list[str]:
@@ -290,7 +323,7 @@ def functions(tmp_path) -> str:
 
 def test_run_calls_a_function_and_feeds_its_result_back(functions):
     result = run_cli("run", "--functions", functions, "--tool-choice", "required", "--tools-debug", "--temp", "0",
-                     "-n", "40", "--json", "What is 12 times 7?")
+                     "-n", "100", "--json", "What is 12 times 7?")
     assert result.code == 0, result.stderr
     record = json.loads(result.stdout)
     first = record["tool_calls"][0]
@@ -302,9 +335,9 @@ def test_run_calls_a_function_and_feeds_its_result_back(functions):
     assert f"<tool_response>\n{first['result']}\n</tool_response>" in prompt  # the result is in the next prompt
     assert "<tool_call>" not in record["text"]
     call_only = json.loads(run_cli("run", "--functions", functions, "--tool-choice", "required", "--chain-limit", "0",
-                                   "--temp", "0", "-n", "40", "--json", "What is 12 times 7?").stdout)
+                                   "--temp", "0", "-n", "100", "--json", "What is 12 times 7?").stdout)
     assert record["usage"]["completion_tokens"] > call_only["usage"]["completion_tokens"]  # the rounds add up
-    assert record["usage"]["completion_tokens"] <= 40  # -n bounds the whole answer, every round of it
+    assert record["usage"]["completion_tokens"] <= 100  # -n bounds the whole answer, every round of it
     limit = call_only["usage"]["completion_tokens"] + 3  # the call, then 3 tokens for the answer after it
     bounded = json.loads(run_cli("run", "--functions", functions, "--tool-choice", "required", "--temp", "0", "-n",
                                  str(limit), "--json", "What is 12 times 7?").stdout)
@@ -347,10 +380,12 @@ def test_a_failing_tool_the_chain_limit_and_approval_without_a_terminal(function
     assert call["name"] == "fail" and call["result_is_error"] and call["result"].startswith("Error: RuntimeError: failure")
     assert "Traceback" not in failed.stderr and "tool result fail: Error: RuntimeError" in failed.stderr
     limited = run_cli("run", "--functions", functions, "--tool-choice", "required", "--chain-limit", "0", "--temp", "0",
-                      "-n", "40", "--json", "What is 12 times 7?")
+                      "-n", "100", "--json", "What is 12 times 7?")
     record = json.loads(limited.stdout)
     assert record["finish_reason"] == "tool_calls" and "result" not in record["tool_calls"][0]
     assert "--chain-limit 0 reached" in limited.stderr
+    shown = run_cli("run", "--functions", functions, "--show-prompt", "What is 12 times 7?")  # as the model sees it
+    assert shown.code == 0 and '"name": "multiply", "description": "Multiply two integers."' in shown.stdout
     refused = run_cli("run", "--functions", functions, "--tools-approve", "hi")
     assert refused.code == 2 and "--tools-approve asks before each call on a terminal" in refused.stderr
     broken = run_cli("run", "--functions", "def f(:\n  pass", "hi")

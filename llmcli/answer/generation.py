@@ -151,6 +151,8 @@ class Answer:
         events = self._events(self.stream.finish())
         if self.stream.stop is not None:
             self.finish = "stop_sequence"
+        elif self.finish in ("length", "context_full") and self.calls is not None and self.calls.ended_after_calls:
+            self.finish = "stop"  # (the limit cut no call: the answer is its calls, as "tool_calls")
         return events
 
     def _events(self, text: str) -> tuple[Token | CallEvent, ...]:

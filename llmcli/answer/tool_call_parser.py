@@ -135,6 +135,14 @@ class ToolCallParser:
         self._id = ""
         self._seen_text = False  # llama3: only an answer that begins with "{" is a call
         self.repeated = False  # the model wrote a call it had already made (the answer ends there; it is dropped)
+        self.cut = False  # the answer ended inside a new call (it is kept, invalid: it must not run)
+
+    @property
+    def ended_after_calls(self) -> bool:
+        """The calls are the whole answer, and whatever came after them was no new call: spaces, an opening that
+        nothing followed, or a copy of a call already made (whole, or cut off by -n). A limit that cut the answer
+        there cut nothing of it."""
+        return bool(self.calls) and not self.cut and (self.repeated or self._state in ("between", "opened"))
 
     def feed(self, text: str) -> tuple[str, list[CallEvent]]:
         events: list[CallEvent] = []
@@ -149,7 +157,11 @@ class ToolCallParser:
         events: list[CallEvent] = []
         held, self._pending = self._pending, ""
         if self._state == "call" and self._scanner is not None:
-            self._close_call(events, cut=True)
+            if self._repeating(self._scanner):  # cut off while repeating a call: it goes, as a whole repeat would
+                self.repeated, self._state, self._scanner = True, "done", None
+            else:
+                self.cut = True
+                self._close_call(events, cut=True)
         if self._state == "text":
             return held, events
         return "", events
@@ -213,6 +225,13 @@ class ToolCallParser:
                 self._close_call(events)
             return buffer[taken:]
         return ""  # done: the rest is not the answer's text
+
+    def _repeating(self, scanner: _CallScanner) -> bool:
+        """A later call cut off where it is still a copy of an earlier one: its name, and its arguments so far the
+        start of that call's (a small model repeats its call until -n cuts the copy: the whole calls before it stand)."""
+        arguments = scanner.arguments_so_far()
+        return scanner.name is not None and any(c.name == scanner.name and c.error is None
+                                                and c.arguments.startswith(arguments) for c in self.calls)
 
     def _stream(self, events: list[CallEvent]) -> None:
         scanner = self._scanner

@@ -234,7 +234,8 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
             local = session.local
             if local is None:
                 raise UsageError("the server renders the prompt with --endpoint: --show-prompt is not available")
-            rendered = local.render(message.text, images=message.images)
+            tools = runner.spec(first=True) if runner is not None else None  # the prompt as the model will see it
+            rendered = local.render(message.text, tools=tools, images=message.images)
             sys.stdout.write(rendered.text + "\n")
             mode = "raw" if local.template_source is None else "chat template"
             console.print(f"{len(rendered.tokens)} tokens ({pipeline.model.name}, {mode}, context {local.context().n_ctx})")
