@@ -57,8 +57,11 @@ def test_second_question_about_a_piped_document_starts_from_its_saved_state(mode
     assert len(entries(isolated_env)) == 1  # saved after the answer
 
     warm = ask("Which city builds with jade?", doc, "--prompt-cache-min", "64", model=model)
-    cold = ask("Which city builds with jade?", doc, "--no-prompt-cache", model=model)
-    assert warm["timings"]["restored_tokens"] > 0.9 * first["usage"]["prompt_tokens"]  # the whole document
+    restored = warm["timings"]["restored_tokens"]
+    # Evaluated from scratch in the batches the restored run used (the restored part, then the rest): a batch's size
+    # changes how the CPU's kernels round (on AVX2, Gemma's first token differs between -b 512 and -b 135).
+    cold = ask("Which city builds with jade?", doc, "--no-prompt-cache", "-b", str(restored), model=model)
+    assert restored > 0.9 * first["usage"]["prompt_tokens"]  # the whole document
     assert warm["usage"]["cached_tokens"] == warm["timings"]["restored_tokens"]
     assert f"({warm['usage']['cached_tokens']} cached)" in warm["stderr"]
     assert cold["usage"]["cached_tokens"] == 0

@@ -174,7 +174,8 @@ def test_batch_and_chat_records_carry_reasoning_apart(tmp_path, isolated_env):
     assert "<think>" not in chat.stdout
 
 
-NO_CLOSE = ("--logit-bias", "9617=-inf")  # SmolLM2's "</": the model never closes the think block itself
+# SmolLM2's "</" and its end of turn: the model never closes the think block itself, nor ends the answer inside it
+NO_CLOSE = ("--logit-bias", "9617=-inf", "--logit-bias", "2=-inf")
 
 
 def test_a_think_budget_closes_the_block_and_the_answer_follows_in_run_the_warm_run_and_serve(tmp_path):
@@ -196,7 +197,7 @@ def test_a_think_budget_closes_the_block_and_the_answer_follows_in_run_the_warm_
     try:
         body = {"max_tokens": 30, "temperature": 0, "messages": [{"role": "user", "content": "Say hi"}]}
         openai = HTTP.post(f"{url}/v1/chat/completions", timeout=60,
-                             json={**body, "think_budget": 8, "logit_bias": {"9617": -100}}).json()
+                             json={**body, "think_budget": 8, "logit_bias": {"9617": -100, "2": -100}}).json()
         anthropic = HTTP.post(f"{url}/v1/messages", timeout=60, json={
             **body, "thinking": {"type": "enabled", "budget_tokens": 8}}).json()
     finally:
