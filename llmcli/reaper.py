@@ -110,10 +110,12 @@ def main(argv: list[str]) -> int:
     if not sys.platform.startswith("linux"):
         os.execvp(program[0], program)
     stopping: list[int] = []
+    waiting = [True]  # raising _Stop only breaks the wait: once it is over, a late signal must not skip end_tree
 
     def stop(signum: int, frame: object) -> None:
         stopping.append(signum)
-        raise _Stop
+        if waiting[0]:
+            raise _Stop
 
     signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     for signum in signals:
@@ -139,8 +141,9 @@ def main(argv: list[str]) -> int:
                 break
             if pid == child.pid:
                 status = os.waitstatus_to_exitcode(code)
+        waiting[0] = False
     except _Stop:
-        pass
+        waiting[0] = False
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)  # ending the tree is not to be cut short
     end_tree(os.getpid())

@@ -448,7 +448,21 @@ def test_an_mcp_server_s_children_never_outlive_llmcli(tmp_path, ending):
     deadline = time.monotonic() + 10
     while any(reaper.alive(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [pid for pid in started if reaper.alive(pid)], f"outlived llmcli ({ending})"
+    assert not [pid for pid in started if reaper.alive(pid)], f"outlived llmcli ({ending}): {_states(started)}"
+
+
+def _states(pids: list[int]) -> list[str]:
+    """Each process's state, parent and command line (what a failure needs to be understood)."""
+    found = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            parent = Path(f"/proc/{stat[1]}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{pid} {stat[0]} [{command.strip()}] parent {stat[1]} [{parent.strip()}]")
+        except OSError as exc:
+            found.append(f"{pid}: {exc}")
+    return found
 
 
 def test_an_mcp_server_s_garbage_and_failure_are_one_notice_each(tmp_path):
