@@ -291,9 +291,7 @@ BOMBS = {
 def test_template_memory_bombs_stop_with_one_line_and_no_memory(name):
     from llmcli.answer.message import Message
     from llmcli.errors import TemplateError
-    from llmcli.prompt.chat_template import ChatTemplate
-
-    from llmcli.prompt.chat_template import _compiled
+    from llmcli.prompt.chat_template import ChatTemplate, _compiled
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     for _ in range(2):  # the second from the template compiled once: its rendering is bounded again
