@@ -110,11 +110,12 @@ def main(argv: list[str]) -> int:
     if not sys.platform.startswith("linux"):
         os.execvp(program[0], program)
     stopping: list[int] = []
-    waiting = [True]  # raising _Stop only breaks the wait: once it is over, a late signal must not skip end_tree
+    waiting = [True]  # _Stop breaks the wait, once: a signal after that (a second one) must not skip end_tree
 
     def stop(signum: int, frame: object) -> None:
         stopping.append(signum)
         if waiting[0]:
+            waiting[0] = False
             raise _Stop
 
     signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -143,7 +144,7 @@ def main(argv: list[str]) -> int:
                 status = os.waitstatus_to_exitcode(code)
         waiting[0] = False
     except _Stop:
-        waiting[0] = False
+        pass
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)  # ending the tree is not to be cut short
     end_tree(os.getpid())
