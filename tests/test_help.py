@@ -3,9 +3,11 @@ an option's choices, and the install hints of the extras."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import run_cli
 
 
@@ -81,3 +83,27 @@ def test_extra_hints_follow_how_llmcli_was_installed(monkeypatch, tmp_path):
     (tmp_path / "pipx_metadata.json").write_text("{}")  # what pipx writes beside each app's venv
     assert hints.install_hint("serve").startswith("pipx inject llmcli 'starlette>=")
     assert "uvicorn" in hints.install_hint("serve")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["bench", "--help"], ["config", "show", "--help"],
+                                  ["ps", "--help"], ["logs", "--help"]])
+def test_help_imports_neither_llama_cpp_nor_the_hub_nor_the_other_commands(args):
+    """A command loads its own module alone (`llmcli ps` does not load bench, serve or the answer path), and help
+    loads no llama.cpp, Hub or numpy."""
+    code = (
+        "import sys\n"
+        f"sys.argv = ['llmcli', *{args!r}]\n"
+        "from llmcli.cli import _COMMANDS, main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('llama_cpp', 'huggingface_hub', 'numpy') if m in sys.modules]\n"
+        "commands = sorted({m for m, _, _ in _COMMANDS.values() if 'llmcli.cli.' + m in sys.modules})\n"
+        "sys.stderr.write('HEAVY=' + ','.join(heavy) + ' COMMANDS=' + ','.join(commands))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "Usage:" in proc.stdout
+    heavy, commands = proc.stderr.strip().rsplit("\n", 1)[-1].split(" ")
+    assert heavy == "HEAVY=", proc.stderr
+    from llmcli.cli import _COMMANDS
+
+    own = {_COMMANDS[args[0]][0]} if args[0] in _COMMANDS else {m for m, _, _ in _COMMANDS.values()}
+    assert commands == "COMMANDS=" + ",".join(sorted(own))

@@ -230,12 +230,3 @@ def prune() -> None:
     for path in removed:
         console.print(f"removed {path}")
     console.print(f"{counted(len(removed), 'partial file')} removed")
-
-
-def register(app: typer.Typer) -> None:
-    from llmcli.cli.help import EXAMPLES, SHORT_HELP, PanelledCommand
-
-    for name, command in (("pull", pull), ("list", list_models), ("show", show), ("rm", rm), ("verify", verify),
-                          ("prune", prune)):
-        app.command(name, cls=PanelledCommand, short_help=SHORT_HELP[name], epilog=EXAMPLES[name])(command)
-
