@@ -533,11 +533,12 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def start_server(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes] | Forked, str]:
-    """`llmcli serve` on a free port (one llama.cpp thread: tests run two at a time); (process, base URL) once it
-    listens."""
+def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+                 ) -> tuple[subprocess.Popen[bytes] | Forked, str]:
+    """`llmcli serve` on a free port (one llama.cpp thread: tests run two at a time, unless `env` says otherwise);
+    (process, base URL) once it listens."""
     env = {**os.environ, "LLMCLI_THREADS": "1", "LLMCLI_DATA_DIR": str(tmp_path / "data"),
-           "LLMCLI_CACHE_DIR": str(tmp_path / "cache"), "XDG_CONFIG_HOME": str(tmp_path / "config")}
+           "LLMCLI_CACHE_DIR": str(tmp_path / "cache"), "XDG_CONFIG_HOME": str(tmp_path / "config"), **(env or {})}
     path = tmp_path / f"serve-{time.monotonic_ns()}.log"
     log = path.open("w+b")
     proc: subprocess.Popen[bytes] | Forked

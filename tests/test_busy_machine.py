@@ -11,7 +11,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from conftest import run_cli
+from conftest import HTTP, run_cli, start_server, stop_server
 
 from llmcli.llama import cpu_load
 
@@ -48,9 +48,55 @@ def test_other_processes_time_is_counted_and_this_one_s_is_not(tmp_path, monkeyp
     assert load.free_cores(1) == 1 and load.free_cores(2) == 1
 
 
-def test_a_run_beside_a_busy_core_decodes_on_the_core_left_and_t_is_obeyed(smollm2):
-    """A spinning process pinned to one of two CPUs this run may use: the default ends on one thread (two threads
-    would wait on the shared core at every pass); -t 2 keeps two."""
+def test_a_first_pass_waits_for_a_reading_and_a_core_is_taken_only_if_held_and_another_thread_runs_now(tmp_path, monkeypatch):
+    stat, loadavg, tasks, clock, slept = tmp_path / "stat", tmp_path / "loadavg", tmp_path / "task", [100.0], []
+
+    def reading(busy: int, running: int, own: str = "R") -> None:  # busy ticks on each of 2 CPUs; threads runnable
+        stat.write_text(f"cpu  {2 * busy} 0 0 9 0 0 0 0 0 0\n" + "".join(
+            f"cpu{n} {busy} 0 0 9 0 0 0 0 0 0\n" for n in range(2)) + "intr 0\n")
+        loadavg.write_text(f"1.00 1.00 1.00 {running}/300 4242\n")
+        for tid, state in enumerate(own):  # this process's threads, the reading one (R) first
+            (tasks / str(tid)).mkdir(parents=True, exist_ok=True)
+            (tasks / str(tid) / "stat").write_text(f"{tid} (a (tricky) name) {state} 1 1 1\n")
+
+    def sleep(seconds: float) -> None:
+        slept.append(round(seconds, 3))
+        clock[0] += seconds
+
+    for name, value in (("STAT_FILE", str(stat)), ("LOADAVG_FILE", str(loadavg)), ("TASKS_DIR", str(tasks)),
+                        ("TICK_S", 0.01), ("_own_seconds", lambda: 0.0), ("_affinity", lambda: {0, 1}),
+                        ("time", SimpleNamespace(monotonic=lambda: clock[0], sleep=sleep))):
+        monkeypatch.setattr(cpu_load, name, value)
+    monkeypatch.setattr(cpu_load, "_start", None)
+    reading(0, 1)
+    cpu_load.mark_start()  # (the CLI, as the process starts)
+    clock[0] = 100.05
+    load = cpu_load.CpuLoad()  # the model loaded in 0.05 s: the window began at the process's start
+    reading(20, 2)  # 0.4 s of CPU on 2 CPUs in 0.2 s, not this process's; one other thread runs now
+    assert load.free_cores(2, 0.2, starting=True) == 1 and slept == [0.15]  # the rest of the first window, once
+    clock[0] += 0.5
+    reading(70, 1)  # both cores busy all the window (a warm run starting up), but no other thread runs now
+    assert load.free_cores(2, 0.2, starting=True) == 2 and load.others == 0 and slept == [0.15]
+    clock[0] += 0.1
+    reading(80, 1)  # the next window begins at the decision: 0.1 s later there is no reading yet, the decision holds
+    assert load.free_cores(2, 0.2) == 2
+    clock[0] += 0.5
+    reading(130, 3, "RR")  # this process's event loop runs too: one other thread, not two
+    assert load.free_cores(2, 0.2, starting=True) == 1
+    for busy in (130, 130, 180):  # idle readings (a server's): two quiet windows, then a burst of both cores
+        clock[0] += 0.5
+        reading(busy, 2)
+        load.update(0.2)
+    assert load.free_cores(2, 0.2, starting=True) == 2  # one busy window of the last three: not a core held
+    monkeypatch.setattr(cpu_load, "_start", (os.getpid() + 1, frozenset({0, 1}), (1.0, 0.0, 0.0)))
+    assert cpu_load.CpuLoad()._mark == (clock[0], 3.6, 0.0)  # a parent's mark is not a forked child's
+
+
+def test_a_run_beside_a_busy_core_decodes_on_the_core_left_and_t_is_obeyed(smollm2, tmp_path):
+    """A spinning process pinned to one of two CPUs this run may use: the default evaluates the prompt and decodes on
+    one thread (two threads would wait on the shared core at every pass); -t 2 keeps two. So does a server's first
+    answer (its model loaded in a fraction of the first window: a warm server's first prompt ran on both cores at
+    11 tok/s instead of 120)."""
     cpus = sorted(os.sched_getaffinity(0))[:2]
     if len(cpus) < 2:
         pytest.skip("needs two CPUs")
@@ -62,13 +108,22 @@ def test_a_run_beside_a_busy_core_decodes_on_the_core_left_and_t_is_obeyed(smoll
         args = ["run", "-m", str(smollm2), "--json", "--temp", "0", "-n", "48", "--grammar", 'root ::= ([a-z] " "){40}',
                 "Count."]
         chosen = run_cli(*args, env={"LLMCLI_THREADS": ""})
-        fixed = run_cli(*args, "-t", "2", "-n", "4", env={"LLMCLI_THREADS": ""})  # (slow beside the spinner: short)
+        # (two threads beside the spinner wait on it at every pass: 32 prompt tokens took 12 s under the suite; raw, 3)
+        fixed = run_cli("run", "-m", str(smollm2), "--json", "--raw", "-t", "2", "-n", "1", "Count.",
+                        env={"LLMCLI_THREADS": ""})
+        server, url = start_server(tmp_path, "-m", str(smollm2), env={"LLMCLI_THREADS": ""})
+        try:
+            served = HTTP.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": "smollm2", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Count."}]})
+        finally:
+            stop_server(server)
     finally:
         os.sched_setaffinity(0, mine)
         spinner.kill()
         spinner.wait()
     assert chosen.code == 0 and fixed.code == 0, chosen.stderr + fixed.stderr
-    assert json.loads(chosen.stdout)["timings"]["threads"] == 1
+    assert json.loads(chosen.stdout)["timings"]["threads"] == json.loads(chosen.stdout)["timings"]["prefill_threads"] == 1
+    assert served.status_code == 200 and served.json()["timings"]["prefill_threads"] == 1, served.text
     assert chosen.stderr.count("other processes kept about") == 1 and "decoding used 1 thread " in chosen.stderr
     assert "other processes kept" not in fixed.stderr  # (-t given: nothing was cut)
     assert json.loads(fixed.stdout)["timings"]["threads"] == 2

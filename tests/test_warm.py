@@ -103,6 +103,7 @@ def test_run_chat_and_embed_are_warm_by_default_and_keep_alive_0_answers_in_this
     assert again.code == 0 and "stays loaded" not in again.stderr  # said once
     record = json.loads(again.stdout)
     assert record["timings"]["warm"] is True and record["timings"]["load_s"] == 0
+    assert record["timings"]["threads"] == record["timings"]["prefill_threads"] == 1  # the server's (LLMCLI_THREADS)
     assert record["text"] == first.stdout.rstrip("\n")
     assert run_cli("run", "-m", "smollm2", "-n", "2", PROMPT, env=default).stderr.splitlines()[-1].startswith("warm · ")
     imported = subprocess.run([sys.executable, "-X", "importtime", "-m", "llmcli", "run", "-m", "smollm2", "-n", "1",

@@ -263,12 +263,14 @@ class ChunkReader:
         cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
         completion = int(self.usage.get("completion_tokens") or self.pieces)
         self.clock.prefill_done = self.clock.first_token
-        server = self.server_timings  # llmcli serve's own record: the images it read
+        server = self.server_timings  # llmcli serve's own record: the images it read, its threads
         self.clock.images, self.clock.images_encoded = _count(server, "images"), _count(server, "images_encoded")
         image_s = server.get("image_s")
         self.clock.image_s = float(image_s) if isinstance(image_s, (int, float)) and image_s >= 0 else 0.0
         stats = self.clock.stats(prompt_tokens=prompt, cached_tokens=cached, prefill_tokens=max(0, prompt - cached),
-                                 completion_tokens=completion, decode_steps=max(0, completion - 1))
+                                 completion_tokens=completion, decode_steps=max(0, completion - 1),
+                                 threads=_count(server, "threads") or None,
+                                 prefill_threads=_count(server, "prefill_threads") or None)
         own = self.server_timings.get("finish_reason")  # llmcli serve says why, in llmcli's words
         finish = ("interrupted" if interrupted else "stop_sequence" if self.stop is not None
                   else own if isinstance(own, str) and own else self.finish or "stop")

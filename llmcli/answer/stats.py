@@ -24,6 +24,7 @@ class Stats:
     total_s: float  # request -> done
     seed: int | None = None
     threads: int | None = None  # llama.cpp threads at the end (shared with other llmcli processes unless --threads)
+    prefill_threads: int | None = None  # ... when the prompt's evaluation began (None: nothing was evaluated)
     restored_tokens: int = 0  # of the cached ones, loaded from the prompt cache on disk for this answer
     restore_s: float = 0.0  # finding, checking and loading that saved state (part of the TTFT)
     draft_tokens: int = 0  # speculative decoding: tokens drafted and verified
@@ -56,6 +57,7 @@ class Stats:
             ttft_s=self.ttft_s, completion_tokens=self.completion_tokens + later.completion_tokens,
             decode_steps=self.decode_steps + later.decode_steps, decode_s=self.decode_s + later.decode_s,
             total_s=self.total_s + later.total_s, seed=later.seed, threads=later.threads,
+            prefill_threads=self.prefill_threads if self.prefill_threads is not None else later.prefill_threads,
             restored_tokens=self.restored_tokens + later.restored_tokens, restore_s=self.restore_s + later.restore_s,
             draft_tokens=self.draft_tokens + later.draft_tokens, accepted_tokens=self.accepted_tokens + later.accepted_tokens,
             reasoning_tokens=self.reasoning_tokens + later.reasoning_tokens, warm=self.warm,
@@ -97,8 +99,9 @@ class AnswerClock:
         self.last_token = now
 
     def stats(self, *, prompt_tokens: int, cached_tokens: int = 0, prefill_tokens: int = 0, completion_tokens: int = 0,
-              decode_steps: int = 0, seed: int | None = None, threads: int | None = None, draft_tokens: int = 0,
-              accepted_tokens: int = 0, reasoning_tokens: int = 0) -> Stats:
+              decode_steps: int = 0, seed: int | None = None, threads: int | None = None,
+              prefill_threads: int | None = None, draft_tokens: int = 0, accepted_tokens: int = 0,
+              reasoning_tokens: int = 0) -> Stats:
         now = time.perf_counter()
         first = self.first_token or now
         prefill_end = self.prefill_done or first
@@ -108,7 +111,8 @@ class AnswerClock:
             prefill_s=prefill_end - self.prefill_started if self.prefill_started is not None else 0.0,
             ttft_s=(self.first_text or first) - self.submitted, completion_tokens=completion_tokens,
             decode_steps=decode_steps, decode_s=(self.last_token or first) - first if decode_steps else 0.0,
-            total_s=now - self.submitted, seed=seed, threads=threads, draft_tokens=draft_tokens,
+            total_s=now - self.submitted, seed=seed, threads=threads, prefill_threads=prefill_threads,
+            draft_tokens=draft_tokens,
             accepted_tokens=accepted_tokens, reasoning_tokens=reasoning_tokens, images=self.images,
             images_encoded=self.images_encoded, image_s=self.image_s,
         )

@@ -12,6 +12,7 @@ import typer
 
 from llmcli import __version__, paths
 from llmcli.errors import ExitCode, LlmcliError, StdoutClosed, Terminated
+from llmcli.llama import cpu_load
 
 app = typer.Typer(
     name="llmcli",
@@ -83,6 +84,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 def main() -> None:
     """Entry point: run the app; turn every known failure into one `Error:` line and an exit code."""
+    cpu_load.mark_start()  # the first window of what other processes take begins here (the default --threads)
     signal.signal(signal.SIGTERM, _on_sigterm)  # generation installs its own graceful handler
     completing = any(name.endswith("_COMPLETE") for name in os.environ)  # (the shell's completion asks for them all)
     _register(sys.argv[1] if len(sys.argv) > 1 and not completing else None)

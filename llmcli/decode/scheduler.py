@@ -121,6 +121,7 @@ class Scheduler:
             prompt_tokens=len(slot.prompt), cached_tokens=slot.cached, prefill_tokens=slot.prefilled - slot.cached,
             completion_tokens=slot.answer.n_out, decode_steps=max(0, slot.sampled - 1),
             seed=None if slot.options.sampling.greedy else slot.sampler.seed, threads=self.engine.n_threads,
+            prefill_threads=slot.prefill_threads,
             draft_tokens=slot.drafted, accepted_tokens=slot.accepted, reasoning_tokens=slot.answer.thought_tokens)
         events.append((slot, slot.answer.done(reason, stats)))
         slot.sampler.close()
@@ -221,6 +222,8 @@ class Scheduler:
         for chunk in plan.prompt_chunks:
             slot = chunk.slot
             slot.prefilled = chunk.end
+            if slot.prefill_threads is None:
+                slot.prefill_threads = engine.n_threads  # (the pass's: adapt_threads comes after it)
             self.totals.prefill_tokens += chunk.end - chunk.begin
             if slot.prefilled == len(slot.prompt):
                 slot.clock.prefill_done = now

@@ -148,7 +148,8 @@ class SlotServer:
                             if busy:
                                 busy_period.close()  # idle: other llmcli processes may use every core
                                 busy = False
-                            self._wake.wait()
+                            if not self._wake.wait(engine.load_read_s):
+                                engine.read_load()  # idle: the next busy period's first pass is decided on now
                         if self._stopping and not scheduler.busy:
                             self.deliver([(job, _cancelled(job)) for job in self.waiting])
                             self.waiting.clear()

@@ -39,6 +39,7 @@ class Slot:
     finished: bool = False
     forced: list[int] = field(default_factory=list)  # tokens the loop writes next, unsampled (a think block's close)
     thinking_closed: bool = False  # its think block was closed at --think-budget
+    prefill_threads: int | None = None  # llama.cpp threads its first prompt chunk was evaluated on
 
     @property
     def pos(self) -> int:

@@ -72,17 +72,24 @@ class CoreShare:
             finally:
                 os.close(handle)
 
-    def threads(self, now: float | None = None, window_s: float = WINDOW_S) -> int:
+    def threads(self, now: float | None = None, window_s: float = WINDOW_S, starting: bool = False) -> int:
         """This process's share of the cores now: of the other llmcli processes' and of what any process leaves free
-        (read over at least `window_s`); the next look is due RECHECK_S later."""
+        (read over at least `window_s`; `starting`: before a first pass, see CpuLoad.free_cores); the next look is
+        due RECHECK_S later."""
         self.due = (time.perf_counter() if now is None else now) + RECHECK_S
         shared = max(1, self.cores // (1 + len(self._others())))
         if self.load is None:
             return shared
-        free = self.load.free_cores(self.cores, window_s)
+        free = self.load.free_cores(self.cores, window_s, starting)
         if free < shared:
             self.squeezed = (self.load.others, free)
         return min(shared, free)
+
+    def read_load(self) -> None:
+        """While idle (a server between answers): read what the others take, so that the next answer's first pass
+        is decided on the last window, not on an average over the whole idle time."""
+        if self.load is not None:
+            self.load.update()
 
     def wait_for_room(self, threads: int) -> None:
         """Before computing: wait until the others' threads and these fit the cores (they adapt within

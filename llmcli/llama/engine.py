@@ -27,7 +27,7 @@ from llmcli.errors import LlmcliError, ResourceError, UsageError
 from llmcli.interrupt import Cancellation
 from llmcli.llama.batch import Batch
 from llmcli.llama.core_share import CoreShare
-from llmcli.llama.cpu_load import CpuLoad
+from llmcli.llama.cpu_load import WINDOW_S, CpuLoad
 from llmcli.llama.cpu_topology import physical_cores
 from llmcli.llama.engine_config import CELL_PADDING, FLASH_ATTN, KV_TYPES, POOLING, EngineConfig, default_context
 from llmcli.llama.kv_cache import KVCache
@@ -39,7 +39,7 @@ from llmcli.llama.weights import load_weights
 from llmcli.store.gguf_header import GGUFHeader, read_header
 from llmcli.store.projector import Projector, check_projector, read_projector
 
-FIRST_WINDOW_S = 0.2  # the load is read for what other processes take, if it lasted this long (10 ms ticks)
+FIRST_WINDOW_S = 0.2  # the first reading of what other processes take covers at least this (10 ms ticks)
 
 
 class Engine:
@@ -76,7 +76,7 @@ class Engine:
         self._share = CoreShare(threads, load) if load is not None else None  # --threads given: fixed
         self._busy_said = False  # the notice that other processes cut the thread count: said once
         if self._share is not None:  # about to compute: peers that start now see this one before they prefill
-            self._share.register(self._share.threads(window_s=FIRST_WINDOW_S))  # (the load's time: a first reading)
+            self._share.register(self._share.threads(window_s=FIRST_WINDOW_S, starting=True))  # (cpu_load.mark_start)
         self.vocab = Vocabulary(llama_cpp.llama_model_get_vocab(self._model))
         self._abort = llama_cpp.ggml_abort_callback(lambda _: bool(self.cancel))  # referenced while installed
         self._one = (llama_cpp.llama_token * 1)()  # the token of a 1-token pass
@@ -193,7 +193,7 @@ class Engine:
             yield
             return
         share = self._share
-        threads = share.threads()
+        threads = share.threads(starting=True)
         share.register(threads)
         share.wait_for_room(threads)
         try:
@@ -213,6 +213,16 @@ class Engine:
         return (f"other processes kept about {others:.1f} of this machine's {share.cores} cores busy: decoding used "
                 f"{left} thread{'' if left == 1 else 's'} (the fastest while they run; it takes the cores back once they "
                 "are free, and -t N fixes the count)")
+
+    @property
+    def load_read_s(self) -> float | None:
+        """While idle, how often to `read_load` (None: --threads fixed the count, nothing to read)."""
+        return WINDOW_S if self._share is not None else None
+
+    def read_load(self) -> None:
+        """Idle: read what other processes take now, for the next answer's first pass (see CoreShare.read_load)."""
+        if self._share is not None:
+            self._share.read_load()
 
     def adapt_threads(self, now: float) -> None:
         """Between decode steps: take this process's share of the cores again, when a look is due."""
