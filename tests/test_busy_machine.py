@@ -129,19 +129,21 @@ def test_a_run_beside_a_busy_core_decodes_on_the_core_left_and_t_is_obeyed(smoll
     assert json.loads(fixed.stdout)["timings"]["threads"] == 2
 
 
-def _threads_used(*prefix: str, env: dict[str, str] | None = None) -> int:
-    proc = subprocess.run([*prefix, sys.executable, "-m", "llmcli", "run", "--json", "-q", "-n", "2", "hi"],
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
-                          env={**os.environ, "LLMCLI_THREADS": "", **(env or {})})
-    assert proc.returncode == 0, proc.stderr
-    return int(json.loads(proc.stdout)["timings"]["threads"])
+def _threads_used(env: dict[str, str] | None = None) -> int:
+    result = run_cli("run", "--json", "-q", "-n", "2", "hi", env={"LLMCLI_THREADS": "", **(env or {})})
+    assert result.code == 0, result.stderr
+    return int(json.loads(result.stdout)["timings"]["threads"])
 
 
 def test_threads_follow_the_cpu_affinity():
     from llmcli.llama.cpu_topology import physical_cores
 
     assert 1 <= _threads_used() <= physical_cores()  # every core it may use, less those other processes keep busy
-    assert _threads_used("taskset", "-c", "0") == 1  # pinned to one CPU: one thread
+    pinned = subprocess.run(["taskset", "-c", "0", sys.executable, "-m", "llmcli", "run", "--json", "-q", "-n", "2",
+                             "hi"], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
+                            env={**os.environ, "LLMCLI_THREADS": ""})  # (a new process: its own view of the CPUs)
+    assert pinned.returncode == 0, pinned.stderr
+    assert json.loads(pinned.stdout)["timings"]["threads"] == 1  # pinned to one CPU: one thread
 
 
 def test_a_generating_llmcli_takes_its_share_of_the_cores(isolated_env):
