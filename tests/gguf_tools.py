@@ -9,8 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from gguf import GGUFReader
-
 
 def _string(value: str) -> bytes:
     data = value.encode("utf-8")
@@ -33,26 +31,71 @@ def _value(value: str | float | int) -> bytes:
 
 @dataclass(frozen=True)
 class _Layout:
-    """Where a GGUF file's parts lie: its key/value entries (bytes, by key), its tensor infos (bytes), the data."""
+    """Where a GGUF file's parts lie: its key/value entries (bytes, by key), its tensor infos (bytes, in order), each
+    tensor's data (offset from the data section, bytes to the next tensor's or to the end), the data section."""
 
     entries: dict[str, bytes]
-    n_tensors: int
-    tensor_infos: bytes
+    tensors: list[tuple[bytes, int, int]]  # (info, data offset, data bytes)
     alignment: int
     data_offset: int
+
+    @property
+    def n_tensors(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def tensor_infos(self) -> bytes:
+        return b"".join(info for info, _, _ in self.tensors)
+
+
+_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF's scalar types: bytes each
+_STRING, _ARRAY = 8, 9
+
+
+def _past(buf: bytes, pos: int, type_id: int) -> int:
+    """Where the value of type `type_id` at `pos` ends (a test's own walk of the format: files here are trusted)."""
+    if type_id in _FIXED:
+        return pos + _FIXED[type_id]
+    if type_id == _STRING:
+        return pos + 8 + struct.unpack_from("<Q", buf, pos)[0]
+    if type_id == _ARRAY:
+        item, count = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if item in _FIXED:
+            return pos + count * _FIXED[item]
+        for _ in range(count):
+            pos = _past(buf, pos, item)
+        return pos
+    raise ValueError(f"GGUF value type {type_id}")
 
 
 @functools.lru_cache(maxsize=8)
 def _layout(src: Path, mtime_ns: int) -> _Layout:
-    """Read once per file and process (gguf's reader takes ~2.4 s on SmolLM2's 49k-token vocabulary)."""
-    reader = GGUFReader(src)
+    """Read once per file and process (a walk of the header: ~0.1 s on SmolLM2's 49k-token vocabulary, where gguf's
+    numpy reader took ~2.4 s)."""
     with src.open("rb") as handle:
-        head = handle.read(reader.data_offset)
-    entries = {name: head[field.offset : field.offset + sum(part.nbytes for part in field.parts)]
-               for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-    first, last = reader.tensors[0].field, reader.tensors[-1].field
-    infos = head[first.offset : last.offset + sum(part.nbytes for part in last.parts)]
-    return _Layout(entries, len(reader.tensors), infos, reader.alignment, reader.data_offset)
+        buf = handle.read(64 << 20)  # (the header: the metadata and tensor infos, well under 64 MiB here)
+    n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
+    pos, entries, alignment = 24, {}, 32
+    for _ in range(n_kv):
+        start, length = pos, struct.unpack_from("<Q", buf, pos)[0]
+        key = buf[pos + 8 : pos + 8 + length].decode()
+        type_id = struct.unpack_from("<I", buf, pos + 8 + length)[0]
+        pos = _past(buf, pos + 12 + length, type_id)
+        entries[key] = buf[start:pos]
+        if key == "general.alignment":
+            alignment = struct.unpack_from("<I", buf, pos - 4)[0]
+    infos = []
+    for _ in range(n_tensors):
+        start = pos
+        pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+        n_dims = struct.unpack_from("<I", buf, pos)[0]
+        pos += 4 + 8 * n_dims + 4 + 8
+        infos.append((buf[start:pos], struct.unpack_from("<Q", buf, pos - 8)[0]))
+    data_offset = pos + (-pos % alignment)
+    ends = sorted(offset for _, offset in infos)[1:] + [src.stat().st_size - data_offset]
+    size = dict(zip(sorted(offset for _, offset in infos), ends, strict=True))
+    return _Layout(entries, [(info, offset, size[offset] - offset) for info, offset in infos], alignment, data_offset)
 
 
 def rewrite_metadata(
@@ -85,40 +128,33 @@ def copy_range(source: BinaryIO, target: BinaryIO, begin: int, end: int, at: int
 def split_gguf(src: Path, out_dir: Path, stem: str, parts: int) -> list[Path]:
     """Split `src` into `parts` shards named STEM-0000i-of-0000n.gguf, as llama.cpp's gguf-split does:
     shard 1 keeps all metadata, every shard carries split.no / split.count / split.tensors.count."""
-    reader = GGUFReader(src)
-    raw = src.read_bytes()
-    alignment = reader.alignment
-    tensors = list(reader.tensors)
+    layout = _layout(src, src.stat().st_mtime_ns)
+    tensors = layout.tensors
     per_part = -(-len(tensors) // parts)
-    kv_all = [
-        raw[f.offset : f.offset + sum(p.nbytes for p in f.parts)]
-        for name, f in reader.fields.items()
-        if not name.startswith("GGUF.")
-    ]
     paths = []
-    for index in range(parts):
-        chunk = tensors[index * per_part : (index + 1) * per_part]
-        split_kv = [
-            _string("split.no") + struct.pack("<IH", 2, index),
-            _string("split.count") + struct.pack("<IH", 2, parts),
-            _string("split.tensors.count") + struct.pack("<Ii", 5, len(tensors)),
-        ]
-        kvs = (kv_all if index == 0 else []) + split_kv
-        infos, data, offset = [], [], 0
-        for tensor in chunk:
-            field = tensor.field
-            info = bytearray(raw[field.offset : field.offset + sum(p.nbytes for p in field.parts)])
-            info[-8:] = struct.pack("<Q", offset)
-            infos.append(bytes(info))
-            blob = raw[tensor.data_offset : tensor.data_offset + tensor.n_bytes]  # data_offset is absolute
-            padding = b"\0" * (-len(blob) % alignment)
-            data.append(blob + padding)
-            offset += len(blob) + len(padding)
-        body = b"GGUF" + struct.pack("<IQQ", 3, len(chunk), len(kvs)) + b"".join(kvs) + b"".join(infos)
-        body += b"\0" * (-len(body) % alignment)
-        path = out_dir / f"{stem}-{index + 1:05d}-of-{parts:05d}.gguf"
-        path.write_bytes(body + b"".join(data))
-        paths.append(path)
+    with src.open("rb") as source:
+        for index in range(parts):
+            chunk = tensors[index * per_part : (index + 1) * per_part]
+            split_kv = [
+                _string("split.no") + struct.pack("<IH", 2, index),
+                _string("split.count") + struct.pack("<IH", 2, parts),
+                _string("split.tensors.count") + struct.pack("<Ii", 5, len(tensors)),
+            ]
+            kvs = (list(layout.entries.values()) if index == 0 else []) + split_kv
+            infos, spans, offset = [], [], 0
+            for info, begin, n_bytes in chunk:  # each tensor's data (and its padding) at its offset in this shard
+                infos.append(info[:-8] + struct.pack("<Q", offset))
+                spans.append((layout.data_offset + begin, n_bytes, offset))
+                offset += n_bytes + (-n_bytes % layout.alignment)
+            body = b"GGUF" + struct.pack("<IQQ", 3, len(chunk), len(kvs)) + b"".join(kvs) + b"".join(infos)
+            body += b"\0" * (-len(body) % layout.alignment)
+            path = out_dir / f"{stem}-{index + 1:05d}-of-{parts:05d}.gguf"
+            with path.open("wb") as out:
+                out.write(body)
+                for begin, n_bytes, at in spans:
+                    copy_range(source, out, begin, begin + n_bytes, len(body) + at)
+                out.truncate(len(body) + offset)  # (the last tensor's padding, as zeros)
+            paths.append(path)
     return paths
 
 
