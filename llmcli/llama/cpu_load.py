@@ -148,8 +148,7 @@ class CpuLoad:
         computes, not what came before."""
         others = self.first(minimum_s) if starting else self.update(minimum_s)
         if starting:
-            running = _running_others()
-            others = min(self.recent, default=others)
+            others, running = min(self.recent, default=others), _running_others()
             self.others = others = others if running is None else min(others, float(running))
             if self.read:
                 self._mark = self._sample() or self._mark
