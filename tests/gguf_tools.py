@@ -93,9 +93,9 @@ def _layout(src: Path, mtime_ns: int) -> _Layout:
         pos += 4 + 8 * n_dims + 4 + 8
         infos.append((buf[start:pos], struct.unpack_from("<Q", buf, pos - 8)[0]))
     data_offset = pos + (-pos % alignment)
-    ends = sorted(offset for _, offset in infos)[1:] + [src.stat().st_size - data_offset]
-    size = dict(zip(sorted(offset for _, offset in infos), ends, strict=True))
-    return _Layout(entries, [(info, offset, size[offset] - offset) for info, offset in infos], alignment, data_offset)
+    offsets = sorted(offset for _, offset in infos)
+    end = dict(zip(offsets, [*offsets[1:], src.stat().st_size - data_offset], strict=True))  # the next tensor's start
+    return _Layout(entries, [(info, offset, end[offset] - offset) for info, offset in infos], alignment, data_offset)
 
 
 def rewrite_metadata(

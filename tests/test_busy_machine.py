@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -55,6 +56,7 @@ def test_a_first_pass_waits_for_a_reading_and_a_core_is_taken_only_if_held_and_a
         stat.write_text(f"cpu  {2 * busy} 0 0 9 0 0 0 0 0 0\n" + "".join(
             f"cpu{n} {busy} 0 0 9 0 0 0 0 0 0\n" for n in range(2)) + "intr 0\n")
         loadavg.write_text(f"1.00 1.00 1.00 {running}/300 4242\n")
+        shutil.rmtree(tasks, ignore_errors=True)  # (a thread of an earlier reading is gone)
         for tid, state in enumerate(own):  # this process's threads, the reading one (R) first
             (tasks / str(tid)).mkdir(parents=True, exist_ok=True)
             (tasks / str(tid) / "stat").write_text(f"{tid} (a (tricky) name) {state} 1 1 1\n")
