@@ -132,6 +132,21 @@ def test_only_the_new_turn_is_prefilled_over_eight_turns():
     assert records[-1]["usage"]["prompt_tokens"] > 8 * 16  # while the history itself kept growing
 
 
+def test_the_kv_cache_is_sized_to_the_turns_and_grows_keeping_the_conversation():
+    """run and chat make the KV cache their work needs (the prompt and -n's room; 512 cells at least), not the whole
+    context: a turn that needs more grows it, the conversation copied as it is (reused, never evaluated again)."""
+    first = run_cli("run", "--json", "-n", "2", "--grammar", 'root ::= "OK"', "One.")
+    assert first.code == 0, first.stderr
+    assert json.loads(first.stdout)["timings"]["kv_cells"] == 512  # of the context's 4096
+    room = 511 - json.loads(first.stdout)["usage"]["prompt_tokens"]  # the first turn's prompt and room: 511 cells
+    records = chat_lines("--temp", "0", "-n", str(room), "--grammar", 'root ::= "OK"', messages=["One.", "Two."])
+    assert [r["text"] for r in records] == ["OK", "OK"]
+    assert [r["timings"]["kv_cells"] for r in records] == [512, 1024]  # the second turn needs > 512: twice as many
+    before, after = records
+    assert after["usage"]["cached_tokens"] >= before["usage"]["prompt_tokens"]  # (the forced reply's tokens may differ)
+    assert after["timings"]["prefill_tokens"] == after["usage"]["prompt_tokens"] - after["usage"]["cached_tokens"] < 20
+
+
 def test_long_conversation_in_a_small_context_drops_old_turns():
     messages = [f"Write two sentences about the city number {n}." for n in range(6)]
     result = run_cli("chat", "-c", "256", "--temp", "0", "-n", "40", "-q", "--json", input="\n".join(messages) + "\n")

@@ -21,6 +21,7 @@ from llmcli.decode.step_plan import Slot
 class FakeKv:
     calls: list[tuple[Any, ...]] = field(default_factory=list)
     checkpoints: dict[int, Any] = field(default_factory=dict)
+    n_ctx: int = 1024  # cells each sequence has
 
     def keep_prefix(self, prompt: list[int], seq: int, at_least: int) -> int:
         self.calls.append(("keep_prefix", seq))
@@ -68,14 +69,16 @@ class FakeEngine:
     config: FakeConfig = field(default_factory=FakeConfig)
     kv: FakeKv = field(default_factory=FakeKv)
     n_threads: int = 1
-    resized: list[tuple[int, int]] = field(default_factory=list)
+    grown: list[int] = field(default_factory=list)
     llama_context: Any = None
 
     def sampler(self, sampling: Any, seed: int) -> FakeSampler:
         return FakeSampler(seed)
 
-    def resize(self, n_cells: int, n_seq_max: int) -> None:
-        self.resized.append((n_cells, n_seq_max))
+    def grow_to(self, n_cells: int) -> None:  # (the real one copies every sequence's state into a new context)
+        self.grown.append(n_cells)
+        self.kv.n_ctx = min(-(-n_cells // 256) * 256, self.n_ctx)
+        self.llama_context = f"context of {self.kv.n_ctx} cells"
 
 
 def scheduler(n_slots: int = 2, cells: int = 0, n_batch: int = 64, **kwargs: Any) -> Scheduler:
@@ -151,12 +154,17 @@ def test_one_answer_alone_takes_the_fast_path():
 
 def test_a_full_cache_grows_when_the_cells_were_sized_to_the_work_and_ends_the_answers_when_it_is_the_context():
     sched = scheduler(n_slots=2, cells=256)
-    slot(sched, 0, 10, prefilled=10, pending=3)
-    slot(sched, 1, 10, prefilled=10, pending=4)
+    first, second = slot(sched, 0, 10, prefilled=10, pending=3), slot(sched, 1, 10, prefilled=10, pending=4)
     assert sched._not_decoded("full", []) == []
     engine = sched.engine
-    assert sched.cells == 512 and engine.resized == [(1024, 2)] and sched.totals.grown == 1  # type: ignore[attr-defined]
-    assert ("load_state", 0) in engine.kv.calls and ("appended", 1, [1]) in engine.kv.calls  # type: ignore[attr-defined]
+    assert sched.cells == 512 and engine.grown == [512] and sched.totals.grown == 1  # type: ignore[attr-defined]
+    assert first.sampler.ctx == second.sampler.ctx == "context of 512 cells"  # the old context is freed
+    sched.reserve(600)  # a prompt and its room: grown once to fit, not pass by pass
+    assert sched.cells == 1024 and engine.grown == [512, 1024]  # type: ignore[attr-defined]
+    sched.reserve(1000)
+    assert engine.grown == [512, 1024]  # type: ignore[attr-defined]
+    sched.reserve(5000)  # more than the context: the answer ends at it (context_full), the cache stays the context's
+    assert engine.grown == [512, 1024]  # type: ignore[attr-defined]
     sched.cells = engine.n_ctx
     events = sched._not_decoded("full", [])
     assert [event.finish_reason for _, event in events if hasattr(event, "finish_reason")] == ["context_full"] * 2

@@ -270,7 +270,8 @@ class ChunkReader:
         stats = self.clock.stats(prompt_tokens=prompt, cached_tokens=cached, prefill_tokens=max(0, prompt - cached),
                                  completion_tokens=completion, decode_steps=max(0, completion - 1),
                                  threads=_count(server, "threads") or None,
-                                 prefill_threads=_count(server, "prefill_threads") or None)
+                                 prefill_threads=_count(server, "prefill_threads") or None,
+                                 kv_cells=_count(server, "kv_cells") or None)
         own = self.server_timings.get("finish_reason")  # llmcli serve says why, in llmcli's words
         finish = ("interrupted" if interrupted else "stop_sequence" if self.stop is not None
                   else own if isinstance(own, str) and own else self.finish or "stop")

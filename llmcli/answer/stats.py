@@ -34,6 +34,8 @@ class Stats:
     images: int = 0  # images in the prompt
     images_encoded: int = 0  # of those, encoded for this answer (the others' embeddings or KV cells were reused)
     image_s: float = 0.0  # encoding them (part of the prefill)
+    kv_cells: int | None = None  # the KV cache's cells for this answer's sequence at its end (run and chat size it to
+    # the work: it grows with the conversation; a server's slots hold their whole context); None: not a local answer
 
     @property
     def acceptance(self) -> float:
@@ -62,7 +64,7 @@ class Stats:
             draft_tokens=self.draft_tokens + later.draft_tokens, accepted_tokens=self.accepted_tokens + later.accepted_tokens,
             reasoning_tokens=self.reasoning_tokens + later.reasoning_tokens, warm=self.warm,
             images=later.images, images_encoded=self.images_encoded + later.images_encoded,
-            image_s=self.image_s + later.image_s,
+            image_s=self.image_s + later.image_s, kv_cells=later.kv_cells,
         )
 
     def to_dict(self) -> dict[str, float | int | None]:
@@ -101,7 +103,7 @@ class AnswerClock:
     def stats(self, *, prompt_tokens: int, cached_tokens: int = 0, prefill_tokens: int = 0, completion_tokens: int = 0,
               decode_steps: int = 0, seed: int | None = None, threads: int | None = None,
               prefill_threads: int | None = None, draft_tokens: int = 0, accepted_tokens: int = 0,
-              reasoning_tokens: int = 0) -> Stats:
+              reasoning_tokens: int = 0, kv_cells: int | None = None) -> Stats:
         now = time.perf_counter()
         first = self.first_token or now
         prefill_end = self.prefill_done or first
@@ -114,7 +116,7 @@ class AnswerClock:
             total_s=now - self.submitted, seed=seed, threads=threads, prefill_threads=prefill_threads,
             draft_tokens=draft_tokens,
             accepted_tokens=accepted_tokens, reasoning_tokens=reasoning_tokens, images=self.images,
-            images_encoded=self.images_encoded, image_s=self.image_s,
+            images_encoded=self.images_encoded, image_s=self.image_s, kv_cells=kv_cells,
         )
 
 

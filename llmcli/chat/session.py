@@ -251,6 +251,7 @@ class Session:
         stable = None if stable_text is None or len(prompt.tokens) < self.split_min else (
             len(prompt.tokens) - 1 if stable_text == user_text else self._stable_tokens(prompt.tokens, stable_text))
         prompt_s = time.perf_counter() - started
+        self.scheduler.reserve(len(prompt.tokens) + self.answer_room(options.max_tokens))  # (a cache sized to its work)
         restored, restore_s = self._restore(prompt.tokens, stable)
         yield from self._cache_notices()
         load_s, self._load_s = self._load_s, 0.0
@@ -285,7 +286,7 @@ class Session:
         if self.prompt_cache is None:
             return 0, 0.0
         started = time.perf_counter()
-        restored = self.prompt_cache.restore(tokens, limit)
+        restored = self.prompt_cache.restore(tokens, limit, make_room=self.scheduler.reserve)
         return restored, time.perf_counter() - started
 
     def _cache_notices(self) -> Iterator[Notice]:

@@ -8,7 +8,7 @@ request and the first token except the lookup and the restore; saving happens af
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,10 +53,12 @@ class PromptCache:
             store.notices = []
         return found
 
-    def restore(self, prompt: Sequence[int], limit: int | None = None, seq: int = 0) -> int:
+    def restore(self, prompt: Sequence[int], limit: int | None = None, seq: int = 0,
+                make_room: Callable[[int], None] | None = None) -> int:
         """Before prefill: load into sequence `seq` the saved state sharing the most of `prompt` (of its first
         `limit` tokens) if it shares at least a block more than the sequence holds now. Returns the prompt tokens it
-        covers (0: none)."""
+        covers (0: none). `make_room(n)` gives the sequence n cells first when the state holds more than it has (a
+        cache sized to its work)."""
         engine = self.engine
         usable = len(prompt) - 1  # the last prompt token is always evaluated: its logits give the first token
         if limit is not None:
@@ -70,6 +72,8 @@ class PromptCache:
         found = store.find(prompt[:usable], at_least=held + BLOCK, whole=whole) if store is not None else None
         if store is None or found is None:
             return 0
+        if make_room is not None and len(found.tokens) > engine.kv.n_ctx:
+            make_room(len(found.tokens))
         if not engine.kv.restore_state(found.tokens, found.payload, seq):
             self.notices.append(f"prompt cache: llama.cpp refused {found.path.name}; removed it, evaluating the prompt")
             store.remove(found.path)

@@ -58,7 +58,7 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         self.slots = [None] * self.n_slots
-        self.cells = self.cells or self.engine.n_ctx
+        self.cells = self.cells or self.engine.kv.n_ctx
         self._batch = Batch(max(self.engine.config.n_batch, self.n_slots))
         self._closing: list[int] | None = None
 
@@ -122,7 +122,8 @@ class Scheduler:
             completion_tokens=slot.answer.n_out, decode_steps=max(0, slot.sampled - 1),
             seed=None if slot.options.sampling.greedy else slot.sampler.seed, threads=self.engine.n_threads,
             prefill_threads=slot.prefill_threads,
-            draft_tokens=slot.drafted, accepted_tokens=slot.accepted, reasoning_tokens=slot.answer.thought_tokens)
+            draft_tokens=slot.drafted, accepted_tokens=slot.accepted, reasoning_tokens=slot.answer.thought_tokens,
+            kv_cells=self.engine.kv.n_ctx)
         events.append((slot, slot.answer.done(reason, stats)))
         slot.sampler.close()
         if not self.keep_cells:
@@ -322,27 +323,24 @@ class Scheduler:
             return []
         return self.finish_all("context_full")
 
-    def grow(self) -> None:
-        """A sequence outgrew its cells: save every sequence's state, make each one's cells twice as many (at most
-        the context), restore them. The states are copied as they are: the answers do not change."""
+    def grow(self, at_least: int = 0) -> None:
+        """A sequence outgrew its cells: make each one's cells twice as many (`at_least` this many; at most the
+        context), every sequence's state copied as it is (`Engine.grow_to`): the answers do not change."""
         engine = self.engine
         if self.cells >= engine.n_ctx:
             raise LlmcliError(f"the KV cache is full ({engine.n_ctx} tokens a sequence)", hint="Use a larger --ctx-size.")
-        sequences = [slot.seq for slot in self.slots if slot is not None] + (
-            [self.prefix_seq] if self.prefix_seq is not None else [])
-        held = {seq: engine.kv.tokens_of(seq) for seq in sequences}
-        states = {seq: engine.kv.state_of(seq) for seq in sequences}
-        n_sequences = self.n_slots + (1 if self.prefix_seq is not None else 0)
-        self.cells = min(2 * self.cells, engine.n_ctx)
-        engine.resize(self.cells * n_sequences, n_sequences)
-        for seq, state in states.items():
-            if not engine.kv.load_state(seq, state):
-                raise LlmcliError("llama.cpp refused a sequence's own state while growing the KV cache")
-            engine.kv.appended(held[seq], seq)
+        engine.grow_to(max(2 * self.cells, at_least))
+        self.cells = engine.kv.n_ctx
         for slot in self.slots:
             if slot is not None:
                 slot.sampler.ctx = engine.llama_context  # the old context, whose logits it read, is freed
         self.totals.grown += 1
+
+    def reserve(self, n_tokens: int) -> None:
+        """Before a prompt: cells for `n_tokens` in each sequence (a cache sized to its work grows once to fit a
+        long prompt and its answer's room, not pass by pass)."""
+        if n_tokens > self.cells and self.cells < self.engine.n_ctx:
+            self.grow(n_tokens)
 
     def prefill_prefix(self, tokens: list[int]) -> None:
         """Evaluate `tokens` into the prefix sequence, once (prompts that start with them copy it)."""

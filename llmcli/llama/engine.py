@@ -29,7 +29,15 @@ from llmcli.llama.batch import Batch
 from llmcli.llama.core_share import CoreShare
 from llmcli.llama.cpu_load import WINDOW_S, CpuLoad
 from llmcli.llama.cpu_topology import physical_cores
-from llmcli.llama.engine_config import CELL_PADDING, FLASH_ATTN, KV_TYPES, POOLING, EngineConfig, default_context
+from llmcli.llama.engine_config import (
+    CELL_PADDING,
+    FLASH_ATTN,
+    KV_TYPES,
+    POOLING,
+    SIZED_START,
+    EngineConfig,
+    default_context,
+)
 from llmcli.llama.kv_cache import KVCache
 from llmcli.llama.llama_log import llama_backend
 from llmcli.llama.sampler_chain import Sampler
@@ -64,15 +72,15 @@ class Engine:
         per_sequence = config.n_ctx or default_context(self.n_ctx_train)
         self._ctx: Any = None
         self.kv: KVCache  # what the KV cache holds, and its operations (made with the context)
-        cells = CELL_PADDING if config.kv_later else per_sequence * (1 if config.pooling else config.n_seq_max)
+        padded = -(-per_sequence // CELL_PADDING) * CELL_PADDING
+        cells = min(SIZED_START, padded) if config.kv_later else per_sequence * (1 if config.pooling else config.n_seq_max)
         try:
             self._create_context(cells, config.n_seq_max, unified=config.pooling is not None)
         except ResourceError:
             self._weights.free()
             raise
         # What one sequence may use: llama.cpp's (it pads), or, sized later, what it would have been.
-        self.n_ctx: int = -(-per_sequence // CELL_PADDING) * CELL_PADDING if config.kv_later else (
-            llama_cpp.llama_n_ctx_seq(self._ctx))
+        self.n_ctx: int = padded if config.kv_later else llama_cpp.llama_n_ctx_seq(self._ctx)
         self._share = CoreShare(threads, load) if load is not None else None  # --threads given: fixed
         self._busy_said = False  # the notice that other processes cut the thread count: said once
         if self._share is not None:  # about to compute: peers that start now see this one before they prefill
@@ -111,6 +119,24 @@ class Engine:
                 hint="Try a smaller --ctx-size (or --parallel).",
             )
         self.kv = KVCache(self._ctx, llama_cpp.llama_n_ctx_seq(self._ctx), self.n_swa)
+        self._n_seq_max = n_seq_max
+
+    def grow_to(self, n_cells: int) -> None:
+        """Give each sequence at least `n_cells` cells (rounded up as llama.cpp pads them, at most `n_ctx`), keeping
+        what every sequence holds: its state is copied into the larger cache as it is, so no answer changes (a cache
+        sized to its work: run, chat, --batch). Nothing happens if the sequences have as many already."""
+        cells = min(-(-n_cells // CELL_PADDING) * CELL_PADDING, self.n_ctx)
+        old = self.kv
+        if cells <= old.n_ctx:
+            return
+        held = {seq: old.tokens_of(seq) for seq in old.sequences()}
+        states = {seq: old.state_of(seq) for seq in held}
+        self.resize(cells * self._n_seq_max, self._n_seq_max)
+        for seq, state in states.items():
+            if not self.kv.load_state(seq, state):
+                raise LlmcliError("llama.cpp refused a sequence's own state while growing the KV cache")
+            self.kv.appended(held[seq], seq)
+        self.kv.checkpoints.update(old.checkpoints)  # (states in bytes: they outlive the context)
 
     def resize(self, n_cells: int, n_seq_max: int) -> None:
         """A new, empty KV cache of `n_cells` cells for `n_seq_max` sequences, n_cells / n_seq_max cells each

@@ -28,11 +28,12 @@ class EngineConfig:
     n_seq_max: int = 1  # parallel sequences (slots), each with n_ctx tokens of its own
     kv_type: str = default("kv_type")  # f16, q8_0 or q4_0: the type of the cached keys and values
     flash_attn: str = default("flash_attn")  # auto, on or off (on whenever the KV cache is quantized)
-    kv_later: bool = False  # a minimal KV cache now: the caller sizes it with `resize` (run --batch)
+    kv_later: bool = False  # a small KV cache now (SIZED_START cells), sized to the work later: `grow_to`, `resize`
     pooling: str | None = None  # embeddings (mean, cls, last) instead of logits; the sequences share n_ctx cells
 
 
 CELL_PADDING = 256  # llama.cpp rounds a context's cells up to a multiple of this
+SIZED_START = 2 * CELL_PADDING  # the cells a cache sized to its work starts with: a short prompt and -n's default room
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
 POOLING = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,

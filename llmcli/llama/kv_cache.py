@@ -45,6 +45,10 @@ class KVCache:
         """The tokens of sequence 0 in the cache, in order (a copy)."""
         return list(self._held[0])
 
+    def sequences(self) -> list[int]:
+        """The sequences that hold tokens now."""
+        return [seq for seq, held in self._held.items() if held]
+
     def tokens_of(self, seq: int) -> list[int]:
         """The tokens of sequence `seq` in the cache, in order (a copy)."""
         return list(self._held.get(seq, ()))

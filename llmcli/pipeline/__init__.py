@@ -32,11 +32,18 @@ from llmcli.units import keeps_loaded
 
 @dataclass(frozen=True)
 class Shape:
-    """How many sequences the command decodes: one answer at a time (run, chat), a batch of N decoded together
-    (run --batch: the KV cache is sized once the prompts are known), or N server slots of a whole context each."""
+    """How many sequences the command decodes: one answer at a time (run, chat: the KV cache starts small and grows
+    with the conversation), a batch of N decoded together (run --batch: the KV cache is sized once the prompts are
+    known), or N server slots of a whole context each (`served`: the memory a server holds stays put)."""
 
     sequences: int = 1
     batch: bool = False
+    served: bool = False
+
+    @property
+    def sized_to_work(self) -> bool:
+        """The KV cache is made small at load and sized to the work (`Engine.grow_to`, `resize`)."""
+        return self.batch or not self.served
 
     @property
     def slots(self) -> int:

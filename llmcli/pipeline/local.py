@@ -85,7 +85,7 @@ def open_local(request: Request, on_progress: ProgressCallback | None, cancel: C
         mlock=effective["mlock"],
         kv_type=effective["kv_type"],
         flash_attn=effective["flash_attn"],
-        kv_later=shape.batch,
+        kv_later=shape.sized_to_work,
         n_seq_max=max(1, shape.slots),
     )
     with cancel.on_signals():  # llama.cpp calls back into Python while loading: no exceptions there

@@ -44,7 +44,7 @@ class ServerModels:
         """The model loaded with `parallel` slots of a full context each, its slot server (speculative decoding as
         --speculate says, for every slot), its prompter, and what the model lists say of it."""
         request = self.request_for(name)
-        pipeline = open_pipeline(dataclasses.replace(request, shape=Shape(self.parallel)), on_progress)
+        pipeline = open_pipeline(dataclasses.replace(request, shape=Shape(self.parallel, served=True)), on_progress)
         try:
             return _served(pipeline, request, self)
         except BaseException:
