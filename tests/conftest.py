@@ -29,6 +29,14 @@ import pexpect
 import pexpect.fdpexpect
 import pytest
 
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # Two workers keep both cores busy: a llama.cpp run on two threads (bench's and tune's rows, the busy-machine
+    # tests) would have its OpenMP threads spin at every barrier while the other worker holds a core (bench's smoke
+    # run beside a busy core: 14.1 s of CPU, 10.0 s with this). libgomp reads it as it loads, with llama_cpp below:
+    # every forked run inherits it. (llmcli keeps OpenMP's default: on an idle machine waiting passively decodes at
+    # 90 tok/s on two threads instead of 116.)
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
 # Imported once here, inherited by every forked CLI run (a run's own imports cost ~0.2 s of its ~0.5 s): the CLI,
 # and the local answer path with llama_cpp, numpy and jinja2 (no llama.cpp state is created by importing).
 import llmcli
