@@ -284,6 +284,11 @@ def test_memory_is_checked_before_loading_and_force_overrides(smollm2):
     assert "KV cache" in result.stderr and " is available" in result.stderr
     forced = run_cli("run", "--force", "-n", "4", "-c", too_long, "hi")
     assert forced.code == 0, forced.stderr  # a run's KV cache is sized to its work: these few tokens fit
+    # A turn whose room cannot be made is that turn's error; the cache it had, and the chat, go on.
+    chat = run_cli("chat", "--force", "-c", too_long, "--temp", "0", "--json", "-q",
+                   input=f"/set max_tokens {int(too_long) - 64}\nhi\n/set max_tokens 2\nhi\n")
+    assert chat.code == 0 and chat.stderr.count("could not create a context") == 1, chat.stderr
+    assert json.loads(chat.stdout)["usage"]["completion_tokens"] == 2
     served = run_cli("serve", "--force", "--port", "0", "-c", too_long)  # a server's slot holds its whole context
     assert served.code == 6 and "could not create a context" in served.stderr  # llama.cpp tried, and said why
 

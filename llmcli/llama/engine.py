@@ -131,12 +131,21 @@ class Engine:
             return
         held = {seq: old.tokens_of(seq) for seq in old.sequences()}
         states = {seq: old.state_of(seq) for seq in held}
-        self.resize(cells * self._n_seq_max, self._n_seq_max)
+        n_seq = self._n_seq_max
+        try:
+            self.resize(cells * n_seq, n_seq)
+        except ResourceError:  # (memory taken since the load, or --force): the cache it had, and what it held, back
+            self.resize(old.n_ctx * n_seq, n_seq)
+            self._load_states(states, held)
+            raise
+        self._load_states(states, held)
+        self.kv.checkpoints.update(old.checkpoints)  # (states in bytes: they outlive the context)
+
+    def _load_states(self, states: dict[int, memoryview], held: dict[int, list[int]]) -> None:
         for seq, state in states.items():
             if not self.kv.load_state(seq, state):
                 raise LlmcliError("llama.cpp refused a sequence's own state while growing the KV cache")
             self.kv.appended(held[seq], seq)
-        self.kv.checkpoints.update(old.checkpoints)  # (states in bytes: they outlive the context)
 
     def resize(self, n_cells: int, n_seq_max: int) -> None:
         """A new, empty KV cache of `n_cells` cells for `n_seq_max` sequences, n_cells / n_seq_max cells each
