@@ -29,15 +29,7 @@ from llmcli.llama.batch import Batch
 from llmcli.llama.core_share import CoreShare
 from llmcli.llama.cpu_load import WINDOW_S, CpuLoad
 from llmcli.llama.cpu_topology import physical_cores
-from llmcli.llama.engine_config import (
-    CELL_PADDING,
-    FLASH_ATTN,
-    KV_TYPES,
-    POOLING,
-    SIZED_START,
-    EngineConfig,
-    default_context,
-)
+from llmcli.llama.engine_config import FLASH_ATTN, KV_TYPES, POOLING, SIZED_START, EngineConfig, default_context, padded_cells
 from llmcli.llama.kv_cache import KVCache
 from llmcli.llama.llama_log import llama_backend
 from llmcli.llama.sampler_chain import Sampler
@@ -72,7 +64,7 @@ class Engine:
         per_sequence = config.n_ctx or default_context(self.n_ctx_train)
         self._ctx: Any = None
         self.kv: KVCache  # what the KV cache holds, and its operations (made with the context)
-        padded = -(-per_sequence // CELL_PADDING) * CELL_PADDING
+        padded = padded_cells(per_sequence)
         cells = min(SIZED_START, padded) if config.kv_later else per_sequence * (1 if config.pooling else config.n_seq_max)
         try:
             self._create_context(cells, config.n_seq_max, unified=config.pooling is not None)
@@ -125,27 +117,17 @@ class Engine:
         """Give each sequence at least `n_cells` cells (rounded up as llama.cpp pads them, at most `n_ctx`), keeping
         what every sequence holds: its state is copied into the larger cache as it is, so no answer changes (a cache
         sized to its work: run, chat, --batch). Nothing happens if the sequences have as many already."""
-        cells = min(-(-n_cells // CELL_PADDING) * CELL_PADDING, self.n_ctx)
-        old = self.kv
-        if cells <= old.n_ctx:
+        cells, had, n_seq = min(padded_cells(n_cells), self.n_ctx), self.kv.n_ctx, self._n_seq_max
+        if cells <= had:
             return
-        held = {seq: old.tokens_of(seq) for seq in old.sequences()}
-        states = {seq: old.state_of(seq) for seq in held}
-        n_seq = self._n_seq_max
+        kept = self.kv.snapshot()
         try:
             self.resize(cells * n_seq, n_seq)
         except ResourceError:  # (memory taken since the load, or --force): the cache it had, and what it held, back
-            self.resize(old.n_ctx * n_seq, n_seq)
-            self._load_states(states, held)
+            self.resize(had * n_seq, n_seq)
+            self.kv.take(kept)
             raise
-        self._load_states(states, held)
-        self.kv.checkpoints.update(old.checkpoints)  # (states in bytes: they outlive the context)
-
-    def _load_states(self, states: dict[int, memoryview], held: dict[int, list[int]]) -> None:
-        for seq, state in states.items():
-            if not self.kv.load_state(seq, state):
-                raise LlmcliError("llama.cpp refused a sequence's own state while growing the KV cache")
-            self.kv.appended(held[seq], seq)
+        self.kv.take(kept)
 
     def resize(self, n_cells: int, n_seq_max: int) -> None:
         """A new, empty KV cache of `n_cells` cells for `n_seq_max` sequences, n_cells / n_seq_max cells each

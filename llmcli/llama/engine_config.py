@@ -35,6 +35,11 @@ class EngineConfig:
 CELL_PADDING = 256  # llama.cpp rounds a context's cells up to a multiple of this
 SIZED_START = 2 * CELL_PADDING  # the cells a cache sized to its work starts with: a short prompt and -n's default room
 
+
+def padded_cells(n_cells: int) -> int:
+    """`n_cells` rounded up as llama.cpp pads a context's cells."""
+    return -(-n_cells // CELL_PADDING) * CELL_PADDING
+
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
 POOLING = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
            "last": llama_cpp.LLAMA_POOLING_TYPE_LAST}

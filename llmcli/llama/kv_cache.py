@@ -10,11 +10,22 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp
 
 from llmcli.answer.shared_prefix import shared_prefix
+from llmcli.errors import LlmcliError
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A KV cache's contents as bytes (`KVCache.snapshot`): sequence -> (tokens, llama.cpp's state), and the
+    checkpoints."""
+
+    sequences: dict[int, tuple[list[int], memoryview]]
+    checkpoints: dict[int, tuple[list[int], memoryview]]
 
 
 class KVCache:
@@ -44,10 +55,6 @@ class KVCache:
     def tokens(self) -> list[int]:
         """The tokens of sequence 0 in the cache, in order (a copy)."""
         return list(self._held[0])
-
-    def sequences(self) -> list[int]:
-        """The sequences that hold tokens now."""
-        return [seq for seq, held in self._held.items() if held]
 
     def tokens_of(self, seq: int) -> list[int]:
         """The tokens of sequence `seq` in the cache, in order (a copy)."""
@@ -128,6 +135,20 @@ class KVCache:
         """Put a state from `state_of` into sequence `seq` (empty before); False if llama.cpp refuses it."""
         source = (ctypes.c_uint8 * payload.nbytes).from_buffer(payload)
         return bool(llama_cpp.llama_state_seq_set_data(self._ctx, source, payload.nbytes, seq))
+
+    def snapshot(self) -> Snapshot:
+        """What every sequence holds (its tokens and state) and the checkpoints, as bytes: what another context of
+        this model takes back with `take` (a larger one: the cache grows, no answer changes)."""
+        held = {seq: (list(tokens), self.state_of(seq)) for seq, tokens in self._held.items() if tokens}
+        return Snapshot(held, dict(self.checkpoints))
+
+    def take(self, snapshot: Snapshot) -> None:
+        """Load a `snapshot` into this (empty) cache; LlmcliError if llama.cpp refuses a state it made itself."""
+        for seq, (tokens, state) in snapshot.sequences.items():
+            if not self.load_state(seq, state):
+                raise LlmcliError("llama.cpp refused a sequence's own state while growing the KV cache")
+            self.appended(tokens, seq)
+        self.checkpoints.update(snapshot.checkpoints)
 
     def save_state(self, seq: int = 0) -> tuple[list[int], memoryview]:
         """A sequence's tokens and llama.cpp's state of them (bytes)."""

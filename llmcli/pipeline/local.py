@@ -24,7 +24,7 @@ from llmcli.errors import UsageError
 from llmcli.interrupt import Cancellation
 from llmcli.llama.cpu_topology import physical_cores
 from llmcli.llama.engine import Engine
-from llmcli.llama.engine_config import CELL_PADDING, EngineConfig, default_context
+from llmcli.llama.engine_config import EngineConfig, default_context, padded_cells
 from llmcli.llama.schema_grammar import with_grammar
 from llmcli.llama.vision import Vision
 from llmcli.llama.vocab import VocabularyFile
@@ -184,7 +184,7 @@ def open_tokenizer(request: Request) -> Tokenizer:
                            effective["think"])
     template, notices = find_template(header, prompt)
     requested = effective["ctx_size"] or default_context(header.context_length)
-    n_ctx = -(-requested // CELL_PADDING) * CELL_PADDING  # as llama.cpp pads it
+    n_ctx = padded_cells(requested)  # as llama.cpp pads it
     projector = projector_of(effective, model)
     if projector is not None:
         check_projector(read_projector(projector), header)
