@@ -139,8 +139,7 @@ class KVCache:
     def snapshot(self) -> Snapshot:
         """What every sequence holds (its tokens and state) and the checkpoints, as bytes: what another context of
         this model takes back with `take` (a larger one: the cache grows, no answer changes)."""
-        held = {seq: (list(tokens), self.state_of(seq)) for seq, tokens in self._held.items() if tokens}
-        return Snapshot(held, dict(self.checkpoints))
+        return Snapshot({seq: self.save_state(seq) for seq, tokens in self._held.items() if tokens}, dict(self.checkpoints))
 
     def take(self, snapshot: Snapshot) -> None:
         """Load a `snapshot` into this (empty) cache; LlmcliError if llama.cpp refuses a state it made itself."""
