@@ -106,10 +106,11 @@ def test_every_setting_is_an_option_of_run_chat_and_config_show_with_its_default
 
 
 def test_config_show_and_chat_set_come_from_the_table(tmp_path):
-    shown = run_cli("config", "show", "--json", env={"LLMCLI_THREADS": "", "LLMCLI_KEEP_ALIVE": ""})
+    unset = {"LLMCLI_THREADS": "", "LLMCLI_KEEP_ALIVE": "", "LLMCLI_MODEL": ""}  # (the tests' own settings)
+    shown = run_cli("config", "show", "--json", env=unset)
     assert shown.code == 0, shown.stderr
     record = json.loads(shown.stdout)["settings"]
-    table = run_cli("config", "show").stdout
+    table = run_cli("config", "show", env=unset).stdout
     assert table.splitlines()[1].split() == ["SETTING", "VALUE", "SOURCE"] and not any(c in table for c in "┃━│")
     assert list(record) == list(SETTINGS)
     assert {name: entry["value"] for name, entry in record.items() if entry["source"] == "default"} == {

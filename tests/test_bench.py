@@ -48,7 +48,7 @@ def test_json_has_environment_plan_and_every_test_at_each_thread_count_depth_and
             assert (test, path, threads) in rows, (test, path, threads)
         assert any(test.startswith("overhead pp") for test, _, at in rows if at == threads)
     for row in bench_json["results"]:
-        assert row["mean"] > 0 and row["n"] == len(row["samples"]) and row["quant"] == "Q4_1"
+        assert row["mean"] > 0 and row["n"] == len(row["samples"]) and row["quant"] == "Q4_0"
         assert set(row) >= {"model", "size_bytes", "params", "quant", "threads", "unit", "sd"}
     assert rows[("tg8", "llmcli", 1)]["n"] == 1 and rows[("tg8", "llmcli", 1)]["unit"] == "t/s"
 

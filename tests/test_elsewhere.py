@@ -10,19 +10,16 @@ import json
 import os
 from pathlib import Path
 
+import fake_hub
 import pytest
 from conftest import run_cli
-
-from llmcli.store.packages import packaged_models
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 @pytest.fixture(scope="module")
 def smollm2_sha256(smollm2: Path) -> str:
-    shipped = next(m for m in packaged_models() if m.path == smollm2)
-    assert shipped.sha256 is not None
-    return shipped.sha256
+    return fake_hub.HASHES[smollm2]  # (hashed once, as the tests' models are: conftest)
 
 
 def tree(root: Path) -> dict[str, tuple[int, int]]:
@@ -106,19 +103,19 @@ def test_lm_studio_models_run_in_place(tmp_path: Path, smollm2: Path):
     home = tmp_path / "home"
     folder = home / ".lmstudio" / "models" / "bartowski" / "SmolLM2-135M-Instruct-GGUF"
     folder.mkdir(parents=True)
-    (folder / "SmolLM2-135M-Instruct-Q4_1.gguf").symlink_to(smollm2)
+    (folder / "SmolLM2-135M-Instruct-Q4_0.gguf").symlink_to(smollm2)
     env = {"HOME": str(home)}
     for reference in ("lmstudio:bartowski/SmolLM2-135M-Instruct-GGUF",
-                      "lmstudio:bartowski/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q4_1.gguf"):
+                      "lmstudio:bartowski/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q4_0.gguf"):
         result = run_cli("run", "-m", reference, "--json", "--temp", "0", "-n", "4", "hi", env=env)
         assert result.code == 0, result.stderr
-        assert json.loads(result.stdout)["model"] == "lmstudio:bartowski/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q4_1.gguf"
+        assert json.loads(result.stdout)["model"] == "lmstudio:bartowski/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q4_0.gguf"
     moved = tmp_path / "elsewhere"
     (moved / "me" / "mine").mkdir(parents=True)
-    (moved / "me" / "mine" / "model-Q4_1.gguf").symlink_to(smollm2)
+    (moved / "me" / "mine" / "model-Q4_0.gguf").symlink_to(smollm2)
     (home / ".lmstudio" / "settings.json").write_text(json.dumps({"downloadsFolder": str(moved)}))
     listed = {e["name"] for e in json.loads(run_cli("list", "--all", "--json", env=env).stdout)}
-    assert "lmstudio:me/mine/model-Q4_1.gguf" in listed  # the folder LM Studio's settings name
+    assert "lmstudio:me/mine/model-Q4_0.gguf" in listed  # the folder LM Studio's settings name
     escape = run_cli("run", "-m", "lmstudio:../../x.gguf", "-n", "1", "hi", env=env)
     assert escape.code == 2 and "invalid LM Studio model path" in escape.stderr
 
@@ -133,13 +130,13 @@ def test_the_standard_hugging_face_cache_is_used_in_place_without_the_hub(tmp_pa
     (repo / "blobs" / smollm2_sha256).symlink_to(smollm2)
     snapshot = repo / "snapshots" / COMMIT
     snapshot.mkdir(parents=True)
-    (snapshot / "SmolLM2-135M-Instruct-Q4_1.gguf").symlink_to(os.path.relpath(repo / "blobs" / smollm2_sha256, snapshot))
+    (snapshot / "SmolLM2-135M-Instruct-Q4_0.gguf").symlink_to(os.path.relpath(repo / "blobs" / smollm2_sha256, snapshot))
     env = {"HF_HUB_CACHE": str(cache), "HF_ENDPOINT": "http://127.0.0.1:9"}  # a Hub that cannot answer
     before = tree(cache)
     result = run_cli("run", "-m", "someone/SmolLM2-135M-Instruct-GGUF", "--json", "--temp", "0", "-n", "4", "hi", env=env)
     assert result.code == 0, result.stderr
-    assert json.loads(result.stdout)["model"] == "someone/SmolLM2-135M-Instruct-GGUF:Q4_1"
+    assert json.loads(result.stdout)["model"] == "someone/SmolLM2-135M-Instruct-GGUF:Q4_0"
     assert not (isolated_env / "cache" / "hub").exists()  # no second copy in llmcli's cache
     listed = {e["name"]: e["source"] for e in json.loads(run_cli("list", "--all", "--json", env=env).stdout)}
-    assert listed["someone/SmolLM2-135M-Instruct-GGUF:Q4_1"].startswith("hf-cache:")
+    assert listed["someone/SmolLM2-135M-Instruct-GGUF:Q4_0"].startswith("hf-cache:")
     assert tree(cache) == before

@@ -79,8 +79,8 @@ def test_an_embedding_model_s_own_pooling_is_used(smollm2, tmp_path):
 
     pooled = rewrite_metadata(smollm2, tmp_path / "last-pooled.gguf", strings={"llama.pooling_type": U32(3)})  # LAST
     own = json.loads(run_cli("embed", "-m", str(pooled), TEXTS[0]).stdout)
-    last = json.loads(run_cli("embed", "--pooling", "last", TEXTS[0]).stdout)
-    mean = json.loads(run_cli("embed", "--pooling", "mean", TEXTS[0]).stdout)
+    last = json.loads(run_cli("embed", "-m", str(smollm2), "--pooling", "last", TEXTS[0]).stdout)
+    mean = json.loads(run_cli("embed", "-m", str(smollm2), "--pooling", "mean", TEXTS[0]).stdout)
     assert max(abs(a - b) for a, b in zip(own, last, strict=True)) < 1e-4
     assert max(abs(a - b) for a, b in zip(own, mean, strict=True)) > 1e-2
 

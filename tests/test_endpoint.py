@@ -99,7 +99,9 @@ class FakeServer:
 
 
 @pytest.fixture
-def fake() -> Iterator[FakeServer]:
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeServer]:
+    """The fake endpoint, asked with no model set (it answers with its own: "fake-model")."""
+    monkeypatch.delenv("LLMCLI_MODEL")
     server = FakeServer()
     yield server
     server.server.shutdown()
@@ -219,7 +221,8 @@ def test_run_batch_and_chat_against_llmcli_serve(served, tmp_path):
     assert rows[("tg8 x2", "endpoint, aggregate")]["mean"] > 0
 
 
-def test_run_and_batch_against_llama_cpp_python_s_own_server(smollm2, tmp_path):
+def test_run_and_batch_against_llama_cpp_python_s_own_server(smollm2, tmp_path, monkeypatch):
+    monkeypatch.delenv("LLMCLI_MODEL")  # no model set: the server's own ("smol")
     proc, url = start_llama_cpp_server(smollm2, tmp_path / "llama-server.log", "--n_ctx", "512")
     try:
         result = run_cli("run", "--endpoint", url, "--json", "--temp", "0", "-n", "16", "Say hi.")

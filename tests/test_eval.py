@@ -61,7 +61,7 @@ def test_items_are_read_with_their_answers_and_offered_as_openai_tools():
 
 
 def _eval(*args: str) -> dict:
-    result = run_cli("eval", "tools", "-m", "smollm2", "--json", *args)
+    result = run_cli("eval", "tools", "--json", *args)
     assert result.code == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -77,7 +77,7 @@ def test_eval_tools_reports_each_category_through_the_run_path():
                for i in forced["items"])
     none = _eval("--items", str(DATA / "irrelevance.json"), "--tool-choice", "none", "-n", "8")  # (any text: no call)
     assert none["categories"][0]["accuracy"] == 1.0 and none["categories"][0]["no_call_rate"] == 1.0
-    table = run_cli("eval", "tools", "-m", "smollm2", "--items", str(DATA / "irrelevance.json"), "--tool-choice", "none",
+    table = run_cli("eval", "tools", "--items", str(DATA / "irrelevance.json"), "--tool-choice", "none",
                     "-n", "8")
     assert table.stdout.splitlines()[1].split() == ["CATEGORY", "ITEMS", "ACCURACY", "VALID", "CALLS", "NO", "CALL",
                                                     "S/ITEM"]
@@ -90,7 +90,7 @@ def test_ctrl_c_reports_what_was_measured(tmp_path):
 
     many = tmp_path / "irrelevance.json"
     many.write_text((DATA / "irrelevance.json").read_text() * 20)
-    child = spawn_terminal("eval", "tools", "-m", "smollm2", "--items", str(many), "--tool-choice", "none", "--json",
+    child = spawn_terminal("eval", "tools", "--items", str(many), "--tool-choice", "none", "--json",
                            "-n", "64", timeout=60, encoding="utf-8", dimensions=(20, 200))
     child.expect("eval tools · irrelevance")  # the progress bar (on a terminal): an item is done
     child.sendintr()

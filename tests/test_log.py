@@ -22,7 +22,7 @@ def test_runs_chat_and_batch_are_logged_and_found_by_a_word_of_their_answer(tmp_
     answer = run_cli("run", *QUICK, "Name a lighthouse keeper.").stdout.strip()
     word = max(answer.split(), key=len).strip(".,!?")
     (found,) = logged("-q", word)
-    assert found["answer"] == answer and found["prompt"] == "Name a lighthouse keeper." and found["kind"] == "run"
+    assert found["answer"].strip() == answer and found["prompt"] == "Name a lighthouse keeper." and found["kind"] == "run"
     assert found["model"] == "smollm2" and found["settings"]["temp"] == 0 and found["timings"]["completion_tokens"] > 0
     assert found["finish_reason"] in ("stop", "length") and found["conversation_id"]
     record = json.loads(run_cli("run", *QUICK, "--json", "Name a harbour.").stdout)  # where its answer is kept

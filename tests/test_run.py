@@ -206,7 +206,9 @@ def test_no_installed_model_names_the_fix():
         "import llmcli.store.models as m; m.packaged_models = lambda: (); "
         "import sys; sys.argv = ['llmcli', 'run', 'hi']; from llmcli.cli import main; main()"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
+    unset = {name: value for name, value in os.environ.items() if name != "LLMCLI_MODEL"}  # (the tests' default)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60,
+                          env=unset)
     assert proc.returncode == 3
     assert proc.stderr.splitlines()[0] == "Error: no model given and none installed"
     assert "pip install" in proc.stderr

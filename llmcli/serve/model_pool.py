@@ -76,9 +76,9 @@ class Served:
 
 class ModelPool:
     """`resolve(name)`: the file a name means (ModelNotFoundError); `load(name)`: that model, loaded (a Served not
-    started yet). Both are called on worker threads."""
+    started yet; None: the server's own -m model). Both are called on worker threads."""
 
-    def __init__(self, resolve: Callable[[str], Path], load: Callable[[str], Served], max_models: int,
+    def __init__(self, resolve: Callable[[str], Path], load: Callable[[str | None], Served], max_models: int,
                  keep_alive: float | None):
         self.resolve, self.load = resolve, load
         self.max_models, self.keep_alive = max_models, keep_alive
@@ -141,8 +141,9 @@ class ModelPool:
             if key in self.loaded:
                 return self.loaded[key]
             await self._make_room()  # (and reserve it)
-            try:
-                served = await asyncio.to_thread(self.load, name)
+            try:  # the server's own model by its flags (its name may resolve elsewhere: a package named the same)
+                own = self.default is not None and key == self.default.key
+                served = await asyncio.to_thread(self.load, None if own else name)
             except LlmcliError as exc:
                 status = 404 if isinstance(exc, ModelNotFoundError) else 503
                 raise ApiError(status, f"model '{name}' could not be loaded: {exc.message}", param="model") from None

@@ -115,8 +115,9 @@ class ModelLists:
         loaded = {served.key: served.facts for served in self.pool.loaded.values()}
         found = await asyncio.to_thread(self.loadable)
         facts = list(loaded.values())
-        for name, path in found:
-            if path.resolve() not in loaded:
+        names = {f.name for f in facts}
+        for name, path in found:  # (a file whose name a loaded model answers to is not reached by it: not listed)
+            if path.resolve() not in loaded and name not in names:
                 loaded[path.resolve()] = await asyncio.to_thread(self.describe, name, path, 0)
                 facts.append(loaded[path.resolve()])
         return facts

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import mmap
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -126,18 +128,23 @@ def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
 
 @lru_cache(maxsize=8)
 def _read_header(path: Path, size: int, mtime_ns: int) -> GGUFHeader:
+    with _mapped(path, size) as buf:
+        return _parse(Cursor(buf, size, path))
+
+
+@contextmanager
+def _mapped(path: Path, size: int) -> Iterator[mmap.mmap]:
+    """The GGUF file at `path` mapped for reading, once its size and magic say it is one (an empty file cannot even be
+    mapped)."""
     if size < 24:
-        raise IntegrityError(
-            f"{path} is not a GGUF file ({size} bytes)",
-            hint="Pass a .gguf model file.",
-        )
+        raise IntegrityError(f"{path} is not a GGUF file ({size} bytes)", hint="Pass a .gguf model file.")
     with path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != MAGIC:
             raise IntegrityError(
                 f"{path} is not a GGUF file (it does not start with 'GGUF')",
                 hint="Pass a .gguf model file; other formats (safetensors, GGML, PyTorch) are not supported.",
             )
-        return _parse(Cursor(buf, size, path))
+        yield buf
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -151,11 +158,8 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 @lru_cache(maxsize=8)
 def _read_metadata(path: Path, size: int, mtime_ns: int) -> dict[str, Any]:
-    with path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if size < 24 or buf[:4] != MAGIC:
-            raise IntegrityError(f"{path} is not a GGUF file", hint="Pass a .gguf model file.")
-        cur = Cursor(buf, size, path)
-        return _metadata(cur, vocabulary=False)[1]
+    with _mapped(path, size) as buf:
+        return _metadata(Cursor(buf, size, path), vocabulary=False)[1]
 
 
 def _metadata(cur: Cursor, vocabulary: bool) -> tuple[int, dict[str, Any], int]:
