@@ -56,6 +56,21 @@ def test_tune_table_and_usage_errors(tmp_path):
     assert run_cli("bench", "--tune", "-m", "smollm2", "-m", "gemma3-270m").code == 2
 
 
+def test_a_setting_with_one_value_is_not_measured_and_says_why(tmp_path):
+    """A prompt shorter than every batch size but the default leaves one batch size: nothing to compare, so none of
+    the budget goes to it (it was measured, then reported as not measured). (The tuner on fake jobs: milliseconds.)"""
+    from llmcli.bench.tune import Tuner
+
+    tuner = Tuner(tmp_path / "unused.gguf", 3600, 32, 8, rounds=2)
+    measured: list[str] = []
+    tuner._measure = lambda setting, candidate: (measured.append(setting), candidate.job_s.append(1.0))
+    list(tuner.run())
+    batch = tuner.dimensions[1]
+    assert batch.setting == "batch_size" and [c.value for c in batch.candidates] == [512] and not batch.candidates[0].job_s
+    assert batch.verdict == "one value applies: nothing to compare" and "batch_size" not in measured
+    assert {"threads", "flash_attn", "kv_type", "mmap"} <= set(measured)
+
+
 def test_a_difference_inside_the_noise_is_not_a_win():
     noisy = Dimension("threads", [Candidate(1, [1.00, 1.30, 0.90]), Candidate(2, [1.05, 1.10, 1.20])], 2)
     noisy.judge()

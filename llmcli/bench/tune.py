@@ -111,10 +111,14 @@ class Tuner:
         total = sum(len(d.candidates) for d in self.dimensions) * self.rounds
         done = 0
         for index, dimension in enumerate(self.dimensions):
+            if len(dimension.candidates) < 2:  # (batch sizes, for a prompt shorter than the smallest other)
+                dimension.verdict = "one value applies: nothing to compare"
+                continue
             if time.perf_counter() - started > self.budget_s:
                 break  # the budget is spent: the rest is reported as not measured
             # this dimension's share: what is left of the budget, over the dimensions still to measure
-            per_dimension = (self.budget_s - (time.perf_counter() - started)) / (len(self.dimensions) - index)
+            to_measure = sum(len(d.candidates) > 1 for d in self.dimensions[index:])
+            per_dimension = (self.budget_s - (time.perf_counter() - started)) / to_measure
             dimension_started = time.perf_counter()
             for round_number in range(self.rounds):
                 spent = time.perf_counter() - dimension_started
