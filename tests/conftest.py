@@ -30,7 +30,7 @@ import pexpect.fdpexpect
 import pytest
 
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    # Two workers keep both cores busy: a llama.cpp run on two threads (bench's and tune's rows, the busy-machine
+    # The workers keep every core busy: a llama.cpp run on two threads (bench's and tune's rows, the busy-machine
     # tests) would have its OpenMP threads spin at every barrier while the other worker holds a core (bench's smoke
     # run beside a busy core: 14.1 s of CPU, 10.0 s with this). libgomp reads it as it loads, with llama_cpp below:
     # every forked run inherits it. (llmcli keeps OpenMP's default: on an idle machine waiting passively decodes at
@@ -93,6 +93,11 @@ compileall.compile_dir(Path(llmcli.__file__).parent, quiet=2)
 # the tests that press Ctrl-C on llmcli would then wait for an answer that never comes. They test llmcli, not the shell.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (pyproject's addopts): one worker more than this process may use cores (see the comment there)."""
+    return len(os.sched_getaffinity(0)) + 1
 
 
 @pytest.fixture(scope="session", autouse=True)
