@@ -150,19 +150,28 @@ def packaged_smollm2() -> Path:
 @pytest.fixture(scope="session")
 def smollm2(packaged_smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct as the tests run it: the packaged Q4_1 requantized to Q4_0 by llama.cpp's own quantizer
-    (~0.3 s, once a worker). The same model, tokenizer and template; its prompts evaluate 2.1x as fast on AVX2 (llama.cpp
-    repacks Q4_0 for its AVX2 kernels, Q4_1 has none: 294 against 139 tok/s on one thread), and the suite's CPU is
-    mostly llama.cpp evaluating prompts. The tests about the packaged file itself take packaged_smollm2."""
+    (~0.3 s, once a session: the first worker makes it, the others wait for it). The same model, tokenizer and
+    template; its prompts evaluate 2.1x as fast on AVX2 (llama.cpp repacks Q4_0 for its AVX2 kernels, Q4_1 has none:
+    294 against 139 tok/s on one thread), and the suite's CPU is mostly llama.cpp evaluating prompts. The tests about
+    the packaged file itself take packaged_smollm2."""
     import llama_cpp
 
-    target = tmp_path_factory.mktemp("smollm2") / "smollm2.gguf"  # (named as the package: "smollm2" in records)
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, True, 1
     from llmcli.llama.llama_log import llama_backend
 
-    llama_backend()  # the quantizer's log lines go nowhere (as a run's do)
-    if llama_cpp.llama_model_quantize(str(packaged_smollm2).encode(), str(target).encode(), params) != 0:
-        pytest.fail(f"could not requantize {packaged_smollm2}")
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "smollm2-q4_0"  # (the workers' root)
+    folder.mkdir(exist_ok=True)
+    target = folder / "smollm2.gguf"  # (named as the package: "smollm2" in records)
+    with (folder / "lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype, params.allow_requantize, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, True, 1
+            llama_backend()  # the quantizer's log lines go nowhere (as a run's do)
+            partial = folder / "smollm2.gguf.partial"
+            if llama_cpp.llama_model_quantize(str(packaged_smollm2).encode(), str(partial).encode(), params) != 0:
+                pytest.fail(f"could not requantize {packaged_smollm2}")
+            partial.replace(target)
     return _load_once(target)
 
 
