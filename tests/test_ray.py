@@ -92,6 +92,7 @@ def ray_sessions(monkeypatch: pytest.MonkeyPatch):
     shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.mark.waits_long  # (three local clusters start: ~32 s, mostly waiting)
 def test_a_batch_on_ray_answers_as_locally_through_a_killed_worker_and_stops_clean(tmp_path: Path, ray_sessions) -> None:
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"Name a {word}.", "id": i}) + "\n"
                                                for i, word in enumerate(WORDS)))
