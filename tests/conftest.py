@@ -109,15 +109,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def default_model(smollm2: Path) -> Iterator[Path]:
     """The tests' default model (LLMCLI_MODEL, also for the servers module fixtures start): the fast SmolLM2 copy
-    (smollm2). The tests about the packaged default itself take packaged_smollm2, with LLMCLI_MODEL unset."""
+    (smollm2). The tests about the packaged file take packaged_smollm2 (or `-m smollm2`); those about "no model set"
+    unset LLMCLI_MODEL."""
     os.environ["LLMCLI_MODEL"] = str(smollm2)
     yield smollm2
-    del os.environ["LLMCLI_MODEL"]
+    os.environ.pop("LLMCLI_MODEL", None)
 
 
 @pytest.fixture(autouse=True)
 def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model: Path) -> Path:
-    """Config, cache and data dirs in tmp_path; no colour; a fixed terminal width; no inherited model."""
+    """Config, cache and data dirs in tmp_path; no colour; a fixed terminal width; the tests' default model."""
     home = tmp_path / "home"
     for var, sub in [
         ("LLMCLI_CACHE_DIR", "cache"),
