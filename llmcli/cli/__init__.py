@@ -78,6 +78,19 @@ def _register(only: str | None = None) -> None:
                         epilog=EXAMPLES.get(name))(target)
 
 
+def _register_listing() -> None:
+    """What `llmcli`, `llmcli -h` and `llmcli --version` need of the commands: their names and one-line help, in
+    order. No command's module is imported and no option built (`llmcli --help` 0.15 s -> 0.07 s); these entries
+    only ever appear in that listing, as a command given on the command line is registered whole by `_register`."""
+    from llmcli.cli.help import SHORT_HELP
+
+    def listed() -> None:  # pragma: no cover - never invoked: only the root's help or version runs
+        raise AssertionError("a listed command is registered whole before it runs")
+
+    for name in _COMMANDS:
+        app.command(name, short_help=SHORT_HELP[name], add_help_option=False)(listed)
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
     raise Terminated()
 
@@ -87,7 +100,11 @@ def main() -> None:
     cpu_load.mark_start()  # the first window of what other processes take begins here (the default --threads)
     signal.signal(signal.SIGTERM, _on_sigterm)  # generation installs its own graceful handler
     completing = any(name.endswith("_COMPLETE") for name in os.environ)  # (the shell's completion asks for them all)
-    _register(sys.argv[1] if len(sys.argv) > 1 and not completing else None)
+    given = sys.argv[1:]
+    if not completing and given in ([], ["-h"], ["--help"], ["--version"]):
+        _register_listing()
+    else:
+        _register(given[0] if given and not completing else None)
     try:
         app(prog_name="llmcli")
     except StdoutClosed:
