@@ -214,10 +214,11 @@ def test_a_chat_saved_as_jsonl_by_an_older_llmcli_resumes_and_goes_on_in_the_log
 
 
 def test_bad_command_values_keep_the_session_in_line_mode():
-    result = run_cli("chat", "-n", "4", "-q", "--temp", "0", input="/set top_p 7\n/set nonsense 1\n/load /nonexistent\nhi\n")
+    result = run_cli("chat", "-n", "4", "-q", "--temp", "0", input="/set top_p 7\n/set nonsense 1\n/set top-q 5\n/load /nonexistent\nhi\n")
     assert result.code == 0
     assert "--top-p must be in (0, 1]" in result.stderr
-    assert "unknown setting 'nonsense'" in result.stderr
+    assert "unknown setting 'nonsense'" in result.stderr and "Did you mean" not in result.stderr.split("'top-q'")[0]
+    assert "unknown setting 'top-q'\nHint: Did you mean 'top_p' or 'top_k'? Settings: system," in result.stderr
     assert "cannot load /nonexistent" in result.stderr
     assert result.stdout.strip()
 

@@ -199,7 +199,7 @@ def test_model_defaults_from_gguf_metadata_rank_below_the_config_file(tmp_path, 
     "text, fragment",
     [
         ("temp = = 1", "is not valid TOML"),
-        ("tmep = 1", "unknown setting 'tmep'"),
+        ("tmep = 1", "unknown setting 'tmep'\nHint: Did you mean 'temp'? Known: model,"),
         ('temp = "hot"', "expected float"),
     ],
 )

@@ -28,7 +28,7 @@ from llmcli.answer.images import ImageInput
 from llmcli.answer.message import Message
 from llmcli.answer.sampling_config import SETTING_FIELDS
 from llmcli.config.setting_values import parse_text
-from llmcli.config.settings import SETTINGS, check_value, show_value
+from llmcli.config.settings import SETTINGS, check_value, show_value, unknown_hint
 from llmcli.errors import UsageError
 from llmcli.file_hashes import remembered_sha256
 from llmcli.interrupt import Cancellation
@@ -176,7 +176,7 @@ class Conversation:
         key = name.strip().lstrip("-").replace("-", "_").lower()
         key = "temp" if key == "temperature" else key
         if key not in CHAT_SETTINGS:
-            raise UsageError(f"unknown setting {name!r}", hint="Settings: " + ", ".join(CHAT_SETTINGS))
+            raise UsageError(f"unknown setting {name!r}", hint=unknown_hint(key, CHAT_SETTINGS, "Settings"))
         setting = SETTINGS[key]
         parsed = parse_text(setting, value, f"/set {key}")
         check_value(setting, parsed, "/set")

@@ -20,12 +20,13 @@ Model defaults are the `general.sampling.*` keys some GGUF files carry.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -232,6 +233,13 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
 RESERVED_TABLES = ("profiles", "aliases", "templates")
 
 
+def unknown_hint(name: str, known: Collection[str], label: str = "Known") -> str:
+    """The hint of an unknown setting's error: the nearest known names first (a typo), then all of them."""
+    near = difflib.get_close_matches(name, known, n=2, cutoff=0.75)
+    guess = f"Did you mean {' or '.join(repr(n) for n in near)}? " if near else ""
+    return f"{guess}{label}: {', '.join(known)}"
+
+
 def default(name: str) -> Any:
     """The built-in default of a setting: the one place its literal lives is the table above."""
     return SETTINGS[name].default
@@ -292,7 +300,7 @@ def load_config_file() -> ConfigFile:
     for where, table in tables:
         for key, value in table.items():
             if key not in SETTINGS:
-                raise UsageError(f"config file {path}: {where}unknown setting {key!r}", hint=f"Known: {', '.join(SETTINGS)}")
+                raise UsageError(f"config file {path}: {where}unknown setting {key!r}", hint=unknown_hint(key, SETTINGS))
             table[key] = coerce(SETTINGS[key], value, f"config file {path}: {where}{key}")
     templates = data.get("templates", {})
     for name, table in (templates.items() if isinstance(templates, dict) else ()):
