@@ -6,7 +6,6 @@ import itertools
 import json
 
 import pexpect
-import pytest
 from conftest import Terminal, run_cli, spawn_terminal
 
 PROMPT = ">>> "
@@ -221,28 +220,6 @@ def test_bad_command_values_keep_the_session_in_line_mode():
     assert "unknown setting 'top-q'\nHint: Did you mean 'top_p' or 'top_k'? Settings: system," in result.stderr
     assert "cannot load /nonexistent" in result.stderr
     assert result.stdout.strip()
-
-
-@pytest.mark.parametrize("shell, name", [("bash", "llmcli.bash"), ("zsh", "_llmcli"), ("fish", "llmcli.fish")])
-def test_completion_scripts_match_the_app(shell, name, monkeypatch):
-    from pathlib import Path
-
-    monkeypatch.setenv("_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION", "1")
-    result = run_cli("--show-completion", shell)
-    committed = (Path(__file__).parent.parent / "completions" / name).read_text()
-    assert result.stdout == committed, f"completions/{name} is out of date: regenerate it (completions/README.md)"
-
-
-def test_completion_offers_model_names_and_commands(tmp_path):
-    env = {"_LLMCLI_COMPLETE": "complete_bash", "COMP_WORDS": "llmcli run -m smol", "COMP_CWORD": "3"}
-    names = run_cli(env=env).stdout.split()
-    assert "smollm2" in names and "smollm2-360m" in names
-    config = tmp_path / "config.toml"
-    config.write_text('[aliases]\nsmolly = "owner/repo:Q4_K_M"\n')
-    names = run_cli(env={**env, "LLMCLI_CONFIG": str(config)}).stdout.split()
-    assert "smolly" in names
-    commands = run_cli(env={**env, "COMP_WORDS": "llmcli ch", "COMP_CWORD": "1"}).stdout.split()
-    assert commands == ["chat"]
 
 
 def test_ctrl_c_before_the_reply_retry_at_temp_0_load_and_resume_say_what_happened(tmp_path):

@@ -72,6 +72,26 @@ def test_completion_offers_the_choices_of_an_option():
     assert complete("llmcli embed --format ") == ["jsonl", "npy"]
 
 
+@pytest.mark.parametrize("shell, name", [("bash", "llmcli.bash"), ("zsh", "_llmcli"), ("fish", "llmcli.fish")])
+def test_completion_scripts_match_the_app(shell, name, monkeypatch):
+    monkeypatch.setenv("_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION", "1")
+    result = run_cli("--show-completion", shell)
+    committed = (Path(__file__).parent.parent / "completions" / name).read_text()
+    assert result.stdout == committed, f"completions/{name} is out of date: regenerate it (completions/README.md)"
+
+
+def test_completion_offers_model_names_and_commands(tmp_path):
+    env = {"_LLMCLI_COMPLETE": "complete_bash", "COMP_WORDS": "llmcli run -m smol", "COMP_CWORD": "3"}
+    names = run_cli(env=env).stdout.split()
+    assert "smollm2" in names and "smollm2-360m" in names
+    config = tmp_path / "config.toml"
+    config.write_text('[aliases]\nsmolly = "owner/repo:Q4_K_M"\n')
+    names = run_cli(env={**env, "LLMCLI_CONFIG": str(config)}).stdout.split()
+    assert "smolly" in names
+    commands = run_cli(env={**env, "COMP_WORDS": "llmcli ch", "COMP_CWORD": "1"}).stdout.split()
+    assert commands == ["chat"]
+
+
 def test_extra_hints_follow_how_llmcli_was_installed(monkeypatch, tmp_path):
     from llmcli import install_hint as hints
 
