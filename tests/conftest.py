@@ -29,6 +29,12 @@ import pexpect
 import pexpect.fdpexpect
 import pytest
 
+# Bytecode is cached even where PYTHONDONTWRITEBYTECODE=1 asks Python not to write it: pytest rewrites the asserts of
+# every test module and of its plugins' (hypothesis, anyio, xdist: 163 modules) in each process of a session, ~3 s of
+# CPU each time, unless it finds them cached. The workers (started after this), and every child, inherit it.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     # The workers keep every core busy: a llama.cpp run on two threads (bench's and tune's rows, the busy-machine
     # tests) would have its OpenMP threads spin at every barrier while the other worker holds a core (bench's smoke
@@ -86,7 +92,7 @@ for _packaged in packaged_models():  # the installed-packages scan, once: forked
         _load_once(_packaged.path)
 
 # `python -m llmcli` children (servers, warm servers, pty sessions) read llmcli's bytecode rather than compiling ~110
-# modules each time (~80 ms of CPU a process), also where PYTHONDONTWRITEBYTECODE=1 keeps Python from writing it.
+# modules each time (~80 ms of CPU a process), compiled before the first of them starts.
 compileall.compile_dir(Path(llmcli.__file__).parent, quiet=2)
 
 # A shell starts a background job (`pytest &`) with SIGINT ignored, and every process started from it inherits that:
