@@ -29,6 +29,10 @@ import pexpect
 import pexpect.fdpexpect
 import pytest
 
+import llmcli
+from llmcli.store.gguf_header import read_header, read_metadata
+from llmcli.store.packages import packaged_models
+
 # Bytecode is cached even where PYTHONDONTWRITEBYTECODE=1 asks Python not to write it: pytest rewrites the asserts of
 # every test module and of its plugins' (hypothesis, anyio, xdist: 163 modules) in each process of a session, ~3 s of
 # CPU each time, unless it finds them cached. The workers (started after this), and every child, inherit it.
@@ -38,30 +42,10 @@ sys.dont_write_bytecode = False
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     # The workers keep every core busy: a llama.cpp run on two threads (bench's and tune's rows, the busy-machine
     # tests) would have its OpenMP threads spin at every barrier while the other worker holds a core (bench's smoke
-    # run beside a busy core: 14.1 s of CPU, 10.0 s with this). libgomp reads it as it loads, with llama_cpp below:
-    # every forked run inherits it. (llmcli keeps OpenMP's default: on an idle machine waiting passively decodes at
-    # 90 tok/s on two threads instead of 116.)
+    # run beside a busy core: 14.1 s of CPU, 10.0 s with this). libgomp reads it as it loads, with llama_cpp (in
+    # pytest_configure): every forked run inherits it. (llmcli keeps OpenMP's default: on an idle machine waiting
+    # passively decodes at 90 tok/s on two threads instead of 116.)
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-
-# Imported once here, inherited by every forked CLI run (a run's own imports cost ~0.2 s of its ~0.5 s): the CLI,
-# and the local answer path with llama_cpp, numpy and jinja2 (no llama.cpp state is created by importing).
-import llmcli
-import llmcli.chat.session  # noqa: F401
-import llmcli.cli  # noqa: F401
-import llmcli.cli.inputs  # noqa: F401
-import llmcli.cli.output  # noqa: F401
-import llmcli.cli.stream  # noqa: F401
-import llmcli.pipeline  # noqa: F401
-import llmcli.pipeline.local  # noqa: F401
-from llmcli.store.gguf_header import read_header, read_metadata
-from llmcli.store.packages import packaged_models
-
-# ... and what run, chat and --batch import as they start (their commands, the warm path's HTTP client, rich's live
-# display): ~0.1 s of CPU a forked run; and the MCP client, for the runs given MCP servers.
-for _module in ("llmcli.cli.run", "llmcli.cli.chat", "llmcli.cli.chat_repl", "llmcli.cli.batch", "llmcli.cli.help",
-                "llmcli.pipeline.warm", "llmcli.remote.client", "llmcli.tools.tool_loop", "rich.live", "rich.progress",
-                "tomllib", "mcp.client.client", "mcp.client.stdio", "mcp.client.streamable_http"):  # (mcp: ~0.65 s)
-    importlib.import_module(_module)
 
 sys.path.insert(0, str(Path(__file__).parent))  # the tests' helper modules
 import fake_hub  # noqa: E402 (found through the line above)
@@ -87,9 +71,27 @@ def _load_once(path: Path) -> Path:
     return path
 
 
-for _packaged in packaged_models():  # the installed-packages scan, once: forked runs inherit its cache
-    if _packaged.path.is_file():  # (an assembled model is assembled by its fixture)
-        _load_once(_packaged.path)
+# Imported once in a process that runs tests, inherited by every forked CLI run (a run's own imports cost ~0.2 s of its
+# ~0.5 s): the CLI, and the local answer path with llama_cpp, numpy and jinja2 (no llama.cpp state is created by
+# importing); what run, chat and --batch import as they start (their commands, the warm path's HTTP client, rich's
+# live display: ~0.1 s of CPU a forked run); and the MCP client, for the runs given MCP servers (~0.65 s).
+PRELOADED = ("llmcli.chat.session", "llmcli.cli", "llmcli.cli.inputs", "llmcli.cli.output", "llmcli.cli.stream",
+             "llmcli.pipeline", "llmcli.pipeline.local", "llmcli.cli.run", "llmcli.cli.chat", "llmcli.cli.chat_repl",
+             "llmcli.cli.batch", "llmcli.cli.help", "llmcli.pipeline.warm", "llmcli.remote.client",
+             "llmcli.tools.tool_loop", "rich.live", "rich.progress", "tomllib", "mcp.client.client", "mcp.client.stdio",
+             "mcp.client.streamable_http")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Preload what forked runs inherit (above) and the installed models (`_load_once`), in a process that runs tests:
+    not in pytest-xdist's controller, which only hands tests to its workers (~2 s of CPU a session)."""
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    for module in PRELOADED:
+        importlib.import_module(module)
+    for packaged in packaged_models():  # the installed-packages scan, once: forked runs inherit its cache
+        if packaged.path.is_file():  # (an assembled model is assembled by its fixture)
+            _load_once(packaged.path)
 
 # `python -m llmcli` children (servers, warm servers, pty sessions) read llmcli's bytecode rather than compiling ~110
 # modules each time (~80 ms of CPU a process), compiled before the first of them starts.
