@@ -190,10 +190,14 @@ def test_sampled_required_calls_all_parse_and_validate(served):
     _, url = served
     client = _client(url)
 
+    # max_tokens above what the grammar lets one call take (a city of 40 characters, each at most a 6-character
+    # escape, integers of 16 digits, an optional space between JSON tokens: ~320 tokens, one token a character), so
+    # that every answer ends in its call: at 120, one sample in some hundreds was cut off (slots' batches differ run
+    # to run, and so do sampled answers); they take 36-70.
     def ask(seed: int):
         return client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": QUESTION}], tools=TOOLS, tool_choice="required",
-            parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=120).choices[0]
+            parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=400).choices[0]
 
     with ThreadPoolExecutor(4) as pool:
         choices = list(pool.map(ask, range(SAMPLED_CALLS)))
