@@ -285,8 +285,10 @@ def test_a_tool_schema_with_local_refs_is_enforced(served):
     tool = {"type": "function", "function": {"name": "order", "description": "Order a coffee.", "parameters": parameters}}
     reply = _client(url).chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "A large coffee, please."}], tools=[tool],
-        tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=0, max_tokens=40)
-    (call,) = reply.choices[0].message.tool_calls  # (one: a second is the model's choice, and could be cut off)
+        tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=0, max_tokens=100)
+    # (one call: a second is the model's choice, and could be cut off; 100 tokens: more than the grammar lets this
+    # call take, ~80 at one token a character)
+    (call,) = reply.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), parameters)
 
 
