@@ -190,8 +190,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "llama-server does; generic when the template knows no tools), hermes (<tool_call>), mistral ([TOOL_CALLS]), "
        "llama3, or generic (llmcli describes the tools in the system prompt).",
        choices=("auto", "hermes", "generic", "mistral", "llama3"), panel=TOOLS),
-    _s("ctx_size", int, None, "Context window in tokens (llama.cpp rounds it up to a multiple of 256).", "--ctx-size", "-c", panel=ENGINE,
-       default_text="the model's, capped at 4096", **_at_least(16)),
+    _s("ctx_size", int, None, "Context window in tokens (llama.cpp rounds it up to a multiple of 256).",
+       "--ctx-size", "-c", panel=ENGINE, default_text="the model's, capped at 4096", **_at_least(16)),
     _s("threads", int, None, "CPU threads.", "--threads", "-t", panel=ENGINE,
        default_text="one per physical core", **_at_least(1)),
     _s("batch_size", int, 512, "Prompt tokens evaluated per step.", "--batch-size", "-b", panel=ENGINE, **_at_least(1)),
