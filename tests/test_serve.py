@@ -83,7 +83,9 @@ def test_response_format_json_schema_is_enforced_and_stop_sequences_apply(server
               "required": ["name", "age"], "additionalProperties": False}
     answer = openai.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "Describe a person as JSON."}], temperature=0.7, seed=3,
-        max_tokens=80, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+        max_tokens=200, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    # (200 tokens: above what the schema lets an answer take, ~150 with every character of the name a 6-character
+    # escape, so a sampled answer always ends; it takes ~15)
     jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
     stopped = openai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": PROMPTS[0]}],
                                              temperature=0, max_tokens=16, stop=["here"])
