@@ -188,7 +188,11 @@ def test_a_stalled_terminal_holds_up_the_printer_not_the_answer():
 
 
 LINES = 24  # after the 6th, the rest still takes seconds to come: the keys are typed mid-answer
-NUMBERED = 'root ::= "' + "".join(f"- line {n:02d}\\n" for n in range(1, LINES + 1)) + '"'  # each line its own
+
+
+def _numbered(lines: int) -> str:
+    """A grammar for an answer of `lines` numbered lines, each its own ("- line 01" ...)."""
+    return 'root ::= "' + "".join(f"- line {n:02d}\\n" for n in range(1, lines + 1)) + '"'
 
 
 def _numbered_lines(screen: list[str]) -> list[int]:
@@ -200,8 +204,12 @@ def test_keys_typed_while_an_answer_renders_are_not_echoed_under_it_and_each_lin
     """chat on a terminal, rendering Markdown (24 numbered lines): keys typed mid-answer, Enter included, are not
     echoed under it (an echoed newline moved the cursor under rich's open block, which was then drawn again) and begin
     the next prompt's line; Ctrl-C ends the answer with each line shown once. Nothing is typed but `keys`."""
+    # Ctrl-C's answer is 99 lines, seconds longer than this test takes to type it after the 6th even on a loaded
+    # machine: had the answer ended first, the ^C would be the prompt's, and a ^D sent as chat printed the next
+    # prompt was lost (the terminal drops an end-of-file typed in canonical mode when readline turns it off).
+    grammar = _numbered(99 if keys == "ctrl-c" else LINES)
     child = spawn_terminal("chat", "--temp", "0", "-n", "2000", "--no-save", "--no-repetition-guard", "--grammar",
-                           NUMBERED, env={**COLOUR, "COLUMNS": "100"}, timeout=60, dimensions=(200, 100))
+                           grammar, env={**COLOUR, "COLUMNS": "100"}, timeout=60, dimensions=(200, 100))
     child.expect_exact(">>> ")
     child.sendline("Count")
     shown = b""
@@ -210,6 +218,8 @@ def test_keys_typed_while_an_answer_renders_are_not_echoed_under_it_and_each_lin
         shown += child.before + child.after
     if keys == "ctrl-c":
         child.sendintr()
+        child.expect_exact("[interrupted: the partial reply stays in the conversation]")  # the answer's, not the prompt's
+        shown += child.before + child.after
         child.expect_exact(">>> ")
         shown += child.before + child.after
         child.sendeof()
