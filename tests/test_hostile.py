@@ -131,9 +131,12 @@ def test_every_structured_output_field_takes_long_bounds_and_refuses_costly_gram
 def test_a_web_page_cannot_drive_the_server(server):
     _, url = server
     body = {"model": "smollm2", "messages": HI, "max_tokens": 2, "prompt": "hi", "max_tokens_to_sample": 2}
+    # What a page can post anywhere without asking: text or a form, which a browser sends with Origin (every POST) or
+    # Sec-Fetch-Site (every request); a program's request without them is read as JSON (curl -d: test_protocols).
+    browser = [{"Origin": "https://page.example"}, {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"}]
     for path, shape in SHAPES.items():
-        for media in ("text/plain", "application/x-www-form-urlencoded", ""):
-            reply = post(url, path, body, {"Content-Type": media})
+        for media, marks in zip(("text/plain", "application/x-www-form-urlencoded", ""), browser, strict=True):
+            reply = post(url, path, body, {"Content-Type": media, **marks})
             assert reply.status_code == 415, (path, media, reply.text)
             assert_shape(shape, reply.json(), (path, media))
         rebound = post(url, path, body, {"Host": "attacker.example:8080"})

@@ -11,6 +11,8 @@ compared across protocols. Every request goes to 127.0.0.1 only; every loop is b
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -120,6 +122,35 @@ def test_ollama_chat_generate_stream_format_list_show_ps(server):
     assert unknown.status_code == 400 and "temperature" in unknown.json()["error"]
     assert HTTP.get(f"{server}/api/tags").status_code == 401  # the key guards Ollama's routes too
     assert HTTP.get(f"{server}/api/version").json()["version"]
+
+
+def test_ollama_s_curl_examples_answer_and_a_page_s_form_gets_a_415(server):
+    """Ollama's documented `curl URL -d '{…}'` sends a form's Content-Type (no -H): read as JSON, as Ollama reads it.
+    The same request with a browser's Origin (a page posting a form) is refused, in Ollama's shape."""
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("curl is not installed")
+
+    def curl_d(path: str, body: dict, *headers: str) -> tuple[int, str]:
+        sent = [item for header in (f"Authorization: Bearer {KEY}", *headers) for item in ("-H", header)]
+        done = subprocess.run([curl, "-sS", "-w", "\n%{http_code}", f"{server}{path}", *sent, "-d", json.dumps(body)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        text, _, status = done.stdout.rpartition("\n")
+        return int(status), text
+
+    status, text = curl_d("/api/generate", {"model": "smollm2", "prompt": PROMPT, "stream": False,
+                                            "options": {"num_predict": 8}})
+    answer = json.loads(text)
+    assert status == 200 and answer["done"] is True and answer["eval_count"] == 8 and answer["response"]
+    status, text = curl_d("/api/chat", {"model": "smollm2", "messages": [{"role": "user", "content": PROMPT}],
+                                        "options": {"num_predict": 8}})  # streamed: Ollama's default
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert status == 200 and lines[-1]["done"] is True and lines[-1]["eval_count"] == 8
+    assert "".join(line["message"]["content"] for line in lines) == answer["response"]  # (the same prompt, greedy)
+
+    status, text = curl_d("/api/generate", {"model": "smollm2", "prompt": PROMPT}, "Origin: https://page.example")
+    assert status == 415 and set(json.loads(text)) == {"error"} and "application/json" in json.loads(text)["error"]
 
 
 def test_ollama_tools_answer_as_openai_s_and_embed_equals_llmcli_embed(server):

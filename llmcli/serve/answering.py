@@ -65,14 +65,22 @@ def check_key(request: Request, state: ServerState) -> None:
 MAX_JSON_DEPTH = 64  # arrays and objects inside one another: deeper bodies are refused before anything reads them
 
 
+# What a browser sends with every POST (Origin: the Fetch standard) or every request (Sec-Fetch-*), and a page's script
+# can neither set nor remove (forbidden header names).
+BROWSER_HEADERS = ("origin", "sec-fetch-site", "sec-fetch-mode")
+
+
 async def read_body(request: Request, state: ServerState) -> dict[str, Any]:
     """The key checked, then the JSON object of the body, read up to the server's limit (413 beyond it, before the rest
-    is read). Only `application/json` is read: a web page can send `text/plain` (or no type) to any address without
-    asking first, so taking it would let any page the user opens drive the server (415)."""
+    is read). From a browser, only `application/json` is read: a web page can send `text/plain` or a form (or no type)
+    to any address without asking first, so taking it would let any page the user opens drive the server (415). A
+    request without a browser's headers is read as JSON whatever its type: `curl -d '{…}'` (Ollama's own examples)
+    sends a form's type."""
     check_key(request, state)
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
-        raise ApiError(415, f"the request body must be JSON sent as Content-Type: application/json (got "
+    json_type = media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+    if not json_type and any(name in request.headers for name in BROWSER_HEADERS):
+        raise ApiError(415, f"a browser's request body must be JSON sent as Content-Type: application/json (got "
                        f"{media or 'no Content-Type'})")
     limit = state.max_body
     declared = request.headers.get("content-length")
