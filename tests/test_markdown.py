@@ -201,7 +201,7 @@ def _numbered_lines(screen: list[str]) -> list[int]:
 
 @pytest.mark.parametrize("keys", ["/exit\r", "ctrl-c"])
 def test_keys_typed_while_an_answer_renders_are_not_echoed_under_it_and_each_line_shows_once(keys):
-    """chat on a terminal, rendering Markdown (24 numbered lines): keys typed mid-answer, Enter included, are not
+    """chat on a terminal, rendering Markdown (numbered lines): keys typed mid-answer, Enter included, are not
     echoed under it (an echoed newline moved the cursor under rich's open block, which was then drawn again) and begin
     the next prompt's line; Ctrl-C ends the answer with each line shown once. Nothing is typed but `keys`."""
     # Ctrl-C's answer is 99 lines, seconds longer than this test takes to type it after the 6th even on a loaded
