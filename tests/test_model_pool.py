@@ -56,7 +56,7 @@ def test_the_server_s_own_model_comes_back_by_its_flags_when_its_name_means_anot
         return Served(key, Slots(), SimpleNamespace(model_names=(called,)), facts=None, close=lambda: None)
 
     async def swap_out_and_back() -> None:
-        pool = ModelPool(files.__getitem__, load, max_models=1, keep_alive=None)
+        pool = ModelPool(lambda name, pull: files[name], load, max_models=1, keep_alive=None)
         pool.preloaded(load(None))
         await pool.start()
         assert (await pool.get("other")).key == other and list(pool.loaded) == [other]
@@ -157,5 +157,82 @@ def test_keep_alive_expires_a_loaded_model_and_a_request_s_own_keep_alive_wins(t
         assert missing.status_code == 404 and missing.json()["error"].startswith("model 'no-such-model' not found")
         missing = HTTP.post(f"{url}/v1/chat/completions", headers=AUTH, json={"model": "no-such-model", "messages": []})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    finally:
+        stop_server(proc)
+
+
+def test_ollama_s_pull_downloads_a_hub_model_that_then_answers_and_a_client_gone_stops_its_download(
+        tmp_path, smollm2, serve_hub):
+    """`serve --allow-pull`: the official ollama client pulls a Hub model from the loopback fake Hub (the real
+    huggingface_hub client downloading) with Ollama's progress lines, lists it, chats with it; an OpenAI request naming
+    another Hub model downloads it first (a corrupted download is a 503 saying so); /api/show never downloads; a client that hangs up mid-download stops it and
+    nothing partial is left; a repository the Hub lacks is Ollama's error, streamed or whole. (Without the flag, the
+    pull is a 403: test_protocols.py.)"""
+    import ollama
+    from fake_hub import Fault, sha256_of
+    from gguf_tools import rewrite_metadata
+
+    # three files, not one file thrice: the Hub cache keeps a blob once by its sha256, and links it again
+    other = rewrite_metadata(smollm2, tmp_path / "other.gguf", strings={"general.name": "Other"})
+    slow = tmp_path / "slow.gguf"  # (never loaded: its download is stopped)
+    slow.write_bytes(b"GGUF" + bytes(24 << 20))  # (huggingface_hub reports progress every 10 MiB)
+    bad = tmp_path / "bad.gguf"  # (served corrupted)
+    bad.write_bytes(b"GGUF" + bytes(1 << 20))
+    hub = serve_hub({"someone/Smol-GGUF": {"Smol-Q4_K_M.gguf": smollm2},
+                     "someone/Other-GGUF": {"Other-Q4_K_M.gguf": other},
+                     "someone/Slow-GGUF": {"Slow-Q4_K_M.gguf": slow}, "someone/Bad-GGUF": {"Bad-Q4_K_M.gguf": bad}},
+                    faults={"Slow-Q4_K_M.gguf": Fault(delay_per_mb=0.15, times=9),  # ~4 s for the file
+                            "Bad-Q4_K_M.gguf": Fault(corrupt=True)})
+    proc, url = start_server(tmp_path, "-P", "1", "-c", "256", "--allow-pull", "--api-key", KEY)
+    try:
+        client = ollama.Client(host=url, headers=AUTH)
+        shown = HTTP.post(f"{url}/api/show", headers=AUTH, json={"model": "hf.co/someone/Smol-GGUF"})
+        assert shown.status_code == 404 and hub.requests() == []  # describing a model never downloads it
+
+        lines = list(client.pull("hf.co/someone/Smol-GGUF", stream=True))
+        statuses = [line.status for line in lines]
+        assert statuses[0] == "pulling manifest" and statuses[-2:] == ["verifying sha256 digest", "success"]
+        progress = [line for line in lines if line.digest]
+        digest, size = f"sha256:{sha256_of(smollm2)}", smollm2.stat().st_size
+        assert {(line.status, line.digest, line.total) for line in progress} == {(f"pulling {digest[7:19]}", digest, size)}
+        completed = [line.completed for line in progress]
+        assert completed == sorted(completed) and completed[0] == 0 and completed[-1] == size  # (between: as fast as it goes)
+        assert client.pull("hf.co/someone/Smol-GGUF").status == "success"  # again, whole: up to date, not downloaded
+        assert len(hub.requests("GET", "/cdn/")) == 1
+        assert "someone/Smol-GGUF:Q4_K_M" in [model.model for model in client.list().models]
+        answer = client.chat(model="hf.co/someone/Smol-GGUF", messages=[{"role": "user", "content": PROMPT}],
+                             options={"num_predict": 4})
+        assert answer.done_reason == "length" and answer.eval_count == 4
+        other = HTTP.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=180, json={
+            "model": "someone/Other-GGUF", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4})
+        assert other.status_code == 200 and other.json()["model"] == "someone/Other-GGUF:Q4_K_M", other.text
+        assert len(hub.requests("GET", "/cdn/")) == 2
+        bad = HTTP.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=180, json={
+            "model": "someone/Bad-GGUF", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4})
+        assert bad.status_code == 503 and "could not be downloaded" in bad.json()["error"]["message"], bad.text
+        assert "failed its checksum" in bad.json()["error"]["message"]
+
+        with HTTP.stream("POST", f"{url}/api/pull", headers=AUTH, json={"model": "someone/Slow-GGUF"}) as pulling:
+            for line in pulling.iter_lines():  # hang up once some bytes have arrived
+                if json.loads(line).get("completed"):
+                    assert json.loads(line)["completed"] < slow.stat().st_size  # (the progress as it goes)
+                    break
+        hub_cache = tmp_path / "cache" / "hub"
+        deadline = time.monotonic() + 30
+        while list(hub_cache.rglob("*.incomplete")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not list(hub_cache.rglob("*.incomplete"))
+        kept = [p for p in (hub_cache / "models--someone--Slow-GGUF").rglob("*") if p.is_file() and "refs" not in p.parts]
+        assert kept == []  # stopped, not finished: no blob, no link
+        assert "someone/Slow-GGUF:Q4_K_M" not in [model.model for model in client.list().models]
+
+        with pytest.raises(ollama.ResponseError, match="someone/Missing-GGUF not found"):
+            list(client.pull("someone/Missing-GGUF", stream=True))  # (an error line after `pulling manifest`)
+        with pytest.raises(ollama.ResponseError, match="not found") as whole:
+            client.pull("someone/Missing-GGUF")
+        assert whole.value.status_code == 404
+        with pytest.raises(ollama.ResponseError, match="llmcli rm") as delete:
+            client.delete("smollm2")
+        assert delete.value.status_code == 501
     finally:
         stop_server(proc)

@@ -121,6 +121,9 @@ def test_ollama_chat_generate_stream_format_list_show_ps(server):
                           json={"model": "smollm2", "prompt": "x", "options": {"temperature": "hot"}})
     assert unknown.status_code == 400 and "temperature" in unknown.json()["error"]
     assert HTTP.get(f"{server}/api/tags").status_code == 401  # the key guards Ollama's routes too
+    with pytest.raises(ollama.ResponseError, match="--allow-pull") as refused:
+        client.pull("hf.co/someone/Smol-GGUF")  # (with it: test_model_pool.py)
+    assert refused.value.status_code == 403
     assert HTTP.get(f"{server}/api/version").json()["version"]
 
 

@@ -61,7 +61,8 @@ ExitIdleOpt = Annotated[bool, typer.Option(
     help="The -m model expires too (--keep-alive), and the server exits once no model is loaded.")]
 AllowPullOpt = Annotated[bool, typer.Option(
     "--allow-pull", rich_help_panel=_SERVER,
-    help="A request may name a Hub model not downloaded yet (it is downloaded); else only models here.")]
+    help="A request may name a Hub model not downloaded yet (it is downloaded), and Ollama's /api/pull downloads one "
+    "(`ollama pull hf.co/OWNER/REPO:QUANT`); else only models here.")]
 WebuiOpt = Annotated[bool, typer.Option(
     "--webui/--no-webui", rich_help_panel=_SERVER,
     help="The chat page at / (a browser's GET /): streamed answers, stop, regenerate, conversations kept in the "
@@ -159,7 +160,8 @@ def serve(
     pool = ModelPool(found.resolve, found.load, max_models, expiry)
     pool.preloaded(first, pinned=not exit_when_idle)
     state = ServerState(pool, max_body, api_key, shutdown_grace=shutdown_grace, body_timeout=header_timeout,
-                        keepalive_s=stream_keepalive, report=lambda line: output.print_stats_line(console, line))
+                        keepalive_s=stream_keepalive, report=lambda line: output.print_stats_line(console, line),
+                        pull=found.pull if allow_pull else None)
     hosts = None if socket_path is not None else (host, socket.gethostname(), *(allow_host or ()))
     app = create_app(state, found.describe, found.loadable, tuple(cors or ()), webui=webui and socket_path is None,
                      hosts=hosts)

@@ -25,6 +25,7 @@ from llmcli.answer.stats import summary_line
 from llmcli.decode.serving import Failure, Job, QueueFull, SlotServer
 from llmcli.serve.answer_request import AnswerRequest, ApiError, Parsed, prepare
 from llmcli.serve.model_pool import ModelPool, Served
+from llmcli.serve.pulling import PullModel
 from llmcli.serve.wire import COMMENT, Exchange, Item
 
 RETRY_AFTER_S = 1
@@ -41,6 +42,7 @@ class ServerState:
     body_timeout: float = 10.0  # a request's body must arrive within it (408)
     keepalive_s: float = 10.0  # a stream silent this long sends its protocol's keep-alive (a long prefill)
     report: Callable[[str], None] | None = None  # one line per answer (serve prints it on stderr)
+    pull: PullModel | None = None  # Ollama's /api/pull downloads with it (--allow-pull; None: refused)
 
 
 ErrorShape = Callable[[WireError], Any]

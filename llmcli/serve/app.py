@@ -5,7 +5,7 @@
                 GET  /v1/models  /v1/models/{id}
     Anthropic   POST /v1/messages  /v1/messages/count_tokens                                   (anthropic_routes.py)
     Ollama      GET  /api/version  /api/tags  /api/ps    POST /api/show  /api/chat  /api/generate  /api/embed
-                /api/embeddings                                                                  (ollama_routes.py)
+                /api/embeddings  /api/pull (--allow-pull)                                         (ollama_routes.py)
     llmcli      GET  /health (no key needed)   GET / the chat page (llmcli/serve/chat_page.py; --no-webui: off)
                 POST /llmcli/embed (the warm servers' embeddings)                                         (here)
                 CORS for the origins of --cors only

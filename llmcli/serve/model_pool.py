@@ -75,10 +75,11 @@ class Served:
 
 
 class ModelPool:
-    """`resolve(name)`: the file a name means (ModelNotFoundError); `load(name)`: that model, loaded (a Served not
+    """`resolve(name, pull)`: the file a name means (ModelNotFoundError; `pull`: downloaded if it must be and may be);
+    `load(name)`: that model, loaded (a Served not
     started yet; None: the server's own -m model). Both are called on worker threads."""
 
-    def __init__(self, resolve: Callable[[str], Path], load: Callable[[str | None], Served], max_models: int,
+    def __init__(self, resolve: Callable[[str, bool], Path], load: Callable[[str | None], Served], max_models: int,
                  keep_alive: float | None):
         self.resolve, self.load = resolve, load
         self.max_models, self.keep_alive = max_models, keep_alive
@@ -133,7 +134,7 @@ class ModelPool:
         if name is None:
             assert self.default is not None
             name = self.default.name
-        key = await self.key(name)
+        key = await self.key(name, pull=True)
         if key in self.loaded:
             return self.loaded[key]
         lock = self._loading.setdefault(key, asyncio.Lock())
@@ -159,18 +160,27 @@ class ModelPool:
                 self.default = served
             return served
 
-    async def key(self, name: str) -> Path:
-        """The file a name means (404 if none)."""
+    async def key(self, name: str, pull: bool = False) -> Path:
+        """The file a name means (404 if none); `pull`: a request to answer, for which a Hub model not downloaded yet
+        is downloaded under --allow-pull (503 if that fails), never a request that only describes it."""
         bare = name.removesuffix(":latest")
         if len(bare.encode("utf-8", "replace")) > MAX_NAME_BYTES or "\0" in bare:
             raise ApiError(400, f"model: a model's name is at most {MAX_NAME_BYTES} bytes, with no NUL", param="model")
         if bare not in self._names:
             try:
-                self._names[bare] = await asyncio.to_thread(self.resolve, bare)
-            except (LlmcliError, OSError, ValueError):  # (a name the file system refuses: too long a component)
-                raise ApiError(404, f"model '{name}' not found (the server loads what `llmcli list` shows, a path, or "
-                               "a Hub model already downloaded)", param="model", code="model_not_found") from None
+                self._names[bare] = await asyncio.to_thread(self.resolve, bare, pull)
+            except LlmcliError as exc:
+                if not isinstance(exc, ModelNotFoundError):  # found, and its download failed (network, checksum, room)
+                    raise ApiError(503, f"model '{name}' could not be downloaded: {exc.message}", param="model") from None
+                raise self._not_found(name) from None
+            except (OSError, ValueError):  # (a name the file system refuses: too long a component)
+                raise self._not_found(name) from None
         return self._names[bare]
+
+    @staticmethod
+    def _not_found(name: str) -> ApiError:
+        return ApiError(404, f"model '{name}' not found (the server loads what `llmcli list` shows, a path, or a Hub "
+                        "model already downloaded)", param="model", code="model_not_found")
 
     async def _make_room(self) -> None:
         """Unload the least recently used idle model while `max_models` are loaded or loading (waiting for one to be

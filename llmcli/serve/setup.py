@@ -9,13 +9,15 @@ from typing import Any
 
 from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.chat.session import Session
+from llmcli.config import settings
 from llmcli.pipeline import Pipeline, Request, Shape, resolve_settings
 from llmcli.pipeline.local import open_pipeline
 from llmcli.prompt.rendering import thinking_variables
 from llmcli.serve.answer_request import Limits, Prompter
 from llmcli.serve.model_facts import ModelFacts, read_facts
 from llmcli.serve.model_pool import Served
-from llmcli.store import catalog
+from llmcli.store import catalog, models
+from llmcli.store.cache import Fetch, FilesCallback, ProgressCallback
 from llmcli.store.gguf_header import read_header
 
 
@@ -36,9 +38,20 @@ class ServerModels:
         return dataclasses.replace(self.request, settings={**self.request.settings, "model": name},
                                    offline=self.request.offline or not self.allow_pull)
 
-    def resolve(self, name: str) -> Path:
-        """The file `name` means, as -m resolves it (ModelNotFoundError), without loading it."""
-        return resolve_settings(self.request_for(name))[1].path
+    def resolve(self, name: str, pull: bool = False) -> Path:
+        """The file `name` means, as -m resolves it (ModelNotFoundError), without loading it; a Hub model not
+        downloaded yet is downloaded only for a request to answer (`pull`) under --allow-pull."""
+        request = self.request_for(name)
+        return resolve_settings(dataclasses.replace(request, offline=request.offline or not pull))[1].path
+
+    def pull(self, name: str, on_progress: ProgressCallback, on_files: FilesCallback) -> str:
+        """Ollama's /api/pull (under --allow-pull): `name` downloaded into the Hub cache or brought up to date, as
+        `llmcli pull` does it (the server's --offline: only found there); the name it is listed by."""
+        config = settings.load_config_file()
+        effective = settings.resolve(self.request.settings, self.request.profile, config=config)
+        fetch = Fetch(offline=self.request.offline, refresh=True, force=self.request.force,
+                      timeout=effective["hub_timeout"], on_progress=on_progress, on_files=on_files)
+        return models.resolve(name, config.aliases, fetch).name
 
     def load(self, name: str | None = None, on_progress: Any = None) -> Served:
         """The model loaded with `parallel` slots of a full context each, its slot server (speculative decoding as

@@ -24,8 +24,19 @@ REPO_PREFIX = "models--"
 
 # Progress of one download: (file name, bytes done, bytes total or None).
 ProgressCallback = Callable[[str, int, "int | None"], None]
+# What is about to be fetched: the files of one model (a projector's too), as the Hub lists them.
+FilesCallback = Callable[[tuple["RemoteFile", ...]], None]
 # Around a request to a host that may keep us waiting: a context manager that tells the user (after a while).
 WaitingNotice = Callable[[str], AbstractContextManager[object]]
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One file of a Hub repository as its listing gives it (an LFS file's size and sha256)."""
+
+    name: str
+    size: int | None
+    sha256: str | None
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,7 @@ class Fetch:
     force: bool = False  # skip the memory check before a download
     timeout: float = default("hub_timeout")  # seconds to connect, or between received bytes
     on_progress: ProgressCallback | None = None
+    on_files: FilesCallback | None = None  # told what will be fetched, once it is checked (memory, disk)
     on_waiting: WaitingNotice | None = None
 
 

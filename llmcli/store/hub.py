@@ -23,7 +23,6 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,17 @@ from llmcli.config.settings import default
 from llmcli.errors import ExitCode, IntegrityError, LlmcliError, ModelNotFoundError, ResourceError, UsageError
 from llmcli.file_hashes import sha256_of
 from llmcli.store import memory
-from llmcli.store.cache import CachedModel, Fetch, Fetched, ProgressCallback, choose, from_cache, partial_downloads, remove_file
+from llmcli.store.cache import (
+    CachedModel,
+    Fetch,
+    Fetched,
+    ProgressCallback,
+    RemoteFile,
+    choose,
+    from_cache,
+    partial_downloads,
+    remove_file,
+)
 from llmcli.store.references import HubReference, check_filename, choices, projector_file
 from llmcli.units import human_size
 
@@ -68,13 +77,6 @@ def _token() -> str | None:
     return os.environ.get("HF_TOKEN") or None
 
 
-@dataclass(frozen=True)
-class RemoteFile:
-    name: str
-    size: int | None
-    sha256: str | None
-
-
 def fetch(reference: HubReference, policy: Fetch) -> Fetched:
     """The model files of `reference` in the local cache, downloading what is missing.
 
@@ -103,6 +105,8 @@ def fetch(reference: HubReference, policy: Fetch) -> Fetched:
         memory.check_memory(str(reference), sum(f.size or 0 for f in files), force=policy.force)
         _check_disk_space(reference, files)
         prune_partial()  # partial files a killed process left behind
+        if policy.on_files is not None:
+            policy.on_files(tuple(files))
         downloaded = tuple(_download(reference, file, policy) for file in files)
     return Fetched(reference, commit, downloaded[: len(choice.files)], choice.quant)
 

@@ -1,0 +1,105 @@
+"""A model downloaded at a client's request (Ollama's /api/pull, with `serve --allow-pull`), as `llmcli pull`
+downloads it, on a worker thread; what happens comes back as events for the route to write in its protocol. No HTTP.
+
+One download at a time per server: a second pull waits for the first to end before it starts (they may well be the
+same model, which is then already there). A client that goes away stops its pull at the next bytes received, and
+huggingface_hub removes the file it had begun; a pull a client no longer waits for never starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+
+from llmcli.errors import LlmcliError
+from llmcli.store.cache import FilesCallback, ProgressCallback, RemoteFile
+
+
+@dataclass(frozen=True)
+class Started:
+    """The pull has its turn: the Hub is being asked what the model's files are."""
+
+
+@dataclass(frozen=True)
+class Listed:
+    files: tuple[RemoteFile, ...]  # what will be fetched (already there: fetched in no time)
+
+
+@dataclass(frozen=True)
+class Progress:
+    file: str
+    done: int
+    total: int | None
+
+
+@dataclass(frozen=True)
+class Pulled:
+    name: str  # what the model is listed by now
+    files: tuple[RemoteFile, ...]
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: LlmcliError
+
+
+PullEvent = Started | Listed | Progress | Pulled | Failed
+# Download `name` (progress and the files told to the callbacks); the name it is listed by. LlmcliError if it cannot.
+PullModel = Callable[[str, ProgressCallback, FilesCallback], str]
+
+
+class ClientGone(LlmcliError):
+    """Raised from the download's progress once nobody waits for it any more (stops huggingface_hub's download)."""
+
+
+class Puller:
+    def __init__(self, pull: PullModel):
+        self._pull = pull
+        self._turn = threading.Lock()  # held by the worker thread that downloads: one download at a time
+
+    async def events(self, name: str) -> AsyncGenerator[PullEvent, None]:
+        """The pull of `name`, as it happens, to its Pulled or Failed; closing the iterator early stops it."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[PullEvent] = asyncio.Queue()
+        gone = threading.Event()
+
+        def put(event: PullEvent) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        def progress(file: str, done: int, total: int | None) -> None:
+            if gone.is_set():
+                raise ClientGone(f"the pull of {name} was stopped: the client went away")
+            put(Progress(file, done, total))
+
+        listed: list[RemoteFile] = []
+
+        def files(found: tuple[RemoteFile, ...]) -> None:
+            listed.extend(found)
+            put(Listed(found))
+
+        def work() -> None:
+            with self._turn:
+                if gone.is_set():
+                    return
+                put(Started())
+                try:
+                    put(Pulled(self._pull(name, progress, files), tuple(listed)))
+                except LlmcliError as exc:
+                    put(Failed(exc))
+                except Exception as exc:  # a bug: the client still gets its answer, the log the reason
+                    logging.getLogger("llmcli.serve").error("internal error pulling %s", name, exc_info=exc)
+                    put(Failed(LlmcliError(f"internal error: {type(exc).__name__}")))
+
+        worker = threading.Thread(target=work, name=f"llmcli-pull-{name[:40]}", daemon=True)
+        worker.start()
+        try:
+            while True:
+                event = await queue.get()
+                yield event
+                if isinstance(event, (Pulled, Failed)):
+                    return
+        finally:
+            gone.set()
