@@ -76,8 +76,8 @@ class Served:
 
 class ModelPool:
     """`resolve(name, pull)`: the file a name means (ModelNotFoundError; `pull`: downloaded if it must be and may be);
-    `load(name)`: that model, loaded (a Served not
-    started yet; None: the server's own -m model). Both are called on worker threads."""
+    `load(name)`: that model, loaded (a Served not started yet; None: the server's own -m model). Both are called on
+    worker threads."""
 
     def __init__(self, resolve: Callable[[str, bool], Path], load: Callable[[str | None], Served], max_models: int,
                  keep_alive: float | None):
