@@ -231,6 +231,10 @@ def test_ollama_s_pull_downloads_a_hub_model_that_then_answers_and_a_client_gone
         with pytest.raises(ollama.ResponseError, match="not found") as whole:
             client.pull("someone/Missing-GGUF")
         assert whole.value.status_code == 404
+        too_long = HTTP.post(f"{url}/api/pull", headers=AUTH, json={"model": "x" * 2000})
+        assert too_long.status_code == 400 and set(too_long.json()) == {"error"}
+        no_path = HTTP.post(f"{url}/api/pull", headers=AUTH, json={"model": f"/{'x' * 300}.gguf", "stream": False})
+        assert no_path.status_code == 404 and "File name too long" in no_path.json()["error"]
         with pytest.raises(ollama.ResponseError, match="llmcli rm") as delete:
             client.delete("smollm2")
         assert delete.value.status_code == 501

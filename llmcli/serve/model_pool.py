@@ -163,9 +163,7 @@ class ModelPool:
     async def key(self, name: str, pull: bool = False) -> Path:
         """The file a name means (404 if none); `pull`: a request to answer, for which a Hub model not downloaded yet
         is downloaded under --allow-pull (503 if that fails), never a request that only describes it."""
-        bare = name.removesuffix(":latest")
-        if len(bare.encode("utf-8", "replace")) > MAX_NAME_BYTES or "\0" in bare:
-            raise ApiError(400, f"model: a model's name is at most {MAX_NAME_BYTES} bytes, with no NUL", param="model")
+        bare = checked_name(name)
         if bare not in self._names:
             try:
                 self._names[bare] = await asyncio.to_thread(self.resolve, bare, pull)
@@ -244,6 +242,14 @@ class ModelPool:
         for served in list(self.loaded.values()):
             if served.in_flight == 0 and served.expires_in() == 0 and served.key in self.loaded:
                 await self._unload(served)
+
+
+def checked_name(name: str) -> str:
+    """A request's model name without Ollama's `:latest`, if it is one a model may have (400 if not)."""
+    bare = name.removesuffix(":latest")
+    if len(bare.encode("utf-8", "replace")) > MAX_NAME_BYTES or "\0" in bare:
+        raise ApiError(400, f"model: a model's name is at most {MAX_NAME_BYTES} bytes, with no NUL", param="model")
+    return bare
 
 
 def _give_back_freed_memory() -> None:

@@ -41,6 +41,7 @@ from llmcli.serve.answer_request import (
     top_logprobs_of,
 )
 from llmcli.serve.model_facts import ModelFacts
+from llmcli.serve.model_pool import checked_name
 from llmcli.serve.wire import Item
 
 VERSION = "0.13.3"  # the Ollama API level these routes follow (clients check it)
@@ -349,7 +350,7 @@ def parse_pull(body: Any) -> tuple[str, bool]:
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", param="stream")
-    return name.removesuffix(":latest"), stream
+    return checked_name(name), stream
 
 
 class PullReply:

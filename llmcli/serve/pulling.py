@@ -14,7 +14,7 @@ import threading
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
-from llmcli.errors import LlmcliError
+from llmcli.errors import LlmcliError, ModelNotFoundError
 from llmcli.store.cache import FilesCallback, ProgressCallback, RemoteFile
 
 
@@ -89,6 +89,8 @@ class Puller:
                     put(Pulled(self._pull(name, progress, files), tuple(listed)))
                 except LlmcliError as exc:
                     put(Failed(exc))
+                except (OSError, ValueError):  # a name no file may have (as ModelPool.key takes it)
+                    put(Failed(ModelNotFoundError(f"model '{name}' not found")))
                 except Exception as exc:  # a bug: the client still gets its answer, the log the reason
                     logging.getLogger("llmcli.serve").error("internal error pulling %s", name, exc_info=exc)
                     put(Failed(LlmcliError(f"internal error: {type(exc).__name__}")))
