@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from llmcli.answer.openai_wire import WireError
-from llmcli.serve import ollama_api, pulling
+from llmcli.serve import ollama_api, ollama_store_api, pulling
 from llmcli.serve.answer_request import ApiError
 from llmcli.serve.answering import (
     DISCONNECT_POLL_S,
@@ -77,7 +77,7 @@ def app(state: ServerState, models: ModelLists, hosts: tuple[str, ...] | None) -
 
     async def pull(request: Request) -> Response:
         try:
-            name, stream = ollama_api.parse_pull(await read_body(request, state))
+            name, stream = ollama_store_api.parse_pull(await read_body(request, state))
             if puller is None:
                 raise ApiError(403, "this server does not download models: start it with `llmcli serve --allow-pull`")
         except WireError as error:
@@ -89,7 +89,7 @@ def app(state: ServerState, models: ModelLists, hosts: tuple[str, ...] | None) -
     def store_route(what: str) -> Handler:
         async def refuse(request: Request) -> Response:
             check_key(request, state)
-            raise ApiError(501, f"llmcli serve does not {ollama_api.STORE_ROUTES[what]}")
+            raise ApiError(501, f"llmcli serve does not {ollama_store_api.STORE_ROUTES[what]}")
 
         return guarded(refuse, SHAPE)
 
@@ -104,13 +104,13 @@ def app(state: ServerState, models: ModelLists, hosts: tuple[str, ...] | None) -
         Route("/api/embeddings", posted(state, SHAPE, embed(True)), methods=["POST"]),
         Route("/api/pull", pull, methods=["POST"]),
         *[Route(f"/api/{what}", store_route(what), methods=["POST", "DELETE", "HEAD"])
-          for what in ollama_api.STORE_ROUTES],
+          for what in ollama_store_api.STORE_ROUTES],
         Route("/api/blobs/{digest}", store_route("blobs"), methods=["POST", "HEAD"]),
     ], SHAPE, hosts)
 
 
 async def _pull_lines(events: AsyncGenerator[pulling.PullEvent, None]) -> AsyncIterator[bytes]:
-    reply = ollama_api.PullReply()
+    reply = ollama_store_api.PullReply()
     try:
         async for event in events:
             for line in reply.lines(event):
@@ -138,5 +138,5 @@ async def _pull_whole(request: Request, events: AsyncGenerator[pulling.PullEvent
         ending.cancel()
         await events.aclose()
     if isinstance(event, pulling.Failed):
-        return error_response(ollama_api.pull_failure(event.error), SHAPE)
+        return error_response(ollama_store_api.pull_failure(event.error), SHAPE)
     return JSONResponse({"status": "success"})
