@@ -12,9 +12,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from conftest import HTTP, run_cli, start_server, stop_server
+from conftest import HTTP, LOGS, run_cli, start_server, stop_server
 
-from llmcli.units import parse_keep_alive
+from llmcli.units import human_size, parse_keep_alive
 
 PROMPT = "The capital of France is"
 
@@ -235,6 +235,13 @@ def test_ollama_s_pull_downloads_a_hub_model_that_then_answers_and_a_client_gone
         assert too_long.status_code == 400 and set(too_long.json()) == {"error"}
         no_path = HTTP.post(f"{url}/api/pull", headers=AUTH, json={"model": f"/{'x' * 300}.gguf", "stream": False})
         assert no_path.status_code == 404 and "File name too long" in no_path.json()["error"]
+        with pytest.raises(ollama.ResponseError):
+            client.pull("\x1b]0;owned\x07\x1b[2Jx")  # (a terminal's title and clear screen, in a name)
+        log = LOGS[proc.pid].read_text()  # one line a pull in the server's log (the stopped one's: before the next)
+        assert "pull ^[]0;owned^G^[[2Jx: failed" in log and "\x1b" not in log
+        assert f"pull hf.co/someone/Smol-GGUF: someone/Smol-GGUF:Q4_K_M ready ({human_size(size)}) in " in log, log
+        assert "pull someone/Slow-GGUF: stopped: the client went away" in log
+        assert "pull someone/Missing-GGUF: failed: repository someone/Missing-GGUF not found" in log
         with pytest.raises(ollama.ResponseError, match="llmcli rm") as delete:
             client.delete("smollm2")
         assert delete.value.status_code == 501

@@ -73,7 +73,7 @@ def app(state: ServerState, models: ModelLists, hosts: tuple[str, ...] | None) -
     async def version(request: Request) -> Response:
         return JSONResponse({"version": ollama_api.VERSION})
 
-    puller = pulling.Puller(state.pull) if state.pull is not None else None
+    puller = pulling.Puller(state.pull, state.report) if state.pull is not None else None
 
     async def pull(request: Request) -> Response:
         try:

@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from llmcli.errors import LlmcliError, ModelNotFoundError
 from llmcli.store.cache import FilesCallback, ProgressCallback, RemoteFile
+from llmcli.text_escapes import neutralised
+from llmcli.units import human_size
 
 
 @dataclass(frozen=True)
@@ -56,9 +59,16 @@ class ClientGone(LlmcliError):
 
 
 class Puller:
-    def __init__(self, pull: PullModel):
+    """`report`: one line a pull for the server's log (what was pulled, its size and time, or why not)."""
+
+    def __init__(self, pull: PullModel, report: Callable[[str], None] | None = None):
         self._pull = pull
+        self._report = report
         self._turn = threading.Lock()  # held by the worker thread that downloads: one download at a time
+
+    def _say(self, line: str) -> None:
+        if self._report is not None:  # (a client's name in it: its control characters shown, one line)
+            self._report(neutralised(" ".join(line.splitlines())))
 
     async def events(self, name: str) -> AsyncGenerator[PullEvent, None]:
         """The pull of `name`, as it happens, to its Pulled or Failed; closing the iterator early stops it."""
@@ -71,7 +81,7 @@ class Puller:
 
         def progress(file: str, done: int, total: int | None) -> None:
             if gone.is_set():
-                raise ClientGone(f"the pull of {name} was stopped: the client went away")
+                raise ClientGone("the client went away")
             put(Progress(file, done, total))
 
         listed: list[RemoteFile] = []
@@ -80,20 +90,31 @@ class Puller:
             listed.extend(found)
             put(Listed(found))
 
+        def attempt() -> Pulled | Failed:
+            try:
+                return Pulled(self._pull(name, progress, files), tuple(listed))
+            except LlmcliError as exc:
+                return Failed(exc)
+            except (OSError, ValueError):  # a name no file may have (as ModelPool.key takes it)
+                return Failed(ModelNotFoundError(f"model '{name}' not found"))
+            except Exception as exc:  # a bug: the client still gets its answer, the log the reason
+                logging.getLogger("llmcli.serve").error("internal error pulling %s", name, exc_info=exc)
+                return Failed(LlmcliError(f"internal error: {type(exc).__name__}"))
+
         def work() -> None:
             with self._turn:
                 if gone.is_set():
                     return
                 put(Started())
-                try:
-                    put(Pulled(self._pull(name, progress, files), tuple(listed)))
-                except LlmcliError as exc:
-                    put(Failed(exc))
-                except (OSError, ValueError):  # a name no file may have (as ModelPool.key takes it)
-                    put(Failed(ModelNotFoundError(f"model '{name}' not found")))
-                except Exception as exc:  # a bug: the client still gets its answer, the log the reason
-                    logging.getLogger("llmcli.serve").error("internal error pulling %s", name, exc_info=exc)
-                    put(Failed(LlmcliError(f"internal error: {type(exc).__name__}")))
+                started = time.perf_counter()
+                ended = attempt()
+                put(ended)
+                if isinstance(ended, Pulled):
+                    size = human_size(sum(f.size or 0 for f in ended.files))
+                    self._say(f"pull {name}: {ended.name} ready ({size}) in {time.perf_counter() - started:.1f} s")
+                else:
+                    how = "stopped" if isinstance(ended.error, ClientGone) else "failed"
+                    self._say(f"pull {name}: {how}: {ended.error.message}")
 
         worker = threading.Thread(target=work, name=f"llmcli-pull-{name[:40]}", daemon=True)
         worker.start()
