@@ -440,7 +440,7 @@ ODD_BODIES = [{"model": "smollm2", "messages": "hi"}, {"model": "smollm2", "mess
 SHAPES = {"/v1/chat/completions": "openai", "/v1/completions": "openai", "/v1/responses": "openai",
           "/v1/embeddings": "openai", "/v1/messages": "anthropic", "/v1/messages/count_tokens": "anthropic",
           "/api/chat": "ollama", "/api/generate": "ollama", "/api/embed": "ollama", "/api/embeddings": "ollama",
-          "/api/show": "ollama"}
+          "/api/show": "ollama", "/api/pull": "ollama"}
 
 
 def assert_shape(shape: str, error: dict, where: object) -> None:
