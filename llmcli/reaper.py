@@ -1,4 +1,5 @@
-"""`python -m llmcli.reaper PARENT_PID COMMAND [ARG…]`: run COMMAND so that nothing it starts outlives llmcli.
+"""`python -m llmcli.reaper PARENT_PID [--name NAME] COMMAND [ARG…]`: run COMMAND so that nothing it starts outlives
+llmcli (NAME: how llmcli finds this reaper again among its children, to end a hung COMMAND's tree at once).
 
 An MCP server is a stranger's program, and it may start programs of its own — some in a new session, out of reach of
 the process-group kill its client sends. So llmcli starts it through this small process, which
@@ -27,9 +28,34 @@ PR_SET_CHILD_SUBREAPER = 36
 GRACE_S = 1.0
 
 
-def command(parent: int, argv: list[str]) -> list[str]:
-    """The command line that runs `argv` under a reaper for the process `parent` (this Python, this module)."""
-    return [sys.executable, "-m", "llmcli.reaper", str(parent), *argv]
+def command(parent: int, argv: list[str], name: str | None = None) -> list[str]:
+    """The command line that runs `argv` under a reaper for the process `parent` (this Python, this module); `name`:
+    what `named` finds it by."""
+    return [sys.executable, "-m", "llmcli.reaper", str(parent), *(["--name", name] if name else []), *argv]
+
+
+def named(name: str) -> list[int]:
+    """The reapers this process started by `command(os.getpid(), …, name)` that still run."""
+    marker = ["-m", "llmcli.reaper", str(os.getpid()), "--name", name]
+    found = []
+    for pid in descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                argv = [part.decode("utf-8", "surrogateescape") for part in handle.read().split(b"\0")]
+        except OSError:
+            continue
+        if argv[1:6] == marker:
+            found.append(pid)
+    return found
+
+
+def end_named(name: str) -> None:
+    """Tell the reapers called `name` to end their trees now (SIGTERM: each ends its tree, then exits)."""
+    for pid in named(name):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
 
 def descendants(root: int) -> list[int]:
@@ -103,8 +129,10 @@ class _Stop(Exception):
 
 
 def main(argv: list[str]) -> int:
+    if argv[1:2] == ["--name"]:
+        argv = argv[:1] + argv[3:]  # (the name is for llmcli to read in /proc)
     if len(argv) < 2 or not argv[0].isdigit():
-        sys.stderr.write("usage: python -m llmcli.reaper PARENT_PID COMMAND [ARG...]\n")
+        sys.stderr.write("usage: python -m llmcli.reaper PARENT_PID [--name NAME] COMMAND [ARG...]\n")
         return 2
     parent, program = int(argv[0]), argv[1:]
     if not sys.platform.startswith("linux"):

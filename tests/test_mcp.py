@@ -5,6 +5,7 @@ timeout, a server killed mid-call, Ctrl-C during a call); after each, no server 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -121,3 +122,24 @@ def test_chat_keeps_its_servers_for_the_session_and_lists_their_tools(tmp_path, 
     result = run_cli("chat", "--mcp", str(config), "--no-save", "-q", input="/tools\n/tools\n")
     assert result.code == 0, result.stderr
     assert result.stderr.count("local_shout") == 2 and "Upper-case a text." in result.stderr
+
+
+def test_a_named_reaper_is_found_by_its_name_and_ends_its_tree_when_told():
+    """What ends a hung MCP server at once (its call timed out, or it did not start in time): llmcli finds the reaper
+    it started for that server among its children by name, and its SIGTERM ends the server's whole tree — a child
+    that ignores SIGTERM too, SIGKILLed after the reaper's grace."""
+    stubborn = "import signal, subprocess, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
+               "subprocess.Popen(['sleep', '60']); print('up', flush=True); time.sleep(60)"
+    proc = subprocess.Popen(reaper.command(os.getpid(), [sys.executable, "-c", stubborn], "server-a"),
+                            stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"up\n"
+        tree = reaper.descendants(proc.pid)
+        assert len(tree) == 2 and reaper.named("server-a") == [proc.pid] and reaper.named("server-b") == []
+        reaper.end_named("server-b")  # another server's name: nothing happens
+        assert proc.poll() is None
+        reaper.end_named("server-a")
+        assert proc.wait(timeout=30) == 143 and not [pid for pid in tree if reaper.alive(pid)]
+    finally:
+        proc.kill()
+        proc.wait()

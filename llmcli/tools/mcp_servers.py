@@ -130,6 +130,7 @@ class ServerState:
     ready: threading.Event = field(default_factory=threading.Event)
     stop: Any = None  # an asyncio.Event of the servers' loop
     task: Any = None  # the future of its serving coroutine
+    hung: bool = False  # a call of it timed out or was interrupted: its tree is ended at once when the servers close
 
 
 class McpServers:
@@ -174,6 +175,7 @@ class McpServers:
             left = max(0.0, server.config.start_timeout - (time.monotonic() - began))
             if not server.ready.wait(left):
                 server.state, server.error = "failed", f"did not start within {server.config.start_timeout:g} s"
+                self._end_hung(server)  # now, not after the SDK's wait for a clean exit (2 s)
                 self._loop.call_soon_threadsafe(server.task.cancel)  # its process is stopped as the task unwinds
             if server.state != "running":
                 said = self._last_stderr(server.config.name)
@@ -228,10 +230,19 @@ class McpServers:
         from mcp.client.stdio import StdioServerParameters, stdio_client
 
         # through llmcli.reaper: whatever the server starts (in a new session too) ends with it, or with llmcli
-        program = reaper.command(os.getpid(), [config.command or "", *config.args])
+        program = reaper.command(os.getpid(), [config.command or "", *config.args], self._reaper_name(config))
         parameters = StdioServerParameters(command=program[0], args=program[1:], env=dict(config.env) or None,
                                            cwd=config.cwd)
         return stdio_client(parameters, errlog=self._stderr_of(config.name))
+
+    def _reaper_name(self, config: ServerConfig) -> str:
+        return f"{id(self):x}.{config.name}"  # (this object's: another McpServers may run a server of that name)
+
+    def _end_hung(self, server: ServerState) -> None:
+        """A stdio server that stopped answering: its reaper ends its process tree now. (Closing its stdin, as a
+        server's orderly end goes, makes the MCP SDK wait 2 s for an exit that a hung server never makes.)"""
+        if server.config.url is None:
+            reaper.end_named(self._reaper_name(server.config))
 
     def _stderr_of(self, name: str) -> Any:
         """Where a stdio server's stderr goes: a file of its own, whose last lines explain a failed start."""
@@ -264,9 +275,11 @@ class McpServers:
             result = future.result(self.call_timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
+            server.hung = True
             return f"Error: {server_name}.{tool} did not answer within {self.call_timeout:g} s (--tool-timeout)", True
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # (the call left mid-way: no orderly exit to wait for either)
             future.cancel()
+            server.hung = True
             raise
         except Exception as exc:  # the server died mid-call, or refused it
             return f"Error: {server_name}.{tool} failed: {_reason(exc)}", True
@@ -305,6 +318,8 @@ class McpServers:
         the loop, so no process is left when close() returns."""
         tasks = [server.task for server in self.servers if server.task is not None]
         for server in self.servers:
+            if server.hung:
+                self._end_hung(server)
             if server.stop is not None:
                 server.stop.set()
         _, pending = await asyncio.wait(tasks, timeout=10) if tasks else (set(), set())
