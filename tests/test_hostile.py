@@ -85,6 +85,37 @@ def test_run_json_schema_of_a_long_string_answers_and_a_deep_grammar_is_a_usage_
     assert huge.code == 2 and "at least 100000000" in huge.stderr and "Traceback" not in huge.stderr
 
 
+AMBIGUOUS = 'root ::= r\nr ::= "a" r "b" | "a" r "c" | ""'  # 2^n parse stacks after n a's; llama.cpp dedups pairwise
+
+
+@pytest.mark.parametrize(("signum", "name"), [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")])
+def test_a_signal_ends_run_while_llama_cpp_does_not_return(signum, name):
+    """A grammar whose parse stacks multiply with each `a` (forced, four a token) keeps llama.cpp's sampler from
+    returning for minutes, and a signal's handler runs only once it returns: llmcli's watcher hears the signal and
+    ends the process 3 s later (no static limit sees such a grammar: it is 46 bytes)."""
+    proc = spawn_cli("run", "-n", "64", "--temp", "0", "--logit-bias", "aaaa=100", "--grammar", AMBIGUOUS, "go")
+    try:
+        deadline = time.monotonic() + 120
+        while _cpu_s(proc.pid) < 1.0 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # (a three-token answer takes ~0.3 s of CPU: past 1 s it is inside the grammar)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 128 + signum, err
+    assert out.startswith(b"aaaa") and f"llama.cpp did not return within 3 s of {name}".encode() in err, err
+    assert b"Traceback" not in err
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def test_every_structured_output_field_takes_long_bounds_and_refuses_costly_grammars(server):
     proc, url = server
     tool = {"type": "function", "function": {"name": "note", "parameters": {
