@@ -108,6 +108,25 @@ def test_a_signal_ends_run_while_llama_cpp_does_not_return(signum, name):
     assert b"Traceback" not in err
 
 
+def test_serve_s_log_keeps_bugs_but_not_uvicorn_s_words_for_answers_cut_when_the_grace_is_up():
+    """`serve` with such a request: SIGTERM ends it after its grace (+ 10 s, its own line says so); uvicorn cancels the
+    stuck answer on the way and logged that as an ASGI traceback. (Checked by hand — 11 s, a clean log; too slow and
+    too hot a test for the suite: the engine burns a core meanwhile.)"""
+    import asyncio
+    import logging
+
+    from llmcli.cli.serve_cmd import not_a_shutdown_cut
+
+    def record(message: str, error: BaseException | None = None) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, message, (),
+                                 (type(error), error, None) if error else None)
+
+    assert not not_a_shutdown_cut(record("Exception in ASGI application", asyncio.CancelledError("cancelled")))
+    assert not not_a_shutdown_cut(record("Cancel 1 running task(s), timeout graceful shutdown exceeded"))
+    assert not_a_shutdown_cut(record("Exception in ASGI application", ValueError("a bug")))
+    assert not_a_shutdown_cut(record("Invalid HTTP request received."))
+
+
 def _cpu_s(pid: int) -> float:
     try:
         fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import logging
 import os
 import signal
 import sys
@@ -194,6 +196,7 @@ def serve(
     if exit_when_idle:
         pool.on_empty = lambda: setattr(server, "should_exit", True)
     config.load()
+    logging.getLogger("uvicorn.error").addFilter(not_a_shutdown_cut)
     server.config.callback_notify = None
     try:
         _announce(server, console, first.name, parallel, first.prompter.limits.n_ctx, api_key is not None, webui)
@@ -209,6 +212,14 @@ def serve(
 
 
 EXIT_AFTER_GRACE_S = 10.0  # after the grace, the cut answers' ends and the models' closing have this long
+
+
+def not_a_shutdown_cut(record: logging.LogRecord) -> bool:
+    """uvicorn's log without its words for answers it cancels once the graceful shutdown's time is up (an engine
+    that does not return: llmcli's own line says so at the end of the grace): their CancelledError is not a bug's
+    traceback."""
+    cut = record.exc_info is not None and isinstance(record.exc_info[1], asyncio.CancelledError)
+    return not cut and "timeout graceful shutdown exceeded" not in record.getMessage()
 
 
 def _exit_now(code: int) -> None:
