@@ -77,7 +77,10 @@ class Puller:
         gone = threading.Event()
 
         def put(event: PullEvent) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the server's loop has ended (it was stopped mid-pull): nobody is listening
+                pass
 
         def progress(file: str, done: int, total: int | None) -> None:
             if gone.is_set():
