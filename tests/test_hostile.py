@@ -88,24 +88,29 @@ def test_run_json_schema_of_a_long_string_answers_and_a_deep_grammar_is_a_usage_
 AMBIGUOUS = 'root ::= r\nr ::= "a" r "b" | "a" r "c" | ""'  # 2^n parse stacks after n a's; llama.cpp dedups pairwise
 
 
-@pytest.mark.parametrize(("signum", "name"), [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")])
-def test_a_signal_ends_run_while_llama_cpp_does_not_return(signum, name):
+def test_a_signal_ends_run_while_llama_cpp_does_not_return():
     """A grammar whose parse stacks multiply with each `a` (forced, four a token) keeps llama.cpp's sampler from
     returning for minutes, and a signal's handler runs only once it returns: llmcli's watcher hears the signal and
-    ends the process 3 s later (no static limit sees such a grammar: it is 46 bytes)."""
-    proc = spawn_cli("run", "-n", "64", "--temp", "0", "--logit-bias", "aaaa=100", "--grammar", AMBIGUOUS, "go")
+    ends the process 3 s later (no static limit sees such a grammar: it is 46 bytes). SIGTERM and Ctrl-C, at once."""
+    signals = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}
+    runs = {signum: spawn_cli("run", "-n", "64", "--temp", "0", "--logit-bias", "aaaa=100", "--grammar", AMBIGUOUS,
+                              "go") for signum in signals}
+    ended = {}
     try:
         deadline = time.monotonic() + 120
-        while _cpu_s(proc.pid) < 1.0 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)  # (a three-token answer takes ~0.3 s of CPU: past 1 s it is inside the grammar)
-        proc.send_signal(signum)
-        out, err = proc.communicate(timeout=60)
+        for signum, proc in runs.items():
+            while _cpu_s(proc.pid) < 1.0 and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)  # (a three-token answer takes ~0.3 s of CPU: past 1 s it is inside the grammar)
+            proc.send_signal(signum)
+        ended = {signum: proc.communicate(timeout=60) for signum, proc in runs.items()}
     finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 128 + signum, err
-    assert out.startswith(b"aaaa") and f"llama.cpp did not return within 3 s of {name}".encode() in err, err
-    assert b"Traceback" not in err
+        for proc in runs.values():
+            proc.kill()
+            proc.wait()
+    for signum, (out, err) in ended.items():
+        assert runs[signum].returncode == 128 + signum, err
+        assert out.startswith(b"aaaa") and b"Traceback" not in err, err
+        assert f"llama.cpp did not return within 3 s of {signals[signum]}".encode() in err, err
 
 
 def test_serve_s_log_keeps_bugs_but_not_uvicorn_s_words_for_answers_cut_when_the_grace_is_up():
