@@ -140,6 +140,10 @@ def test_a_named_reaper_is_found_by_its_name_and_ends_its_tree_when_told():
         assert proc.poll() is None
         reaper.end_named("server-a")
         assert proc.wait(timeout=30) == 143 and not [pid for pid in tree if reaper.alive(pid)]
-    finally:
-        proc.kill()
-        proc.wait()
+    finally:  # (a failure before the end: the tree is ended as llmcli ends it, then the reaper)
+        reaper.end_named("server-a")
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

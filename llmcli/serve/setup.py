@@ -10,14 +10,14 @@ from typing import Any
 from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.chat.session import Session
 from llmcli.config import settings
-from llmcli.pipeline import Pipeline, Request, Shape, resolve_settings
+from llmcli.pipeline import Pipeline, Request, Shape, fetch_for, resolve_settings
 from llmcli.pipeline.local import open_pipeline
 from llmcli.prompt.rendering import thinking_variables
 from llmcli.serve.answer_request import Limits, Prompter
 from llmcli.serve.model_facts import ModelFacts, read_facts
 from llmcli.serve.model_pool import Served
 from llmcli.store import catalog, models
-from llmcli.store.cache import Fetch, FilesCallback, ProgressCallback
+from llmcli.store.cache import FilesCallback, ProgressCallback
 from llmcli.store.gguf_header import read_header
 
 
@@ -49,8 +49,7 @@ class ServerModels:
         `llmcli pull` does it (the server's --offline: only found there); the name it is listed by."""
         config = settings.load_config_file()
         effective = settings.resolve(self.request.settings, self.request.profile, config=config)
-        fetch = Fetch(offline=self.request.offline, refresh=True, force=self.request.force,
-                      timeout=effective["hub_timeout"], on_progress=on_progress, on_files=on_files)
+        fetch = dataclasses.replace(fetch_for(self.request, effective, on_progress), refresh=True, on_files=on_files)
         return models.resolve(name, config.aliases, fetch).name
 
     def load(self, name: str | None = None, on_progress: Any = None) -> Served:
