@@ -161,3 +161,27 @@ def test_templates_edit_opens_the_template_and_keeps_the_rest(isolated_env, tmp_
     config.write_text(config.read_text() + "bogus = 1\n")  # an unknown key: said by any command, not only its use
     listed = run_cli("count", "hi")
     assert listed.code == 2 and "[templates.sum] unknown key 'bogus'" in listed.stderr
+
+
+def test_logs_rm_removes_an_exchange_from_everything_that_replays_it_and_leaves_no_byte_of_it(isolated_env):
+    """Issue 57: `logs rm ID` said "removed 1 answer" while `chat --list`, `chat --resume` and `run -C` still held the
+    prompt, and logs.db kept it (conversation_events, the FTS segments, free pages, the WAL). The data dir is 0700
+    and its log 0600."""
+    assert run_cli("run", *QUICK, "The secret word is PAPAYA.").code == 0
+    assert run_cli("run", "-C", *QUICK, "What was the secret word? Say it.").code == 0
+    (first, *_), = [[r for r in logged() if "PAPAYA" in r["prompt"]]]
+    shown = run_cli("run", "-C", "--show-prompt", "And now?").stdout
+    assert "PAPAYA" in shown and "What was the secret word?" in shown
+    removed = run_cli("logs", "rm", str(first["id"]))
+    assert removed.code == 0 and "removed 1 answer" in removed.stdout
+    assert not logged("-q", "PAPAYA")
+    shown = run_cli("run", "-C", "--show-prompt", "And now?").stdout  # the rest of the conversation goes on
+    assert "PAPAYA" not in shown and "What was the secret word?" in shown
+    listed = run_cli("chat", "--list", "--json")
+    assert listed.code == 0 and "PAPAYA" not in listed.stdout
+    data = isolated_env / "data"
+    leftovers = [p.name for p in data.iterdir() if p.name.startswith("logs.db") and b"PAPAYA" in p.read_bytes()]
+    assert leftovers == []  # (nor in the -wal file: emptied)
+    assert os.stat(data).st_mode & 0o777 == 0o700 and os.stat(data / "logs.db").st_mode & 0o777 == 0o600
+    assert run_cli("logs", "rm", "--before", "0m").code == 0 and logged() == []
+    assert "What was the secret word?" not in run_cli("chat", "--list", "--json").stdout

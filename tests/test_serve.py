@@ -259,7 +259,7 @@ def test_what_a_fault_trial_sent_is_a_400_naming_the_field_and_the_connection_st
     cases = [
         (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', None, "surrogate"),
         ({"messages": hi, "frobnicate": 1}, "frobnicate", "not a field"),
-        ({"messages": hi, "logit_bias": {str(10**9): 5}}, "logit_bias", "token ids"),
+        ({"messages": hi, "logit_bias": {str(10**9): 5}}, "logit_bias", "outside the vocabulary"),
         ({"messages": hi, "max_tokens": 4.5}, "max_tokens", "an integer"),
         ({"messages": hi, "tools": "x"}, "tools", "list"),
         ({"messages": hi, "audio": {"voice": "x"}}, "audio", "not supported"),

@@ -3,7 +3,50 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from llmcli.errors import ResourceError
+
+MAX_CHARS_PER_TOKEN = 64  # no vocabulary's token is longer: a message of more than n_ctx times this cannot fit
+Rendered = TypeVar("Rendered")
+
+
+def answer_room(max_tokens: int | None, n_ctx: int) -> int:
+    """Tokens kept free for the answer: -n, else a quarter of the context (at most 256)."""
+    return max_tokens or min(256, n_ctx // 4)
+
+
+def capped(max_tokens: int | None, n_prompt: int, n_ctx: int) -> tuple[int | None, str | None]:
+    """-n past what the context leaves after a prompt that fits: the answer stops where the context is full, said
+    in one notice (None: -n as asked). The one rule for run, chat, --batch, a warm run and serve."""
+    room = n_ctx - n_prompt
+    if max_tokens and max_tokens > room > 0:
+        return room, (f"-n {max_tokens} is more than the context has left after the prompt: the answer stops at {room} "
+                      "tokens")
+    return max_tokens, None
+
+
+def truncated(text: str, render: Callable[[str], Rendered], size: Callable[[Rendered], int],
+              budget: int) -> tuple[str, Rendered] | None:
+    """--on-overflow truncate: the end of `text` whose prompt (`render`, of `size` tokens) fits `budget` tokens —
+    the fewest leading characters dropped (a binary search), a text too long to be tokenized at all cut first — with
+    its prompt; None when not even its last character fits. The one rule for run, chat, a warm run and serve."""
+    low, high = 0, len(text)
+    best = None
+    while low <= high:
+        drop = (low + high) // 2
+        candidate = render(text[drop:])
+        if size(candidate) <= budget:
+            best, high = (text[drop:], candidate), drop - 1
+        else:
+            low = drop + 1
+    return best
+
+
+def truncation_notice(n_ctx: int, whole: str, left: str, prompt_tokens: int) -> str:
+    return (f"input truncated to fit the context of {n_ctx} tokens: dropped the first {len(whole) - len(left):,} of "
+            f"the message's {len(whole):,} characters; the prompt is now {prompt_tokens} tokens")
 
 
 def _ctx_for(needed: int, n_ctx_train: int) -> int:

@@ -76,9 +76,11 @@ class Prefill:
 
 @dataclass(frozen=True)
 class Notice:
-    """Something the user should know about this answer (printed on stderr, not part of it)."""
+    """Something the user should know about this answer (printed on stderr, not part of it). `advisory`: about its
+    speed, not its content (-q leaves it out on stderr; --json's notices keep it)."""
 
     text: str
+    advisory: bool = False
 
 
 # What decoding one answer yields (a slot's events): text, the calls' events, then its Done.

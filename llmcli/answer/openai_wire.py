@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from llmcli.answer.answer_text import StopMatcher
-from llmcli.answer.events import Done, Token
+from llmcli.answer.events import MAX_TOP_LOGPROBS, Done, Token, TokenLogprob
 from llmcli.answer.finish import from_openai
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.image_bytes import ImageError, decode_data
@@ -206,6 +206,8 @@ class ChunkReader:
         self.stop: str | None = None
         self.usage: dict[str, Any] = {}
         self.server_timings: dict[str, Any] = {}
+        self.logprobs: list[TokenLogprob] = []  # of the answer's tokens, as the server sent them (when asked for)
+        self._unsent: list[TokenLogprob] = []  # those of text the stop matcher still holds
 
     def events(self, chunk: dict[str, Any], chat: bool) -> Iterator[Token | CallStarted | CallArguments]:
         if isinstance(chunk.get("usage"), dict):
@@ -225,10 +227,13 @@ class ChunkReader:
             text = delta.get("content") if chat else delta.get("text")
             if isinstance(text, str) and text and self.stop is None:
                 self._arrived()
+                self._unsent += logprobs_of(choice.get("logprobs"), chat)
                 shown, self.stop = self.stops.feed(text)
                 if shown:
                     self.text.append(shown)
-                    yield Token(shown)
+                    logprobs, self._unsent = tuple(self._unsent), []
+                    self.logprobs += logprobs
+                    yield Token(shown, logprobs=logprobs)
 
     def _call_events(self, deltas: Any) -> Iterator[CallStarted | CallArguments]:
         """The inverse of `call_delta`: index, id and name once, then pieces of the arguments."""
@@ -251,6 +256,12 @@ class ChunkReader:
         self.clock.token(time.perf_counter(), True)
         self.pieces += 1
 
+    @property
+    def notices(self) -> list[str]:
+        """What llmcli serve said of this answer, in run's words (`timings.notices`: the input truncated, -n capped)."""
+        found = self.server_timings.get("notices")
+        return [" ".join(n.split())[:400] for n in found if isinstance(n, str)][:8] if isinstance(found, list) else []
+
     def done(self, interrupted: bool) -> tuple[str, Done]:
         """What the stop matcher still held, and the Done event: the inverse of `usage` and `timings`."""
         tail = ""
@@ -258,7 +269,8 @@ class ChunkReader:
             tail, self.stop = self.stops.finish()
         if tail:
             self.text.append(tail)
-        prompt = int(self.usage.get("prompt_tokens") or 0)
+            self.logprobs += self._unsent
+        prompt = int(self.usage.get("prompt_tokens") or _count(self.server_timings, "prompt_tokens"))
         details = self.usage.get("prompt_tokens_details") or {}
         cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
         completion = int(self.usage.get("completion_tokens") or self.pieces)
@@ -271,7 +283,8 @@ class ChunkReader:
                                  completion_tokens=completion, decode_steps=max(0, completion - 1),
                                  threads=_count(server, "threads") or None,
                                  prefill_threads=_count(server, "prefill_threads") or None,
-                                 kv_cells=_count(server, "kv_cells") or None)
+                                 kv_cells=_count(server, "kv_cells") or None,
+                                 seed=server["seed"] if type(server.get("seed")) is int else None)
         own = self.server_timings.get("finish_reason")  # llmcli serve says why, in llmcli's words
         finish = ("interrupted" if interrupted else "stop_sequence" if self.stop is not None
                   else own if isinstance(own, str) and own else self.finish or "stop")
@@ -282,7 +295,45 @@ class ChunkReader:
         if calls and finish in ("stop", "tool_calls"):
             finish = "tool_calls"
         return tail, Done(finish, stats, stop if isinstance(stop, str) else None, text="".join(self.text),
-                          reasoning="".join(self.thought).strip() or None, tool_calls=calls)
+                          reasoning="".join(self.thought).strip() or None, tool_calls=calls,
+                          logprobs=tuple(self.logprobs))
+
+
+def logprobs_of(found: Any, chat: bool) -> list[TokenLogprob]:
+    """A chunk's logprobs read back: chat's `{"content": [{token, logprob, bytes, top_logprobs}]}` (the inverse of
+    `TokenLogprob.to_dict`) or completions' `{tokens, token_logprobs, top_logprobs}`. Token ids are not on the wire
+    (-1); anything malformed is left out."""
+    if not isinstance(found, dict):
+        return []
+    if chat:
+        entries = found.get("content")
+        return [logprob for entry in entries if (logprob := _logprob_of(entry)) is not None] \
+            if isinstance(entries, list) else []
+    tokens, values, tops = found.get("tokens"), found.get("token_logprobs"), found.get("top_logprobs")
+    if not (isinstance(tokens, list) and isinstance(values, list) and len(tokens) == len(values)):
+        return []
+    tops = tops if isinstance(tops, list) and len(tops) == len(tokens) else [{}] * len(tokens)
+    return [TokenLogprob(-1, token.encode(), float(value), tuple(
+        (-1, str(piece).encode(), float(lp)) for piece, lp in list(top.items())[:MAX_TOP_LOGPROBS]
+        if isinstance(lp, (int, float))) if isinstance(top, dict) else ())
+        for token, value, top in zip(tokens, values, tops, strict=True)
+        if isinstance(token, str) and isinstance(value, (int, float))]
+
+
+def _piece(entry: dict[str, Any]) -> bytes:
+    found = entry.get("bytes")
+    if isinstance(found, list) and all(isinstance(b, int) and 0 <= b < 256 for b in found):
+        return bytes(found)
+    return str(entry.get("token", "")).encode()
+
+
+def _logprob_of(entry: Any) -> TokenLogprob | None:
+    if not isinstance(entry, dict) or not isinstance(entry.get("logprob"), (int, float)):
+        return None
+    top = entry.get("top_logprobs")
+    alternatives = tuple((-1, _piece(t), float(t["logprob"])) for t in (top if isinstance(top, list) else [])[
+        :MAX_TOP_LOGPROBS] if isinstance(t, dict) and isinstance(t.get("logprob"), (int, float)))
+    return TokenLogprob(-1, _piece(entry), float(entry["logprob"]), alternatives)
 
 
 def _count(record: Mapping[str, Any], key: str) -> int:

@@ -107,18 +107,32 @@ def split_logit_bias(spec: str) -> tuple[str, float]:
 
 def parse_logit_bias(specs: list[str], tokenize: Callable[[str], list[int]], n_vocab: int) -> tuple[tuple[int, float], ...]:
     """`TOKEN=BIAS` pairs: TOKEN is a token id or a text that is exactly one token; BIAS a number or -inf."""
+    return resolve_logit_bias([logit_bias_pair(spec) for spec in specs], tokenize, n_vocab)
+
+
+def logit_bias_pair(spec: str) -> tuple[int | str, float]:
+    """One `--logit-bias TOKEN=BIAS` as (a token id, or a token's text; the bias)."""
+    token_text, bias = split_logit_bias(spec)
+    return (int(token_text) if token_text.lstrip("-").isdigit() else token_text), bias
+
+
+def resolve_logit_bias(pairs: list[tuple[int | str, float]], tokenize: Callable[[str], list[int]],
+                       n_vocab: int) -> tuple[tuple[int, float], ...]:
+    """(token id or text, bias) pairs -> (token id, bias): a text must be exactly one token (UsageError naming the
+    --logit-bias it came from otherwise), an id within the vocabulary. The one reading of a logit bias, for run and
+    for a server's requests alike."""
     biases = []
-    for spec in specs:
-        token_text, bias = split_logit_bias(spec)
-        if token_text.lstrip("-").isdigit():
-            token = int(token_text)
+    for token_or_text, bias in pairs:
+        spec = f"{token_or_text}={bias:g}"
+        if isinstance(token_or_text, int):
+            token = token_or_text
             if not 0 <= token < n_vocab:
                 raise UsageError(f"--logit-bias {spec!r}: token id {token} is outside the vocabulary (0..{n_vocab - 1})")
         else:
-            tokens = tokenize(token_text)
+            tokens = tokenize(token_or_text)
             if len(tokens) != 1:
                 raise UsageError(
-                    f"--logit-bias {spec!r}: {token_text!r} is {len(tokens)} tokens {tokens}; give one token or its id"
+                    f"--logit-bias {spec!r}: {token_or_text!r} is {len(tokens)} tokens {tokens}; give one token or its id"
                 )
             token = tokens[0]
         biases.append((token, bias))

@@ -23,7 +23,14 @@ from llmcli.answer.answerer import (
     with_system,
 )
 from llmcli.answer.batch_jsonl import BatchItem, Summary
-from llmcli.answer.context_budget import overflow
+from llmcli.answer.context_budget import (
+    MAX_CHARS_PER_TOKEN,
+    answer_room,
+    capped,
+    overflow,
+    truncated,
+    truncation_notice,
+)
 from llmcli.answer.events import AnswerEvent, Done, Notice
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.image_bytes import read_image
@@ -49,7 +56,6 @@ from llmcli.prompt.rendering import find_template, render_prompt
 # Checks that a KV cache of this many cells fits in memory before --batch makes it (raises ResourceError).
 KVCheck = Callable[[int], None]
 
-MAX_CHARS_PER_TOKEN = 64  # no vocabulary's token is longer: a message of more than n_ctx times this cannot fit
 
 
 class Session:
@@ -185,7 +191,7 @@ class Session:
 
     def answer_room(self, max_tokens: int | None) -> int:
         """Tokens kept free for the answer: -n, else a quarter of the context (at most 256)."""
-        return max_tokens or min(256, self.engine.n_ctx // 4)
+        return answer_room(max_tokens, self.engine.n_ctx)
 
     def _fits(self, prompt: RenderedPrompt, max_tokens: int | None) -> bool:
         return len(prompt.tokens) + (max_tokens or 1) <= self.engine.n_ctx
@@ -194,15 +200,8 @@ class Session:
                   images: tuple[ImageInput, ...] = ()) -> tuple[str, RenderedPrompt]:
         """Keep the system prompt and the end of the message: the fewest leading characters dropped that fit."""
         budget = self.engine.n_ctx - self.answer_room(max_tokens)
-        low, high = 0, len(user_text)
-        best = None
-        while low <= high:
-            drop = (low + high) // 2
-            candidate = self.render(user_text[drop:], tools=tools, images=images)
-            if len(candidate.tokens) <= budget:
-                best, high = (user_text[drop:], candidate), drop - 1
-            else:
-                low = drop + 1
+        best = truncated(user_text, lambda kept: self.render(kept, tools=tools, images=images),
+                         lambda prompt: len(prompt.tokens), budget)
         if best is None:
             empty = len(self.render("").tokens)
             if max_tokens and empty < self.engine.n_ctx:  # -n leaves no room for the message
@@ -235,18 +234,13 @@ class Session:
             user_text, prompt = self._truncate(kept, options.max_tokens, tools, images)
             stable_text = None  # the document's start is gone: the next question cuts it elsewhere
             left = user_text or ""  # (counted in characters: a huge input is cut before it is tokenized at all)
-            yield Notice(
-                f"input truncated to fit the context of {self.engine.n_ctx} tokens: dropped the first "
-                f"{len(whole) - len(left):,} of the message's {len(whole):,} characters; the prompt is now "
-                f"{len(prompt.tokens)} tokens"
-            )
+            yield Notice(truncation_notice(self.engine.n_ctx, whole, left, len(prompt.tokens)))
         self._last_prompt_tokens = len(prompt.tokens)
         options = options.for_turn(kept)  # (None: the history ends with tool results)
-        room = n_ctx - len(prompt.tokens)
-        if options.max_tokens and options.max_tokens > room > 0 and not truncate:  # -n past the context: capped
-            yield Notice(f"-n {options.max_tokens} is more than the context has left after the prompt: the answer "
-                         f"stops at {room} tokens")
-            options = dataclasses.replace(options, max_tokens=room)
+        max_tokens, notice = capped(options.max_tokens, len(prompt.tokens), n_ctx)
+        if notice is not None and not truncate:  # -n past the context: capped
+            yield Notice(notice)
+            options = dataclasses.replace(options, max_tokens=max_tokens)
         options = options.for_prompt(prompt.text, self.template_source)
         stable = None if stable_text is None or len(prompt.tokens) < self.split_min else (
             len(prompt.tokens) - 1 if stable_text == user_text else self._stable_tokens(prompt.tokens, stable_text))
@@ -270,7 +264,7 @@ class Session:
             if isinstance(event, Done) and event.finish_reason == "repetition":
                 yield Notice("stopped: the answer was repeating itself (--no-repetition-guard lets it go on)")
             if isinstance(event, Done) and (busy := self.engine.take_busy_notice()):
-                yield Notice(busy)
+                yield Notice(busy, advisory=True)
         if self.prompt_cache is not None and done is not None and done.finish_reason != "interrupted":
             self.prompt_cache.save(done.stats.prefill_tokens, stable=stable)  # after the answer, off the TTFT path
             yield from self._cache_notices()

@@ -17,9 +17,10 @@ from llmcli.errors import ExitCode, InvalidAnswer, UsageError
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from llmcli.answer.answerer import Answerer
     from llmcli.answer.events import Done
     from llmcli.answer.images import ImageInput
-    from llmcli.pipeline import Request
+    from llmcli.pipeline import Pipeline, Request
     from llmcli.tools.tool_loop import ToolRunner
 
 PromptArg = Annotated[Optional[list[str]], typer.Argument(
@@ -209,6 +210,29 @@ def run(
         _answer(message, options, o.build_request(given), runner, console)
 
 
+def _show_prompt(pipeline: Pipeline[Answerer], request: Request, message: Message, runner: ToolRunner | None,
+                 console: Console) -> None:
+    """The prompt as the model will see it (the conversation continued, the tools), and its token count: rendered by
+    the model in this process, or, when a warm server holds it, by its vocabulary and template read here (no
+    weights); --endpoint's server renders its own."""
+    session, local = pipeline.session, pipeline.session.local
+    tools = runner.spec(first=True) if runner is not None else None
+    if local is not None:
+        rendered = local.render(message.text, tools=tools, images=message.images)
+        mode, n_ctx = "raw" if local.template_source is None else "chat template", local.context().n_ctx
+    elif pipeline.settings["endpoint"]:
+        raise UsageError("the server renders the prompt with --endpoint: --show-prompt is not available")
+    else:
+        from llmcli.pipeline.local import open_tokenizer
+
+        with open_tokenizer(request) as tokenizer:
+            rendered = tokenizer.render(message.text, session.history, session.options, tools, message.images)
+            raw = session.options.raw or tokenizer.template is None
+            mode, n_ctx = "raw" if raw else "chat template", tokenizer.n_ctx
+    sys.stdout.write(rendered.text + "\n")
+    console.print(f"{len(rendered.tokens)} tokens ({pipeline.model.name}, {mode}, context {n_ctx})")
+
+
 def _answer(message: Message, options: RunOptions, request: Request, runner: ToolRunner | None,
             console: Console) -> None:
     from llmcli.chat.conversation import Conversation
@@ -231,14 +255,7 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
             conversation.replay(records)
         generation = conversation.generation
         if options.show_prompt:
-            local = session.local
-            if local is None:
-                raise UsageError("the server renders the prompt with --endpoint: --show-prompt is not available")
-            tools = runner.spec(first=True) if runner is not None else None  # the prompt as the model will see it
-            rendered = local.render(message.text, tools=tools, images=message.images)
-            sys.stdout.write(rendered.text + "\n")
-            mode = "raw" if local.template_source is None else "chat template"
-            console.print(f"{len(rendered.tokens)} tokens ({pipeline.model.name}, {mode}, context {local.context().n_ctx})")
+            _show_prompt(pipeline, request, message, runner, console)
             return
         sink = AnswerSink(as_json=options.as_json, extra={"model": pipeline.model.name},
                           reasoning=pipeline.settings["reasoning"], markdown=pipeline.settings["markdown"],

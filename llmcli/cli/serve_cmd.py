@@ -113,8 +113,9 @@ def serve(
 
     -m is the model of requests that name none, loaded at start; a request may name any other model `-m` takes
     (loaded on first use, kept --keep-alive, at most --max-models at once). The settings (temperature, -n, stop
-    sequences, …) are the defaults of requests that do not say otherwise; --api-key (or $LLMCLI_API_KEY) is the key
-    every request must bring.
+    sequences, …) are the defaults of requests that do not say otherwise: --grammar, --json-schema and --format
+    constrain every answer whose request sets no grammar, format or tools of its own, and --logit-bias applies before
+    a request's own biases. --api-key (or $LLMCLI_API_KEY) is the key every request must bring.
     """
     api_key = api_key or os.environ.get("LLMCLI_API_KEY") or None
     if not _loopback(host) and api_key is None and not insecure:

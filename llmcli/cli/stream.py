@@ -195,8 +195,9 @@ def _show(events: Iterable[AnswerEvent], sink: AnswerSink, console: Console, qui
                 continue  # a call is shown when it runs (--tools-debug), and kept in the Done
             if isinstance(event, Notice):
                 sink.notices.append(event.text)
-                sink.pause()
-                print_notice(console, event.text)
+                if not (quiet and event.advisory):
+                    sink.pause()
+                    print_notice(console, event.text)
                 continue
             early = False
             if isinstance(event, Done) and sink.as_json and on_done is not None:

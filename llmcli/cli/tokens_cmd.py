@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -164,10 +165,16 @@ def _inputs(arguments: list[str] | None, chat: bool) -> list[tuple[str, str]]:
 
 
 def _is_text(argument: str) -> bool:
-    """`count "Hello world"`: an argument that names no file and does not look like a path is the text to count."""
+    """`count "Hello world"`: an argument that names no file and does not look like a path or a file's name
+    (`notes.md`: a missing file is an error, exit 2) is the text to count."""
     if argument == "-" or os.path.lexists(argument):
         return False
-    return "/" not in argument or any(c.isspace() for c in argument)
+    if any(c.isspace() for c in argument):
+        return True
+    return "/" not in argument and not _FILE_NAME.fullmatch(argument)
+
+
+_FILE_NAME = re.compile(r"[\w.-]*\w\.[A-Za-z][A-Za-z0-9]{0,7}")  # a name with an extension: report.md, notes.txt
 
 
 def read_text_file(path: Path) -> str:

@@ -22,6 +22,7 @@ It never prints.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmcli.answer.batch_jsonl import BatchItem, Record, Summary
+from llmcli.answer.context_budget import capped
 from llmcli.answer.events import Done, answer_record
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.images import text_before_image
@@ -74,7 +76,7 @@ def plan(items: list[BatchItem], render: Callable[[BatchItem], list[int]], engin
         if item.error is None:
             try:
                 prompt = render(item)
-                engine.check_budget(len(prompt), generation.max_tokens)
+                engine.check_budget(len(prompt), capped(generation.max_tokens, len(prompt), engine.n_ctx)[0])
             except LlmcliError as exc:
                 item = BatchItem(item.index, item.prompt, item.extra, exc.message, item.images)
             else:
@@ -107,6 +109,7 @@ class BatchRun:
         self.queue: deque[BatchItem] = deque()
         self.summary = Summary(shared_prefix_tokens=batch_plan.shared)
         self.done = 0
+        self.notices: dict[int, str] = {}  # an item's notice for its record (-n capped to its context)
 
     def run(self, on_progress: Callable[[int, int, float], None] | None = None) -> Summary:
         started = time.perf_counter()
@@ -156,14 +159,20 @@ class BatchRun:
             seed = item.extra.get("seed")  # a JSONL line may carry its own seed
             if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32 - 1:
                 seed = self.generation.sampling.effective_seed()
-            self.scheduler.start(seq, tokens, self.generation, seed, AnswerClock(), tag=item, shared=self.plan.shared)
+            generation = self.generation
+            max_tokens, notice = capped(generation.max_tokens, len(tokens), self.engine.n_ctx)
+            if notice is not None:  # (-n past this prompt's context: as run caps it, said in its record)
+                generation = dataclasses.replace(generation, max_tokens=max_tokens)
+                self.notices[item.index] = notice
+            self.scheduler.start(seq, tokens, generation, seed, AnswerClock(), tag=item, shared=self.plan.shared)
 
     def _results(self, events: list[tuple[Any, Any]]) -> None:
         for slot, event in events:
             if isinstance(event, Done):
                 item: BatchItem = slot.tag
                 self.summary.completion_tokens += event.stats.completion_tokens
-                self.on_result(item.index, {**item.extra, "index": item.index, **answer_record(event)})
+                notices = [self.notices.pop(item.index)] if item.index in self.notices else []
+                self.on_result(item.index, {**item.extra, "index": item.index, **answer_record(event, notices)})
                 self.done += 1
 
     def _error(self, item: BatchItem, message: str) -> None:

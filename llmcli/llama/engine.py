@@ -227,9 +227,8 @@ class Engine:
             return None
         self._busy_said = True
         others, left = share.squeezed
-        return (f"other processes kept about {others:.1f} of this machine's {share.cores} cores busy: decoding used "
-                f"{left} thread{'' if left == 1 else 's'} (the fastest while they run; it takes the cores back once they "
-                "are free, and -t N fixes the count)")
+        return (f"other processes kept ~{others:.1f} of {share.cores} cores busy: decoded on {left} "
+                f"thread{'' if left == 1 else 's'}, the fastest meanwhile (-t N fixes it)")
 
     @property
     def load_read_s(self) -> float | None:

@@ -13,8 +13,9 @@ from llmcli.answer.answerer import PromptOptions, RenderedPrompt, with_system
 from llmcli.answer.constraint import Constraint
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.images import ImageInput
-from llmcli.answer.message import user_message
+from llmcli.answer.message import Message, user_message
 from llmcli.answer.sampling_config import SamplingConfig, parse_logit_bias
+from llmcli.answer.tool_calls import ToolSpec
 from llmcli.chat.session import Session
 from llmcli.config import settings
 from llmcli.decode.prompt_cache import GIB, PromptCache, PromptCacheConfig
@@ -156,8 +157,16 @@ class Tokenizer:
     def chat(self, text: str, images: tuple[ImageInput, ...] = ()) -> RenderedPrompt:
         """The rendered prompt of `text` (and its images) as a new message: system prompt and template applied (as
         `run` does)."""
-        messages = with_system(self.prompt.system, [user_message(text, images)])
-        return render_prompt(self.template, self.vocabulary.vocab, messages, self.prompt, vision=self._vision)
+        return self.render(text, [], self.prompt, images=images)
+
+    def render(self, text: str | None, history: list[Message], options: PromptOptions, tools: ToolSpec | None = None,
+               images: tuple[ImageInput, ...] = ()) -> RenderedPrompt:
+        """The exact prompt a session of this model renders for `text` after `history`, with `options` (its system
+        prompt, --think, --raw) and `tools`: what `run --show-prompt` shows of a model a warm server holds."""
+        new = [user_message(text, images)] if text is not None else []
+        template = None if options.raw else self.template
+        return render_prompt(template, self.vocabulary.vocab, with_system(options.system, [*history, *new]), options,
+                             tools, vision=self._vision)
 
     def _vision(self) -> Vision:
         if self.projector is None:

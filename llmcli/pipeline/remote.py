@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -10,13 +11,15 @@ from typing import Any
 from llmcli.answer.answerer import Answerer, PromptOptions
 from llmcli.answer.constraint import Constraint
 from llmcli.answer.generation import GenerationOptions
-from llmcli.answer.sampling_config import SamplingConfig, split_logit_bias
+from llmcli.answer.sampling_config import SamplingConfig, logit_bias_pair
 from llmcli.config import settings
 from llmcli.errors import ModelNotFoundError
 from llmcli.interrupt import Cancellation
 from llmcli.pipeline import Pipeline, Request
 from llmcli.remote.client import Client, Endpoint
 from llmcli.remote.session import RemoteRequest, RemoteSession
+
+OWN_SERVER_SETTINGS = ("on_overflow",)  # sent to llmcli serve in fields of its own (not to another server)
 
 
 @dataclass(frozen=True)
@@ -34,17 +37,19 @@ def open_warm(request: Request, constraint: Constraint, cancel: Cancellation, on
     from llmcli.pipeline.warm import LOAD_SETTINGS, ensure, first_start_notice
 
     effective, model = resolve_settings(request, on_progress, on_waiting, config)
-    warm = ensure(model.path, effective, request.template_file)
-    endpoint = Endpoint("http://llmcli/v1", None, max(effective["endpoint_timeout"], 600.0), socket=str(warm.socket))
+    installed = model.name if model.source.startswith("package:") else None  # (named as `list` names it)
+    warm = ensure(model.path, effective, request.template_file, installed)
+    endpoint = Endpoint("http://llmcli/v1", None, max(effective["endpoint_timeout"], 600.0), socket=str(warm.socket),
+                        name="the warm server")
     settings_for_server = dataclasses.replace(effective, values={**effective.values, "model": warm.model})
     pipeline = open_remote(request, settings_for_server, constraint, cancel, endpoint, sent_at_start=LOAD_SETTINGS,
                            extra={"keep_alive": effective["keep_alive"]})  # this run's keep-alive is the server's now
     session = pipeline.session
     assert isinstance(session, RemoteSession)
     session.loaded = (warm.start_s or 0.0, warm.start_s is None)
+    pipeline.model = model  # named as an in-process run names it (the log, --json, `logs -m`)
     notice = first_start_notice(model.name, str(effective["keep_alive"])) if warm.start_s is not None else None
-    if notice:
-        session.notices.insert(0, notice)
+    session.notices[:0] = [*([notice] if notice else []), *warm.notices]
     return pipeline
 
 
@@ -60,11 +65,13 @@ def open_remote(request: Request, effective: settings.Settings, constraint: Cons
     try:
         model = effective["model"] or next(iter(client.models()), None)
         if model is None:
-            raise ModelNotFoundError(f"{endpoint.url} lists no model", hint="Name one with -m.")
+            raise ModelNotFoundError(f"{endpoint.where} lists no model", hint="Name one with -m.")
         defaults = {name: setting.default for name, setting in settings.SETTINGS.items()}
-        biases, unsent = _logit_bias(request.logit_bias)
+        biases = _logit_bias(request.logit_bias, own_server=bool(sent_at_start))
+        unsent: list[str] = []
         remote = RemoteRequest(model, defaults, constraint.grammar if not constraint.json else None,
-                               constraint.schema, constraint.json and constraint.schema is None, biases, extra or {})
+                               constraint.schema, constraint.json and constraint.schema is None, biases, extra or {},
+                               own_server=bool(sent_at_start))
         sampling = SamplingConfig.from_settings(effective.values)  # checked as for a local model
         prompt = PromptOptions(effective["system"], request.raw, None, effective["on_overflow"], effective["think"])
         generation = GenerationOptions.from_settings(effective.values, sampling,  # (the server drafts, if it does)
@@ -74,8 +81,9 @@ def open_remote(request: Request, effective: settings.Settings, constraint: Cons
         client.close()
         raise
     session = RemoteSession(client, remote, prompt)
+    sent = (*sent_at_start, *OWN_SERVER_SETTINGS) if sent_at_start else ()  # (a warm server takes them all)
     unsent += [settings.SETTINGS[name].flag for name in sorted(session.not_sent)  # flags: the environment and config
-               if effective.sources[name].startswith("flag") and name not in sent_at_start]  # files serve local runs
+               if effective.sources[name].startswith("flag") and name not in sent]  # files serve local runs
     unsent += [flag for flag, given in (("--chat-template-file", request.template_file and not sent_at_start),
                                         ("--force", request.force)) if given]
     if unsent:
@@ -86,15 +94,12 @@ def open_remote(request: Request, effective: settings.Settings, constraint: Cons
     return pipeline
 
 
-def _logit_bias(specs: tuple[str, ...]) -> tuple[dict[str, float], list[str]]:
-    """--logit-bias for a server: token ids with their bias in OpenAI's range (-100 bans); a token given as text
-    cannot be sent (the server's vocabulary is not here to find its id): those are returned, to be named."""
-    biases: dict[str, float] = {}
-    unsent: list[str] = []
-    for spec in specs:
-        token, bias = split_logit_bias(spec)
-        if token.isdigit():
-            biases[token] = max(-100.0, min(100.0, bias))
-        else:
-            unsent.append(f"--logit-bias {spec} (a token's text; give its id, from `llmcli tokenize`)")
-    return biases, unsent
+def _logit_bias(specs: tuple[str, ...], own_server: bool) -> dict[str, float] | list[list[Any]]:
+    """--logit-bias for a server. Token ids go in OpenAI's form, their bias in its range (-100 bans); a token given
+    as text (or any bias, to a warm server) in llama-server's, which llmcli serve takes too: [token id or text, bias
+    or false (-inf: banned)], the text read by the server's vocabulary as run reads it. A server that takes neither
+    refuses the request, saying so: a bias is never dropped without a word."""
+    pairs = [logit_bias_pair(spec) for spec in specs]
+    if own_server or any(isinstance(token, str) for token, _ in pairs):
+        return [[token, False if bias == -math.inf else max(-100.0, min(100.0, bias))] for token, bias in pairs]
+    return {str(token): max(-100.0, min(100.0, bias)) for token, bias in pairs}

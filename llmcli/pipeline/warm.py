@@ -47,6 +47,7 @@ class WarmServer:
     model: str  # the name its model answers to
     pid: int
     start_s: float | None = None  # seconds this run waited for it to start and load its model; None: it was running
+    notices: tuple[str, ...] = ()  # what its model's load said (no chat template, …): said with each answer, as here
 
 
 def socket_for(model_path: Path, effective: settings.Settings, template_file: Path | None) -> Path:
@@ -105,8 +106,10 @@ def running() -> list[tuple[Path, dict[str, Any]]]:
     return found
 
 
-def ensure(model_path: Path, effective: settings.Settings, template_file: Path | None) -> WarmServer:
-    """The warm server of this model, started if none answers (LlmcliError if it will not start)."""
+def ensure(model_path: Path, effective: settings.Settings, template_file: Path | None,
+           reference: str | None = None) -> WarmServer:
+    """The warm server of this model, started if none answers (LlmcliError if it will not start). `reference`: what
+    the server's -m is, when the user gave none (an installed model's short name: what `list` and `ps` call it)."""
     socket = socket_for(model_path, effective, template_file)
     if len(os.fsencode(socket)) > MAX_SOCKET_PATH:
         raise LlmcliError(f"the runtime dir's path is too long for a Unix socket ({socket}: more than "
@@ -119,9 +122,11 @@ def ensure(model_path: Path, effective: settings.Settings, template_file: Path |
             if state is None:
                 make_room(effective["max_models"])
                 started = time.perf_counter()
-                state = _start(socket, model_path, effective, template_file)
+                state = _start(socket, model_path, effective, template_file, reference)
                 start_s = time.perf_counter() - started
-    return WarmServer(socket, str(state.get("model") or model_path.stem), int(state.get("pid") or 0), start_s)
+    served: Any = next(iter(state.get("models") or []), {})
+    notices = tuple(n for n in served.get("notices") or () if isinstance(n, str)) if isinstance(served, dict) else ()
+    return WarmServer(socket, str(state.get("model") or model_path.stem), int(state.get("pid") or 0), start_s, notices)
 
 
 def serve_installed() -> bool:
@@ -209,10 +214,11 @@ def starting(server: Path) -> Iterator[None]:
         os.close(lock)
 
 
-def _start(socket: Path, model_path: Path, effective: settings.Settings, template_file: Path | None) -> dict[str, Any]:
+def _start(socket: Path, model_path: Path, effective: settings.Settings, template_file: Path | None,
+           reference: str | None) -> dict[str, Any]:
     keep_alive = str(effective["keep_alive"])
     command = [sys.executable, "-m", "llmcli", "serve", "--socket", str(socket), "-m", effective["model"] or
-               str(model_path), "--keep-alive", keep_alive, "--exit-when-idle", "-P", "1", "--queue", "64",
+               reference or str(model_path), "--keep-alive", keep_alive, "--exit-when-idle", "-P", "1", "--queue", "64",
                "--max-models", "1"]
     if template_file is not None:
         command += ["--chat-template-file", str(template_file)]

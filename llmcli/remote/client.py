@@ -32,6 +32,11 @@ class Endpoint:
     api_key: str | None = None
     timeout: float = 60.0  # seconds to connect, or between bytes of an answer
     socket: str | None = None  # a Unix socket to reach it through (a private warm server), instead of TCP
+    name: str | None = None  # what messages call it (a warm server's URL means nothing to the user); None: its URL
+
+    @property
+    def where(self) -> str:
+        return self.name or self.url
 
     @staticmethod
     def parse(url: str, api_key: str | None, timeout: float) -> Endpoint:
@@ -65,11 +70,12 @@ class Client:
         try:
             return [str(m["id"]) for m in response.json()["data"]]
         except (ValueError, KeyError, TypeError):
-            raise NetworkError(f"{self.endpoint.url}/models did not answer as an OpenAI-compatible server") from None
+            raise NetworkError(f"{self.endpoint.where}'s /models did not answer as an OpenAI-compatible server") from None
 
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The chunks of a streamed answer, as they arrive (retries only before the first)."""
         url = f"{self.endpoint.url}/{path}"
+        where = f"{self.endpoint.name} ({path})" if self.endpoint.name else url
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         for attempt in range(RETRIES + 1):
             try:
@@ -93,19 +99,22 @@ class Client:
                         try:
                             chunk = json.loads(data)
                         except ValueError:
-                            raise NetworkError(f"{url} sent a chunk that is not JSON: {data[:80]!r}") from None
+                            raise NetworkError(f"{where} sent a chunk that is not JSON: {data[:80]!r}") from None
                         if isinstance(chunk, dict) and "error" in chunk:
+                            own = _llmcli_error(chunk)
+                            if own is not None:
+                                raise LlmcliError(own[0], hint=own[1], exit_code=own[2])
                             raise UsageError(f"the server refused the request: {_message(chunk)}")
                         choices = chunk.get("choices") if isinstance(chunk, dict) else None
                         finished = finished or any(isinstance(c, dict) and bool(c.get("finish_reason"))
                                                    for c in choices or [])
                         yield chunk
                     if not finished and self.endpoint.socket:  # a warm server always says why it ended: it went away
-                        raise NetworkError(f"{url} ended the answer before it was done (the connection closed)")
+                        raise NetworkError(f"{where} ended the answer before it was done (the connection closed)")
                     return
             except httpx2.HTTPError as exc:
                 raise self._unreachable(exc) from None
-        raise NetworkError(f"{url} is still busy or failing after {RETRIES} retries")
+        raise NetworkError(f"{where} is still busy or failing after {RETRIES} retries")
 
     def _send(self, call: Callable[[], httpx2.Response]) -> httpx2.Response:
         for attempt in range(RETRIES + 1):
@@ -119,7 +128,7 @@ class Client:
             if wait is None:
                 raise self._refused(response)
             time.sleep(wait)
-        raise NetworkError(f"{self.endpoint.url} is still busy or failing after {RETRIES} retries")
+        raise NetworkError(f"{self.endpoint.where} is still busy or failing after {RETRIES} retries")
 
     @staticmethod
     def _retry_wait(response: httpx2.Response, attempt: int) -> float | None:
@@ -130,8 +139,13 @@ class Client:
         return min(float(after), 10.0) if after.replace(".", "", 1).isdigit() else BACKOFF_S * 2**attempt
 
     def _refused(self, response: httpx2.Response) -> LlmcliError:
-        status, reason = response.status_code, _message(_json_or_text(response))
-        where = self.endpoint.url
+        body = _json_or_text(response)
+        status, reason = response.status_code, _message(body)
+        where = self.endpoint.where
+        own = _llmcli_error(body)
+        if own is not None:  # llmcli serve's own error: its words, hint and exit code, as an in-process run says them
+            message, hint, code = own
+            return LlmcliError(message if self.endpoint.name else f"{where}: {message}", hint=hint, exit_code=code)
         if status in (401, 403):
             return LlmcliError(f"{where} refused the API key ({status}): {reason}",
                                hint="Pass --api-key KEY or set LLMCLI_API_KEY.")
@@ -145,13 +159,28 @@ class Client:
         return NetworkError(f"{where} failed ({status}): {reason}")
 
     def _unreachable(self, exc: httpx2.HTTPError) -> LlmcliError:
-        where = self.endpoint.url
+        where = self.endpoint.where
         if isinstance(exc, httpx2.TimeoutException):
             return NetworkError(f"{where} did not answer within {self.endpoint.timeout:g} s",
                                 hint="--endpoint-timeout waits longer.")
         if isinstance(exc, httpx2.ConnectError):
             return NetworkError(f"cannot connect to {where}: {exc}", hint="Is the server running? Check the URL and port.")
         return NetworkError(f"{where}: {type(exc).__name__}: {exc}")
+
+
+def _llmcli_error(body: Any) -> tuple[str, str | None, ExitCode] | None:
+    """The error llmcli serve sends with one of its own (`llmcli_error`): run's words, hint and exit code; else None."""
+    error = body.get("error") if isinstance(body, dict) else None
+    own = error.get("llmcli_error") if isinstance(error, dict) else None
+    if not isinstance(own, dict):
+        return None
+    message, hint, code = own.get("message"), own.get("hint"), own.get("exit_code")
+    try:
+        exit_code = ExitCode(code) if type(code) is int else ExitCode.ERROR
+    except ValueError:
+        exit_code = ExitCode.ERROR
+    return (_message({"error": {"message": message}}) if isinstance(message, str) else _message(body),
+            " ".join(hint.split())[:300] if isinstance(hint, str) else None, exit_code)
 
 
 def _json_or_text(response: httpx2.Response) -> Any:

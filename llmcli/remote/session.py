@@ -13,7 +13,7 @@ from typing import Any
 
 from llmcli.answer.answerer import ProgressCallback, PromptOptions, ResultCallback, with_system
 from llmcli.answer.batch_jsonl import BatchItem, Summary
-from llmcli.answer.events import AnswerEvent, DecodeEvent, Done, Token, answer_record
+from llmcli.answer.events import AnswerEvent, DecodeEvent, Done, Notice, Token, answer_record
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.image_bytes import read_image
 from llmcli.answer.images import ImageInput
@@ -27,7 +27,7 @@ from llmcli.remote.client import Client, NetworkError
 # --endpoint, they are named in a notice, never dropped without a word.
 NOT_SENT = frozenset({"ctx_size", "threads", "batch_size", "mlock", "mmap", "speculate", "draft_model", "draft_max",
                       "flash_attn", "kv_type", "prompt_cache", "prompt_cache_min", "prompt_cache_size", "hub_timeout",
-                      "on_overflow", "special", "logprobs", "mmproj"})
+                      "on_overflow", "special", "mmproj"})
 
 
 @dataclass(frozen=True)
@@ -39,19 +39,27 @@ class RemoteRequest:
     grammar: str | None = None
     json_schema: Mapping[str, Any] | None = None
     json_object: bool = False
-    logit_bias: Mapping[str, float] = dataclasses.field(default_factory=dict)  # token id (as text) -> bias in [-100, 100]
+    # OpenAI's {token id (as text): bias in [-100, 100]}, or, to llmcli serve, [[token id or text, bias or false]]
+    logit_bias: Mapping[str, float] | list[list[Any]] = dataclasses.field(default_factory=dict)
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # sent as they are (a warm server's keep_alive)
+    own_server: bool = False  # the server is llmcli serve (a warm server): its own fields are sent (on_overflow)
 
-    def body(self, generation: GenerationOptions, think: bool | None = None) -> dict[str, Any]:
+    def body(self, generation: GenerationOptions, think: bool | None = None, chat: bool = True,
+             on_overflow: str = "error") -> dict[str, Any]:
         # from this answer's options: chat's /set changes them between turns
         body: dict[str, Any] = {"model": self.model, **self.extra, **sampling_fields(generation, self.defaults)}
+        if on_overflow == "truncate" and self.own_server:  # (llmcli serve's own field)
+            body["on_overflow"] = on_overflow
         if self.logit_bias:
-            body["logit_bias"] = dict(self.logit_bias)
+            body["logit_bias"] = self.logit_bias
         body.update(tool_fields(generation.tools))
         if think is not None:  # llama-server, vLLM and llmcli serve pass it to the chat template
             body["chat_template_kwargs"] = {"enable_thinking": think}
         if generation.max_tokens:
             body["max_tokens"] = generation.max_tokens
+        if generation.logprobs is not None:  # (chat: OpenAI's logprobs and top_logprobs; completions: logprobs: N)
+            body.update({"logprobs": True, "top_logprobs": generation.logprobs} if chat else
+                        {"logprobs": generation.logprobs})
         if generation.stops:
             body["stop"] = list(generation.stops)
         if self.json_schema is not None:
@@ -78,7 +86,7 @@ class RemoteSession:
 
     @property
     def where(self) -> str:
-        return self.client.endpoint.url
+        return self.client.endpoint.where
 
     def ask(self, user_text: str | None, options: GenerationOptions,
             stable_text: str | None = None, images: tuple[ImageInput, ...] = ()) -> Iterator[AnswerEvent]:
@@ -138,11 +146,11 @@ class RemoteSession:
 
 
 def exchange(session: RemoteSession, user_text: str | None, options: GenerationOptions,
-             history: list[Message], images: tuple[ImageInput, ...] = ()) -> Iterator[DecodeEvent]:
+             history: list[Message], images: tuple[ImageInput, ...] = ()) -> Iterator[DecodeEvent | Notice]:
     """One request and its streamed answer, as events; the Done carries the whole answer."""
     started = time.perf_counter()
     chat = not session.options.raw
-    body = session.request.body(options, session.options.think if chat else None)
+    body = session.request.body(options, session.options.think if chat else None, chat, session.options.on_overflow)
     if chat:
         new = [user_message(user_text, images)] if user_text is not None else []
         messages = with_system(session.options.system, [*history, *new])
@@ -159,6 +167,8 @@ def exchange(session: RemoteSession, user_text: str | None, options: GenerationO
     tail, done = answer.done(session.client.cancelled())
     if tail:
         yield Token(tail)
+    for notice in answer.notices:
+        yield Notice(notice)
     yield dataclasses.replace(done, format_error=options.constraint.problem(done.text, done.finish_reason))
 
 

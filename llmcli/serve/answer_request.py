@@ -5,18 +5,28 @@ its body into an AnswerRequest and llmcli's events into its own wire format. No 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmcli.answer.answerer import RenderedPrompt
 from llmcli.answer.constraint import Constraint
+from llmcli.answer.context_budget import (
+    MAX_CHARS_PER_TOKEN,
+    answer_room,
+    capped,
+    overflow,
+    truncated,
+    truncation_notice,
+)
 from llmcli.answer.events import MAX_TOP_LOGPROBS
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.message import Message
 from llmcli.answer.openai_wire import WireError
-from llmcli.answer.sampling_config import SamplingConfig, check_grammar
+from llmcli.answer.sampling_config import SamplingConfig, check_grammar, resolve_logit_bias
 from llmcli.answer.shared_prefix import shared_prefix
 from llmcli.answer.tool_calls import ToolSpec, tool_spec
 from llmcli.config.settings import SETTINGS, check_value
@@ -24,6 +34,7 @@ from llmcli.errors import LlmcliError
 from llmcli.llama.schema_grammar import tool_grammar, with_grammar
 
 MAX_STOPS = 16
+MAX_LOGIT_BIASES = 1024  # tokens one request may bias
 MAX_MESSAGES = 2048  # a conversation's messages (an earlier response's count): more is refused before any is read
 
 # HTTP status -> the kind of error, in OpenAI's and Anthropic's words (Ollama's errors have none)
@@ -36,10 +47,11 @@ class ApiError(WireError):
     body that is not its protocol's shape is a plain WireError: a 400."""
 
     def __init__(self, status: int, message: str, kind: str | None = None, param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, cause: LlmcliError | None = None):
         super().__init__(message, param)
         self.status, self.code = status, code
         self.kind = kind or KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.cause = cause  # llmcli's own error behind it: its hint and exit code go out with it (`llmcli_error`)
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,7 @@ class Limits:
     max_tokens: int  # the most tokens an answer may ask for
     max_body_bytes: int
     max_draft: int = 16  # tokens a draft may have (speculative decoding: the server's --speculate, --draft-max)
+    n_ctx_train: int = 0  # the context the model was trained on (0: it does not say): what a too-long prompt's hint says
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,10 @@ class Prompter:
     check_grammar: Callable[[str, str], None] = lambda gbnf, origin: None  # LlmcliError if llama.cpp refuses it
     template_source: str = ""  # the model's chat template (what follows from a rendered prompt: GenerationOptions)
     split_min: int = 0  # a conversation this long is split where its standing part ends (0: never; the prompt cache)
+    tokenize_piece: Callable[[str], list[int]] = lambda text: []  # a text's tokens, no BOS (a logit bias given as text)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # the server's own --logit-bias, before each request's
+    constraint: Constraint = field(default_factory=Constraint)  # serve's --grammar, --json-schema, --format: the
+    # constraint of a request that sets none (nor tools) of its own
 
     def check_model(self, model: Any, message: Callable[[str], str] | None = None) -> None:
         """404 unless `model` (when given) names this server's model."""
@@ -85,12 +102,13 @@ class AnswerRequest:
     constraint: Constraint = field(default_factory=Constraint)  # a grammar or JSON format (see `constraint_of`)
     tools: ToolSpec | None = None
     think: bool | None = None  # None: as the server's --think
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    logit_bias: tuple[tuple[int | str, float], ...] = ()  # (token id or a token's text, bias; -inf bans)
     logprobs: int | None = None  # how many alternatives beside each token's logprob (None: no logprobs)
     stream: bool = False
     include_usage: bool = False  # OpenAI's stream_options
     prompt_param: str = "messages"  # how this protocol names the prompt and the limit, for errors
     limit_param: str = "max_tokens"
+    on_overflow: str = "error"  # llmcli's own field: "truncate" drops the start of the last message until it fits
 
 
 @dataclass(frozen=True)
@@ -101,6 +119,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     stable: int | None = None  # where the conversation's standing part ends (its KV state is kept there)
+    notices: tuple[str, ...] = ()  # what the asker should know (run's words: the input truncated, -n capped)
 
 
 def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
@@ -108,25 +127,38 @@ def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
     rendered = _render(request, prompter)
     values = {**prompter.defaults, **request.settings}
     limits = prompter.limits
+    notices: list[str] = []
+    asked = request.max_tokens or values["max_tokens"]
+    if request.on_overflow == "truncate" and len(rendered.tokens) + (asked or 1) > limits.n_ctx:
+        request, rendered, cut = _truncated(request, prompter, asked)
+        notices.append(cut)
     room = limits.n_ctx - len(rendered.tokens)
-    if room < 1:
-        raise ApiError(400, f"the prompt ({len(rendered.tokens)} tokens) does not leave room for an answer in the context "
-                       f"of {limits.n_ctx} tokens", param=request.prompt_param, code="context_length_exceeded")
+    if room < 1:  # (in run's words, with its hint: a warm run's error is an in-process run's)
+        problem = overflow(len(rendered.tokens), request.max_tokens, limits.n_ctx, limits.n_ctx_train)
+        raise ApiError(400, problem.message, param=request.prompt_param, code="context_length_exceeded", cause=problem)
     # As llama-server and Ollama do, an answer asked to be longer than fits is as long as fits (it ends `length`):
-    # agents ask for 32,000 tokens whatever the model (Claude Code does).
-    max_tokens = min(request.max_tokens or values["max_tokens"] or limits.max_tokens, room, limits.max_tokens)
+    # agents ask for 32,000 tokens whatever the model (Claude Code does); as run says, so does the answer's notices.
+    cap = capped(asked, len(rendered.tokens), limits.n_ctx)[1]
+    if cap is not None and request.on_overflow != "truncate":
+        notices.append(cap)
+    max_tokens = min(asked or limits.max_tokens, room, limits.max_tokens)
     stops = tuple(request.stops if request.stops is not None else values["stop"])
     constraint = request.constraint
+    if not (constraint.grammar or constraint.json) and not (request.tools is not None and request.tools.active):
+        constraint = prompter.constraint  # (the server's own, if it has one)
     try:
         if constraint.grammar is not None and constraint.origin == "grammar":  # a request's own GBNF
             prompter.check_grammar(constraint.grammar, "grammar")
     except LlmcliError as exc:
         raise ApiError(400, exc.message, param="grammar") from None
-    if any(not 0 <= token < prompter.n_vocab for token, _ in request.logit_bias):
-        raise ApiError(400, f"logit_bias: token ids are in [0, {prompter.n_vocab})", param="logit_bias")
     try:
-        sampling = SamplingConfig.from_settings(values, logit_bias=request.logit_bias, grammar=constraint.grammar,
-                                                grammar_origin=constraint.origin)
+        biases = resolve_logit_bias(list(request.logit_bias), prompter.tokenize_piece, prompter.n_vocab)
+    except LlmcliError as exc:
+        raise ApiError(400, exc.message.replace("--logit-bias ", "logit_bias: ", 1), param="logit_bias",
+                       cause=exc) from None
+    try:
+        sampling = SamplingConfig.from_settings(values, logit_bias=prompter.logit_bias + biases,
+                                                grammar=constraint.grammar, grammar_origin=constraint.origin)
     except LlmcliError as exc:
         raise ApiError(400, exc.message) from None
     generation = GenerationOptions.from_settings(values, sampling, constraint, max_tokens=max_tokens, stops=stops,
@@ -137,7 +169,39 @@ def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
     generation = generation.for_turn(last.content if last is not None and last.role == "user" else None if last is not None
                                      else request.prompt if isinstance(request.prompt, str) else "")
     return Parsed(rendered.tokens, generation, sampling.effective_seed(), request.stream, request.include_usage,
-                  _stable(request, prompter, rendered.tokens))
+                  _stable(request, prompter, rendered.tokens), tuple(notices))
+
+
+def _truncated(request: AnswerRequest, prompter: Prompter, max_tokens: int | None) -> tuple[
+        AnswerRequest, RenderedPrompt, str]:
+    """`on_overflow: truncate` (run's --on-overflow truncate, through a warm server): the start of the last message
+    (or of the prompt) dropped until the prompt and room for the answer fit, as run drops it; the request as cut,
+    its prompt, and run's notice."""
+    n_ctx = prompter.limits.n_ctx
+    budget = n_ctx - answer_room(max_tokens, n_ctx)
+    messages = request.messages or []
+    last = messages[-1] if messages else None
+    if last is not None and last.role == "user" and not last.images:
+        whole = last.content
+
+        def cut(kept: str) -> AnswerRequest:
+            return dataclasses.replace(request, messages=[*messages[:-1], dataclasses.replace(last, content=kept)])
+    elif request.messages is None and isinstance(request.prompt, str):
+        whole = request.prompt
+
+        def cut(kept: str) -> AnswerRequest:
+            return dataclasses.replace(request, prompt=kept)
+    else:
+        raise ApiError(400, "on_overflow truncate cuts the text of a last user message (without images) or of a prompt",
+                       param="on_overflow")
+    best = truncated(whole[-n_ctx * MAX_CHARS_PER_TOKEN:], lambda kept: _render(cut(kept), prompter),
+                     lambda prompt: len(prompt.tokens), budget)
+    if best is None:
+        empty = len(_render(cut(""), prompter).tokens)
+        problem = overflow(empty, max_tokens, n_ctx, prompter.limits.n_ctx_train, can_truncate=False)
+        raise ApiError(400, problem.message, param=request.prompt_param, code="context_length_exceeded", cause=problem)
+    kept, rendered = best
+    return cut(kept), rendered, truncation_notice(n_ctx, whole, kept, len(rendered.tokens))
 
 
 def _stable(request: AnswerRequest, prompter: Prompter, tokens: list[int]) -> int | None:
@@ -284,18 +348,32 @@ def tools_of(tools: Any, choice: Any, prompter: Prompter, parallel: Any = True, 
     return spec
 
 
-def logit_bias_of(value: Any) -> tuple[tuple[int, float], ...]:
+def logit_bias_of(value: Any) -> tuple[tuple[int | str, float], ...]:
+    """OpenAI's `{"TOKEN_ID": bias}`, or llama-server's `[[TOKEN_ID or "text", bias or false], …]` (a text is one
+    token of the model's vocabulary; false bans the token): resolved against the vocabulary in `prepare`."""
     if value is None:
         return ()
-    if not isinstance(value, dict):
-        raise ApiError(400, "logit_bias must map token ids to numbers", param="logit_bias")
-    try:
-        biases = tuple((int(token), float(bias)) for token, bias in value.items())
-    except (TypeError, ValueError):
-        raise ApiError(400, "logit_bias must map token ids to numbers", param="logit_bias") from None
-    if any(not -100 <= bias <= 100 for _, bias in biases):
-        raise ApiError(400, "logit_bias values must be in [-100, 100]", param="logit_bias")
-    return biases
+    shape = "logit_bias must map token ids to numbers, or list [token id or text, number or false] pairs"
+    if isinstance(value, dict):
+        pairs: list[Any] = list(value.items())
+        if not all(isinstance(token, str) and token.strip().lstrip("-").isdigit() for token, _ in pairs):
+            raise ApiError(400, shape, param="logit_bias")
+        pairs = [(int(token), bias) for token, bias in pairs]
+    elif isinstance(value, list) and all(isinstance(pair, list) and len(pair) == 2 for pair in value):
+        pairs = [tuple(pair) for pair in value]
+    else:
+        raise ApiError(400, shape, param="logit_bias")
+    if len(pairs) > MAX_LOGIT_BIASES:
+        raise ApiError(400, f"logit_bias: at most {MAX_LOGIT_BIASES} tokens", param="logit_bias")
+    biases: list[tuple[int | str, float]] = []
+    for token, bias in pairs:
+        ok_token = (isinstance(token, int) and not isinstance(token, bool)) or (isinstance(token, str) and 0 < len(token) <= 256)
+        if not ok_token or not (bias is False or (isinstance(bias, (int, float)) and not isinstance(bias, bool))):
+            raise ApiError(400, shape, param="logit_bias")
+        if bias is not False and not -100 <= bias <= 100:
+            raise ApiError(400, "logit_bias values must be in [-100, 100] (false bans the token)", param="logit_bias")
+        biases.append((token, -math.inf if bias is False else float(bias)))
+    return tuple(biases)
 
 
 def top_logprobs_of(wanted: Any, top: Any, param: str = "top_logprobs") -> int | None:

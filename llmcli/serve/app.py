@@ -77,7 +77,7 @@ def _own_app(state: ServerState, hosts: tuple[str, ...] | None, webui: bool) -> 
     def status(served: Served) -> dict[str, Any]:
         expires = served.expires_in()
         return {"name": served.name, "path": str(served.key), "size": served.facts.size, "slots": served.slots.status(),
-                "in_flight": served.in_flight, "pinned": served.pinned,
+                "in_flight": served.in_flight, "pinned": served.pinned, "notices": list(served.notices),
                 "expires_in_s": None if expires is None else round(expires, 1),
                 "idle_s": 0.0 if served.in_flight else round(time.monotonic() - served.last_used, 1)}
 
@@ -91,7 +91,8 @@ def _own_app(state: ServerState, hosts: tuple[str, ...] | None, webui: bool) -> 
         found = {"status": "ok", "model": default.name if default else None, **first, "version": __version__}
         if trusted:
             return JSONResponse({**found, "models": models, "pid": os.getpid()})
-        return JSONResponse({**found, "models": [{k: v for k, v in m.items() if k != "path"} for m in models]})
+        return JSONResponse({**found, "models": [{k: v for k, v in m.items() if k not in ("path", "notices")}
+                                                 for m in models]})
 
     async def llmcli_embed(body: Any) -> Any:
         """Per-text results (a text that fails is its own error), normalize and truncate as asked."""

@@ -17,6 +17,7 @@ from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.serve.answer_request import (
     AnswerRequest,
     ApiError,
+    Parsed,
     Prompter,
     check_fields,
     constraint_of,
@@ -37,8 +38,9 @@ MAX_PROMPTS = 16  # /v1/completions: prompts in one request (each takes a slot)
 LEFT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "cache_prompt",
                   "prompt_cache_options", "prompt_cache_retention", "moderation", "verbosity", "prediction"})
 # `keep_alive` (llmcli's and Ollama's): how long the model stays loaded after this request
+# `on_overflow` (llmcli's: "truncate" drops the start of the last message until it fits, as run's --on-overflow)
 SHARED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "stop", "logit_bias", "logprobs", "seed",
-                    "grammar", "response_format", "keep_alive", *SAMPLING_FIELDS}) | LEFT
+                    "grammar", "response_format", "keep_alive", "on_overflow", *SAMPLING_FIELDS}) | LEFT
 CHAT_FIELDS = SHARED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                         "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "modalities"}
 COMPLETION_FIELDS = SHARED | {"prompt", "echo", "suffix", "best_of"}
@@ -48,7 +50,13 @@ NOT_HERE = {"audio": "text only", "web_search_options": "no web search", "functi
 
 
 def error_body(error: WireError) -> dict[str, Any]:
-    return {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
+    """OpenAI's error object; llmcli's own error behind it (a prompt too long for the context) adds `llmcli_error`,
+    its hint and exit code, which llmcli's client (a warm run, --endpoint) reports as an in-process run does."""
+    found: dict[str, Any] = {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}
+    cause = getattr(error, "cause", None)
+    if cause is not None:
+        found["llmcli_error"] = {"message": cause.message, "hint": cause.hint, "exit_code": int(cause.exit_code)}
+    return {"error": found}
 
 
 def parse_chat(body: Any, prompter: Prompter) -> list[AnswerRequest]:
@@ -133,7 +141,10 @@ def _answer_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     if kind == "json_schema" and not isinstance(schema, dict):
         raise ApiError(400, "response_format.json_schema.schema must be an object", param="response_format")
     constraint = constraint_of("json" if kind == "json_object" else kind, schema, body.get("grammar"))
-    return dict(settings=settings_of(body, SAMPLING_FIELDS),
+    on_overflow = body.get("on_overflow", "error")
+    if on_overflow not in ("error", "truncate"):
+        raise ApiError(400, "on_overflow must be error or truncate", param="on_overflow")
+    return dict(settings=settings_of(body, SAMPLING_FIELDS), on_overflow=on_overflow,
                 max_tokens=max_tokens_of(body.get("max_completion_tokens", body.get("max_tokens")), "max_tokens"),
                 stops=stops_of(body.get("stop")), constraint=constraint, logit_bias=logit_bias_of(body.get("logit_bias")),
                 stream=bool(body.get("stream")), include_usage=bool(stream_options.get("include_usage")))
@@ -151,13 +162,21 @@ class Reply:
     requests: list[AnswerRequest]
     id: str = ""
     created: int = 0
+    notices: list[tuple[str, ...]] = field(default_factory=list)  # each choice's (Parsed.notices): in its timings
+    prompt_tokens: list[int] = field(default_factory=list)  # each choice's prompt, said with its first chunk
+    announced: set[int] = field(default_factory=set)  # choices whose first chunk said its prompt's tokens
     started: set[int] = field(default_factory=set)  # choices whose first chunk (with the role) went out
     offsets: dict[int, int] = field(default_factory=dict)  # completions' logprobs: text offset per choice
 
     @staticmethod
-    def new(chat: bool, model: str, requests: list[AnswerRequest]) -> Reply:
+    def new(chat: bool, model: str, requests: list[AnswerRequest], prepared: list[Parsed] | None = None) -> Reply:
         prefix = "chatcmpl-" if chat else "cmpl-"
-        return Reply(chat, model, requests, prefix + uuid.uuid4().hex[:24], int(time.time()))
+        return Reply(chat, model, requests, prefix + uuid.uuid4().hex[:24], int(time.time()),
+                     notices=[p.notices for p in prepared or ()], prompt_tokens=[len(p.tokens) for p in prepared or ()])
+
+    def _timings(self, index: int, done: Done) -> dict[str, Any]:
+        notices = self.notices[index] if index < len(self.notices) else ()
+        return {**timings(done), **({"notices": list(notices)} if notices else {})}
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
         return error_body(error)
@@ -167,7 +186,12 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def _chunk(self, choice: dict[str, Any]) -> Item:
-        return None, {**self._head(True), "choices": [choice]}
+        chunk = {**self._head(True), "choices": [choice]}
+        index = choice["index"]
+        if index not in self.announced and index < len(self.prompt_tokens):  # (llama-server's field: an answer cut
+            self.announced.add(index)  # short, by Ctrl-C, still tells how long its prompt was)
+            chunk["timings"] = {"prompt_tokens": self.prompt_tokens[index]}
+        return None, chunk
 
     def opening(self) -> list[Item]:
         return []
@@ -195,7 +219,7 @@ class Reply:
             last["delta"] = {}
         else:
             last.update(text="", logprobs=None)
-        return [(None, {**self._head(True), "choices": [last], "timings": timings(event)})]
+        return [(None, {**self._head(True), "choices": [last], "timings": self._timings(index, event)})]
 
     def _delta(self, index: int) -> dict[str, Any]:
         """The role comes with a choice's first chunk, as OpenAI sends it."""
@@ -227,7 +251,7 @@ class Reply:
             else:
                 logprobs = self._completion_logprobs(index, done.logprobs) if wants_logprobs else None
                 choices.append({"index": index, "text": done.text, "logprobs": logprobs, "finish_reason": finish})
-        return {**self._head(False), "choices": choices, "usage": usage(dones), "timings": timings(dones[0])}
+        return {**self._head(False), "choices": choices, "usage": usage(dones), "timings": self._timings(0, dones[0])}
 
     def _completion_logprobs(self, index: int, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
         """The legacy completions shape: parallel lists, the alternatives as {token: logprob}."""

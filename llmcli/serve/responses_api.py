@@ -277,7 +277,9 @@ class ResponsesReply:
     def _where(self) -> dict[str, int]:
         return {"output_index": len(self.outputs) - 1, "content_index": 0}
 
-    def _finish_open(self) -> list[Item]:
+    def _finish_open(self, status: str = "completed") -> list[Item]:
+        """The open item's closing events; `status` "incomplete": the answer was cut while writing it (a call cut by
+        max_output_tokens is never shown as one to run)."""
         output, self.open = self.open, None
         if output is None:
             return []
@@ -296,7 +298,7 @@ class ResponsesReply:
             item["arguments"] = text
             items.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                      output_index=where["output_index"], name=item["name"], arguments=text))
-        item["status"] = "completed"
+        item["status"] = status
         return [*items, self._event("response.output_item.done", output_index=where["output_index"], item=item)]
 
     def on_event(self, index: int, event: DecodeEvent) -> list[Item]:
@@ -316,9 +318,9 @@ class ResponsesReply:
             self.open.text.append(event.text)
             return [self._event("response.function_call_arguments.delta", item_id=self.open.item["id"],
                                 output_index=len(self.outputs) - 1, delta=event.text)]
-        items = self._finish_open()
-        self._kept(event)
         status = "incomplete" if finish_reason(event.finish_reason).responses else "completed"
+        items = self._finish_open(status)
+        self._kept(event)
         return [*items, self._event(f"response.{status}", response=self._response(status, event))]
 
     def closing(self, dones: list[Done]) -> list[Item]:
@@ -335,8 +337,11 @@ class ResponsesReply:
             self.outputs.append(_Output(_message_item([{"type": "output_text", "text": done.text, "annotations": []}])))
         self.outputs += [_Output(_call_item(call, namespaces=_namespaces(self.request.echo["tools"])))
                          for call in done.tool_calls]
+        status = "incomplete" if finish_reason(done.finish_reason).responses else "completed"
+        if status == "incomplete" and self.outputs:  # the item the limit cut: never shown as whole (a call to run)
+            self.outputs[-1].item["status"] = "incomplete"
         self._kept(done)
-        return self._response("incomplete" if finish_reason(done.finish_reason).responses else "completed", done)
+        return self._response(status, done)
 
     def _kept(self, done: Done) -> None:
         if self.request.store:

@@ -86,11 +86,14 @@ def _served(pipeline: Pipeline[Session], request: Request, shape: ServerModels) 
         engine.sampler(SamplingConfig(temp=0, grammar=gbnf, grammar_origin=origin), 0).close()
 
     names = tuple(dict.fromkeys((pipeline.model.name, engine.path.stem, engine.path.name)))
-    limits = Limits(engine.n_ctx, min(shape.max_answer, engine.n_ctx), shape.max_body, pipeline.generation.max_draft)
+    limits = Limits(engine.n_ctx, min(shape.max_answer, engine.n_ctx), shape.max_body, pipeline.generation.max_draft,
+                    engine.n_ctx_train)
     prompter = Prompter(session.render_conversation, lambda text: engine.vocab.tokenize(text, add_special=True), names,
                         dict(pipeline.settings.values), limits, session.tool_format(pipeline.settings["tool_format"]),
                         engine.vocab.n_tokens, check_grammar, session.template_source or "",
-                        split_min=session.split_min if session.prompt_cache is not None else 0)
+                        split_min=session.split_min if session.prompt_cache is not None else 0,
+                        tokenize_piece=lambda text: engine.vocab.tokenize(text, add_special=False),
+                        logit_bias=pipeline.generation.sampling.logit_bias, constraint=pipeline.generation.constraint)
     template = session.template_source or ""
     facts = read_facts(names[0], engine.path, engine.n_ctx, template, _capabilities(template))
     slots = session.slot_server(shape.parallel, shape.queue)  # the session's own engine, drafts and prompt store

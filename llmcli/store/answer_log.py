@@ -8,8 +8,10 @@ one warning. The schema carries its version (`PRAGMA user_version`) and `MIGRATI
 from __future__ import annotations
 
 import json
+import os
 import re
 import sqlite3
+import stat
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmcli import paths
 from llmcli.errors import UsageError
 
 BUSY_TIMEOUT_S = 10.0
@@ -104,7 +107,10 @@ class AnswerLog:
                 raise sqlite3.DatabaseError(f"{self.path} has schema {version}, this llmcli reads {SCHEMA_VERSION} "
                                             "(a run that logs an answer brings it up to date)")
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
+        paths.private_dir(path.parent, path.parent)  # the data dir: this user's alone (0700)
+        os.close(paths.open_private(path, os.O_RDWR | os.O_CREAT))  # 0600 (its -wal and -shm files take its mode)
+        if stat.S_IMODE(os.stat(path).st_mode) & 0o077:
+            os.chmod(path, 0o600)  # (a log an earlier llmcli made readable by others)
         self.db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -210,9 +216,32 @@ class AnswerLog:
         return [(str(row["conversation_id"]), float(row["changed"])) for row in rows]
 
     def remove(self, record_id: int | None = None, before: float | None = None) -> int:
-        if record_id is not None:
-            return self.db.execute("DELETE FROM answers WHERE id = ?", (record_id,)).rowcount
-        return self.db.execute("DELETE FROM answers WHERE time < ?", (before,)).rowcount
+        """Remove one answer (or every answer before a time) from everything that can show or replay it: the answers,
+        their exchanges in the conversations' records (`chat --resume`, `run -C`, `chat --list`), the search index;
+        then no byte of them is left in the file: deleted content zeroed (secure_delete), the index's segments
+        merged, the file rebuilt without free pages (VACUUM) and the write-ahead log emptied. How many answers."""
+        self.db.execute("PRAGMA secure_delete = ON")
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            if record_id is not None:
+                found = self.db.execute("SELECT conversation_id, prompt, answer FROM answers WHERE id = ?",
+                                        (record_id,)).fetchone()
+                removed = self.db.execute("DELETE FROM answers WHERE id = ?", (record_id,)).rowcount
+                if found is not None and found["conversation_id"]:
+                    self.db.execute("DELETE FROM conversation_events WHERE conversation_id = ? AND type = 'exchange' "
+                                    "AND json_extract(record, '$.user') = ? AND json_extract(record, '$.text') = ?",
+                                    (found["conversation_id"], found["prompt"], found["answer"]))
+            else:
+                removed = self.db.execute("DELETE FROM answers WHERE time < ?", (before,)).rowcount
+                self.db.execute("DELETE FROM conversation_events WHERE type = 'exchange' AND time < ?", (before,))
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("INSERT INTO answers_fts(answers_fts) VALUES ('optimize')")  # (deleted terms stay in old segments)
+        self.db.execute("VACUUM")
+        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return removed
 
     def count(self) -> int:
         return int(self.db.execute("SELECT count(*) FROM answers").fetchone()[0])
@@ -251,8 +280,6 @@ def _record(row: sqlite3.Row) -> dict[str, Any]:
 def record(entries: Sequence[Entry], ids: list[int] | None = None) -> str | None:
     """Add `entries` to the log (their ids appended to `ids`); a warning (not an exception) when it cannot: the
     answer was given anyway."""
-    from llmcli import paths
-
     path = paths.answer_log_file()
     try:
         with AnswerLog(path) as log:
@@ -266,8 +293,6 @@ def record(entries: Sequence[Entry], ids: list[int] | None = None) -> str | None
 
 def record_conversation(conversation_id: str, records: Sequence[Mapping[str, Any]]) -> str | None:
     """Add `records` to a conversation's record in the log; why not (for one notice), None when they were."""
-    from llmcli import paths
-
     path = paths.answer_log_file()
     try:
         with AnswerLog(path) as log:

@@ -1,0 +1,228 @@
+"""One product on every path (issue 57): the conformance matrix. Every setting of the table (llmcli/config/settings.py)
+and every option of `run` that shapes an answer has a row; each row that can be asked of an answer is run on every
+path — in-process `run`, the warm `run` (the default), `run --batch`, and `--endpoint` to `llmcli serve` — and gives
+the in-process answer (the same greedy text, tokens, logprobs, finish reason, notices, seed, rendered prompt), or a
+refusal that names the option (exit 2), or, where a server decides, a notice naming it: never silence.
+
+A new setting fails `test_every_setting_has_a_row` until it is given a row. `pytest -s -n0 tests/test_conformance.py`
+prints the matrix and its counts."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from conftest import run_cli, start_server, stop_server
+
+from llmcli.config.settings import SETTINGS
+
+PROMPT = "Is the sea blue? Answer briefly."
+YES_NO = 'root ::= "yes" | "no"'
+SCHEMA = '{"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"]}'
+WARM_NOTICES = ("stays loaded",)  # the warm server's own first-start notice: said once, on the warm path only
+
+# Where each setting acts. "answer": it shapes the answer (a row below runs it on every path); "load": it is fixed
+# when the model loads (a warm server is started with it: another server for another value; --endpoint's server
+# decides, named in a notice); "client": it acts in the client alone (how the answer is shown, logged, where the
+# model comes from), the same code on every path.
+WHERE = {
+    "model": "client", "mmproj": "load", "system": "answer", "think": "answer", "think_budget": "answer",
+    "reasoning": "client", "temp": "answer", "top_k": "answer", "top_p": "answer", "min_p": "answer",
+    "typical_p": "answer", "repeat_penalty": "answer", "repeat_last_n": "answer", "presence_penalty": "answer",
+    "frequency_penalty": "answer", "mirostat": "answer", "mirostat_tau": "answer", "mirostat_eta": "answer",
+    "dry_multiplier": "answer", "dry_base": "answer", "dry_allowed_length": "answer", "dry_penalty_last_n": "answer",
+    "xtc_probability": "answer", "xtc_threshold": "answer", "seed": "answer", "max_tokens": "answer", "stop": "answer",
+    "repetition_guard": "answer", "on_overflow": "answer", "keep_alive": "client", "max_models": "client",
+    "endpoint": "client", "endpoint_timeout": "client", "hub_timeout": "client", "call_preference": "answer",
+    "tool_format": "load", "ctx_size": "load", "threads": "load", "batch_size": "load", "mlock": "load", "mmap": "load",
+    "speculate": "load", "draft_model": "load", "draft_max": "load", "flash_attn": "load", "kv_type": "load",
+    "markdown": "client", "answer_color": "client", "special": "load", "logprobs": "answer", "log": "client",
+    "prompt_cache": "load", "prompt_cache_min": "load", "prompt_cache_size": "load",
+}
+
+# The rows run on every path: (name, the settings and options it covers, its arguments). "{yes}" is the id of the
+# token "yes" (looked up with `llmcli tokenize`).
+ROWS = [
+    ("defaults", (), []),
+    ("system", ("system",), ["-s", "You answer with one word."]),
+    ("sampling", ("temp", "seed", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n",
+                  "presence_penalty", "frequency_penalty"),
+     ["--temp", "0.9", "--seed", "3", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.02", "--typical-p", "0.95",
+      "--repeat-penalty", "1.2", "--repeat-last-n", "32", "--presence-penalty", "0.5", "--frequency-penalty", "0.3"]),
+    ("mirostat", ("mirostat", "mirostat_tau", "mirostat_eta"),
+     ["--temp", "0.8", "--seed", "5", "--mirostat", "2", "--mirostat-tau", "4", "--mirostat-eta", "0.2"]),
+    ("dry, xtc", ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "xtc_probability",
+                  "xtc_threshold"),
+     ["--temp", "0.8", "--seed", "9", "--dry-multiplier", "0.8", "--dry-base", "2", "--dry-allowed-length", "3",
+      "--dry-penalty-last-n", "64", "--xtc-probability", "0.5", "--xtc-threshold", "0.1"]),
+    ("-n", ("max_tokens",), ["-n", "3"]),
+    ("--stop", ("stop",), ["--grammar", 'root ::= "alpha beta gamma"', "--stop", " beta"]),
+    ("--grammar", ("--grammar",), ["--grammar", YES_NO]),
+    ("--json-schema", ("--json-schema",), ["--json-schema", SCHEMA, "-n", "32"]),
+    ("--format", ("--format",), ["--format", "json", "-n", "24"]),
+    ("--logit-bias TEXT", ("--logit-bias",), ["--grammar", YES_NO, "--logit-bias", "yes=-inf"]),
+    ("--logit-bias ID", ("--logit-bias",), ["--grammar", YES_NO, "--logit-bias", "{yes}=-inf"]),
+    ("--logprobs", ("logprobs",), ["--logprobs", "2"]),
+    ("--raw", ("--raw",), ["--raw"]),
+    ("--no-think", ("think", "think_budget"), ["--no-think", "--think-budget", "8"]),
+    ("--no-repetition-guard", ("repetition_guard", "call_preference"), ["--no-repetition-guard", "--call-preference", "1"]),
+    ("-n past the context", ("max_tokens",), ["-n", "5000"]),
+]
+PATHS = ("in-process", "warm", "--batch", "--endpoint serve")
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory, smollm2):
+    """Each path's environment: one warm server (its own runtime dir) and one `llmcli serve` for --endpoint, shared by
+    the module's rows and ended after it."""
+    runtime = tempfile.mkdtemp(prefix="llmcli-rt-", dir="/tmp")
+    warm = {"LLMCLI_RUNTIME_DIR": runtime, "LLMCLI_KEEP_ALIVE": ""}
+    server, url = start_server(tmp_path_factory.mktemp("serve"), "-m", str(smollm2), "-P", "1")
+    try:
+        yield {"in-process": {"LLMCLI_KEEP_ALIVE": "0"}, "warm": warm, "--endpoint serve": {"LLMCLI_ENDPOINT": url}}
+    finally:
+        run_cli("stop", env=warm)
+        shutil.rmtree(runtime, ignore_errors=True)
+        stop_server(server)
+
+
+def _answer(env: dict[str, str], args: list[str], path: str) -> tuple[int, dict | None, str]:
+    common = ["--temp", "0", "-n", "8", "--no-prompt-cache", "--json"]
+    if path == "--batch":
+        result = run_cli("run", *common, *args, "--batch", "-", input=json.dumps({"prompt": PROMPT}) + "\n",
+                         env={"LLMCLI_KEEP_ALIVE": "0"})
+        record = json.loads(result.stdout.splitlines()[0]) if result.code == 0 and result.stdout else None
+        return result.code, record, result.stderr
+    result = run_cli("run", *common, *args, PROMPT, env=env)
+    return result.code, json.loads(result.stdout) if result.code == 0 else None, result.stderr
+
+
+def _same_answer(record: dict, reference: dict, named_by_server: bool = False) -> list[str]:
+    """Where `record` parts from the in-process answer (nothing: the same answer); `named_by_server`: the model is
+    named as the server lists it (--endpoint), a --batch record names none."""
+    if "error" in record:  # (a batch's record of a prompt it refused)
+        return [f"error: {record['error']}"]
+    differences = [key for key in ("text", "finish_reason", "stop_sequence", "format_error", "model")
+                   if record.get(key) != reference.get(key) and (key != "model" or "model" in record and not named_by_server)]
+    differences += [f"usage.{key}" for key in ("prompt_tokens", "completion_tokens")
+                    if record["usage"][key] != reference["usage"][key]]
+    if record["timings"].get("seed") != reference["timings"].get("seed"):
+        differences.append("timings.seed")
+    notices = [[n for n in r.get("notices", []) if not n.startswith(WARM_NOTICES)] for r in (record, reference)]
+    if notices[0] != notices[1]:
+        differences.append(f"notices {notices[0]} != {notices[1]}")
+    mine, theirs = record.get("logprobs") or [], reference.get("logprobs") or []
+    if [lp["token"] for lp in mine] != [lp["token"] for lp in theirs] or not all(
+            math.isclose(a["logprob"], b["logprob"], abs_tol=1e-3) for a, b in zip(mine, theirs, strict=False)):
+        differences.append("logprobs")
+    return differences
+
+
+def test_every_setting_has_a_row():
+    """A setting joins the matrix by being in the table: one added without saying where it acts fails here."""
+    assert set(WHERE) == set(SETTINGS), f"give these settings a row: {sorted(set(SETTINGS) - set(WHERE))}"
+    covered = {name for _, names, _ in ROWS for name in names}
+    answer_settings = {name for name, where in WHERE.items() if where == "answer"}
+    assert answer_settings - {"on_overflow"} <= covered, sorted(answer_settings - covered)  # (on_overflow: its own test)
+
+
+def test_every_path_gives_the_in_process_answer(paths, capsys):
+    yes = json.loads(run_cli("tokenize", "--json", "yes").stdout)["ids"]
+    assert len(yes) == 1
+    cells: dict[tuple[str, str], str] = {}
+    wrong = []
+    for name, _, template in ROWS:
+        args = [a.replace("{yes}", str(yes[0])) for a in template]
+        code, reference, err = _answer(paths["in-process"], args, "in-process")
+        assert code == 0, f"{name}: {err}"
+        cells[name, "in-process"] = "same"
+        for path in PATHS[1:]:
+            code, record, err = _answer(paths.get(path, {}), args, path)
+            if code == 2 and "Error:" in err:
+                cells[name, path] = "refused"
+                continue
+            if code != 0 or record is None:
+                wrong.append(f"{name} on {path}: exit {code}: {err.strip()[-300:]}")
+                continue
+            differences = _same_answer(record, reference, named_by_server=path == "--endpoint serve")
+            cells[name, path] = "same" if not differences else "DIFFERS"
+            if differences:
+                wrong.append(f"{name} on {path}: {differences}")
+    _print_matrix(capsys, cells)
+    assert not wrong, "\n".join(wrong)
+
+
+def _print_matrix(capsys, cells: dict[tuple[str, str], str]) -> None:
+    counts: dict[str, int] = {}
+    with capsys.disabled():
+        print("\n" + "row".ljust(26) + "".join(path.ljust(18) for path in PATHS))
+        for name, _, _ in ROWS:
+            row = [cells.get((name, path), "-") for path in PATHS]
+            for cell in row:
+                counts[cell] = counts.get(cell, 0) + 1
+            print(name.ljust(26) + "".join(cell.ljust(18) for cell in row))
+        print("counts: " + ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items())))
+
+
+def test_show_prompt_is_the_same_warm_and_in_process_and_refused_with_endpoint(paths):
+    """`run --show-prompt` (a README example): the default (warm) run renders it here from the model's vocabulary
+    and template (issue 57: it was exit 2 naming --endpoint); --endpoint's server renders its own: refused, named."""
+    shown = {}
+    for path in ("in-process", "warm"):
+        result = run_cli("run", "--show-prompt", "-s", "Be brief.", PROMPT, env=paths[path])
+        assert result.code == 0, result.stderr
+        shown[path] = (result.stdout, result.stderr.splitlines()[-1])
+    assert shown["warm"] == shown["in-process"] and PROMPT in shown["warm"][0] and "Be brief." in shown["warm"][0]
+    assert shown["warm"][1].endswith("tokens (smollm2, chat template, context 4096)"), shown["warm"][1]
+    refused = run_cli("run", "--show-prompt", PROMPT, env=paths["--endpoint serve"])
+    assert refused.code == 2 and "--show-prompt" in refused.stderr and "--endpoint" in refused.stderr
+
+
+def test_a_warm_error_is_the_in_process_error(paths):
+    """The same exit code, words and hint; never the warm server's internal URL (issue 57: exit 2, `http://llmcli/v1
+    refused the request (400)`, no hint)."""
+    long = "word " * 5000
+    errors = {}
+    for path in ("in-process", "warm"):
+        for args in (["-n", "4", long], ["--logit-bias", "Hello world=-inf", PROMPT], ["--logit-bias", "99999999=1", PROMPT]):
+            result = run_cli("run", "--temp", "0", *args, env=paths[path])
+            errors[path, args[1]] = (result.code, result.stderr.strip().splitlines()[-2:])
+    for key in ("4", "Hello world=-inf", "99999999=1"):
+        assert errors["warm", key] == errors["in-process", key], key
+        assert "http://llmcli" not in " ".join(errors["warm", key][1])
+    assert errors["warm", "4"][0] == 6 and errors["warm", "4"][1][1].startswith("Hint: Use --ctx-size")
+    assert errors["warm", "Hello world=-inf"][0] == errors["warm", "99999999=1"][0] == 2
+
+
+def test_on_overflow_truncate_and_a_capped_n_say_the_same_on_every_path(paths):
+    """--on-overflow truncate (issue 57: dropped with a warning on the warm path) cuts the same characters and says
+    so in the same words; a too-large -n is capped with the same notice."""
+    long = " ".join(f"word{i}" for i in range(700))
+    records = {}
+    for path in ("in-process", "warm"):
+        result = run_cli("run", "--json", "--temp", "0", "-n", "4", "-c", "256", "--on-overflow", "truncate", long,
+                         env=paths[path])
+        assert result.code == 0, result.stderr
+        records[path] = json.loads(result.stdout)
+    assert _same_answer(records["warm"], records["in-process"]) == []
+    assert any(n.startswith("input truncated to fit the context of 256 tokens") for n in records["warm"]["notices"])
+    assert records["warm"]["usage"]["prompt_tokens"] <= 256 - 4
+
+
+def test_a_warm_answer_is_logged_under_the_model_s_name_and_the_log_is_private(paths):
+    """`llmcli logs -m smollm2` finds a warm answer (issue 57: it was logged as `SmolLM2-135M-Instruct.Q4_1`); the
+    data dir is 0700 and logs.db 0600, as the README's Safety section says."""
+    import os
+    import stat
+
+    result = run_cli("run", "-m", "smollm2", "--temp", "0", "-n", "4", "--json", "lighthouse keeper", env=paths["warm"])
+    assert result.code == 0, result.stderr
+    assert json.loads(result.stdout)["model"] == "smollm2"
+    found = run_cli("logs", "--json", "-q", "lighthouse", "-m", "smollm2")
+    assert found.code == 0 and len(json.loads(found.stdout)) == 1, found
+    data = Path(os.environ["LLMCLI_DATA_DIR"])
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700 and stat.S_IMODE((data / "logs.db").stat().st_mode) == 0o600
