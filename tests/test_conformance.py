@@ -226,3 +226,57 @@ def test_a_warm_answer_is_logged_under_the_model_s_name_and_the_log_is_private(p
     assert found.code == 0 and len(json.loads(found.stdout)) == 1, found
     data = Path(os.environ["LLMCLI_DATA_DIR"])
     assert stat.S_IMODE(data.stat().st_mode) == 0o700 and stat.S_IMODE((data / "logs.db").stat().st_mode) == 0o600
+
+
+def test_serve_s_request_shaping_flags_are_the_defaults_of_requests_that_set_none(tmp_path):
+    """`serve --grammar … --logit-bias …` (issue 57: taken and ignored: every route answered free text): every
+    protocol's answer follows the server's grammar and bias unless the request brings its own format; `serve --help`
+    says so."""
+    import ollama
+    from openai import OpenAI
+
+    proc, url = start_server(tmp_path, "-P", "2", "--temp", "0", "--grammar", YES_NO, "--logit-bias", "no=100")
+    try:
+        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        chat = client.chat.completions.create(model="smollm2", max_tokens=8, messages=[{"role": "user", "content": PROMPT}])
+        completion = client.completions.create(model="smollm2", max_tokens=8, prompt=PROMPT)
+        generated = ollama.Client(host=url, timeout=120).generate(model="smollm2", prompt=PROMPT)
+        own = client.chat.completions.create(model="smollm2", max_tokens=24, response_format={"type": "json_object"},
+                                             messages=[{"role": "user", "content": PROMPT}])
+    finally:
+        stop_server(proc)
+    assert chat.choices[0].message.content == completion.choices[0].text == generated.response == "no"
+    assert json.loads(own.choices[0].message.content) is not None  # the request's own format wins
+    help_text = " ".join(run_cli("serve", "--help").stdout.split())
+    assert "--grammar, --json-schema and --format constrain every answer whose request sets no grammar" in help_text
+
+
+def test_the_readme_s_using_it_examples_run_as_written_by_default(tmp_path):
+    """README, "Using it": each example (with a model here) run as written — the default model, warm (the default
+    path: issue 57) — answers, exit 0; LLMCLI_MAX_TOKENS keeps the answers short."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## Using it", 1)[1].split("```", 2)[1]
+    lines = [line.split("  #", 1)[0].strip() for line in block.splitlines() if line.strip().startswith(("llmcli", "cat"))]
+    runnable = [line for line in lines if not re.search(r"-m \./|--image", line)]  # (models not here: the README's own)
+    assert len(runnable) >= 10, runnable
+    (tmp_path / "notes.txt").write_text("Tides rise and fall twice a day.\n")
+    runtime = tempfile.mkdtemp(prefix="llmcli-rt-", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if k not in ("LLMCLI_MODEL", "LLMCLI_KEEP_ALIVE")}
+    env.update(LLMCLI_RUNTIME_DIR=runtime, LLMCLI_MAX_TOKENS="6", LLMCLI_THREADS="1")
+    llmcli = f"{sys.executable} -m llmcli"
+    try:
+        for index, line in enumerate(runnable):
+            command = re.sub(r"\bllmcli\b", llmcli, line, count=1)
+            result = subprocess.run(["bash", "-o", "pipefail", "-c", command], cwd=tmp_path, env=env, capture_output=True,
+                                    text=True, timeout=120)
+            assert result.returncode == 0 and result.stdout.strip(), (line, result.stderr)
+            if "--show-prompt" not in line and "jq" not in line:
+                assert result.stderr.strip().splitlines()[-1].startswith("load " if index == 0 else "warm · "), (line, result.stderr)
+    finally:
+        subprocess.run([sys.executable, "-m", "llmcli", "stop"], env=env, capture_output=True, timeout=60)
+        shutil.rmtree(runtime, ignore_errors=True)

@@ -281,9 +281,11 @@ def test_endpoint_sends_every_sampling_setting_and_names_what_it_cannot(fake):
     assert sent["mirostat"] == 2 and sent["mirostat_tau"] == 3 and sent["typical_p"] == 0.9
     assert sent["dry_multiplier"] == 0.8 and sent["xtc_probability"] == 0.5 and sent["repeat_last_n"] == 32
     assert sent["repetition_guard"] is False and sent["chat_template_kwargs"] == {"enable_thinking": False}
-    assert sent["logit_bias"] == {"15043": -100}
+    assert sent["logit_bias"] == [[15043, False], ["Hello", 2.0]]  # (a text too: llama-server's form, issue 57)
     notice = next(line for line in result.stderr.splitlines() if "not used with --endpoint" in line)
-    assert "--logit-bias Hello=2" in notice and "--threads" in notice and "--ctx-size" in notice
+    assert "--logit-bias" not in notice and "--threads" in notice and "--ctx-size" in notice
+    by_id = run_cli("run", "--endpoint", fake.url, "--logit-bias", "15043=-inf", "hi")
+    assert by_id.code == 0 and fake.posts()[-1]["logit_bias"] == {"15043": -100}  # ids alone: OpenAI's form
     chat = run_cli("chat", "--endpoint", fake.url, "-q", input="/set mirostat 2\n/set on_overflow truncate\nhi\n")
     assert fake.posts()[-1]["mirostat"] == 2
     assert "--on-overflow = truncate (not used:" in chat.stderr

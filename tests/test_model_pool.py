@@ -135,6 +135,9 @@ def test_keep_alive_expires_a_loaded_model_and_a_request_s_own_keep_alive_wins(t
         (record,) = [json.loads(line) for line in shown.stdout.splitlines()]
         assert [m["pinned"] for m in record["models"]] == [True, False] and record["pid"] == proc.pid
         assert record["models"][1]["expires_in_s"] <= 1 and record["models"][1]["size"] == gemma3.stat().st_size
+        table = run_cli("ps", "--url", url, env={"LLMCLI_API_KEY": ""}).stdout.splitlines()  # (no key: no pid)
+        row = table[1].split()  # MODEL CONTEXT PID FILE (2 words) MEMORY …: no 0 pid, no 0 MiB (issue 57)
+        assert row[1] == "256" and row[2] == "-" and row[5] == "-", table
         deadline = time.monotonic() + 30
         while len(loaded(url)) == 2 and time.monotonic() < deadline:
             time.sleep(0.2)

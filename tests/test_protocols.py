@@ -304,6 +304,16 @@ def test_openai_responses_whole_streamed_continued_and_with_tools(server):
                                             max_output_tokens=60, stream=True))
     pieces = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
     assert pieces == call.arguments and streamed[-1].response.output[-1].arguments == call.arguments
+    # A call max_output_tokens cut is not one to run (issue 57: it was an item `completed` in an `incomplete` response)
+    cut = client.responses.create(model="smollm2", input=QUESTION, tools=[tool], tool_choice="required",
+                                  max_output_tokens=14)
+    assert cut.status == "incomplete" and not [i for i in cut.output if i.type == "function_call" and i.status == "completed"]
+    cut_streamed = list(client.responses.create(model="smollm2", input=QUESTION, tools=[tool], tool_choice="required",
+                                                max_output_tokens=14, stream=True))
+    done_items = [e.item for e in cut_streamed if e.type == "response.output_item.done"]
+    assert cut_streamed[-1].type == "response.incomplete" and done_items[-1].type == "function_call"
+    assert done_items[-1].status == "incomplete"
+    assert cut_streamed[-1].response.output[-1].status == "incomplete"
     answered = client.responses.create(model="smollm2", tools=[tool], max_output_tokens=24, input=[
         {"role": "user", "content": QUESTION},
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},

@@ -95,3 +95,6 @@ def test_an_argument_that_names_no_file_is_counted_as_text():
     text = run_cli("count", "Hello world")
     assert text.code == 0 and int(text.stdout) >= 2 and "counting the argument itself as text" in text.stderr
     assert run_cli("count", "no/such-file.txt").code == 2  # a path that is not there is still a missing file
+    missing = run_cli("count", "nosuch.txt")  # (issue 57: a file's name without a slash was counted as text, exit 0)
+    assert missing.code == 2 and "nosuch.txt: no such file" in missing.stderr
+    assert run_cli("count", "hello").code == 0  # a word is still text

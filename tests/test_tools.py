@@ -444,6 +444,13 @@ def test_approval_on_a_terminal_and_ctrl_c_during_a_tool(tmp_path):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+    asked = spawn_terminal("run", "--functions", str(slow), "--tool-choice", "wait", "--tools-approve", "--temp", "0",
+                           "-n", "30", "-q", "Wait.", timeout=30, encoding="utf-8", env={"NO_COLOR": "1"})
+    asked.expect(r"\[y/N\] ")
+    asked.sendintr()  # Ctrl-C at the question ends the run at once (issue 57: it waited for Enter)
+    asked.expect(pexpect.EOF)
+    asked.close()
+    assert asked.exitstatus == 130 or asked.signalstatus == 2, (asked.exitstatus, asked.signalstatus)
     from conftest import ctrl_c_when
 
     code, err = ctrl_c_when(["run", "--functions", str(slow), "--tool-choice", "wait", "--tools-debug", "--temp",

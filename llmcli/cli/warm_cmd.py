@@ -36,10 +36,13 @@ def ps(as_json: JsonOpt = False, url: UrlOpt = None) -> None:
         record = _record(where, state)
         for model in record["models"]:
             slots = model.get("slots") or {}
-            rows.append((model["name"], str(record["pid"]), human_size(model.get("size") or 0),
-                         f"{record['rss_mib']:.0f} MiB", f"{slots.get('busy', 0)}/{slots.get('slots', 0)}",
-                         _expiry(model), record["socket"]))
-    print_table(("MODEL", "PID", "FILE", "MEMORY", "BUSY", "EXITS", "WHERE"), rows, right=("PID", "FILE", "MEMORY"),
+            known = record["pid"] > 0  # (a server tells its pid only to its key's holder: --url without it)
+            rows.append((model["name"], str(model.get("n_ctx") or "-"), str(record["pid"]) if known else "-",
+                         human_size(model.get("size") or 0), f"{record['rss_mib']:.0f} MiB" if known else "-",
+                         f"{slots.get('busy', 0)}/{slots.get('slots', 0)}", _expiry(model), record["socket"]))
+    # (CONTEXT: a run with another -c has a server of its own, so one model may have two rows)
+    print_table(("MODEL", "CONTEXT", "PID", "FILE", "MEMORY", "BUSY", "EXITS", "WHERE"), rows,
+                right=("CONTEXT", "PID", "FILE", "MEMORY"),
                 empty="No warm server: `llmcli run …` starts one (unless --keep-alive 0).")
 
 

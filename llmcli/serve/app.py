@@ -77,6 +77,7 @@ def _own_app(state: ServerState, hosts: tuple[str, ...] | None, webui: bool) -> 
     def status(served: Served) -> dict[str, Any]:
         expires = served.expires_in()
         return {"name": served.name, "path": str(served.key), "size": served.facts.size, "slots": served.slots.status(),
+                "n_ctx": served.prompter.limits.n_ctx,
                 "in_flight": served.in_flight, "pinned": served.pinned, "notices": list(served.notices),
                 "expires_in_s": None if expires is None else round(expires, 1),
                 "idle_s": 0.0 if served.in_flight else round(time.monotonic() - served.last_used, 1)}

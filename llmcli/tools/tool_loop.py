@@ -91,10 +91,10 @@ class ToolRunner:
         return ToolSpec(self.functions.tools, choice, self.format)
 
     def run(self, call: ToolCall, cancel: Cancellation) -> ToolResult:
-        if call.error is None and self.approve is not None and not self.approve(call):
-            result = ToolResult(call.id, call.name, "Error: the user did not allow this call", error=True)
-        else:
-            with cancel.raising():  # Python code: Ctrl-C stops it at once
+        with cancel.raising():  # Python code, or a question waiting for its answer: Ctrl-C stops it at once
+            if call.error is None and self.approve is not None and not self.approve(call):
+                result = ToolResult(call.id, call.name, "Error: the user did not allow this call", error=True)
+            else:
                 if self.on_call is not None:
                     self.on_call(call)
                 result = self.functions.run(call)
