@@ -61,8 +61,8 @@ def _load_once(path: Path) -> Path:
     """Read the GGUF header of a model the tests use, load its weights and hash it, once in this process: the CLI runs
     forked from it inherit the parsed header and the weights (shared copy-on-write: ~0.2 s of CPU a run), and each
     test's hash memo starts with its sha256 (a logged answer records it: ~0.25 s of CPU a test, hashed again)."""
-    from llmcli.file_hashes import memo_key, sha256_of
     from llmcli.llama.weights import keep_loaded
+    from llmcli.store.file_hashes import memo_key, sha256_of
 
     read_metadata(path)
     read_header(path)

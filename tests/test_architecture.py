@@ -140,8 +140,7 @@ def test_the_answerer_is_narrow_and_every_answerer_has_all_of_it():
         return {name for name in vars(protocol) if not name.startswith("_")} | set(protocol.__annotations__)
 
     answering, local = members(Answerer), members(LocalModel)
-    assert answering == {"options", "history", "notices", "not_sent", "where", "local", "ask", "take_notices", "batch",
-                         "close"}
+    assert answering == {"options", "history", "notices", "not_sent", "where", "local", "ask", "batch"}  # (≤ 8: issue 57)
     assert not answering & local
     for implementation in (Session, RemoteSession, FallbackAnswerer):
         assert "__getattr__" not in vars(implementation)
@@ -155,3 +154,20 @@ def test_top_level_help_says_what_each_command_is():
     shown = " ".join(run_cli("--help").stdout.split())  # (its lines wrap)
     assert "OpenAI, Anthropic and Ollama APIs and a chat page" in shown  # (not "an OpenAI-compatible server")
     assert "eval How well a model calls tools" in shown
+
+
+def test_the_cli_never_asks_whether_the_model_is_local():
+    """Issue 57: what differs between a model in this process and a server (rendering --show-prompt, the context,
+    the KV state kept for --resume) is the core's to decide (llmcli.pipeline.shown_prompt, Conversation): no command
+    reads `.local`."""
+    switches = [f"{path.relative_to(PACKAGE)}:{number}" for path in (PACKAGE / "cli").glob("*.py")
+                for number, line in enumerate(path.read_text().splitlines(), 1)
+                if "import" not in line and (".local " in line or ".local." in line or line.rstrip().endswith(".local"))]
+    assert switches == []
+
+
+def test_few_loose_modules_at_the_top():
+    """Issue 57: at most six modules loose at the package's top (the ground floor); the rest live in their step's
+    package."""
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(loose) <= 6, loose

@@ -94,7 +94,7 @@ def test_repl_turns_commands_interrupt_and_exit(tmp_path):
     assert child.exitstatus == 0
 
 
-def test_multi_line_message_and_exit_command():
+def test_multi_line_message_and_exit_command(isolated_env):
     child = spawn("--temp", "0", "-n", "8")
     child.sendline('"""')
     child.sendline("first line")
@@ -109,6 +109,15 @@ def test_multi_line_message_and_exit_command():
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+    typed = isolated_env / "data" / "chat_history"  # the up arrow's lines: this user's alone, as the log (issue 57)
+    assert "first line" in typed.read_text() and typed.stat().st_mode & 0o777 == 0o600
+    forgotten = spawn("--no-log", "-n", "2")  # --no-log (as `logs off`): nothing typed is kept
+    forgotten.sendline("a secret line")
+    forgotten.expect_exact(PROMPT)
+    forgotten.sendline("/exit")
+    forgotten.expect(pexpect.EOF)
+    forgotten.close()
+    assert "a secret line" not in typed.read_text()
 
 
 def chat_lines(*args: str, messages: list[str]) -> list[dict]:

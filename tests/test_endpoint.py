@@ -212,7 +212,9 @@ def test_run_batch_and_chat_against_llmcli_serve(served, tmp_path):
     assert chat.code == 0, chat.stderr
     assert "(" in chat.stderr and "cached)" in chat.stderr  # the second turn reused the server's KV cache
     assert f"({served}/v1)" in chat.stderr  # /show: the model and where it answers
-    assert "context  kept by the server" in chat.stderr and "2 exchanges" in chat.stderr  # /show: what it can tell
+    # /show: what it can tell (issue 57: it said nothing of the context): the last answer's prompt and answer
+    assert "tokens used by the conversation as of its last answer (kept by the server), 2 exchanges" in chat.stderr
+    assert "context  0 tokens" not in chat.stderr
     assert "total: 2 replies" in chat.stderr and "Error" not in chat.stderr  # /stats
     bench = run_cli("bench", "--endpoint", served, "-n", "8", "-r", "2", "--parallel", "1,2", "--format", "json")
     assert bench.code == 0, bench.stderr

@@ -93,7 +93,7 @@ def test_completion_offers_model_names_and_commands(tmp_path):
 
 
 def test_extra_hints_follow_how_llmcli_was_installed(monkeypatch, tmp_path):
-    from llmcli import install_hint as hints
+    from llmcli.config import install_hint as hints
 
     root = str(Path(__file__).resolve().parents[1])
     hint = hints.install_hint("serve")

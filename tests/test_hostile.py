@@ -456,12 +456,13 @@ def test_a_nan_epsilon_is_exit_5_not_an_abort(smollm2, tmp_path):
 
 
 def test_the_hash_memo_is_written_whole_and_merged(tmp_path, monkeypatch):
-    from llmcli import file_hashes, paths
+    from llmcli import paths
+    from llmcli.store import file_hashes
 
     models = [tmp_path / f"m{i}.bin" for i in range(8)]
     for i, model in enumerate(models):
         model.write_bytes(bytes([i]) * 100)
-    script = "import sys; from pathlib import Path; from llmcli.file_hashes import remembered_sha256; " \
+    script = "import sys; from pathlib import Path; from llmcli.store.file_hashes import remembered_sha256; " \
              "remembered_sha256(Path(sys.argv[1]))"
     memo = paths.hash_memo_file()
     memo.unlink()  # (the suite's own memo of its models: this test starts from none)

@@ -170,6 +170,8 @@ def test_logs_rm_removes_an_exchange_from_everything_that_replays_it_and_leaves_
     assert run_cli("run", *QUICK, "The secret word is PAPAYA.").code == 0
     assert run_cli("run", "-C", *QUICK, "What was the secret word? Say it.").code == 0
     (first, *_), = [[r for r in logged() if "PAPAYA" in r["prompt"]]]
+    typed = isolated_env / "data" / "chat_history"  # (as chat's up arrow keeps what was typed)
+    typed.write_text("The secret word is PAPAYA.\nsomething else\n")
     shown = run_cli("run", "-C", "--show-prompt", "And now?").stdout
     assert "PAPAYA" in shown and "What was the secret word?" in shown
     removed = run_cli("logs", "rm", str(first["id"]))
@@ -182,6 +184,7 @@ def test_logs_rm_removes_an_exchange_from_everything_that_replays_it_and_leaves_
     data = isolated_env / "data"
     leftovers = [p.name for p in data.iterdir() if p.name.startswith("logs.db") and b"PAPAYA" in p.read_bytes()]
     assert leftovers == []  # (nor in the -wal file: emptied)
+    assert typed.read_text() == "something else\n"  # the line history forgets it too
     assert os.stat(data).st_mode & 0o777 == 0o700 and os.stat(data / "logs.db").st_mode & 0o777 == 0o600
     assert run_cli("logs", "rm", "--before", "0m").code == 0 and logged() == []
     assert "What was the secret word?" not in run_cli("chat", "--list", "--json").stdout

@@ -283,7 +283,7 @@ def test_a_packaged_model_that_is_not_installed_names_its_extra():
             "import sys; sys.argv = ['llmcli', 'run', '-m', 'gemma3-270m', 'hi']; from llmcli.cli import main; main()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
     assert proc.returncode == 3
-    from llmcli.install_hint import install_hint
+    from llmcli.config.install_hint import install_hint
 
     assert "gemma3-270m is not installed" in proc.stderr and f"Hint: {install_hint('gemma')}" in proc.stderr
 

@@ -49,10 +49,12 @@ class ContextInfo:
 
 @dataclass(frozen=True)
 class Resumed:
-    """A resumed conversation's KV state: the tokens restored, or why none were (None: nothing to say)."""
+    """A resumed conversation's KV state: the tokens restored, or why none were (None: nothing to say); what the
+    prompt cache had to say on the way (a damaged entry removed)."""
 
     restored: int = 0
     missing: str | None = None
+    notices: tuple[str, ...] = ()
 
 
 def with_system(system: str | None, messages: list[Message]) -> list[Message]:
@@ -123,14 +125,14 @@ class LocalModel(Protocol):
         """A resumed conversation: its KV state loaded now, before the next message."""
         ...
 
-    def keep_state(self) -> None:
-        """The conversation ends: keep its KV state for `chat --resume`."""
+    def keep_state(self) -> list[str]:
+        """The conversation ends: keep its KV state for `chat --resume`; what the prompt cache had to say."""
         ...
 
 
 class Answerer(Protocol):
     """Asks a model: a conversation (`history`, `options`) and its answers as events; `--batch`; notices. What only a
-    local model has is `local` (None for a server)."""
+    local model has is `local` (None for a server). (Whoever opens one closes it: the pipeline's resources.)"""
 
     options: PromptOptions
     history: list[Message]
@@ -161,15 +163,9 @@ class Answerer(Protocol):
         model goes on); the exchange joins the history when the answer is done."""
         ...
 
-    def take_notices(self) -> list[str]:
-        ...
-
     def batch(self, items: list[BatchItem], generation: GenerationOptions, parallel: int, cancel: Cancellation,
               on_result: ResultCallback, on_progress: ProgressCallback | None = None) -> Summary:
         """Every item answered, `parallel` at a time, each result as it finishes (any order)."""
-        ...
-
-    def close(self) -> None:
         ...
 
 

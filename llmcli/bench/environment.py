@@ -8,10 +8,10 @@ import threading
 import time
 from collections.abc import Sequence
 
-from llmcli.file_hashes import sha256_of
 from llmcli.llama import cpu_topology
 from llmcli.llama import llama_log as backend
 from llmcli.llama.weight_buffers import weight_buffers_summary
+from llmcli.store.file_hashes import sha256_of
 from llmcli.store.models import ResolvedModel
 
 

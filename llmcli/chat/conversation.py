@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from llmcli import paths
-from llmcli.answer.answerer import Answerer, exchange_starts, last_exchange_start, oldest_exchange_end, template_source
+from llmcli.answer.answerer import (
+    Answerer,
+    ContextInfo,
+    Resumed,
+    exchange_starts,
+    last_exchange_start,
+    oldest_exchange_end,
+    template_source,
+)
 from llmcli.answer.events import AnswerEvent, Done, Notice, answer_record
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.images import ImageInput
@@ -30,9 +38,9 @@ from llmcli.answer.sampling_config import SETTING_FIELDS
 from llmcli.config.setting_values import parse_text
 from llmcli.config.settings import SETTINGS, check_value, show_value, unknown_hint
 from llmcli.errors import UsageError
-from llmcli.file_hashes import remembered_sha256
 from llmcli.interrupt import Cancellation
 from llmcli.store import answer_log
+from llmcli.store.file_hashes import remembered_sha256
 from llmcli.tools.tool_loop import ToolRunner, answer_with_tools
 from llmcli.units import counted
 
@@ -135,6 +143,34 @@ class Conversation:
         """Why the record could not be written (once)."""
         failure, self.save_failure = self.save_failure, None
         return failure
+
+    # -- what the model in this process keeps (a server keeps its own) ---------------------------------------
+
+    def keep_state(self) -> list[str]:
+        """The conversation ends: its KV state kept for `chat --resume` (a server keeps its own); notices."""
+        local = self.session.local
+        return local.keep_state() if local is not None else []
+
+    def resume(self) -> Resumed:
+        """A resumed conversation: its KV state restored now, if the prompt cache kept it (a server keeps its own)."""
+        local = self.session.local
+        return local.resume() if local is not None else Resumed()
+
+    def context(self) -> ContextInfo:
+        """The context and what the conversation takes of it: the local model's own figures; through a server, the
+        last answer's prompt and answer (n_ctx 0: the server does not say its context)."""
+        local = self.session.local
+        if local is not None:
+            return local.context()
+        last = self.turn_stats[-1].stats if self.turn_stats and self.history else None
+        used = last.prompt_tokens + last.completion_tokens if last is not None else 0
+        return ContextInfo(0, used, last.cached_tokens if last is not None else 0)
+
+    @property
+    def template_system(self) -> str | None:
+        """The system prompt the chat template adds when none is given (None: none, or a server's template)."""
+        local = self.session.local
+        return local.template_system if local is not None else None
 
     def _fit(self, text: str, images: tuple[ImageInput, ...] = ()) -> int:
         """Drop the oldest exchanges until the prompt plus room for the answer fits; returns how many (a server says

@@ -310,19 +310,22 @@ class Session:
             return Resumed()
         tokens = self.render("").tokens
         restored = self._restore(tokens)[0]
+        notices = tuple(self.take_notices())
         if restored:
-            return Resumed(restored)
+            return Resumed(restored, notices=notices)
         if self.prompt_cache is None:
             return Resumed(0, "the prompt cache is off")
         least = self.prompt_cache.config.min_tokens
         if len(tokens) < least:  # (too short to be worth a saved state: said so, not "none is saved")
-            return Resumed(0, f"{len(tokens)} tokens: states are saved from --prompt-cache-min {least}")
-        return Resumed(0, "none is saved or it was not valid")
+            return Resumed(0, f"{len(tokens)} tokens: states are saved from --prompt-cache-min {least}", notices)
+        return Resumed(0, "none is saved or it was not valid", notices)
 
-    def keep_state(self) -> None:
-        """The conversation ends: save its KV state (if not saved already) for `chat --resume`."""
+    def keep_state(self) -> list[str]:
+        """The conversation ends: save its KV state (if not saved already) for `chat --resume`; the prompt cache's
+        notices."""
         if self.prompt_cache is not None:
             self.prompt_cache.keep(self._last_prompt_tokens)
+        return self.take_notices()
 
 
 _PROBE = 16  # tokens after the kept prefix that must be found again further on to locate the dropped span

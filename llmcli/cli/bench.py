@@ -149,7 +149,7 @@ def _check_plot(path: Path) -> None:
     """A picture llmcli can draw where it can write it, with the plot extra installed."""
     import importlib.util
 
-    from llmcli.install_hint import install_hint
+    from llmcli.config.install_hint import install_hint
 
     if path.suffix.lower() not in (".svg", ".png"):
         raise UsageError(f"--plot draws an .svg or a .png file (got {path.name!r})")

@@ -14,7 +14,6 @@ from llmcli.cli.tool_options import ToolOptions
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from llmcli.answer.answerer import Answerer
     from llmcli.chat.conversation import Conversation
     from llmcli.pipeline import Request
     from llmcli.tools.tool_loop import ToolRunner
@@ -75,27 +74,26 @@ def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, requ
             conversation.replay(records)
             if resumed.file is not None and not no_save:  # an older chat's file: it goes on in the log, whole
                 conversation.carry_over(records)
-            _restore_state(pipeline.session, conversation, console)
+            _restore_state(conversation, console)
         from llmcli.cli.chat_repl import Repl
 
         repl = Repl(conversation, pipeline.cancel, console, quiet, as_json, pipeline.settings["reasoning"],
                     pipeline.settings["markdown"], pipeline.settings["answer_color"])
         interactive = sys.stdin is not None and sys.stdin.isatty()
         repl.interactive() if interactive else repl.lines()
-        if not no_save and pipeline.session.local is not None:
-            pipeline.session.local.keep_state()  # for --resume: its KV state, not only its text
-            for notice in pipeline.session.take_notices():
+        if not no_save:
+            for notice in conversation.keep_state():  # for --resume: its KV state, not only its text
                 output.print_notice(console, notice)
 
 
-def _restore_state(session: Answerer, conversation: Conversation, console: Console) -> None:
+def _restore_state(conversation: Conversation, console: Console) -> None:
     """A resumed conversation: its KV state from the prompt cache, or a notice that it is evaluated again."""
-    from llmcli.answer.answerer import Resumed, exchange_starts
+    from llmcli.answer.answerer import exchange_starts
     from llmcli.cli import output
 
     exchanges = len(exchange_starts(conversation.history))
-    resumed = session.local.resume() if session.local is not None else Resumed()  # (a server keeps its own)
-    for notice in session.take_notices():
+    resumed = conversation.resume()
+    for notice in resumed.notices:
         output.print_notice(console, notice)
     console.print(f"resumed {conversation.id}: {counted(exchanges, 'exchange')}" +
                   (f", KV state of {resumed.restored} tokens restored" if resumed.restored else ""))

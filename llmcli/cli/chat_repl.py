@@ -65,6 +65,9 @@ class Repl:
 
         history = paths.chat_history_file()
         readline = _readline(history)
+        # (what was typed is kept for the up arrow only where the conversation is recorded: --no-save, --no-log and
+        # `llmcli logs off` keep nothing of it; the file is this user's alone, as the log is)
+        keep = self.conversation.saved and self.conversation.log is not None
         self.console.print(f"llmcli chat · {self.conversation.model_name} · /help for commands · Ctrl-D to leave")
         try:
             while True:
@@ -82,8 +85,12 @@ class Repl:
                 except KeyboardInterrupt:  # Ctrl-C outside a reply (a command, or before it began)
                     self.console.print("\n(interrupted)")
         finally:
-            if readline is not None:
-                history.parent.mkdir(parents=True, exist_ok=True)
+            if readline is not None and keep:
+                import os
+
+                paths.private_dir(history.parent, history.parent)
+                os.close(paths.open_private(history, os.O_WRONLY | os.O_CREAT))
+                os.chmod(history, 0o600)
                 readline.write_history_file(str(history))
 
     def _read_message(self) -> str | None:
@@ -203,16 +210,17 @@ def _show(repl: Repl, argument: str) -> None:
     from llmcli.answer.answerer import exchange_starts
 
     exchanges = len(exchange_starts(conversation.history))
-    context = session.local.context() if session.local is not None else None
-    if context is None:
-        repl.console.print(f"context  kept by the server (it does not say how much is used), {counted(exchanges, 'exchange')}")
+    context = conversation.context()
+    if not context.n_ctx:  # (a server's: its last answer's figures)
+        repl.console.print(f"context  {context.used} tokens used by the conversation as of its last answer (kept by "
+                           f"the server), {counted(exchanges, 'exchange')}")
     else:
         repl.console.print(f"context  {context.used} / {context.n_ctx} tokens used by the conversation "
                            f"({context.cached} in the KV cache), {counted(exchanges, 'exchange')}")
     if conversation.system:
         repl.console.print(f"system   {conversation.system}")
     else:
-        added = session.local.template_system if session.local is not None else None
+        added = conversation.template_system
         repl.console.print("system   (none given" + (f"; the chat template adds its own: {added}" if added else "") + ")")
     repl.console.print(_settings_lines(conversation.settings_record()))
     if conversation.saved:

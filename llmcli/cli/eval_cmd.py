@@ -74,7 +74,7 @@ def tools(categories: CategoriesArg = None, *, tool_choice: ChoiceOpt = "auto", 
 
             report = evaluate(pipeline.session, pipeline.generation, loaded, tool_choice, format_name,
                               pipeline.cancel, step)
-        where = pipeline.session.where if pipeline.session.local is None else pipeline.model.name
+        where = pipeline.session.where if pipeline.settings["endpoint"] else pipeline.model.name
     _show(report, where, tool_choice, format_name, as_json, console)
     if report.interrupted:
         raise typer.Exit(130)

@@ -212,25 +212,14 @@ def run(
 
 def _show_prompt(pipeline: Pipeline[Answerer], request: Request, message: Message, runner: ToolRunner | None,
                  console: Console) -> None:
-    """The prompt as the model will see it (the conversation continued, the tools), and its token count: rendered by
-    the model in this process, or, when a warm server holds it, by its vocabulary and template read here (no
-    weights); --endpoint's server renders its own."""
-    session, local = pipeline.session, pipeline.session.local
-    tools = runner.spec(first=True) if runner is not None else None
-    if local is not None:
-        rendered = local.render(message.text, tools=tools, images=message.images)
-        mode, n_ctx = "raw" if local.template_source is None else "chat template", local.context().n_ctx
-    elif pipeline.settings["endpoint"]:
-        raise UsageError("the server renders the prompt with --endpoint: --show-prompt is not available")
-    else:
-        from llmcli.pipeline.local import open_tokenizer
+    """The prompt as the model will see it (the conversation continued, the tools), and its token count."""
+    from llmcli.pipeline import shown_prompt
 
-        with open_tokenizer(request) as tokenizer:
-            rendered = tokenizer.render(message.text, session.history, session.options, tools, message.images)
-            raw = session.options.raw or tokenizer.template is None
-            mode, n_ctx = "raw" if raw else "chat template", tokenizer.n_ctx
-    sys.stdout.write(rendered.text + "\n")
-    console.print(f"{len(rendered.tokens)} tokens ({pipeline.model.name}, {mode}, context {n_ctx})")
+    shown = shown_prompt(pipeline, request, message.text, runner.spec(first=True) if runner is not None else None,
+                         message.images)
+    sys.stdout.write(shown.rendered.text + "\n")
+    mode = "chat template" if shown.templated else "raw"
+    console.print(f"{len(shown.rendered.tokens)} tokens ({pipeline.model.name}, {mode}, context {shown.n_ctx})")
 
 
 def _answer(message: Message, options: RunOptions, request: Request, runner: ToolRunner | None,

@@ -127,7 +127,7 @@ def serve(
         from llmcli.serve.app import ServerState, create_app
         from llmcli.serve.connections import guarded
     except ImportError as exc:
-        from llmcli.install_hint import install_hint
+        from llmcli.config.install_hint import install_hint
 
         raise UsageError(f"llmcli serve needs its extra ({exc.name} is missing)",
                          hint=install_hint("serve")) from None

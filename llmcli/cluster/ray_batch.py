@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmcli.answer.batch_jsonl import BatchItem, Record, Summary
+from llmcli.config.install_hint import install_hint
 from llmcli.errors import LlmcliError, UsageError
-from llmcli.install_hint import install_hint
 from llmcli.interrupt import Cancellation
 
 RETRIES = 2  # times a block goes to another worker after its worker died

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmcli.file_hashes import known_sha256, remembered_sha256
 from llmcli.llama.engine import Engine
+from llmcli.store.file_hashes import known_sha256, remembered_sha256
 from llmcli.store.prompt_store import BLOCK, PromptStore, fingerprint
 
 GIB = 2**30

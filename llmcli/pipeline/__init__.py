@@ -16,16 +16,18 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 from llmcli import paths
-from llmcli.answer.answerer import Answerer
+from llmcli.answer.answerer import Answerer, RenderedPrompt
 from llmcli.answer.constraint import Constraint, build_constraint
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.images import ImageInput
 from llmcli.answer.message import Message
+from llmcli.answer.tool_calls import ToolSpec
 from llmcli.config import settings
 from llmcli.errors import LlmcliError, UsageError
-from llmcli.file_hashes import known_sha256
 from llmcli.interrupt import Cancellation
 from llmcli.store import answer_log, models
 from llmcli.store.cache import Fetch, ProgressCallback, WaitingNotice
+from llmcli.store.file_hashes import known_sha256
 from llmcli.store.gguf_header import read_metadata
 from llmcli.units import keeps_loaded
 
@@ -159,6 +161,33 @@ def open_answering(request: Request, on_progress: ProgressCallback | None = None
     pipeline = open_local(request, on_progress, cancel, on_waiting, config, constraint)
     pipeline.session.notices[:0] = notices
     return pipeline
+
+
+@dataclass(frozen=True)
+class ShownPrompt:
+    """`run --show-prompt`: the prompt as the model will see it, how it was made, and the context it goes into."""
+
+    rendered: RenderedPrompt
+    templated: bool  # by the chat template (False: raw)
+    n_ctx: int
+
+
+def shown_prompt(pipeline: Pipeline[Answerer], request: Request, text: str, tools: ToolSpec | None = None,
+                 images: tuple[ImageInput, ...] = ()) -> ShownPrompt:
+    """The prompt of `text` after the conversation, with `tools`: rendered by the model in this process, or, when a
+    warm server holds it, by its vocabulary and template read here (no weights loaded); --endpoint's server renders
+    its own (UsageError)."""
+    session, local = pipeline.session, pipeline.session.local
+    if local is not None:
+        return ShownPrompt(local.render(text, tools=tools, images=images), local.template_source is not None,
+                           local.context().n_ctx)
+    if pipeline.settings["endpoint"]:
+        raise UsageError("the server renders the prompt with --endpoint: --show-prompt is not available")
+    from llmcli.pipeline.local import open_tokenizer  # (the vocabulary alone: milliseconds)
+
+    with open_tokenizer(request) as tokenizer:
+        rendered = tokenizer.render(text, session.history, session.options, tools, images)
+        return ShownPrompt(rendered, not session.options.raw and tokenizer.template is not None, tokenizer.n_ctx)
 
 
 def _warm_possible(chosen: bool, notices: list[str]) -> bool:

@@ -68,9 +68,6 @@ class FallbackAnswerer:
     def local(self) -> LocalModel | None:
         return self._current.local
 
-    def take_notices(self) -> list[str]:
-        return self._current.take_notices()
-
     def batch(self, items: list[BatchItem], generation: GenerationOptions, parallel: int, cancel: Cancellation,
               on_result: ResultCallback, on_progress: ProgressCallback | None = None) -> Summary:
         return self._current.batch(items, generation, parallel, cancel, on_result, on_progress)

@@ -166,7 +166,7 @@ def without_serve(asked: bool, instead: str) -> str | None:
         return None
     if not asked:
         return ""
-    from llmcli.install_hint import install_hint
+    from llmcli.config.install_hint import install_hint
 
     return f"a warm server needs the serve extra ({install_hint('serve')}); {instead} in this process"
 

@@ -101,9 +101,6 @@ class RemoteSession:
                                  Message("assistant", event.text, tool_calls=event.tool_calls)]
             yield event
 
-    def take_notices(self) -> list[str]:
-        return []
-
     def close(self) -> None:
         self.client.close()
 

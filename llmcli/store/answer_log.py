@@ -216,6 +216,12 @@ class AnswerLog:
         return [(str(row["conversation_id"]), float(row["changed"])) for row in rows]
 
     def remove(self, record_id: int | None = None, before: float | None = None) -> int:
+        removed, prompts = self._remove(record_id, before)
+        if prompts:
+            forget_typed(paths.chat_history_file(), prompts)
+        return removed
+
+    def _remove(self, record_id: int | None, before: float | None) -> tuple[int, list[str]]:
         """Remove one answer (or every answer before a time) from everything that can show or replay it: the answers,
         their exchanges in the conversations' records (`chat --resume`, `run -C`, `chat --list`), the search index;
         then no byte of them is left in the file: deleted content zeroed (secure_delete), the index's segments
@@ -223,9 +229,11 @@ class AnswerLog:
         self.db.execute("PRAGMA secure_delete = ON")
         self.db.execute("BEGIN IMMEDIATE")
         try:
+            prompts: list[str] = []
             if record_id is not None:
                 found = self.db.execute("SELECT conversation_id, prompt, answer FROM answers WHERE id = ?",
                                         (record_id,)).fetchone()
+                prompts = [found["prompt"]] if found is not None else []
                 removed = self.db.execute("DELETE FROM answers WHERE id = ?", (record_id,)).rowcount
                 if found is not None and found["conversation_id"]:
                     self.db.execute("DELETE FROM conversation_events WHERE conversation_id = ? AND type = 'exchange' "
@@ -241,10 +249,28 @@ class AnswerLog:
         self.db.execute("INSERT INTO answers_fts(answers_fts) VALUES ('optimize')")  # (deleted terms stay in old segments)
         self.db.execute("VACUUM")
         self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        return removed
+        return removed, prompts
 
     def count(self) -> int:
         return int(self.db.execute("SELECT count(*) FROM answers").fetchone()[0])
+
+
+def forget_typed(history: Path, prompts: Sequence[str]) -> None:
+    """Chat's line history (the up arrow's: one typed line a line) without the lines of `prompts`; rewritten whole
+    in place of the old file (never partly), 0600."""
+    typed = {line for prompt in prompts for line in prompt.splitlines() if line.strip()}
+    try:
+        lines = history.read_text(errors="replace").splitlines(keepends=True)
+    except OSError:
+        return
+    kept = [line for line in lines if line.rstrip("\n") not in typed]
+    if len(kept) == len(lines):
+        return
+    partial = history.with_name(history.name + ".partial")
+    partial.unlink(missing_ok=True)
+    with os.fdopen(paths.open_private(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as out:
+        out.writelines(kept)
+    partial.replace(history)
 
 
 QUERY_HELP = 'words match as typed; "a phrase", OR, AND, NOT and pre* are the search syntax'

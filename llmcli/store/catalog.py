@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmcli.config.install_hint import install_hint
 from llmcli.errors import IntegrityError, ModelNotFoundError, UsageError
-from llmcli.file_hashes import sha256_of
-from llmcli.install_hint import install_hint
 from llmcli.store import cache, models
 from llmcli.store.cache import CachedModel, Fetch
+from llmcli.store.file_hashes import sha256_of
 from llmcli.store.gguf_header import GGUFHeader, read_header, string_items
 from llmcli.store.packages import PACKAGE_EXTRAS, PackagedModel, packaged_models
 from llmcli.store.projector import check_projector, projector_beside, read_projector

@@ -23,7 +23,7 @@ from typing import Any
 
 from llmcli import paths
 from llmcli.errors import IntegrityError, ModelNotFoundError, UsageError
-from llmcli.file_hashes import remembered_sha256
+from llmcli.store.file_hashes import remembered_sha256
 from llmcli.store.references import HubReference, choices, select
 
 OLLAMA_PREFIX, LMSTUDIO_PREFIX = "ollama:", "lmstudio:"

@@ -29,7 +29,6 @@ from typing import Any
 from llmcli import paths
 from llmcli.config.settings import default
 from llmcli.errors import ExitCode, IntegrityError, LlmcliError, ModelNotFoundError, ResourceError, UsageError
-from llmcli.file_hashes import sha256_of
 from llmcli.store import memory
 from llmcli.store.cache import (
     CachedModel,
@@ -42,6 +41,7 @@ from llmcli.store.cache import (
     partial_downloads,
     remove_file,
 )
+from llmcli.store.file_hashes import sha256_of
 from llmcli.store.references import HubReference, check_filename, choices, projector_file
 from llmcli.units import human_size
 

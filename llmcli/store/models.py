@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from llmcli import paths
+from llmcli.config.install_hint import install_hint
 from llmcli.errors import LlmcliError, ModelNotFoundError, UsageError
-from llmcli.install_hint import install_hint
 from llmcli.store import foreign_stores, references
 from llmcli.store.cache import Fetch, from_cache
 from llmcli.store.packages import PACKAGE_EXTRAS, PackagedModel, ensure_assembled, packaged_models

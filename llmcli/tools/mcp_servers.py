@@ -152,7 +152,7 @@ class McpServers:
         try:
             import mcp  # noqa: F401  (the extra: said once, clearly, before any server starts)
         except ImportError:
-            from llmcli.install_hint import install_hint
+            from llmcli.config.install_hint import install_hint
 
             raise UsageError("MCP needs its extra (the mcp package is missing)", hint=install_hint("mcp")) from None
         _SdkLog.install(self._sdk_log)
