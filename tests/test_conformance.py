@@ -49,16 +49,15 @@ WHERE = {
 ROWS = [
     ("defaults", (), []),
     ("system", ("system",), ["-s", "You answer with one word."]),
-    ("sampling", ("temp", "seed", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n",
-                  "presence_penalty", "frequency_penalty"),
+    ("sampling, dry, xtc", ("temp", "seed", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n",
+                            "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length",
+                            "dry_penalty_last_n", "xtc_probability", "xtc_threshold"),
      ["--temp", "0.9", "--seed", "3", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.02", "--typical-p", "0.95",
-      "--repeat-penalty", "1.2", "--repeat-last-n", "32", "--presence-penalty", "0.5", "--frequency-penalty", "0.3"]),
+      "--repeat-penalty", "1.2", "--repeat-last-n", "32", "--presence-penalty", "0.5", "--frequency-penalty", "0.3",
+      "--dry-multiplier", "0.8", "--dry-base", "2", "--dry-allowed-length", "3", "--dry-penalty-last-n", "64",
+      "--xtc-probability", "0.5", "--xtc-threshold", "0.1"]),
     ("mirostat", ("mirostat", "mirostat_tau", "mirostat_eta"),
      ["--temp", "0.8", "--seed", "5", "--mirostat", "2", "--mirostat-tau", "4", "--mirostat-eta", "0.2"]),
-    ("dry, xtc", ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "xtc_probability",
-                  "xtc_threshold"),
-     ["--temp", "0.8", "--seed", "9", "--dry-multiplier", "0.8", "--dry-base", "2", "--dry-allowed-length", "3",
-      "--dry-penalty-last-n", "64", "--xtc-probability", "0.5", "--xtc-threshold", "0.1"]),
     ("-n", ("max_tokens",), ["-n", "3"]),
     ("--stop", ("stop",), ["--grammar", 'root ::= "alpha beta gamma"', "--stop", " beta"]),
     ("--grammar", ("--grammar",), ["--grammar", YES_NO]),
@@ -68,8 +67,8 @@ ROWS = [
     ("--logit-bias ID", ("--logit-bias",), ["--grammar", YES_NO, "--logit-bias", "{yes}=-inf"]),
     ("--logprobs", ("logprobs",), ["--logprobs", "2"]),
     ("--raw", ("--raw",), ["--raw"]),
-    ("--no-think", ("think", "think_budget"), ["--no-think", "--think-budget", "8"]),
-    ("--no-repetition-guard", ("repetition_guard", "call_preference"), ["--no-repetition-guard", "--call-preference", "1"]),
+    ("--no-think, guard", ("think", "think_budget", "repetition_guard", "call_preference"),
+     ["--no-think", "--think-budget", "8", "--no-repetition-guard", "--call-preference", "1"]),
     ("-n past the context", ("max_tokens",), ["-n", "5000"]),
 ]
 PATHS = ("in-process", "warm", "--batch", "--endpoint serve")
@@ -251,32 +250,34 @@ def test_serve_s_request_shaping_flags_are_the_defaults_of_requests_that_set_non
     assert "--grammar, --json-schema and --format constrain every answer whose request sets no grammar" in help_text
 
 
-def test_the_readme_s_using_it_examples_run_as_written_by_default(tmp_path):
+def test_the_readme_s_using_it_examples_run_as_written_by_default(tmp_path, monkeypatch):
     """README, "Using it": each example (with a model here) run as written — the default model, warm (the default
-    path: issue 57) — answers, exit 0; LLMCLI_MAX_TOKENS keeps the answers short."""
-    import os
+    path: issue 57) — answers, exit 0; LLMCLI_MAX_TOKENS keeps the answers short. A pipe into llmcli is its stdin,
+    one out of it to jq is read here (forked runs: a shell and a fresh Python per line cost 0.7 s of CPU each)."""
     import re
-    import subprocess
-    import sys
+    import shlex
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = readme.split("## Using it", 1)[1].split("```", 2)[1]
     lines = [line.split("  #", 1)[0].strip() for line in block.splitlines() if line.strip().startswith(("llmcli", "cat"))]
     runnable = [line for line in lines if not re.search(r"-m \./|--image", line)]  # (models not here: the README's own)
     assert len(runnable) >= 10, runnable
-    (tmp_path / "notes.txt").write_text("Tides rise and fall twice a day.\n")
+    notes = "Tides rise and fall twice a day."
     runtime = tempfile.mkdtemp(prefix="llmcli-rt-", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if k not in ("LLMCLI_MODEL", "LLMCLI_KEEP_ALIVE")}
-    env.update(LLMCLI_RUNTIME_DIR=runtime, LLMCLI_MAX_TOKENS="6", LLMCLI_THREADS="1")
-    llmcli = f"{sys.executable} -m llmcli"
+    monkeypatch.delenv("LLMCLI_MODEL")  # (the default model: as a user has it)
+    env = {"LLMCLI_RUNTIME_DIR": runtime, "LLMCLI_KEEP_ALIVE": "", "LLMCLI_MAX_TOKENS": "6"}
     try:
         for index, line in enumerate(runnable):
-            command = re.sub(r"\bllmcli\b", llmcli, line, count=1)
-            result = subprocess.run(["bash", "-o", "pipefail", "-c", command], cwd=tmp_path, env=env, capture_output=True,
-                                    text=True, timeout=120)
-            assert result.returncode == 0 and result.stdout.strip(), (line, result.stderr)
-            if "--show-prompt" not in line and "jq" not in line:
+            command, _, piped_to = line.partition(" | jq")
+            piped = command.startswith("cat notes.txt | ")
+            args = shlex.split(command.removeprefix("cat notes.txt | "))
+            assert args[0] == "llmcli", line
+            result = run_cli(*args[1:], input=notes if piped else None, env=env)
+            assert result.code == 0 and result.stdout.strip(), (line, result.stderr)
+            if piped_to:
+                assert "decode_tokens_per_s" in json.loads(result.stdout)["timings"], line
+            if "--show-prompt" not in line:
                 assert result.stderr.strip().splitlines()[-1].startswith("load " if index == 0 else "warm · "), (line, result.stderr)
     finally:
-        subprocess.run([sys.executable, "-m", "llmcli", "stop"], env=env, capture_output=True, timeout=60)
+        run_cli("stop", env=env)
         shutil.rmtree(runtime, ignore_errors=True)
