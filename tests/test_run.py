@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from conftest import Forked, run_cli, run_in_terminal, spawn_cli
@@ -337,3 +339,11 @@ def test_prefill_progress_shows_on_a_terminal_and_is_gone_before_the_answer():
     assert "evaluating" not in shown[shown.index("DONE"):]
     piped = run_cli(*args, input=document)
     assert piped.code == 0 and piped.stdout == "DONE\n" and "evaluating" not in piped.stderr
+    runtime = tempfile.mkdtemp(prefix="llmcli-rt-", dir="/tmp")  # the default path, warm (issue 57: no progress)
+    warm = {"NO_COLOR": "1", "LLMCLI_KEEP_ALIVE": "", "LLMCLI_RUNTIME_DIR": runtime}
+    try:
+        shown = run_in_terminal(args, warm, stdin=document, stderr=True).decode()
+        assert "evaluating the prompt · " in shown and shown.rindex("evaluating the prompt") < shown.index("DONE"), shown
+    finally:
+        run_cli("stop", env=warm)
+        shutil.rmtree(runtime, ignore_errors=True)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from llmcli.answer.answer_text import StopMatcher
-from llmcli.answer.events import MAX_TOP_LOGPROBS, Done, Token, TokenLogprob
+from llmcli.answer.events import MAX_TOP_LOGPROBS, Done, Prefill, Token, TokenLogprob
 from llmcli.answer.finish import from_openai
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.image_bytes import ImageError, decode_data
@@ -209,7 +209,12 @@ class ChunkReader:
         self.logprobs: list[TokenLogprob] = []  # of the answer's tokens, as the server sent them (when asked for)
         self._unsent: list[TokenLogprob] = []  # those of text the stop matcher still holds
 
-    def events(self, chunk: dict[str, Any], chat: bool) -> Iterator[Token | CallStarted | CallArguments]:
+    def events(self, chunk: dict[str, Any], chat: bool) -> Iterator[Token | CallStarted | CallArguments | Prefill]:
+        progress = chunk.get("llmcli_prefill")  # (the client's reading of llmcli serve's progress comment)
+        if isinstance(progress, list) and len(progress) == 3 and self.clock.first_token is None:
+            evaluated, total, prompt = progress
+            yield Prefill(evaluated, total, prompt)
+            return
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
         if isinstance(chunk.get("timings"), dict):

@@ -26,7 +26,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcli.answer.events import DecodeEvent, Done
+from llmcli.answer.events import DecodeEvent, Done, Prefill
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.shared_prefix import shared_prefix
 from llmcli.answer.stats import AnswerClock
@@ -60,14 +60,14 @@ class Job:
     tokens: list[int]
     generation: GenerationOptions
     seed: int
-    emit: Callable[[DecodeEvent], None]
+    emit: Callable[[DecodeEvent | Prefill], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     clock: AnswerClock = field(default_factory=AnswerClock)  # stamped from its arrival
     failure: Failure | None = None  # set before its Done when it failed
     stable: int | None = None  # where its prompt's standing part ends: its KV state is restored and saved there
 
 
-Delivery = Callable[[list[tuple["Job", DecodeEvent]]], None]
+Delivery = Callable[[list[tuple["Job", DecodeEvent | Prefill]]], None]
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class Failure:
     refused: bool
 
 
-def deliver_here(events: list[tuple[Job, DecodeEvent]]) -> None:
+def deliver_here(events: list[tuple[Job, DecodeEvent | Prefill]]) -> None:
     for job, event in events:
         job.emit(event)
 
@@ -94,7 +94,7 @@ class SlotServer:
         self.deliver = deliver
         self.prompt_cache = prompt_cache  # long prompts' standing parts, kept across slots, unloads and restarts
         self.scheduler = Scheduler(engine, n_slots, speculation or Speculation())
-        self._events: list[tuple[Job, DecodeEvent]] = []
+        self._events: list[tuple[Job, DecodeEvent | Prefill]] = []
         self.waiting: deque[Job] = deque()
         self._wake = threading.Condition()
         self._stopping = False
@@ -165,6 +165,7 @@ class SlotServer:
                         self._take(scheduler.step())
                     except Exception as exc:  # llama.cpp failed a step: those answers fail, the server goes on
                         self._fail_all(str(exc))
+                    self._progress()
                     if self._events:
                         events, self._events = self._events, []
                         self.deliver(events)
@@ -228,6 +229,14 @@ class SlotServer:
                 if self.prompt_cache is not None and slot.split_at is not None and event.finish_reason != "interrupted":
                     self.prompt_cache.save(event.stats.prefill_tokens, slot.split_at, slot.seq)  # (its cells, as left)
                     self.prompt_cache.take_notices()  # (a damaged entry was removed: nothing to tell a client)
+
+    def _progress(self) -> None:
+        """A prompt evaluated in chunks: after each chunk, how far it is (as run's Prefill events), for a stream that
+        shows it (a warm run's progress line)."""
+        for slot in self.scheduler.slots:
+            if slot is not None and not slot.finished and slot.cached < slot.prefilled < len(slot.prompt):
+                total = len(slot.prompt) - slot.cached
+                self._events.append((slot.tag, Prefill(slot.prefilled - slot.cached, total, len(slot.prompt))))
 
     def _fail_all(self, reason: str) -> None:
         for slot in self.scheduler.slots:

@@ -9,6 +9,7 @@ with backoff (only before any of the answer arrived), then 4.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import httpx2
 from llmcli.errors import ExitCode, LlmcliError, ModelNotFoundError, UsageError
 
 RETRIES = 3  # after the first try, for 429 and 5xx
+PREFILL_COMMENT = re.compile(r":\s?prefill (\d{1,9})/(\d{1,9}) (\d{1,9})")  # llmcli serve's progress (an SSE comment)
 BACKOFF_S = 0.5  # doubled each retry; a Retry-After the server sends is honoured (up to 10 s)
 
 
@@ -92,6 +94,9 @@ class Client:
                         if self.cancelled():
                             return
                         if not line.startswith("data:"):
+                            progress = PREFILL_COMMENT.fullmatch(line.strip())  # (llmcli serve's: a long prompt)
+                            if progress is not None:
+                                yield {"llmcli_prefill": [int(n) for n in progress.groups()]}
                             continue
                         data = line[5:].strip()
                         if data == "[DONE]":

@@ -13,7 +13,7 @@ from typing import Any
 
 from llmcli.answer.answerer import ProgressCallback, PromptOptions, ResultCallback, with_system
 from llmcli.answer.batch_jsonl import BatchItem, Summary
-from llmcli.answer.events import AnswerEvent, DecodeEvent, Done, Notice, Token, answer_record
+from llmcli.answer.events import AnswerEvent, DecodeEvent, Done, Notice, Prefill, Token, answer_record
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.image_bytes import read_image
 from llmcli.answer.images import ImageInput
@@ -143,7 +143,7 @@ class RemoteSession:
 
 
 def exchange(session: RemoteSession, user_text: str | None, options: GenerationOptions,
-             history: list[Message], images: tuple[ImageInput, ...] = ()) -> Iterator[DecodeEvent | Notice]:
+             history: list[Message], images: tuple[ImageInput, ...] = ()) -> Iterator[DecodeEvent | Notice | Prefill]:
     """One request and its streamed answer, as events; the Done carries the whole answer."""
     started = time.perf_counter()
     chat = not session.options.raw

@@ -19,7 +19,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from llmcli.answer.events import DecodeEvent, Done
+from llmcli.answer.events import DecodeEvent, Done, Prefill
 from llmcli.answer.openai_wire import WireError
 from llmcli.answer.stats import summary_line
 from llmcli.decode.serving import Failure, Job, QueueFull, SlotServer
@@ -181,9 +181,9 @@ async def respond(request: Request, state: ServerState, slots: SlotServer, prepa
                   ndjson: bool = False, release: Callable[[], None] = lambda: None) -> Response:
     """Submit prepared answers; the whole response, or a stream of the exchange's items (SSE, or NDJSON);
     `release` once every answer is over."""
-    events: asyncio.Queue[tuple[int, DecodeEvent]] = asyncio.Queue()
+    events: asyncio.Queue[tuple[int, DecodeEvent | Prefill]] = asyncio.Queue()
 
-    def emitter(index: int) -> Callable[[DecodeEvent], None]:  # called on this loop (deliver)
+    def emitter(index: int) -> Callable[[DecodeEvent | Prefill], None]:  # called on this loop (deliver)
         return lambda event: events.put_nowait((index, event))
 
     jobs = [Job(p.tokens, p.generation, p.seed, emitter(i), stable=p.stable) for i, p in enumerate(prepared)]
@@ -208,7 +208,7 @@ async def respond(request: Request, state: ServerState, slots: SlotServer, prepa
                                shutdown_grace_period=state.shutdown_grace + SHUTDOWN_GRACE_S)
 
 
-async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job], exchange: Exchange,
+async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent | Prefill]], jobs: list[Job], exchange: Exchange,
                   release: Callable[[], None], keepalive_s: float,
                   report: Callable[[Done], None]) -> AsyncGenerator[Item, None]:
     """The exchange's items as the engine produces the events; the client gone (the task cancelled): the jobs are
@@ -222,6 +222,11 @@ async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job
                 index, event = await asyncio.wait_for(events.get(), keepalive_s)
             except asyncio.TimeoutError:  # nothing for a while (a long prompt evaluated): what keeps clients waiting
                 for item in exchange.keepalive():
+                    yield item
+                continue
+            if isinstance(event, Prefill):  # a long prompt's progress: said where the protocol has a way
+                progress = getattr(exchange, "progress", None)
+                for item in progress(event) if progress is not None else ():
                     yield item
                 continue
             failure = jobs[index].failure
@@ -262,7 +267,7 @@ async def _ndjson(items: AsyncGenerator[Item, None]) -> AsyncIterator[bytes]:
         await items.aclose()
 
 
-async def _whole(request: Request, events: asyncio.Queue[tuple[int, DecodeEvent]], jobs: list[Job],
+async def _whole(request: Request, events: asyncio.Queue[tuple[int, DecodeEvent | Prefill]], jobs: list[Job],
                  exchange: Exchange, report: Callable[[Done], None]) -> Response:
     """Wait for every answer, watching for the client going away meanwhile."""
     dones: list[Done | None] = [None] * len(jobs)

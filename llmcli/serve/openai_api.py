@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcli.answer.events import DecodeEvent, Done, Token, TokenLogprob
+from llmcli.answer.events import DecodeEvent, Done, Prefill, Token, TokenLogprob
 from llmcli.answer.finish import finish_reason
 from llmcli.answer.openai_wire import SAMPLING_FIELDS, WireError, call_delta, message_of, timings, usage
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
@@ -198,6 +198,11 @@ class Reply:
 
     def keepalive(self) -> list[Item]:
         return [(COMMENT, "keep-alive")]  # OpenAI's clients skip SSE comments
+
+    def progress(self, event: Prefill) -> list[Item]:
+        """A long prompt's progress, as an SSE comment (clients skip it; llmcli's reads it: a warm run's progress
+        line): `prefill EVALUATED/TOTAL PROMPT`."""
+        return [(COMMENT, f"prefill {event.evaluated}/{event.total} {event.prompt}")]
 
     def on_event(self, index: int, event: DecodeEvent) -> list[Item]:
         wants_logprobs = self.requests[index].logprobs is not None
