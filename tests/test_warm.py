@@ -172,6 +172,7 @@ def test_ctrl_c_cancels_the_answer_on_the_server(runtime):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
+    assert b"warm \xc2\xb7 prompt " in err and b"stop: interrupted" in err, err  # (issue 57: `warm · 0 tok`)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         (state,) = servers(runtime)

@@ -208,9 +208,14 @@ class ChunkReader:
         self.server_timings: dict[str, Any] = {}
         self.logprobs: list[TokenLogprob] = []  # of the answer's tokens, as the server sent them (when asked for)
         self._unsent: list[TokenLogprob] = []  # those of text the stop matcher still holds
+        self.prompt_tokens = 0  # as llmcli serve announced them (an answer cut short gets no usage)
 
     def events(self, chunk: dict[str, Any], chat: bool) -> Iterator[Token | CallStarted | CallArguments | Prefill]:
-        progress = chunk.get("llmcli_prefill")  # (the client's reading of llmcli serve's progress comment)
+        announced = chunk.get("llmcli_prompt_tokens")  # (the client's reading of llmcli serve's comments)
+        if type(announced) is int:
+            self.prompt_tokens = announced
+            return
+        progress = chunk.get("llmcli_prefill")
         if isinstance(progress, list) and len(progress) == 3 and self.clock.first_token is None:
             evaluated, total, prompt = progress
             yield Prefill(evaluated, total, prompt)
@@ -275,7 +280,7 @@ class ChunkReader:
         if tail:
             self.text.append(tail)
             self.logprobs += self._unsent
-        prompt = int(self.usage.get("prompt_tokens") or _count(self.server_timings, "prompt_tokens"))
+        prompt = int(self.usage.get("prompt_tokens") or _count(self.server_timings, "prompt_tokens") or self.prompt_tokens)
         details = self.usage.get("prompt_tokens_details") or {}
         cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
         completion = int(self.usage.get("completion_tokens") or self.pieces)

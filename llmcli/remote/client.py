@@ -21,6 +21,7 @@ from llmcli.errors import ExitCode, LlmcliError, ModelNotFoundError, UsageError
 
 RETRIES = 3  # after the first try, for 429 and 5xx
 PREFILL_COMMENT = re.compile(r":\s?prefill (\d{1,9})/(\d{1,9}) (\d{1,9})")  # llmcli serve's progress (an SSE comment)
+PROMPT_COMMENT = re.compile(r":\s?prompt_tokens (\d{1,9})")  # and a choice's prompt, before its first chunk
 BACKOFF_S = 0.5  # doubled each retry; a Retry-After the server sends is honoured (up to 10 s)
 
 
@@ -97,6 +98,9 @@ class Client:
                             progress = PREFILL_COMMENT.fullmatch(line.strip())  # (llmcli serve's: a long prompt)
                             if progress is not None:
                                 yield {"llmcli_prefill": [int(n) for n in progress.groups()]}
+                            prompt = PROMPT_COMMENT.fullmatch(line.strip())  # (and the prompt's tokens)
+                            if prompt is not None:
+                                yield {"llmcli_prompt_tokens": int(prompt.group(1))}
                             continue
                         data = line[5:].strip()
                         if data == "[DONE]":

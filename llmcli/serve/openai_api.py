@@ -186,12 +186,16 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def _chunk(self, choice: dict[str, Any]) -> Item:
-        chunk = {**self._head(True), "choices": [choice]}
-        index = choice["index"]
-        if index not in self.announced and index < len(self.prompt_tokens):  # (llama-server's field: an answer cut
-            self.announced.add(index)  # short, by Ctrl-C, still tells how long its prompt was)
-            chunk["timings"] = {"prompt_tokens": self.prompt_tokens[index]}
-        return None, chunk
+        return None, {**self._head(True), "choices": [choice]}
+
+    def _announced(self, index: int) -> list[Item]:
+        """Before a choice's first chunk, an SSE comment with its prompt's tokens (clients skip it; llmcli's reads
+        it: an answer cut short by Ctrl-C still tells how long its prompt was). Not in `timings`: a client reads that
+        as the finished answer's."""
+        if index in self.announced or index >= len(self.prompt_tokens):
+            return []
+        self.announced.add(index)
+        return [(COMMENT, f"prompt_tokens {self.prompt_tokens[index]}")]
 
     def opening(self) -> list[Item]:
         return []
@@ -209,15 +213,17 @@ class Reply:
         if isinstance(event, Token):
             if not self.chat:
                 logprobs = self._completion_logprobs(index, event.logprobs) if wants_logprobs else None
-                return [self._chunk({"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": None})]
+                return [*self._announced(index),
+                        self._chunk({"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": None})]
             delta = self._delta(index)
             delta["reasoning_content" if event.reasoning else "content"] = event.text
             choice = {"index": index, "delta": delta, "finish_reason": None}
             if wants_logprobs and not event.reasoning:
                 choice["logprobs"] = {"content": [lp.to_dict() for lp in event.logprobs]}
-            return [self._chunk(choice)]
+            return [*self._announced(index), self._chunk(choice)]
         if isinstance(event, (CallStarted, CallArguments)):
-            return [self._chunk({"index": index, "delta": {**self._delta(index), "tool_calls": [call_delta(event)]},
+            return [*self._announced(index), self._chunk({"index": index, "delta": {**self._delta(index),
+                                                                                   "tool_calls": [call_delta(event)]},
                                  "finish_reason": None})]
         last: dict[str, Any] = {"index": index, "finish_reason": finish_reason(event.finish_reason).openai}
         if self.chat:
