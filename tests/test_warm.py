@@ -112,8 +112,9 @@ def test_run_chat_and_embed_are_warm_by_default_and_keep_alive_0_answers_in_this
     modules = {line.split("|")[-1].strip() for line in imported.stderr.splitlines() if "|" in line}
     assert imported.returncode == 0 and "llmcli.pipeline.remote" in modules  # a warm answer's client side loads no
     assert not {"llama_cpp", "numpy", "jinja2", "markdown_it"} & modules  # llama.cpp, numpy, templates or Markdown
-    chat = run_cli("chat", "-m", "smollm2", "--no-save", "-n", "2", input="hi\n", env=default)
+    chat = run_cli("chat", "-m", "smollm2", "--no-save", "-n", "2", input="/set on_overflow truncate\nhi\n", env=default)
     assert chat.code == 0 and chat.stderr.splitlines()[-1].startswith("warm · "), chat.stderr
+    assert "--on-overflow = truncate" in chat.stderr and "not used" not in chat.stderr  # (the warm server takes it)
     embedded = run_cli("embed", "-m", "smollm2", PROMPT, env=default)
     assert embedded.code == 0 and len(json.loads(embedded.stdout)) > 8 and "stays loaded" not in embedded.stderr
     (server,) = servers(default)  # one server answered them all

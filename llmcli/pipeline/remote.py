@@ -19,8 +19,6 @@ from llmcli.pipeline import Pipeline, Request
 from llmcli.remote.client import Client, Endpoint
 from llmcli.remote.session import RemoteRequest, RemoteSession
 
-OWN_SERVER_SETTINGS = ("on_overflow",)  # sent to llmcli serve in fields of its own (not to another server)
-
 
 @dataclass(frozen=True)
 class RemoteModel:
@@ -81,9 +79,8 @@ def open_remote(request: Request, effective: settings.Settings, constraint: Cons
         client.close()
         raise
     session = RemoteSession(client, remote, prompt)
-    sent = (*sent_at_start, *OWN_SERVER_SETTINGS) if sent_at_start else ()  # (a warm server takes them all)
     unsent += [settings.SETTINGS[name].flag for name in sorted(session.not_sent)  # flags: the environment and config
-               if effective.sources[name].startswith("flag") and name not in sent]  # files serve local runs
+               if effective.sources[name].startswith("flag") and name not in sent_at_start]  # files serve local runs
     unsent += [flag for flag, given in (("--chat-template-file", request.template_file and not sent_at_start),
                                         ("--force", request.force)) if given]
     if unsent:

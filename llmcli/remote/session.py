@@ -28,6 +28,7 @@ from llmcli.remote.client import Client, NetworkError
 NOT_SENT = frozenset({"ctx_size", "threads", "batch_size", "mlock", "mmap", "speculate", "draft_model", "draft_max",
                       "flash_attn", "kv_type", "prompt_cache", "prompt_cache_min", "prompt_cache_size", "hub_timeout",
                       "on_overflow", "special", "mmproj"})
+OWN_SERVER_SETTINGS = frozenset({"on_overflow"})  # of those, sent to llmcli serve (a warm server) in fields of its own
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,11 @@ class RemoteSession:
     (no `local` part)."""
 
     local = None
-    not_sent = NOT_SENT
+
+    @property
+    def not_sent(self) -> frozenset[str]:
+        """The settings this server decides itself (a warm server, llmcli serve, takes OWN_SERVER_SETTINGS too)."""
+        return NOT_SENT - OWN_SERVER_SETTINGS if self.request.own_server else NOT_SENT
 
     def __init__(self, client: Client, request: RemoteRequest, options: PromptOptions):
         self.client, self.request, self.options = client, request, options
