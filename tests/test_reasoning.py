@@ -208,7 +208,7 @@ def test_a_think_budget_closes_the_block_and_the_answer_follows_in_run_the_warm_
 
 
 def test_effort_levels_are_thinking_budgets():
-    from llmcli.serve.answer_request import think_budget_of
+    from llmcli.serve.request_fields import think_budget_of
 
     assert [think_budget_of(level) for level in ("minimal", "low", "medium", "high", True, None)] == [
         {"think_budget": 256}, {"think_budget": 1024}, {"think_budget": 4096}, {}, {}, {}]

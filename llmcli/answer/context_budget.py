@@ -30,8 +30,9 @@ def capped(max_tokens: int | None, n_prompt: int, n_ctx: int) -> tuple[int | Non
 def truncated(text: str, render: Callable[[str], Rendered], size: Callable[[Rendered], int],
               budget: int) -> tuple[str, Rendered] | None:
     """--on-overflow truncate: the end of `text` whose prompt (`render`, of `size` tokens) fits `budget` tokens —
-    the fewest leading characters dropped (a binary search), a text too long to be tokenized at all cut first — with
-    its prompt; None when not even its last character fits. The one rule for run, chat, a warm run and serve."""
+    the fewest leading characters dropped (a binary search: log2(len) renderings; callers cut a text longer than
+    n_ctx * MAX_CHARS_PER_TOKEN first) — with its prompt; None when not even its last character fits. The one rule
+    for run, chat, a warm run and serve."""
     low, high = 0, len(text)
     best = None
     while low <= high:

@@ -77,7 +77,7 @@ class Prefill:
 @dataclass(frozen=True)
 class Notice:
     """Something the user should know about this answer (printed on stderr, not part of it). `advisory`: about its
-    speed, not its content (-q leaves it out on stderr; --json's notices keep it)."""
+    speed, not its content (-q leaves it out)."""
 
     text: str
     advisory: bool = False

@@ -57,7 +57,6 @@ from llmcli.prompt.rendering import find_template, render_prompt
 KVCheck = Callable[[int], None]
 
 
-
 class Session:
     def __init__(self, engine: Engine, options: PromptOptions | None = None, prompt_cache: PromptCache | None = None,
                  split_min: int = default("prompt_cache_min"), speculation: Speculation | None = None,

@@ -54,7 +54,8 @@ def chat(
 
 def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, request: Request,
              runner: ToolRunner | None, console: Console) -> None:
-    from llmcli.chat.conversation import Conversation, find_conversation
+    from llmcli.chat.conversation import Conversation
+    from llmcli.chat.saved import find_conversation
     from llmcli.cli import output
     from llmcli.pipeline import log_entry
     from llmcli.store.answer_log import record
@@ -105,7 +106,7 @@ def _restore_state(conversation: Conversation, console: Console) -> None:
 def _list_saved(as_json: bool) -> None:
     import time
 
-    from llmcli.chat.conversation import saved_conversations
+    from llmcli.chat.saved import saved_conversations
     from llmcli.cli import output
 
     saved = saved_conversations()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,8 +87,6 @@ class Repl:
                     self.console.print("\n(interrupted)")
         finally:
             if readline is not None and keep:
-                import os
-
                 paths.private_dir(history.parent, history.parent)
                 os.close(paths.open_private(history, os.O_WRONLY | os.O_CREAT))
                 os.chmod(history, 0o600)

@@ -20,9 +20,9 @@ import httpx2
 from llmcli.errors import ExitCode, LlmcliError, ModelNotFoundError, UsageError
 
 RETRIES = 3  # after the first try, for 429 and 5xx
+BACKOFF_S = 0.5  # doubled each retry; a Retry-After the server sends is honoured (up to 10 s)
 PREFILL_COMMENT = re.compile(r":\s?prefill (\d{1,9})/(\d{1,9}) (\d{1,9})")  # llmcli serve's progress (an SSE comment)
 PROMPT_COMMENT = re.compile(r":\s?prompt_tokens (\d{1,9})")  # and a choice's prompt, before its first chunk
-BACKOFF_S = 0.5  # doubled each retry; a Retry-After the server sends is honoured (up to 10 s)
 
 
 class NetworkError(LlmcliError):

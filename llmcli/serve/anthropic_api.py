@@ -25,10 +25,8 @@ from llmcli.answer.message import Message
 from llmcli.answer.openai_wire import WireError, image_from, text_of
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.answer.tool_calls import ToolCall
-from llmcli.serve.answer_request import (
-    AnswerRequest,
-    ApiError,
-    Prompter,
+from llmcli.serve.answer_request import AnswerRequest, ApiError, Prompter
+from llmcli.serve.request_fields import (
     check_fields,
     checked,
     constraint_of,

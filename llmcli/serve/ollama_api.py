@@ -25,10 +25,9 @@ from llmcli.answer.images import MAX_IMAGES, ImageInput
 from llmcli.answer.message import Message, user_message
 from llmcli.answer.openai_wire import WireError, image_from
 from llmcli.answer.tool_calls import ToolCall
-from llmcli.serve.answer_request import (
-    AnswerRequest,
-    ApiError,
-    Prompter,
+from llmcli.serve.answer_request import AnswerRequest, ApiError, Prompter
+from llmcli.serve.model_facts import ModelFacts
+from llmcli.serve.request_fields import (
     check_fields,
     checked,
     constraint_of,
@@ -37,7 +36,6 @@ from llmcli.serve.answer_request import (
     tools_of,
     top_logprobs_of,
 )
-from llmcli.serve.model_facts import ModelFacts
 from llmcli.serve.wire import Item
 
 VERSION = "0.13.3"  # the Ollama API level these routes follow (clients check it)

@@ -10,8 +10,9 @@ from typing import Any
 
 from llmcli.errors import LlmcliError, ModelNotFoundError, UsageError
 from llmcli.serve import pulling
-from llmcli.serve.answer_request import ApiError, check_fields
+from llmcli.serve.answer_request import ApiError
 from llmcli.serve.model_pool import checked_name
+from llmcli.serve.request_fields import check_fields
 
 PULL_FIELDS = frozenset({"model", "name", "stream", "insecure"})  # (insecure: a registry's TLS; the Hub's is checked)
 # Ollama's routes that change its own store: llmcli's store is changed from the command line

@@ -14,11 +14,8 @@ from llmcli.answer.events import DecodeEvent, Done, Prefill, Token, TokenLogprob
 from llmcli.answer.finish import finish_reason
 from llmcli.answer.openai_wire import SAMPLING_FIELDS, WireError, call_delta, message_of, timings, usage
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
-from llmcli.serve.answer_request import (
-    AnswerRequest,
-    ApiError,
-    Parsed,
-    Prompter,
+from llmcli.serve.answer_request import AnswerRequest, ApiError, Parsed, Prompter
+from llmcli.serve.request_fields import (
     check_fields,
     constraint_of,
     count_of,

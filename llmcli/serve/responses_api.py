@@ -24,17 +24,15 @@ from llmcli.answer.message import Message
 from llmcli.answer.openai_wire import content_of, text_of
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.answer.tool_calls import ToolCall
-from llmcli.serve.answer_request import (
-    AnswerRequest,
-    ApiError,
-    Prompter,
+from llmcli.serve.answer_request import AnswerRequest, ApiError, Prompter
+from llmcli.serve.openai_api import error_body
+from llmcli.serve.request_fields import (
     check_fields,
     checked,
     constraint_of,
     max_tokens_of,
     tools_of,
 )
-from llmcli.serve.openai_api import error_body
 from llmcli.serve.wire import Item
 
 MAX_KEPT = 256  # responses kept for previous_response_id
