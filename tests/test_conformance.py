@@ -181,6 +181,17 @@ def test_show_prompt_is_the_same_warm_and_in_process_and_refused_with_endpoint(p
     assert refused.code == 2 and "--show-prompt" in refused.stderr and "--endpoint" in refused.stderr
 
 
+def test_batch_refuses_what_shapes_one_prompt_instead_of_dropping_it():
+    """`run --batch` with --show-prompt, -C, --cid, -T, --save, --var, --prompt-first or --stdin answered the file as if
+    they were not given: a refusal naming them (exit 2), before anything loads."""
+    for flag, args in (("--show-prompt", []), ("--continue", ["-C"]), ("--cid", ["--cid", "x"]),
+                       ("--template", ["-T", "t"]), ("--save", ["--save", "t"]), ("--var", ["--var", "a=b"]),
+                       ("--prompt-first", []), ("--stdin", [])):
+        result = run_cli("run", "--batch", "-", *(args or [flag]), input='{"prompt": "hi"}\n')
+        assert result.code == 2 and f"--batch answers each record of its file on its own: drop {flag}" in result.stderr, \
+            result.stderr
+
+
 def test_a_warm_error_is_the_in_process_error(paths):
     """The same exit code, words and hint; never the warm server's internal URL (issue 57: exit 2, `http://llmcli/v1
     refused the request (400)`, no hint)."""

@@ -162,6 +162,11 @@ def run(
             raise UsageError("--batch answers without tools: drop --functions and --mcp")
         if image:
             raise UsageError('--batch reads each record\'s images from the file: {"prompt": "...", "images": ["a.png"]}')
+        one_prompt = [flag for flag, given_here in (
+            ("--show-prompt", show_prompt), ("--continue", continue_conversation), ("--cid", cid), ("--template", template),
+            ("--save", save), ("--var", var), ("--prompt-first", prompt_first), ("--stdin", wait_stdin)) if given_here]
+        if one_prompt:  # (they shape one prompt of run's: a batch would answer without them)
+            raise UsageError(f"--batch answers each record of its file on its own: drop {', '.join(one_prompt)}")
         n_parallel = parallel or DEFAULT_PARALLEL
         on_ray = RayOptions(ray_address, ray_workers) if ray or ray_address is not None else None
         run_batch_command(batch, o.build_request(given, n_parallel), n_parallel, quiet, on_ray, resume)
