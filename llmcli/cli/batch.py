@@ -7,24 +7,28 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 
 from llmcli.errors import ExitCode, UsageError
 
 if TYPE_CHECKING:
-    from llmcli.pipeline import Request
+    from llmcli.answer.answerer import Answerer
+    from llmcli.answer.batch_jsonl import BatchItem, Record, Summary
+    from llmcli.cluster.ray_batch import RayJob
+    from llmcli.pipeline import Pipeline, Request
+    from llmcli.store.answer_log import Entry
 
 
 class BatchLog:
     """The batch's answers for the log (with --log, the default), written in one transaction at the end."""
 
-    def __init__(self, pipeline: Any, items: list[Any]):
+    def __init__(self, pipeline: Pipeline[Answerer], items: list[BatchItem]):
         self.pipeline, self.items = pipeline, items
-        self.entries: list[Any] = []
+        self.entries: list[Entry] = []
 
-    def add(self, record: dict[str, Any]) -> None:
+    def add(self, record: Record) -> None:
         from llmcli.pipeline import log_entry
 
         if self.pipeline.settings["log"] and "error" not in record:
@@ -68,7 +72,7 @@ def run_batch_command(source: str, request: Request, parallel: int, quiet: bool,
     with output.open_pipeline(request, console) as pipeline:
         logged = BatchLog(pipeline, items)
 
-        def write(record: dict[str, Any]) -> None:
+        def write(record: Record) -> None:
             write_json_line(record)
             if record["index"] not in kept:
                 logged.add(record)
@@ -84,8 +88,8 @@ def run_batch_command(source: str, request: Request, parallel: int, quiet: bool,
     _end(summary, signum, quiet)
 
 
-def _run_on_ray(todo: list[Any], items: list[Any], kept: dict[int, Any], request: Request, parallel: int, quiet: bool,
-                ray: RayOptions) -> None:
+def _run_on_ray(todo: list[BatchItem], items: list[BatchItem], kept: dict[int, Record], request: Request,
+                parallel: int, quiet: bool, ray: RayOptions) -> None:
     """The batch as a Ray job (llmcli/cluster/ray_batch.py): the same records, the same summary, the log."""
     from llmcli.cluster.ray_batch import BatchWorker, RayJob
 
@@ -95,7 +99,7 @@ def _run_on_ray(todo: list[Any], items: list[Any], kept: dict[int, Any], request
     _end(summary, signum, quiet)
 
 
-def run_ray_job(job: Any, kept: dict[int, Any], quiet: bool, verbose: bool) -> tuple[Any, int | None]:
+def run_ray_job(job: RayJob, kept: dict[int, Record], quiet: bool, verbose: bool) -> tuple[Summary, int | None]:
     """A Ray job's records on stdout in input order (`kept` ones too), its progress, the log, the workers' memory:
     (its summary, the signal that stopped it)."""
     from llmcli.answer.batch_jsonl import in_order
@@ -135,7 +139,7 @@ def _read(source: str, flag: str) -> list[str]:
         raise UsageError(f"cannot read {flag} {source}: {exc.strerror}") from None
 
 
-def _end(summary: Any, signum: int | None, quiet: bool) -> None:
+def _end(summary: Summary, signum: int | None, quiet: bool) -> None:
     from llmcli.cli import output
 
     if not quiet:
@@ -145,7 +149,7 @@ def _end(summary: Any, signum: int | None, quiet: bool) -> None:
     raise typer.Exit(ExitCode.OK)
 
 
-def summary_line(summary: Any) -> str:
+def summary_line(summary: Summary) -> str:
     """The batch's one line on stderr: prompts, errors, tokens, time, rates (local or remote alike)."""
     plural = "" if summary.prompts == 1 else "s"
     counts = f"{summary.errors} error{'' if summary.errors == 1 else 's'}" + (

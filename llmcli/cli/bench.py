@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -12,6 +12,11 @@ from llmcli.bench.plan import BenchPlan
 from llmcli.bench.rows import format_rows
 from llmcli.cli.options import complete_choices
 from llmcli.errors import UsageError
+
+if TYPE_CHECKING:
+    from llmcli.bench.compare import Result
+    from llmcli.bench.rows import Row
+    from llmcli.bench.tune import Dimension, Tuner
 
 app = typer.Typer(help="Measure prefill/decode speed, TTFT and the Python layer's overhead.",
                   subcommand_metavar="[compare BEFORE AFTER]")  # (it runs without a command)
@@ -159,7 +164,7 @@ def _check_plot(path: Path) -> None:
         raise UsageError("--plot needs the plot extra (matplotlib is missing)", hint=install_hint("plot"))
 
 
-def _plot_rows(path: Path, rows: list[Any], environment: dict[str, Any]) -> None:
+def _plot_rows(path: Path, rows: list[Row], environment: dict[str, object]) -> None:
     from llmcli.bench.plot import plot_rows
 
     _plotted(path, plot_rows(rows, environment, path))
@@ -183,7 +188,7 @@ def _bench_endpoint(url: str, api_key: str | None, model: list[str] | None, n_ge
 
     if model and len(model) > 1:
         raise UsageError("--endpoint measures one model: give one -m")
-    flags: dict[str, Any] = {"endpoint": url, "temp": 0.0, **({"model": model[0]} if model else {})}
+    flags: dict[str, object] = {"endpoint": url, "temp": 0.0, **({"model": model[0]} if model else {})}
     pipeline = open_answering(Request(settings=flags, api_key=api_key))
     session = pipeline.session
     assert isinstance(session, RemoteSession)  # flags carry --endpoint: a server answers
@@ -198,7 +203,7 @@ def _bench_endpoint(url: str, api_key: str | None, model: list[str] | None, n_ge
         for done, what in enumerate(endpoint_rows(session, pipeline.generation, n_gen, repetitions, parallel,
                                                   row), 1):
             advance(done, total, what)
-    environment: dict[str, Any] = {"endpoint": session.where, "cpu": None, "physical_cores": None,
+    environment: dict[str, object] = {"endpoint": session.where, "cpu": None, "physical_cores": None,
                                    "llama_cpp_python": None, "models": [], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     print(format_rows(rows, environment, BenchPlan(gen_tokens=n_gen, repetitions=repetitions, parallel=parallel),
                   output_format), end="")
@@ -254,14 +259,14 @@ def _tune(model: list[str] | None, budget_s: float, save: str | None, output_for
         output.stderr_console().print(f"saved [profiles.{save}] in {paths.config_file()}: {shown}; use it with -p {save}")
 
 
-def _dimension_record(dimension: Any) -> dict[str, Any]:
+def _dimension_record(dimension: Dimension) -> dict[str, object]:
     return {"setting": dimension.setting, "default": dimension.baseline, "chosen": dimension.winner,
             "verdict": dimension.verdict,
             "candidates": [{"value": c.value, "job_s": c.summary(), "prefill_tps": c.prefill_tps,
                             "decode_tps": c.decode_tps, "load_s": c.load_s} for c in dimension.candidates]}
 
 
-def _tune_table(name: str, tuner: Any) -> str:
+def _tune_table(name: str, tuner: Tuner) -> str:
     from statistics import fmean
 
     from llmcli.config.settings import show_value
@@ -303,9 +308,9 @@ def compare_cmd(
     """Per-test ratio after/before: better, worse (beyond the noise: Welch's t-test at 95 %) or within noise."""
     from llmcli.bench.compare import compare
 
-    def load(path: Path) -> list[dict[str, Any]]:
+    def load(path: Path) -> list[Result]:
         try:
-            results: list[dict[str, Any]] = json.loads(path.read_text(encoding="utf-8"))["results"]
+            results: list[Result] = json.loads(path.read_text(encoding="utf-8"))["results"]
             return results
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"{path} is not a `llmcli bench --format json` file: {exc}") from None

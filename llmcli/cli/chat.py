@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from llmcli.cli import options as o
-from llmcli.cli.tool_options import ToolOptions
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from llmcli.chat.conversation import Conversation
+    from llmcli.cli.tool_options import ToolOptions
     from llmcli.pipeline import Request
     from llmcli.tools.tool_loop import ToolRunner
 from llmcli.units import counted
@@ -36,7 +36,8 @@ def chat(
     list_saved: ListOpt = False,
     as_json: o.JsonOpt = False,
     quiet: o.QuietOpt = False,
-    **given: Any,
+    request: Request,
+    tools: ToolOptions,
 ) -> None:
     """Talk with a model: the KV cache is reused, so only each new turn is prefilled."""
     from llmcli.cli import output
@@ -45,11 +46,11 @@ def chat(
         _list_saved(as_json)
         return
     console = output.stderr_console()
-    runner = ToolOptions.of(given).runner(console)
+    runner = tools.runner(console)
     with contextlib.ExitStack() as stack:
         if runner is not None:
             stack.enter_context(runner)  # MCP servers stay up for the session, and stop with it
-        _session(resume, no_save, as_json, quiet, o.build_request(given), runner, console)
+        _session(resume, no_save, as_json, quiet, request, runner, console)
 
 
 def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, request: Request,

@@ -6,14 +6,18 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from llmcli.errors import UsageError
 from llmcli.units import counted
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from rich.console import Console
 
+    from llmcli.answer.events import AnswerEvent, Done
     from llmcli.answer.images import ImageInput
     from llmcli.chat.conversation import Conversation
     from llmcli.interrupt import Cancellation
@@ -142,11 +146,11 @@ class Repl:
             print_notice(self.console, failure)
         return True
 
-    def reply(self, events: Any) -> None:
+    def reply(self, events: Iterable[AnswerEvent]) -> None:
         from llmcli.cli.output import print_error
         from llmcli.cli.stream import AnswerSink, show_answer
 
-        def told(done: Any) -> None:
+        def told(done: Done) -> None:
             if done.format_error is not None:
                 print_error(self.console, done.format_error)
             if done.finish_reason == "interrupted" and (done.text or done.tool_calls):
@@ -228,14 +232,14 @@ def _show(repl: Repl, argument: str) -> None:
         repl.console.print(f"saved as {conversation.id} in {paths.answer_log_file()} (chat --resume {conversation.id})")
 
 
-def _settings_lines(record: dict[str, Any]) -> str:
+def _settings_lines(record: dict[str, object]) -> str:
     """The settings, wrapped to the terminal: changed ones first (marked *), then the rest."""
     import shutil
     import textwrap
 
     from llmcli.config.settings import SETTINGS
 
-    def changed(name: str, value: Any) -> bool:
+    def changed(name: str, value: object) -> bool:
         return name in SETTINGS and value != SETTINGS[name].default and not (value == [] and SETTINGS[name].default is None)
 
     ordered = sorted(record.items(), key=lambda item: not changed(*item))
@@ -245,7 +249,7 @@ def _settings_lines(record: dict[str, Any]) -> str:
                          break_on_hyphens=False) + "\n         (* changed from the built-in default)"
 
 
-def _shown(name: str, value: Any) -> str:
+def _shown(name: str, value: object) -> str:
     """A setting's value as a person reads it (no Python reprs); an unset seed is a random one."""
     from llmcli.config.settings import show_value
 
@@ -337,7 +341,7 @@ COMMANDS = {
 }
 
 
-def _readline(history: Path) -> Any:
+def _readline(history: Path) -> ModuleType | None:
     """Line editing and persistent history, where the readline module exists."""
     try:
         import readline

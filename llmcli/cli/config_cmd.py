@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
 
 from llmcli.cli import options as o
 from llmcli.cli.help import EXAMPLES, PanelledCommand
 
+if TYPE_CHECKING:
+    from llmcli.pipeline import Request
+
 app = typer.Typer(help="Show the effective settings and where each comes from.", no_args_is_help=True)
 
 
 @app.command("show", cls=PanelledCommand, epilog=EXAMPLES["config show"])
 @o.with_settings(request=False)
-def show(*, as_json: o.JsonOpt = False, **given: Any) -> None:
+def show(*, as_json: o.JsonOpt = False, request: Request) -> None:
     """Print each effective setting, its value and where it came from (flag > env > profile > config > model > default)."""
     from llmcli import paths
     from llmcli.cli import output
     from llmcli.config.settings import SETTINGS
-    from llmcli.pipeline import Request, resolve_settings
+    from llmcli.pipeline import resolve_settings
 
-    effective, model = resolve_settings(Request(settings=o.given_settings(given), profile=given["profile"]))
+    effective, model = resolve_settings(request)
     if as_json:
         record = {name: {"value": effective[name], "source": effective.sources[name]} for name in SETTINGS}
         output.print_json({"config_file": str(paths.config_file()), "profile": effective.profile,

@@ -5,13 +5,24 @@ from __future__ import annotations
 import io
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from llmcli.cli import options as o
 from llmcli.errors import ExitCode, ResourceError, StdoutClosed, UsageError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from llmcli.embed.embedded import Embedded
+    from llmcli.embed.embedding import Embedder
+    from llmcli.pipeline import Request
+    from llmcli.pipeline.warm import WarmEmbedder
+
+EmbedRecord = dict[str, Any]  # one text's JSONL object, as json.loads reads it (with its other fields)
 
 SETTINGS_TAKEN = ("model", "ctx_size", "threads", "mmap", "mlock", "keep_alive")
 TextArg = Annotated[Optional[str], typer.Argument(
@@ -57,7 +68,7 @@ def embed(
     ray: RayOpt = False,
     ray_address: RayAddressOpt = None,
     ray_workers: RayWorkersOpt = None,
-    **given: Any,
+    request: Request,
 ) -> None:
     """Embed texts with any GGUF (a dedicated embedding model, or a chat model with mean pooling)."""
     from llmcli.cli import output
@@ -69,9 +80,9 @@ def embed(
     if ray or ray_address is not None:
         if input_file is None or output_format != "jsonl":
             raise UsageError("--ray embeds an --input file into JSONL", hint="llmcli embed --input texts.jsonl --ray")
-        _embed_on_ray(records, field, given, pooling, normalize, truncate, texts_per_batch, force,
+        _embed_on_ray(records, field, replace(request, force=force), pooling, normalize, truncate, texts_per_batch,
                       ray_address, ray_workers)
-    embedder = _open(given, pooling, normalize, truncate, texts_per_batch, force)
+    embedder = _open(replace(request, force=force), pooling, normalize, truncate, texts_per_batch)
     texts = [record.get(field, "") if "error" not in record else "" for record in records]
     with embedder.engine, output.progress_bar("embed") as advance:
         results = list(embedder.embed([t if isinstance(t, str) else "" for t in texts],
@@ -99,7 +110,7 @@ def embed(
         output.print_notice(output.stderr_console(), f"{failed} of {len(records)} texts have an error record")
 
 
-def _failure(result: Any) -> UsageError | ResourceError:
+def _failure(result: Embedded) -> UsageError | ResourceError:
     """A text with no vector, as the command's error: too long is a resource (exit 6), anything else bad input."""
     message = result.error or "no vector"
     return ResourceError(message, hint="Or a larger -c (--ctx-size).") if result.too_long \
@@ -117,14 +128,14 @@ def similar(
     pooling: PoolingOpt = "model",
     normalize: NormalizeOpt = False,
     force: o.ForceOpt = False,
-    **given: Any,
+    request: Request,
 ) -> None:
     """The texts of a collection nearest to a query: cosine similarity, embedded with the same model and pooling."""
     from llmcli.cli import output
     from llmcli.embed.embedding import cosine
 
     stored = _collection(collection)
-    embedder = _open(given, pooling, normalize, False, 1, force)
+    embedder = _open(replace(request, force=force), pooling, normalize, False, 1)
     with embedder.engine:
         (result,) = list(embedder.embed([query]))
     if result.vector is None:
@@ -144,15 +155,13 @@ def similar(
         print(f"{score:.4f}  {label}")
 
 
-def _open(given: dict[str, Any], pooling: str, normalize: bool, truncate: bool, per_batch: int, force: bool) -> Any:
+def _open(request: Request, pooling: str, normalize: bool, truncate: bool, per_batch: int) -> Embedder | WarmEmbedder:
     from llmcli.cli import output
     from llmcli.embed.embedding import POOLINGS
-    from llmcli.pipeline import Request
     from llmcli.pipeline.local import open_embedder
 
     if pooling not in POOLINGS:
         raise UsageError(f"--pooling must be one of {', '.join(POOLINGS)} (got {pooling!r})")
-    request = Request(settings=o.given_settings(given), profile=given["profile"], force=force)
     with output.download_progress() as progress:
         warm = _warm(request, pooling, normalize, truncate, progress)
         if warm is not None:
@@ -161,7 +170,8 @@ def _open(given: dict[str, Any], pooling: str, normalize: bool, truncate: bool, 
     return embedder
 
 
-def _warm(request: Any, pooling: str, normalize: bool, truncate: bool, progress: Any) -> Any:
+def _warm(request: Request, pooling: str, normalize: bool, truncate: bool,
+          progress: Callable[[str, int, int | None], None]) -> WarmEmbedder | None:
     """Unless --keep-alive 0: the warm server's embedder (None: none, or it will not start — then a notice)."""
     from llmcli.cli import output
     from llmcli.errors import LlmcliError
@@ -192,7 +202,7 @@ def _warm(request: Any, pooling: str, normalize: bool, truncate: bool, progress:
     return WarmEmbedder(server, normalize, truncate)
 
 
-def _records(text: str | None, input_file: Path | None, field: str) -> list[dict[str, Any]]:
+def _records(text: str | None, input_file: Path | None, field: str) -> list[EmbedRecord]:
     """What to embed, as records: the argument, the JSONL objects (bad lines become error records), or stdin lines."""
     if text is not None:
         if input_file is not None:
@@ -220,7 +230,7 @@ def _records(text: str | None, input_file: Path | None, field: str) -> list[dict
     return records
 
 
-def _collection(path: Path) -> list[dict[str, Any]]:
+def _collection(path: Path) -> list[EmbedRecord]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
@@ -238,7 +248,7 @@ def _collection(path: Path) -> list[dict[str, Any]]:
     return stored
 
 
-def _write_npy(records: list[dict[str, Any]], results: list[Any]) -> None:
+def _write_npy(records: list[EmbedRecord], results: list[Embedded]) -> None:
     import numpy as np
 
     bad = [i for i, (record, result) in enumerate(zip(records, results, strict=True))
@@ -256,19 +266,17 @@ def _write_npy(records: list[dict[str, Any]], results: list[Any]) -> None:
     raise typer.Exit(ExitCode.OK)
 
 
-def _embed_on_ray(records: list[dict[str, Any]], field: str, given: dict[str, Any], pooling: str, normalize: bool,
-                  truncate: bool, per_pass: int, force: bool, address: str | None, workers: int | None) -> None:
+def _embed_on_ray(records: list[EmbedRecord], field: str, request: Request, pooling: str, normalize: bool,
+                  truncate: bool, per_pass: int, address: str | None, workers: int | None) -> None:
     """`embed --input FILE --ray`: the records embedded by Ray workers (llmcli/cluster/ray_batch.py), in input order."""
     from llmcli.answer.batch_jsonl import BatchItem
     from llmcli.cli import output
     from llmcli.cli.batch import run_ray_job
     from llmcli.cluster.ray_batch import EmbedWorker, RayJob
     from llmcli.embed.embedding import POOLINGS
-    from llmcli.pipeline import Request
 
     if pooling not in POOLINGS:
         raise UsageError(f"--pooling must be one of {', '.join(POOLINGS)} (got {pooling!r})")
-    request = Request(settings=o.given_settings(given), profile=given["profile"], force=force)
     threads = request.settings.get("threads") or 1
     items = [BatchItem(index, record.get(field), {k: v for k, v in record.items() if k != "error"}, record.get("error"))
              for index, record in enumerate(records)]

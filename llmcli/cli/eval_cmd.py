@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from llmcli.cli import options as o
 from llmcli.errors import UsageError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from llmcli.eval.tool_eval import ItemResult, Report
+    from llmcli.pipeline import Request
 
 app = typer.Typer(help="Measure how well a model does a task: `eval tools` (tool calling, BFCL's items and rules).",
                   no_args_is_help=True)
@@ -35,7 +42,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object: per cate
 @app.command("tools")
 @o.with_settings(only=SETTINGS_TAKEN, exclude=EXCLUDED)
 def tools(categories: CategoriesArg = None, *, tool_choice: ChoiceOpt = "auto", limit: LimitOpt = 30,
-          items: ItemsOpt = None, answers: AnswersOpt = None, as_json: JsonOpt = False, **given: Any) -> None:
+          items: ItemsOpt = None, answers: AnswersOpt = None, as_json: JsonOpt = False, request: Request) -> None:
     """Ask a model BFCL-format tool-calling items (BFCL's own from `pip install --no-deps bfcl-eval`, or yours) through
     the path `run --functions` and `serve` take, greedy unless --temp; per category: accuracy by BFCL's AST rules,
     the valid-call rate, answers with no call, seconds an item."""
@@ -55,20 +62,18 @@ def tools(categories: CategoriesArg = None, *, tool_choice: ChoiceOpt = "auto", 
         sources = bfcl.category_files(categories or bfcl.DEFAULT_CATEGORIES)
     loaded = [item for category, path, answer_path in sources
               for item in bfcl.load(category, path, answer_path, limit or None)]
-    given.update(raw=False, grammar=None, grammar_file=None, json_schema=None, output_format=None, logit_bias=None)
-    if given.get("temp") is None:
-        given["temp"] = 0.0  # greedy: the figures repeat (BFCL's own runs are greedy too)
-    if given.get("max_tokens") is None:
-        given["max_tokens"] = 400  # a call, or a short answer: an item never runs to the end of the context
+    # Greedy unless --temp (the figures repeat: BFCL's own runs are greedy too), and a call or a short answer at most
+    # (an item never runs to the end of the context).
+    request = replace(request, settings={"temp": 0.0, "max_tokens": 400, **request.settings})
     console = output.stderr_console()
-    with output.open_pipeline(o.build_request(given), console) as pipeline:
+    with output.open_pipeline(request, console) as pipeline:
         from llmcli.answer.answerer import tool_format
 
         format_name = tool_format(pipeline.session, pipeline.settings["tool_format"])
         with output.progress_bar("eval tools") as advance, pipeline.cancel.on_signals():
             done = [0]
 
-            def step(result: Any) -> None:
+            def step(result: ItemResult) -> None:
                 done[0] += 1
                 advance(done[0], len(loaded), f"eval tools · {result.category}")
 
@@ -80,7 +85,7 @@ def tools(categories: CategoriesArg = None, *, tool_choice: ChoiceOpt = "auto", 
         raise typer.Exit(130)
 
 
-def _show(report: Any, where: str, choice: str, format_name: str, as_json: bool, console: Any) -> None:
+def _show(report: Report, where: str, choice: str, format_name: str, as_json: bool, console: Console) -> None:
     from dataclasses import asdict
 
     from llmcli.cli import output

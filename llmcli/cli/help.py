@@ -6,11 +6,16 @@ and usage errors stay one `Error:` line), so the grouping is done here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from typer.core import TyperCommand
 
 from llmcli.config.settings import CACHE, DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SAMPLING, TOOLS
+
+if TYPE_CHECKING:
+    from typer._click.core import Context  # (the click that Typer carries, and calls these with)
+    from typer._click.formatting import HelpFormatter
+    from typer.core import TyperOption
 
 # Panels in the order a reader looks for them; any other panel follows, in the order it appears.
 PANEL_ORDER = (MODEL, "Input and conversation", "Saved conversations", SAMPLING, "Constrained output", TOOLS, OUTPUT,
@@ -28,18 +33,18 @@ class PanelledCommand(TyperCommand):
     """Arguments, then the options panel by panel, in the order the command declares them. `-h` shows the
     essential ones (and how many more `--help` shows), `--help` every one."""
 
-    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: Context, args: list[str]) -> list[str]:
         before = args[: args.index("--")] if "--" in args else args
         ctx.meta["llmcli.short_help"] = "-h" in before and "--help" not in before
         return list(super().parse_args(ctx, args))
 
-    def get_help_option(self, ctx: Any) -> Any:
+    def get_help_option(self, ctx: Context) -> TyperOption | None:
         option = super().get_help_option(ctx)
         if option is not None:
             option.help = "-h: the main options; --help: all of them."
         return option
 
-    def format_options(self, ctx: Any, formatter: Any) -> None:
+    def format_options(self, ctx: Context, formatter: HelpFormatter) -> None:
         short = bool(ctx.meta.get("llmcli.short_help"))
         arguments: list[tuple[str, str]] = []
         panels: dict[str, list[tuple[str, str]]] = {}

@@ -7,7 +7,7 @@ import re
 import select
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
 from llmcli.errors import ResourceError, UsageError
 
@@ -52,7 +52,7 @@ def _is_tty(stream: object) -> bool:
         return True
 
 
-def _ready(stream: Any, timeout: float) -> bool:
+def _ready(stream: IO[str], timeout: float) -> bool:
     try:
         readable, _, _ = select.select([stream], [], [], timeout)
     except (ValueError, OSError, TypeError):

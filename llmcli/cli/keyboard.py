@@ -14,14 +14,13 @@ import contextlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 try:
     import termios
 except ImportError:  # (not a POSIX terminal)
     termios = None  # type: ignore[assignment]
 
-_held: list[tuple[int, list[Any]]] = []  # (the terminal's fd, its settings before) while an answer streams
+_held: list[tuple[int, list[int | list[bytes | int]]]] = []  # (the terminal's fd, its settings before) while an answer streams
 
 
 def _foreground_terminal() -> int | None:

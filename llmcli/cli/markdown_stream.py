@@ -17,7 +17,6 @@ import time
 from collections import deque
 from itertools import pairwise
 from queue import Empty, SimpleQueue
-from typing import Any
 
 from markdown_it import MarkdownIt
 from rich.console import Console, ConsoleOptions, RenderResult
@@ -65,8 +64,8 @@ class AnswerMarkdown(Markdown):
 
     elements = {**Markdown.elements, "table_open": _FoldedTable}
 
-    def __init__(self, source: str, **options: Any):
-        super().__init__("", **options)
+    def __init__(self, source: str, style: StyleType = "none"):
+        super().__init__("", style=style)
         self.markup = source
         self.parsed = _PARSER.parse(source)
 

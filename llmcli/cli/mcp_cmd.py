@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -26,18 +26,20 @@ def list_servers(mcp: FileOpt = None, as_json: Annotated[bool, typer.Option("--j
 
     with McpServers(read_config(mcp or default_config())).start() as servers:
         servers.wait()
-        rows: list[dict[str, Any]] = [{"name": s.config.name, "state": s.state, "error": s.error, "where": s.config.where,
-                 "tools": [{"name": t.name, "description": t.description} for t in s.tools]} for s in servers.servers]
+        # each as it was while running (stopped once the block ends)
+        found = [(s.config.name, s.state, s.error, s.config.where, list(s.tools)) for s in servers.servers]
     if as_json:
-        output.print_json(rows)
+        output.print_json([{"name": name, "state": state, "error": error, "where": where,
+                            "tools": [{"name": t.name, "description": t.description} for t in tools]}
+                           for name, state, error, where, tools in found])
     else:
-        if not rows:
+        if not found:
             output.stderr_console().print("no MCP servers in the configuration")
-        for row in rows:
-            print(f"{row['name']}  {row['state']}" + (f" ({row['error']})" if row["error"] else "") + f"  {row['where']}")
-            for tool in row["tools"]:
-                print(f"  {tool['name']:<28} {tool['description'][:80]}")
-    if any(row["state"] == "failed" for row in rows):  # (a health check a script can test: every server is listed)
+        for name, state, error, where, tools in found:
+            print(f"{name}  {state}" + (f" ({error})" if error else "") + f"  {where}")
+            for tool in tools:
+                print(f"  {tool.name:<28} {tool.description[:80]}")
+    if any(state == "failed" for _, state, *_ in found):  # (a health check a script can test: every server is listed)
         raise typer.Exit(1)
 
 

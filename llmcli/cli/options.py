@@ -8,10 +8,11 @@ their built-in default is shown in the help, generated from the table.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -20,7 +21,7 @@ from llmcli.config.settings import DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SET
 if TYPE_CHECKING:
     from llmcli.pipeline import Request
 
-F = TypeVar("F", bound=Callable[..., Any])
+Command = Callable[..., None]
 
 
 def complete_model(incomplete: str) -> list[str]:
@@ -40,18 +41,16 @@ def complete_choices(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
     return lambda incomplete: [choice for choice in choices if choice.startswith(incomplete)]
 
 
-# What the table cannot say about a setting's option: the CLI-only extras.
-_EXTRAS: dict[str, dict[str, Any]] = {"model": {"autocompletion": complete_model}}
-
-
-def setting_option(setting: Setting) -> Any:
+def setting_option(setting: Setting) -> object:
     """The Typer option of one row of the settings table."""
     kind: Any = {list: Optional[list[str]], bool: Optional[bool], int: Optional[int], float: Optional[float]}.get(
         setting.kind, Optional[str])
     choices = f" ({'|'.join(setting.choices)})" if setting.choices else ""
     help_text = f"{setting.help}{choices} [default: {setting.shown_default()}; env {setting.env}]"
-    extras = _EXTRAS.get(setting.name) or ({"autocompletion": complete_choices(setting.choices)} if setting.choices else {})
-    option = typer.Option(*setting.flags, help=help_text, show_default=False, rich_help_panel=setting.panel, **extras)
+    completion = complete_model if setting.name == "model" else complete_choices(setting.choices) \
+        if setting.choices else None  # (what the table cannot say: the CLI's own)
+    option = typer.Option(*setting.flags, help=help_text, show_default=False, rich_help_panel=setting.panel,
+                          autocompletion=completion)
     return Annotated[kind, option]
 
 
@@ -94,7 +93,7 @@ JsonOpt = Annotated[bool, typer.Option(
     "--json", help="Print one JSON object (text, finish reason, token counts, timings) on stdout.", rich_help_panel=OUTPUT)]
 
 # The options every command that answers prompts takes, besides the settings: name -> (annotation, default).
-REQUEST_OPTIONS: dict[str, tuple[Any, Any]] = {
+REQUEST_OPTIONS: dict[str, tuple[object, object]] = {
     "profile": (ProfileOpt, None),
     "offline": (OfflineOpt, False),
     "force": (ForceOpt, False),
@@ -111,17 +110,20 @@ REQUEST_OPTIONS: dict[str, tuple[Any, Any]] = {
 
 
 def with_settings(*, request: bool = True, only: tuple[str, ...] | None = None,
-                  exclude: tuple[str, ...] = (), tools: bool = False) -> Callable[[F], F]:
-    """Give a command `def cmd(explicit…, **given)` the options of every setting (or of those named in `only`, but
-    none in `exclude`: each command offers what applies to it) and, with `request`, REQUEST_OPTIONS (but `exclude`): Typer reads a
-    command's options from its signature, so they are added there, generated from the tables instead of written
-    out in each command. A setting left out is absent from `given`."""
+                  exclude: tuple[str, ...] = (), tools: bool = False) -> Callable[[Command], Callable[..., None]]:
+    """Give a command `def cmd(explicit…, request: Request[, tools: ToolOptions])` the options of every setting (or of
+    those named in `only`, but none in `exclude`: each command offers what applies to it) and, with `request`,
+    REQUEST_OPTIONS (but `exclude`); with `tools`, the tool options. Typer reads a command's options from its
+    signature, so they are added there, generated from the tables instead of written out in each command; what they
+    say reaches the command typed, read once: the `Request` (the settings given, by name) and the `ToolOptions`."""
 
-    def decorate(command: F) -> F:
-        explicit = [p for p in inspect.signature(command, eval_str=True).parameters.values()
-                    if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        added = [(name, annotation, default) for name, (annotation, default) in REQUEST_OPTIONS.items()
-                 if name not in exclude] if request else [("profile", ProfileOpt, None)]
+    def decorate(command: Command) -> Callable[..., None]:
+        typed_by_us = {"Request": object, "ToolOptions": object}  # (names a command may import for its type checks alone)
+        explicit = [p for p in inspect.signature(command, locals=typed_by_us, eval_str=True).parameters.values()
+                    if p.name not in ("request", "tools")]
+        added: list[tuple[str, object, object]] = [
+            (name, annotation, default) for name, (annotation, default) in REQUEST_OPTIONS.items()
+            if name not in exclude] if request else [("profile", ProfileOpt, None)]
         if tools:
             from llmcli.cli.tool_options import TOOL_OPTIONS
 
@@ -130,35 +132,50 @@ def with_settings(*, request: bool = True, only: tuple[str, ...] | None = None,
                   if (only is None or name in only) and name not in exclude]
         params = explicit + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
                              for name, annotation, default in added]
-        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-        command.__annotations__ = {p.name: p.annotation for p in params}
-        return command
+        own = {p.name for p in explicit}
+
+        @functools.wraps(command)
+        def with_request(**options: object) -> None:
+            mine = {name: options.pop(name) for name in own if name in options}
+            if tools:
+                from llmcli.cli.tool_options import ToolOptions
+
+                mine["tools"] = ToolOptions.of(options)
+            command(**mine, request=_request(options))
+
+        with_request.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        with_request.__annotations__ = {p.name: p.annotation for p in params}
+        return with_request
 
     return decorate
 
 
-def given_settings(given: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings given on the command line, by name (an empty --stop list is 'not given')."""
-    return {name: given[name] for name in SETTINGS if given.get(name) not in (None, [])}
+def _request(options: Mapping[str, object]) -> Request:
+    """The Request that a command's options (settings and REQUEST_OPTIONS) describe (an empty --stop list is 'not
+    given', as is an option the command does not offer)."""
+    from llmcli.pipeline import Request  # not for --help: it loads the settings table and the store
 
+    def text(name: str) -> str | None:
+        value = options.get(name)
+        return value if isinstance(value, str) else None
 
-def build_request(given: Mapping[str, Any], parallel: int | None = None) -> Request:
-    """The Request that a command's options (settings and REQUEST_OPTIONS) describe; `parallel`: run --batch."""
-    from llmcli.pipeline import Request, Shape  # not for --help: it loads the settings table and the store
+    def path(name: str) -> Path | None:
+        value = options.get(name)
+        return value if isinstance(value, Path) else None
 
+    biases = options.get("logit_bias")
     return Request(
-        settings=given_settings(given),
-        profile=given["profile"],
-        raw=given["raw"],
-        template_file=given["chat_template_file"],
-        logit_bias=tuple(given["logit_bias"] or ()),
-        grammar=given["grammar"],
-        grammar_file=given["grammar_file"],
-        json_schema=given["json_schema"],
-        output_format=given["output_format"],
-        verbose=given["verbose"],
-        api_key=given.get("api_key"),  # (serve's own --api-key is the key requests bring, not this)
-        offline=given["offline"],
-        force=given["force"],
-        shape=Shape(parallel, batch=True) if parallel is not None else Shape(),
+        settings={name: options[name] for name in SETTINGS if options.get(name) not in (None, [])},
+        profile=text("profile"),
+        raw=options.get("raw") is True,
+        template_file=path("chat_template_file"),
+        logit_bias=tuple(str(bias) for bias in biases) if isinstance(biases, list) else (),
+        grammar=text("grammar"),
+        grammar_file=path("grammar_file"),
+        json_schema=text("json_schema"),
+        output_format=text("output_format"),
+        verbose=options.get("verbose") is True,
+        api_key=text("api_key"),  # (serve's own --api-key is the key requests bring, not this)
+        offline=options.get("offline") is True,
+        force=options.get("force") is True,
     )

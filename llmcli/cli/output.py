@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -21,6 +21,10 @@ from llmcli.answer.stats import summary_line
 from llmcli.text_escapes import neutralised
 
 if TYPE_CHECKING:
+    import threading
+
+    from rich.live import Live
+
     from llmcli.answer.answerer import Answerer
     from llmcli.pipeline import Pipeline, Request
     from llmcli.tools.tool_loop import ToolRunner
@@ -55,12 +59,12 @@ def print_error(console: Console, message: str, hint: str | None = None) -> None
         console.print(Text.assemble(("Hint: ", "bold"), neutralised(hint)))
 
 
-def print_json(value: Any) -> None:
+def print_json(value: object) -> None:
     """One JSON document on stdout."""
     print(json.dumps(value, ensure_ascii=False))
 
 
-def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[str] = (), title: str | None = None,
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[object]], right: Sequence[str] = (), title: str | None = None,
                 boxed: bool = False, empty: str | None = None) -> None:
     """A table on stdout, plain columns as `docker ps` and `ollama list` print them (`boxed`: rules around it); `right`
     names the right-aligned columns. No rows and an `empty` message: the message on stderr instead (a header alone
@@ -79,7 +83,7 @@ def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], right: Se
     stdout_console().print(table)
 
 
-def print_fields(rows: Sequence[tuple[str, Any]]) -> None:
+def print_fields(rows: Sequence[tuple[str, object]]) -> None:
     """`key  value` lines on stdout, keys aligned."""
     width = max((len(key) for key, _ in rows), default=0)
     for key, value in rows:
@@ -127,10 +131,10 @@ def waiting_for(host: str, after_s: float = 2.0) -> Iterator[None]:
 @contextmanager
 def download_progress() -> Iterator[Callable[[str, int, int | None], None]]:
     """Per-file download bars on stderr (size, speed, ETA), hidden when stderr is not a terminal."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+    from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     console = stderr_console()
-    tasks: dict[str, Any] = {}
+    tasks: dict[str, TaskID] = {}
     with Progress(
         TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
         console=console, disable=not console.is_terminal, redirect_stdout=False,
@@ -158,8 +162,8 @@ class PrefillStatus:
         self.evaluated = self.total = self.prompt = 0
         self.rate: float | None = None  # tokens a second, from the chunks done so far
         self._lock = threading.Lock()
-        self._live: Any = None
-        self._timer: Any = None
+        self._live: Live | None = None
+        self._timer: threading.Timer | None = None
         self._stopped = False
 
     def update(self, evaluated: int, total: int, prompt: int = 0) -> None:

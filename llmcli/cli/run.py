@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -113,11 +113,11 @@ def _variables(specs: list[str] | None) -> dict[str, str]:
     return found
 
 
-def _save_template(name: str, prompt: str | None, given: dict[str, Any], console: Console) -> None:
+def _save_template(name: str, prompt: str | None, request: Request, console: Console) -> None:
     from llmcli import paths
     from llmcli.config.saved_templates import PromptTemplate, save
 
-    values = o.given_settings(given)
+    values = dict(request.settings)
     system = values.pop("system", None)
     save(PromptTemplate(name, system, prompt, values))
     console.print(f"saved template {name} in {paths.config_file()}: llmcli run -T {name} …")
@@ -145,7 +145,8 @@ def run(
     ray_address: RayAddressOpt = None,
     ray_workers: RayWorkersOpt = None,
     resume: ResumeOpt = None,
-    **given: Any,
+    request: Request,
+    tools: ToolOptions,
 ) -> None:
     """Answer one prompt, streamed to stdout; stats on stderr."""
     from llmcli.cli import output
@@ -158,7 +159,7 @@ def run(
 
         if prompt_text is not None:
             raise UsageError("--batch reads its prompts from the file; drop the prompt argument")
-        if ToolOptions.of(given).used:
+        if tools.used:
             raise UsageError("--batch answers without tools: drop --functions and --mcp")
         if image:
             raise UsageError('--batch reads each record\'s images from the file: {"prompt": "...", "images": ["a.png"]}')
@@ -169,25 +170,28 @@ def run(
             raise UsageError(f"--batch answers each record of its file on its own: drop {', '.join(one_prompt)}")
         n_parallel = parallel or DEFAULT_PARALLEL
         on_ray = RayOptions(ray_address, ray_workers) if ray or ray_address is not None else None
-        run_batch_command(batch, o.build_request(given, n_parallel), n_parallel, quiet, on_ray, resume)
+        from llmcli.pipeline import Shape
+
+        run_batch_command(batch, replace(request, shape=Shape(n_parallel, batch=True)), n_parallel, quiet, on_ray, resume)
     if parallel is not None:
         raise UsageError("--parallel applies to --batch", hint="llmcli run --batch FILE --parallel N")
     if ray or ray_address is not None or ray_workers is not None or resume is not None:
         raise UsageError("--ray, --ray-address, --ray-workers and --resume apply to --batch",
                          hint="llmcli run --batch FILE --ray")
-    if given.get("logprobs") is not None and not as_json:
+    if request.settings.get("logprobs") is not None and not as_json:
         raise UsageError("--logprobs is part of the JSON record: add --json", hint='llmcli run --json --logprobs 3 "…"')
     console = output.stderr_console()
     if save is not None:
-        _save_template(save, prompt_text, given, console)
+        _save_template(save, prompt_text, request, console)
     chosen = None
     if template is not None:
         from llmcli.config.saved_templates import load
 
         chosen = load(template)
-        given.update({name: value for name, value in chosen.settings.items() if given.get(name) in (None, [])})
-        if chosen.system and not given.get("system"):
-            given["system"] = chosen.system
+        settings = {**chosen.settings, **request.settings}  # (flags given still win)
+        if chosen.system and not request.settings.get("system"):
+            settings["system"] = chosen.system
+        request = replace(request, settings=settings)
     images = read_images(image)
     if "-" in (image or []):  # stdin held the image: the prompt is the argument alone
         if prompt_text in (None, "-"):
@@ -203,16 +207,14 @@ def run(
         text = combine_input(prompt_arg, stdin_text, prompt_first)
         message = Message(chosen.render(text, _variables(var)) if chosen is not None else text, prompt_arg, stdin_text,
                           prompt_first, images)
-    tools = ToolOptions.of(given)
-    if tools.used and (given.get("grammar") or given.get("grammar_file") or given.get("json_schema")
-                       or given.get("output_format")):
+    if tools.used and (request.grammar or request.grammar_file or request.json_schema or request.output_format):
         raise UsageError("tools constrain the answer themselves: drop --grammar, --json-schema, --format")
     options = RunOptions(show_prompt, as_json, quiet, continue_conversation, cid)
     runner = tools.runner(console)
     with contextlib.ExitStack() as stack:
         if runner is not None:
             stack.enter_context(runner)  # MCP servers stop when the run ends, however it ends
-        _answer(message, options, o.build_request(given), runner, console)
+        _answer(message, options, request, runner, console)
 
 
 def _show_prompt(pipeline: Pipeline[Answerer], request: Request, message: Message, runner: ToolRunner | None,

@@ -10,12 +10,21 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from llmcli.cli import options as o
 from llmcli.errors import UsageError
+
+if TYPE_CHECKING:
+    import socket
+    from types import FrameType
+
+    import uvicorn
+    from rich.console import Console
+
+    from llmcli.pipeline import Request
 
 _SERVER = "Server"
 # settings of a client, not of a server: serve always answers with its local model (a config file's endpoint, which
@@ -105,7 +114,7 @@ def serve(
     socket_path: SocketOpt = None,
     exit_when_idle: ExitIdleOpt = False,
     webui: WebuiOpt = True,
-    **given: Any,
+    request: Request,
 ) -> None:
     """Serve the model over HTTP, in the protocols local clients speak: OpenAI's (/v1/chat/completions,
     /v1/completions, /v1/responses, /v1/embeddings, /v1/models), Anthropic's (/v1/messages) and Ollama's (/api/chat,
@@ -153,7 +162,7 @@ def serve(
         listening = _private_socket(socket_path)
         listen = {"fd": listening.fileno()}
         warm.listening_here(socket_path)  # (the model's memory check never asks this process's own socket)
-    found = ServerModels(o.build_request(given), parallel, queue if queue is not None else 4 * parallel, max_body,
+    found = ServerModels(request, parallel, queue if queue is not None else 4 * parallel, max_body,
                          max_answer, allow_pull)
     with output.download_progress() as progress:
         first = found.load(None, progress)
@@ -174,7 +183,7 @@ def serve(
     server = uvicorn.Server(config)
     stop = server.handle_exit
 
-    def handle_exit(sig: int, frame: Any) -> None:  # SIGTERM, Ctrl-C: the answers in flight have the grace
+    def handle_exit(sig: int, frame: FrameType | None) -> None:  # SIGTERM, Ctrl-C: the answers in flight have the grace
         if not server.should_exit:
             answering = sum(served.in_flight for served in list(pool.loaded.values()))
             if answering:  # (said, so that the wait is not a silent one)
@@ -229,7 +238,7 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _private_socket(path: Path) -> Any:
+def _private_socket(path: Path) -> socket.socket:
     """A Unix socket only its user may connect to: its directory 0700, the socket 0600 from the moment it exists
     (bound here: uvicorn's own `uds` makes it 0666). One that answers belongs to a running server: an error."""
     import socket
@@ -281,11 +290,11 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def _announce(server: Any, console: Any, model: str, parallel: int, n_ctx: int, keyed: bool, webui: bool) -> None:
+def _announce(server: uvicorn.Server, console: Console, model: str, parallel: int, n_ctx: int, keyed: bool, webui: bool) -> None:
     """Say where the server listens, once it does (port 0: the one the system chose)."""
     started = server.startup
 
-    async def startup(sockets: Any = None) -> None:
+    async def startup(sockets: list[socket.socket] | None = None) -> None:
         await started(sockets=sockets)
         for listener in server.servers:
             for sock in listener.sockets:
@@ -296,4 +305,4 @@ def _announce(server: Any, console: Any, model: str, parallel: int, n_ctx: int, 
                 if webui and not isinstance(address, str):
                     console.print(f"chat page: http://{address[0]}:{address[1]}/")
 
-    server.startup = startup
+    server.startup = startup  # type: ignore[method-assign]

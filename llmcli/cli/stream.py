@@ -9,7 +9,7 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterable
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
 from rich.console import COLOR_SYSTEMS, Console
 from rich.style import Style
@@ -21,7 +21,10 @@ from llmcli.errors import StdoutClosed, UsageError
 from llmcli.text_escapes import NEUTRALISE as _NEUTRALISE  # control characters shown in caret notation on a terminal
 
 if TYPE_CHECKING:
+    from rich.color import ColorSystem
+
     from llmcli.cli.markdown_stream import MarkdownStream
+    from llmcli.cli.output import PrefillStatus
 
 REASONING_STYLE = Style(dim=True, italic=True)
 
@@ -34,7 +37,7 @@ class AnswerSink:
     the answer is rendered as it streams on a terminal (piped, it stays the model's bytes); `color`: its colour there
     (none: the terminal's own)."""
 
-    def __init__(self, stream: IO[str] | None = None, as_json: bool = False, extra: dict[str, Any] | None = None,
+    def __init__(self, stream: IO[str] | None = None, as_json: bool = False, extra: dict[str, object] | None = None,
                  reasoning: str = "show", markdown: bool = False, color: str | None = None):
         self.stream = stream or sys.stdout
         self.as_json = as_json
@@ -106,7 +109,7 @@ class AnswerSink:
             except BrokenPipeError:
                 raise StdoutClosed() from None
 
-    def record(self, done: Done) -> dict[str, Any]:
+    def record(self, done: Done) -> dict[str, object]:
         return {**self.extra, **answer_record(done, self.notices)}
 
     def _think(self, text: str) -> None:
@@ -150,7 +153,7 @@ def _answer_style(color: str | None) -> Style:
                          hint="A name (cyan, bright_green), color(N) or #rrggbb.") from None
 
 
-def _codes(style: Style, color_system: Any) -> tuple[str, str]:
+def _codes(style: Style, color_system: ColorSystem | None) -> tuple[str, str]:
     """The escape codes that open and close `style` (none without a colour system)."""
     if color_system is None:
         return "", ""
@@ -176,7 +179,7 @@ def show_answer(events: Iterable[AnswerEvent], sink: AnswerSink, console: Consol
         return _show(events, sink, console, quiet, status, on_done)
 
 
-def _show(events: Iterable[AnswerEvent], sink: AnswerSink, console: Console, quiet: bool, status: Any,
+def _show(events: Iterable[AnswerEvent], sink: AnswerSink, console: Console, quiet: bool, status: PrefillStatus | None,
           on_done: Callable[[Done], None] | None) -> Done | None:
     from llmcli.cli.output import print_notice, print_stats
 
@@ -220,7 +223,7 @@ def _show(events: Iterable[AnswerEvent], sink: AnswerSink, console: Console, qui
     return done
 
 
-def write_json_line(record: Any, stream: Any = None) -> None:
+def write_json_line(record: object, stream: IO[str] | None = None) -> None:
     """One JSON object per line on stdout (or `stream`: --batch, chat --json), flushed."""
     stream = stream or sys.stdout
     try:

@@ -7,8 +7,9 @@ import os
 import re
 import stat
 import sys
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -16,6 +17,7 @@ from llmcli.cli import options as o
 from llmcli.errors import UsageError
 
 if TYPE_CHECKING:
+    from llmcli.pipeline import Request
     from llmcli.pipeline.local import Tokenizer
 
 SETTINGS_TAKEN = ("model", "system", "ctx_size", "think", "mmproj")  # what changes a prompt's tokens or the context
@@ -44,18 +46,18 @@ def count(
     offline: o.OfflineOpt = False,
     as_json: CountJsonOpt = False,
     image: ImageOpt = None,
-    **given: Any,
+    request: Request,
 ) -> None:
     """Count tokens: per file and in total, against the context size; only the vocabulary is loaded."""
     from llmcli.cli import output
     from llmcli.cli.inputs import read_images
 
-    _check_chat_only(given, chat, chat_template_file)
+    _check_chat_only(request, chat, chat_template_file)
     images = read_images(image)
     if "-" in (image or []) and not files:
         raise UsageError("--image - reads stdin: give the text as an argument")
     inputs = _inputs(files, chat) if files or not images else [("prompt", "")]
-    with _tokenizer(given, chat, chat_template_file, offline) as tokenizer:
+    with _tokenizer(request, chat, chat_template_file, offline) as tokenizer:
         counted = [(name, len(tokenizer.chat(text, images).tokens if chat else tokenizer.raw(text, images)))
                    for name, text in inputs]
         _notices(tokenizer, chat)
@@ -87,14 +89,14 @@ def tokenize(
     chat_template_file: o.TemplateFileOpt = None,
     offline: o.OfflineOpt = False,
     as_json: TokenizeJsonOpt = False,
-    **given: Any,
+    request: Request,
 ) -> None:
     """Show the tokens of a text: id and piece (bytes that are not UTF-8 as \\xNN); only the vocabulary is loaded."""
     from llmcli.cli import output
 
-    _check_chat_only(given, chat, chat_template_file)
+    _check_chat_only(request, chat, chat_template_file)
     ((_, message),) = _inputs([text] if text is not None else None, chat=True)
-    with _tokenizer(given, chat, chat_template_file, offline) as tokenizer:
+    with _tokenizer(request, chat, chat_template_file, offline) as tokenizer:
         ids = tokenizer.chat(message).tokens if chat else tokenizer.raw(message)
         vocab = tokenizer.vocabulary.vocab
         pieces = [show_piece(vocab.piece(token, special=True)) for token in ids]
@@ -112,18 +114,17 @@ def show_piece(piece: bytes) -> str:
     return piece.decode("utf-8", "backslashreplace")
 
 
-def _tokenizer(given: dict[str, Any], chat: bool, template_file: Path | None, offline: bool) -> Tokenizer:
+def _tokenizer(request: Request, chat: bool, template_file: Path | None, offline: bool) -> Tokenizer:
     """The model's vocabulary (and, with --chat, its template)."""
-    from llmcli.pipeline import Request
     from llmcli.pipeline.local import open_tokenizer
 
-    return open_tokenizer(Request(settings=o.given_settings(given), profile=given["profile"], raw=not chat,
-                                  template_file=template_file, offline=offline))
+    return open_tokenizer(replace(request, raw=not chat, template_file=template_file, offline=offline))
 
 
-def _check_chat_only(given: dict[str, Any], chat: bool, template_file: Path | None) -> None:
+def _check_chat_only(request: Request, chat: bool, template_file: Path | None) -> None:
     """Without --chat the text is counted as-is: what only shapes a chat prompt is refused rather than ignored."""
-    chat_only = [flag for flag, value in (("--system", given["system"]), ("--think/--no-think", given["think"]),
+    chat_only = [flag for flag, value in (("--system", request.settings.get("system")),
+                                          ("--think/--no-think", request.settings.get("think")),
                                           ("--chat-template-file", template_file)) if value is not None]
     if chat_only and not chat:
         raise UsageError(f"{', '.join(chat_only)} shape the chat prompt: add --chat",

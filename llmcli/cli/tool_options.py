@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional, TypeVar
 
 import typer
 
@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
     from llmcli.answer.tool_calls import ToolCall, ToolResult
     from llmcli.tools.tool_loop import ToolRunner
+
+T = TypeVar("T")
 
 FunctionsOpt = Annotated[Optional[list[str]], typer.Option(
     "--functions", help="Python functions the model may call: a .py file or code (repeatable); each public function's "
@@ -47,7 +49,7 @@ ToolTimeoutOpt = Annotated[float, typer.Option(
 
 
 # The tool options of run and chat: name -> (annotation, default), added by with_settings(tools=True).
-TOOL_OPTIONS: dict[str, tuple[Any, Any]] = {
+TOOL_OPTIONS: dict[str, tuple[object, object]] = {
     "functions": (FunctionsOpt, None),
     "tool_choice": (ToolChoiceOpt, "auto"),
     "chain_limit": (ChainLimitOpt, 5),
@@ -73,10 +75,21 @@ class ToolOptions:
     timeout: float = 60.0
 
     @staticmethod
-    def of(given: Mapping[str, Any]) -> ToolOptions:
-        return ToolOptions(tuple(given["functions"] or ()), given["tool_choice"], given["chain_limit"],
-                           given["tools_debug"], given["tools_approve"], given["mcp"], tuple(given["mcp_server"] or ()),
-                           given["tool_timeout"])
+    def of(options: Mapping[str, object]) -> ToolOptions:
+        """What TOOL_OPTIONS' values say (each as Typer gives it: checked, not trusted)."""
+        def listed(name: str) -> tuple[str, ...]:
+            value = options.get(name)
+            return tuple(str(item) for item in value) if isinstance(value, list) else ()
+
+        def of_type(name: str, kind: type[T], default: T) -> T:
+            value = options.get(name)
+            return value if isinstance(value, kind) else default
+
+        mcp, timeout = options.get("mcp"), options.get("tool_timeout")
+        return ToolOptions(listed("functions"), of_type("tool_choice", str, "auto"), of_type("chain_limit", int, 5),
+                           of_type("tools_debug", bool, False), of_type("tools_approve", bool, False),
+                           mcp if isinstance(mcp, Path) else None, listed("mcp_server"),
+                           float(timeout) if isinstance(timeout, (int, float)) else 60.0)
 
     @property
     def used(self) -> bool:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from llmcli.errors import LlmcliError, ModelNotFoundError
 from llmcli.units import human_size
+
+if TYPE_CHECKING:
+    from llmcli.pipeline.warm import Health
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object per server on stdout.")]
 UrlOpt = Annotated[Optional[str], typer.Option(
@@ -25,7 +28,7 @@ def ps(as_json: JsonOpt = False, url: UrlOpt = None) -> None:
     from llmcli.pipeline import launch
     from llmcli.pipeline.warm import running, served_at
 
-    servers: list[tuple[Any, dict[str, Any]]] = [*running(), *launch.running()] if url is None \
+    servers: list[tuple[Path | str, Health]] = [*running(), *launch.running()] if url is None \
         else [(url, served_at(url))]
     if as_json:
         for where, state in servers:
@@ -81,7 +84,7 @@ def _path_of(model: str) -> Path | None:
         return None
 
 
-def _record(where: Any, state: dict[str, Any]) -> dict[str, Any]:
+def _record(where: Path | str, state: Health) -> Health:
     pid = int(state.get("pid") or 0)
     return {"model": state.get("model"), "pid": pid, "socket": state.get("url") or str(where), "rss_mib": _rss_mib(pid),
             "models": state.get("models") or [], "version": state.get("version")}
@@ -97,7 +100,7 @@ def _rss_mib(pid: int) -> float:
     return 0.0
 
 
-def _expiry(model: dict[str, Any]) -> str:
+def _expiry(model: Health) -> str:
     seconds = model.get("expires_in_s")
     if seconds is None:
         return "never" if model.get("pinned") else "when idle"

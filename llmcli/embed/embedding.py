@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
+from llmcli.embed.embedded import Embedded
 from llmcli.errors import LlmcliError
 from llmcli.llama.batch import Batch
 from llmcli.llama.engine import Engine
@@ -29,16 +29,6 @@ def pooling_of(header: GGUFHeader, asked: str) -> str:
     own = header.metadata.get(f"{header.architecture}.pooling_type")
     by_code = {code: name for name, code in POOLING.items()}
     return by_code.get(own, "mean") if isinstance(own, int) else "mean"
-
-
-@dataclass(frozen=True)
-class Embedded:
-    """One text's result: its vector, or why it has none."""
-
-    vector: list[float] | None
-    tokens: int
-    error: str | None = None
-    too_long: bool = False  # the error is that it does not fit (a resource, not bad input)
 
 
 class Embedder:

@@ -21,14 +21,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx2
 
 from llmcli import __version__, paths
 from llmcli.config import settings
 from llmcli.errors import ExitCode, LlmcliError, UsageError
-from llmcli.pipeline.warm import starting
+from llmcli.pipeline.warm import Health, starting
 from llmcli.units import keeps_loaded
 
 ANSWER_ROOM = 4096  # tokens an agent's answers (and a few turns) need beyond its own prompt
@@ -144,17 +143,17 @@ def _record_path(model_path: Path, n_ctx: int) -> Path:
     return paths.warm_servers_dir() / f"launch-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.json"
 
 
-def health(url: str, key: str, timeout: float = 2.0) -> dict[str, Any] | None:
+def health(url: str, key: str, timeout: float = 2.0) -> Health | None:
     """What the launch server at `url` says of itself (with its key: its pid too), or None."""
     try:
-        found: dict[str, Any] = httpx2.get(f"{url}/health", timeout=timeout,
+        found: Health = httpx2.get(f"{url}/health", timeout=timeout,
                                            headers={"Authorization": f"Bearer {key}"}).json()
         return found if "models" in found else None
     except (httpx2.HTTPError, OSError, ValueError):
         return None
 
 
-def running() -> list[tuple[Path, dict[str, Any]]]:
+def running() -> list[tuple[Path, Health]]:
     """The launch servers of this user that answer: each record's path, with the server's health (a record whose
     server is gone is removed)."""
     folder = paths.warm_servers_dir()

@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +27,7 @@ import httpx2
 
 from llmcli import __version__, paths, reaper
 from llmcli.config import settings
+from llmcli.embed.embedded import Embedded
 from llmcli.errors import LlmcliError
 from llmcli.remote.client import socket_transport
 from llmcli.store import memory
@@ -39,6 +40,9 @@ START_TIMEOUT_S = 300.0  # a large model's first load (page cache cold, weights 
 MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sun_path, less its terminating NUL, on Linux)
 
 _LISTENING_HERE: set[Path] = set()  # the sockets this process serves on (`serve --socket`): never asked by itself
+
+
+Health = dict[str, Any]  # a server's /health, as JSON gives it: model(s), pid, slots, version
 
 
 @dataclass(frozen=True)
@@ -57,23 +61,23 @@ def socket_for(model_path: Path, effective: settings.Settings, template_file: Pa
     return paths.warm_servers_dir() / f"{hashlib.sha256(identity.encode()).hexdigest()[:20]}.sock"
 
 
-def health(socket: Path, timeout: float = 2.0) -> dict[str, Any] | None:
+def health(socket: Path, timeout: float = 2.0) -> Health | None:
     """What the server on `socket` says of itself, or None if none answers there."""
     try:
         with httpx2.Client(transport=socket_transport(str(socket)), timeout=timeout) as http:
-            found: dict[str, Any] = http.get("http://llmcli/health").json()
+            found: Health = http.get("http://llmcli/health").json()
             return found
     except (httpx2.HTTPError, OSError, ValueError):
         return None
 
 
-def served_at(url: str) -> dict[str, Any]:
+def served_at(url: str) -> Health:
     """What the `llmcli serve` at `url` says of itself (its /health; its pid and paths only given $LLMCLI_API_KEY);
     LlmcliError if it does not answer as one."""
     base = url.rstrip("/").removesuffix("/v1")
     key = os.environ.get("LLMCLI_API_KEY")  # with the server's key, its pid and the models' paths too
     try:
-        found: dict[str, Any] = httpx2.get(f"{base}/health", timeout=10,
+        found: Health = httpx2.get(f"{base}/health", timeout=10,
                                            headers={"Authorization": f"Bearer {key}"} if key else None).json()
     except (httpx2.HTTPError, ValueError) as exc:
         raise LlmcliError(f"{base}/health did not answer: {exc}") from None
@@ -89,7 +93,7 @@ def listening_here(socket: Path) -> None:
     _LISTENING_HERE.add(Path(os.path.abspath(socket)))
 
 
-def running() -> list[tuple[Path, dict[str, Any]]]:
+def running() -> list[tuple[Path, Health]]:
     """The warm servers of this user: each socket that answers, with its health (this process's own left out)."""
     folder = paths.warm_servers_dir()
     found = []
@@ -215,7 +219,7 @@ def starting(server: Path) -> Iterator[None]:
 
 
 def _start(socket: Path, model_path: Path, effective: settings.Settings, template_file: Path | None,
-           reference: str | None) -> dict[str, Any]:
+           reference: str | None) -> Health:
     keep_alive = str(effective["keep_alive"])
     command = [sys.executable, "-m", "llmcli", "serve", "--socket", str(socket), "-m", effective["model"] or
                reference or str(model_path), "--keep-alive", keep_alive, "--exit-when-idle", "-P", "1", "--queue", "64",
@@ -249,7 +253,7 @@ def _env_value(value: Any) -> str:
     return str(value)
 
 
-def stop(socket: Path, state: dict[str, Any], timeout: float = 30.0) -> bool:
+def stop(socket: Path, state: Health, timeout: float = 30.0) -> bool:
     """End a warm server (SIGTERM: its answers finish first); whether it is gone, its socket with it."""
     import signal
 
@@ -272,16 +276,6 @@ def stop(socket: Path, state: dict[str, Any], timeout: float = 30.0) -> bool:
     return False
 
 
-@dataclass(frozen=True)
-class WarmEmbedded:
-    """One text's result from the warm server (what llmcli/embed's Embedded holds)."""
-
-    vector: list[float] | None
-    tokens: int
-    error: str | None = None
-    too_long: bool = False
-
-
 class WarmEmbedder:
     """`llmcli embed --keep-alive`: the warm server's embedding model, as `embed` uses a local Embedder."""
 
@@ -291,7 +285,7 @@ class WarmEmbedder:
         self.server, self.normalize, self.truncate = server, normalize, truncate
         self.engine = contextlib.nullcontext()  # (a local embedder's engine is closed after; the server's stays)
 
-    def embed(self, texts: list[str], on_progress: Any = None) -> Iterator[WarmEmbedded]:
+    def embed(self, texts: list[str], on_progress: Callable[[int], None] | None = None) -> Iterator[Embedded]:
         with httpx2.Client(transport=socket_transport(str(self.server.socket)), timeout=600) as http:
             for start in range(0, len(texts), self.TEXTS_PER_REQUEST):
                 chunk = texts[start:start + self.TEXTS_PER_REQUEST]
@@ -303,6 +297,6 @@ class WarmEmbedder:
                 except (httpx2.HTTPError, ValueError, KeyError) as exc:
                     raise LlmcliError(f"the warm server did not embed: {exc}") from None
                 for result in results:
-                    yield WarmEmbedded(result["embedding"], result["tokens"], result["error"], result["too_long"])
+                    yield Embedded(result["embedding"], result["tokens"], result["error"], result["too_long"])
                 if on_progress is not None:
                     on_progress(start + len(chunk))
