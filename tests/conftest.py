@@ -10,6 +10,7 @@ import os
 import pty
 import re
 import selectors
+import shutil
 import signal
 import struct
 import subprocess
@@ -125,8 +126,11 @@ def default_model(smollm2: Path) -> Iterator[Path]:
 
 
 @pytest.fixture(autouse=True)
-def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model: Path) -> Path:
-    """Config, cache and data dirs in tmp_path; no colour; a fixed terminal width; the tests' default model."""
+def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model: Path,
+                 request: pytest.FixtureRequest) -> Path:
+    """Config, cache and data dirs in tmp_path; no colour; a fixed terminal width; the tests' default model. Warm
+    servers on, as a user's runs have them (a runtime dir of the test's own: the servers its runs start end with it),
+    except in the tests marked `in_process`: those about what a run does in its own process."""
     home = tmp_path / "home"
     for var, sub in [
         ("LLMCLI_CACHE_DIR", "cache"),
@@ -141,16 +145,40 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model:
     monkeypatch.setenv("LLMCLI_MODEL", str(default_model))  # (a test's own change is undone after it)
     for var in ("LLMCLI_CONFIG", "LLMCLI_DEBUG", "FORCE_COLOR", "HF_TOKEN", "HF_HUB_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("LLMCLI_KEEP_ALIVE", "0")  # warm servers off (a test about them turns them on with --keep-alive)
+    runtime = Path(tempfile.mkdtemp(prefix="llmcli-rt-"))  # (short: a socket's path holds at most 107 bytes)
+    monkeypatch.setenv("LLMCLI_RUNTIME_DIR", str(runtime))
+    RUNTIME_DIRS.append(runtime)
+    if request.node.get_closest_marker("in_process") is not None:
+        monkeypatch.setenv("LLMCLI_KEEP_ALIVE", "0")
     monkeypatch.setenv("NO_COLOR", "1")
     monkeypatch.setenv("COLUMNS", "120")
     (home / "data").mkdir(parents=True)
     (home / "data" / "hashes.json").write_text(json.dumps(MODEL_HASHES))  # (paths.hash_memo_file())
+    (home / "data" / "warm-servers-explained").touch()  # (the first warm start's notice: said before, in no test)
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
         # Test workers share the cores: one llama.cpp thread each, or their OpenMP threads spin against
         # each other (tests that measure threads set -t themselves).
         monkeypatch.setenv("LLMCLI_THREADS", "1")
     return home
+
+
+RUNTIME_DIRS: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def no_warm_server_outlives_its_test() -> Iterator[None]:
+    """The warm servers a test's runs started (their socket in its runtime dir, on their command line) end with it."""
+    yield
+    while RUNTIME_DIRS:
+        runtime = RUNTIME_DIRS.pop()
+        marker = str(runtime).encode()
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes():
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

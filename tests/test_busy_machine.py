@@ -94,6 +94,7 @@ def test_a_first_pass_waits_for_a_reading_and_a_core_is_taken_only_if_held_and_a
     assert cpu_load.CpuLoad()._mark == (clock[0], 3.6, 0.0)  # a parent's mark is not a forked child's
 
 
+@pytest.mark.in_process  # (this process's threads beside a busy core)
 def test_a_run_beside_a_busy_core_decodes_on_the_core_left_and_t_is_obeyed(smollm2, tmp_path):
     """A spinning process pinned to one of two CPUs this run may use: the default evaluates the prompt and decodes on
     one thread (two threads would wait on the shared core at every pass); -t 2 keeps two. So does a server's first

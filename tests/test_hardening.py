@@ -152,6 +152,7 @@ def test_escape_sequences_from_the_model_are_neutralised_on_a_terminal():
 # -- interrupts ------------------------------------------------------------------------------
 
 
+@pytest.mark.in_process  # (the load in this process: llama.cpp's log blocks it)
 def test_ctrl_c_while_loading_exits_130_quietly():
     """The signal lands inside llama.cpp's model load, every time: with -v, llama.cpp's log goes to a pipe
     of one page that this test does not read, so the loader blocks in its log callback once the page is full."""

@@ -14,6 +14,9 @@ from conftest import run_cli
 
 from llmcli.store.prompt_store import BLOCK, MAGIC, BadEntry, PromptStore, all_entries, block_hashes, clear, fingerprint
 
+# The prompt cache on disk is a run's in its own process (a warm server keeps its slots' KV itself).
+pytestmark = pytest.mark.in_process
+
 GIB = 2**30
 FACTS = [
     ("Amsterdam", "herons", "copper"), ("Lisbon", "otters", "glass"), ("Oslo", "lynxes", "amber"),

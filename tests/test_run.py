@@ -237,6 +237,7 @@ def test_ctrl_c_while_decoding_keeps_the_partial_answer():
     assert b"Traceback" not in err
 
 
+@pytest.mark.in_process  # (llama.cpp's log, -v, says when the prefill starts: this process's)
 def test_ctrl_c_during_a_long_prefill_stops_at_once(tmp_path):
     long_input = tmp_path / "long.txt"
     long_input.write_text("The quick brown fox jumps over the lazy dog. " * 400)  # ~4000 tokens

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,13 +23,8 @@ PROMPT = "Say hi."
 
 @pytest.fixture
 def runtime():
-    """A runtime dir of the test's own (short: a Unix socket's path has at most 107 bytes, and pytest's tmp_path
-    under xdist is longer); every warm server started in it is ended after the test."""
-    folder = tempfile.mkdtemp(prefix="llmcli-rt-", dir="/tmp")
-    env = {"LLMCLI_RUNTIME_DIR": folder}
-    yield env
-    run_cli("stop", env=env)
-    shutil.rmtree(folder, ignore_errors=True)
+    """The test's runtime dir (tests/conftest.py: every warm server started in it ends with the test)."""
+    return {"LLMCLI_RUNTIME_DIR": os.environ["LLMCLI_RUNTIME_DIR"]}
 
 
 def answer(env: dict[str, str], *args: str) -> dict:
@@ -94,7 +87,8 @@ def test_a_warm_run_answers_as_in_process_over_a_private_socket_and_stop_ends_it
 def test_run_chat_and_embed_are_warm_by_default_and_keep_alive_0_answers_in_this_process(runtime):
     """No --keep-alive: the first run starts the model's warm server and says so once (never again); the next answers
     warm, as the stats line and --json say; `--keep-alive 0` and LLMCLI_KEEP_ALIVE=0 answer in this process."""
-    default = {**runtime, "LLMCLI_KEEP_ALIVE": ""}  # (the suite turns warm servers off: this test turns them on)
+    default = dict(runtime)
+    (Path(os.environ["LLMCLI_DATA_DIR"]) / "warm-servers-explained").unlink()  # (the suite's tests have seen it)
     first = run_cli("run", "-m", "smollm2", "--temp", "0", "-n", "8", PROMPT, env=default)
     assert first.code == 0 and first.stdout, first.stderr
     assert first.stderr.count("stays loaded for 5m after each answer") == 1 and "llmcli stop" in first.stderr
@@ -203,7 +197,7 @@ def test_a_server_that_goes_away_leaves_the_answer_to_this_process(runtime, monk
     from llmcli.pipeline import Request, resolve_settings
     from llmcli.pipeline.warm import socket_for
 
-    here = run_cli("run", "--temp", "0", "-n", "16", "--no-prompt-cache", PROMPT, env=runtime)
+    here = run_cli("run", "--temp", "0", "-n", "16", "--no-prompt-cache", "--keep-alive", "0", PROMPT, env=runtime)
     monkeypatch.setenv("LLMCLI_RUNTIME_DIR", runtime["LLMCLI_RUNTIME_DIR"])
     effective, model = resolve_settings(Request(settings={"keep_alive": "5m"}))
     socket = socket_for(model.path, effective, None)

@@ -55,6 +55,9 @@ class Constraint:
         return f"the answer does not match the {self.origin or '--json-schema'} at {where}: {error.message}"
 
 
+GRAMMAR_FLAGS = ("--grammar", "--grammar-file")  # where a grammar given as GBNF comes from (its errors name it)
+
+
 def build_constraint(
     gbnf: str | None = None,
     gbnf_file: Path | None = None,

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from llmcli.errors import ResourceError
+from llmcli.units import counted
 
 MAX_CHARS_PER_TOKEN = 64  # no vocabulary's token is longer: a message of more than n_ctx times this cannot fit
 Rendered = TypeVar("Rendered")
@@ -79,3 +80,8 @@ def overflow(n_prompt: int, max_tokens: int | None, n_ctx: int, n_ctx_train: int
     widest = f" --ctx-size {limit} keeps the most of it." if can_truncate and n_ctx < limit else ""
     return ResourceError(f"{message}, and the model reads at most {limit} (its trained context)",
                          hint=f"Use a shorter input{truncate}.{widest}")
+
+
+def dropped_notice(dropped: int, how: str = "") -> str:
+    """What a chat says when it dropped its oldest exchanges to fit the context (`how`: what became of their KV)."""
+    return f"context nearly full: dropped the {counted(dropped, 'oldest exchange')} (the system prompt is kept){how}"

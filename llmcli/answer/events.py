@@ -62,6 +62,7 @@ class Done:
     tool_calls: tuple[ToolCall, ...] = ()  # the calls the answer made (finish_reason "tool_calls")
     tool_results: tuple[ToolResult, ...] = ()  # what running them gave (run and chat's tool loop)
     logprobs: tuple[TokenLogprob, ...] = ()  # of the answer's tokens (every Token's), when they were asked for
+    dropped: int = 0  # the conversation's oldest exchanges a server dropped to fit its context (chat through one)
 
 
 @dataclass(frozen=True)

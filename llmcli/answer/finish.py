@@ -31,6 +31,9 @@ REASONS = {reason.name: reason for reason in (
 )}
 FINISH_REASONS = tuple(REASONS)
 
+# What an answer the repetition guard stopped says (run's notice, on every path).
+REPETITION_NOTICE = "stopped: the answer was repeating itself (--no-repetition-guard lets it go on)"
+
 
 def finish_reason(name: str) -> FinishReason:
     """The reason called `name` (an unknown one reads as the model's own end)."""

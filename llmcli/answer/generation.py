@@ -43,6 +43,7 @@ class GenerationOptions:
     logprobs: int | None = None  # each answer token's logprob and this many most likely alternatives (None: none)
     think_budget: int | None = None  # tokens of thinking before the think block is closed (None: no limit)
     call_preference: float = default("call_preference")  # tool_choice auto: the call's opening favoured this much
+    fit_history: bool = False  # a conversation's oldest exchanges may be dropped to fit (chat; a server does it)
 
     @classmethod
     def from_settings(cls, values: Mapping[str, Any], sampling: SamplingConfig, constraint: Constraint | None = None,

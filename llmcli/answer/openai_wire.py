@@ -209,11 +209,16 @@ class ChunkReader:
         self.logprobs: list[TokenLogprob] = []  # of the answer's tokens, as the server sent them (when asked for)
         self._unsent: list[TokenLogprob] = []  # those of text the stop matcher still holds
         self.prompt_tokens = 0  # as llmcli serve announced them (an answer cut short gets no usage)
+        self.dropped = 0  # the conversation's oldest exchanges llmcli serve dropped to fit (fit_history)
 
     def events(self, chunk: dict[str, Any], chat: bool) -> Iterator[Token | CallStarted | CallArguments | Prefill]:
         announced = chunk.get("llmcli_prompt_tokens")  # (the client's reading of llmcli serve's comments)
         if type(announced) is int:
             self.prompt_tokens = announced
+            return
+        dropped = chunk.get("llmcli_dropped")
+        if type(dropped) is int:
+            self.dropped = dropped
             return
         progress = chunk.get("llmcli_prefill")
         if isinstance(progress, list) and len(progress) == 3 and self.clock.first_token is None:
@@ -287,13 +292,20 @@ class ChunkReader:
         self.clock.prefill_done = self.clock.first_token
         server = self.server_timings  # llmcli serve's own record: the images it read, its threads
         self.clock.images, self.clock.images_encoded = _count(server, "images"), _count(server, "images_encoded")
-        image_s = server.get("image_s")
+        image_s, prompt_s = server.get("image_s"), server.get("prompt_s")
         self.clock.image_s = float(image_s) if isinstance(image_s, (int, float)) and image_s >= 0 else 0.0
+        # (rendering and tokenizing the prompt: the server's, within this answer's TTFT)
+        if isinstance(prompt_s, (int, float)) and prompt_s >= 0 and self.clock.first_token is not None:
+            self.clock.prompt_s = min(float(prompt_s), (self.clock.first_token - self.clock.submitted) / 2)
+            self.clock.prefill_started = self.clock.submitted + self.clock.prompt_s  # (the prefill follows it)
+        drafted = _count(server, "draft_tokens")
         stats = self.clock.stats(prompt_tokens=prompt, cached_tokens=cached, prefill_tokens=max(0, prompt - cached),
                                  completion_tokens=completion, decode_steps=max(0, completion - 1),
                                  threads=_count(server, "threads") or None,
                                  prefill_threads=_count(server, "prefill_threads") or None,
-                                 kv_cells=_count(server, "kv_cells") or None,
+                                 kv_cells=_count(server, "kv_cells") or None, draft_tokens=drafted,
+                                 accepted_tokens=min(_count(server, "accepted_tokens"), drafted),
+                                 reasoning_tokens=min(_count(server, "reasoning_tokens"), completion),
                                  seed=server["seed"] if type(server.get("seed")) is int else None)
         own = self.server_timings.get("finish_reason")  # llmcli serve says why, in llmcli's words
         finish = ("interrupted" if interrupted else "stop_sequence" if self.stop is not None
@@ -306,7 +318,7 @@ class ChunkReader:
             finish = "tool_calls"
         return tail, Done(finish, stats, stop if isinstance(stop, str) else None, text="".join(self.text),
                           reasoning="".join(self.thought).strip() or None, tool_calls=calls,
-                          logprobs=tuple(self.logprobs))
+                          logprobs=tuple(self.logprobs), dropped=self.dropped)
 
 
 def logprobs_of(found: Any, chat: bool) -> list[TokenLogprob]:

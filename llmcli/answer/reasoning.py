@@ -102,3 +102,19 @@ def partial_suffix(text: str, tag: str) -> int:
         if tag.startswith(text[-size:]):
             return size
     return 0
+
+
+THINKING_SWITCHES = ("enable_thinking", "thinking")  # what reasoning models' templates read: Qwen3's, Granite's
+
+
+def reads_thinking_switch(template_source: str) -> bool:
+    """Whether a chat template reads --think/--no-think (one of THINKING_SWITCHES)."""
+    return any(name in template_source for name in THINKING_SWITCHES)
+
+
+def no_switch_notice(reads_switch: bool, think: bool | None) -> str | None:
+    """What is said when --think/--no-think is given to a chat template that reads neither switch (None: it reads
+    one, or neither was given)."""
+    if think is None or reads_switch:
+        return None
+    return f"this model's chat template has no thinking switch: {'--think' if think else '--no-think'} changes nothing"

@@ -23,9 +23,11 @@ from llmcli.answer.answerer import (
     Answerer,
     ContextInfo,
     Resumed,
+    exchange_starts,
     last_exchange_start,
     template_source,
 )
+from llmcli.answer.context_budget import dropped_notice
 from llmcli.answer.events import AnswerEvent, Done, Notice, answer_record
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.images import ImageInput
@@ -39,7 +41,6 @@ from llmcli.interrupt import Cancellation
 from llmcli.store import answer_log
 from llmcli.store.file_hashes import remembered_sha256
 from llmcli.tools.tool_loop import ToolRunner, answer_with_tools
-from llmcli.units import counted
 
 # What chat's /set may change: every setting marked for chat in the table.
 CHAT_SETTINGS = tuple(name for name, setting in SETTINGS.items() if setting.chat)
@@ -108,13 +109,17 @@ class Conversation:
             shifted = self.session.local.shift_for(text)
             how = ("" if shifted is None else "; the rest of the KV cache was shifted, not evaluated again" if shifted
                    else "; this model's KV cache cannot shift: the conversation is evaluated again")
-            yield Notice(f"context nearly full: dropped the {counted(dropped, 'oldest exchange')} "
-                         f"(the system prompt is kept){how}")
-        start = len(self.history)
-        events = answer_with_tools(self.session, text, self.generation, self.tools, self.cancel, images=images) \
-            if self.tools is not None else self.session.ask(text, self.generation, images=images)
+            yield Notice(dropped_notice(dropped, how))
+        start, before = len(self.history), list(self.history)
+        generation = dataclasses.replace(self.generation, fit_history=True)  # (a server fits it as _fit does here)
+        events = answer_with_tools(self.session, text, generation, self.tools, self.cancel, images=images) \
+            if self.tools is not None else self.session.ask(text, generation, images=images)
         for event in events:
             if isinstance(event, Done):
+                if event.dropped:  # a server fitted the conversation (and the session's history): the record too
+                    starts = exchange_starts(before)
+                    start -= starts[event.dropped] if event.dropped < len(starts) else len(before)
+                    self._write({"type": "drop", "exchanges": event.dropped})
                 self.turn_stats.append(event)
                 warning = self.record_exchange(text, event, start)
                 if warning:

@@ -32,6 +32,7 @@ from llmcli.answer.context_budget import (
     truncation_notice,
 )
 from llmcli.answer.events import AnswerEvent, Done, Notice
+from llmcli.answer.finish import REPETITION_NOTICE
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.image_bytes import read_image
 from llmcli.answer.images import ImageInput
@@ -261,7 +262,7 @@ class Session:
                 done = event
             yield event
             if isinstance(event, Done) and event.finish_reason == "repetition":
-                yield Notice("stopped: the answer was repeating itself (--no-repetition-guard lets it go on)")
+                yield Notice(REPETITION_NOTICE)
             if isinstance(event, Done) and (busy := self.engine.take_busy_notice()):
                 yield Notice(busy, advisory=True)
         if self.prompt_cache is not None and done is not None and done.finish_reason != "interrupted":

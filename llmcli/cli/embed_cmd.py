@@ -192,7 +192,7 @@ def _warm(request: Request, pooling: str, normalize: bool, truncate: bool,
                             f"--pooling {pooling} is answered in this process")
         return None
     try:
-        server = ensure(model.path, effective, None)
+        server = ensure(model.path, effective, None, projector=model.projector)
     except LlmcliError as exc:
         output.print_notice(output.stderr_console(), f"{exc.message}; embedding in this process")
         return None

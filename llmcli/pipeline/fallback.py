@@ -22,7 +22,7 @@ from llmcli.remote.client import NetworkError
 if TYPE_CHECKING:
     from llmcli.pipeline import Pipeline
 
-GONE = "the warm server went away; this process answers instead (loading the model)"
+GONE = "the warm server went away; this process answers instead (it has loaded the model)"
 PARTED = "the answer given here parts from what the warm server had begun: it starts again"
 
 
@@ -84,9 +84,9 @@ class FallbackAnswerer:
         except NetworkError:
             if self._local is not None:
                 raise
-        yield Notice(GONE)
         history, prompt = list(self._current.history), self._current.options
-        self._local = self._open_local()
+        self._local = self._open_local()  # (a model that will not load says so as in this process, with no notice first)
+        yield Notice(GONE)
         self._current = self._local.session
         self._current.history, self._current.options = history, prompt  # the conversation goes on here
         local = self._local.generation

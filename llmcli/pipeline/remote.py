@@ -11,6 +11,7 @@ from typing import Any
 from llmcli.answer.answerer import Answerer, PromptOptions
 from llmcli.answer.constraint import Constraint
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.reasoning import no_switch_notice
 from llmcli.answer.sampling_config import SamplingConfig, logit_bias_pair
 from llmcli.config import settings
 from llmcli.errors import ModelNotFoundError
@@ -36,7 +37,7 @@ def open_warm(request: Request, constraint: Constraint, cancel: Cancellation, on
 
     effective, model = resolve_settings(request, on_progress, on_waiting, config)
     installed = model.name if model.source.startswith("package:") else None  # (named as `list` names it)
-    warm = ensure(model.path, effective, request.template_file, installed)
+    warm = ensure(model.path, effective, request.template_file, installed, model.projector)
     endpoint = Endpoint("http://llmcli/v1", None, max(effective["endpoint_timeout"], 600.0), socket=str(warm.socket),
                         name="the warm server")
     settings_for_server = dataclasses.replace(effective, values={**effective.values, "model": warm.model})
@@ -47,7 +48,8 @@ def open_warm(request: Request, constraint: Constraint, cancel: Cancellation, on
     session.loaded = (warm.start_s or 0.0, warm.start_s is None)
     pipeline.model = model  # named as an in-process run names it (the log, --json, `logs -m`)
     notice = first_start_notice(model.name, str(effective["keep_alive"])) if warm.start_s is not None else None
-    session.notices[:0] = [*([notice] if notice else []), *warm.notices]
+    think = no_switch_notice(warm.thinking_switch, effective["think"]) if warm.thinking_switch is not None else None
+    session.notices[:0] = [*([notice] if notice else []), *warm.notices, *([think] if think else [])]
     return pipeline
 
 
@@ -67,10 +69,12 @@ def open_remote(request: Request, effective: settings.Settings, constraint: Cons
         defaults = {name: setting.default for name, setting in settings.SETTINGS.items()}
         biases = _logit_bias(request.logit_bias, own_server=bool(sent_at_start))
         unsent: list[str] = []
-        remote = RemoteRequest(model, defaults, constraint.grammar if not constraint.json else None,
-                               constraint.schema, constraint.json and constraint.schema is None, biases, extra or {},
-                               own_server=bool(sent_at_start))
-        sampling = SamplingConfig.from_settings(effective.values)  # checked as for a local model
+        gbnf = constraint.grammar if not constraint.json else None
+        remote = RemoteRequest(model, defaults, gbnf, constraint.schema, constraint.json and constraint.schema is None,
+                               biases, extra or {}, own_server=bool(sent_at_start), grammar_origin=constraint.origin)
+        # checked as for a local model (a grammar against llmcli's limits too, named by its flag, before it is sent)
+        SamplingConfig.from_settings(effective.values, grammar=gbnf, grammar_origin=constraint.origin)
+        sampling = SamplingConfig.from_settings(effective.values)
         prompt = PromptOptions(effective["system"], request.raw, None, effective["on_overflow"], effective["think"])
         generation = GenerationOptions.from_settings(effective.values, sampling,  # (the server drafts, if it does)
                                                      Constraint(json=constraint.json, schema=constraint.schema),

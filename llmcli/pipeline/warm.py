@@ -52,11 +52,14 @@ class WarmServer:
     pid: int
     start_s: float | None = None  # seconds this run waited for it to start and load its model; None: it was running
     notices: tuple[str, ...] = ()  # what its model's load said (no chat template, …): said with each answer, as here
+    thinking_switch: bool | None = None  # whether its chat template reads --think (None: it has none, or did not say)
 
 
-def socket_for(model_path: Path, effective: settings.Settings, template_file: Path | None) -> Path:
-    """The socket of the server for this model and these load settings (and this llmcli)."""
-    identity = json.dumps([__version__, str(model_path.resolve()), str(template_file or ""),
+def socket_for(model_path: Path, effective: settings.Settings, template_file: Path | None,
+               projector: Path | None = None) -> Path:
+    """The socket of the server for this model, its projector (found beside the name it was given: a link in a folder
+    with one sees, its target may not) and these load settings (and this llmcli)."""
+    identity = json.dumps([__version__, str(model_path.resolve()), str(projector or ""), str(template_file or ""),
                            {name: effective[name] for name in LOAD_SETTINGS}], sort_keys=True, default=str)
     return paths.warm_servers_dir() / f"{hashlib.sha256(identity.encode()).hexdigest()[:20]}.sock"
 
@@ -111,10 +114,11 @@ def running() -> list[tuple[Path, Health]]:
 
 
 def ensure(model_path: Path, effective: settings.Settings, template_file: Path | None,
-           reference: str | None = None) -> WarmServer:
+           reference: str | None = None, projector: Path | None = None) -> WarmServer:
     """The warm server of this model, started if none answers (LlmcliError if it will not start). `reference`: what
-    the server's -m is, when the user gave none (an installed model's short name: what `list` and `ps` call it)."""
-    socket = socket_for(model_path, effective, template_file)
+    the server's -m is, when the user gave none (an installed model's short name: what `list` and `ps` call it);
+    `projector`: the one found with the model (another one, or none, is another server)."""
+    socket = socket_for(model_path, effective, template_file, projector)
     if len(os.fsencode(socket)) > MAX_SOCKET_PATH:
         raise LlmcliError(f"the runtime dir's path is too long for a Unix socket ({socket}: more than "
                           f"{MAX_SOCKET_PATH} bytes); set LLMCLI_RUNTIME_DIR to a shorter one")
@@ -130,7 +134,9 @@ def ensure(model_path: Path, effective: settings.Settings, template_file: Path |
                 start_s = time.perf_counter() - started
     served: Any = next(iter(state.get("models") or []), {})
     notices = tuple(n for n in served.get("notices") or () if isinstance(n, str)) if isinstance(served, dict) else ()
-    return WarmServer(socket, str(state.get("model") or model_path.stem), int(state.get("pid") or 0), start_s, notices)
+    switch = served.get("thinking_switch") if isinstance(served, dict) else None
+    return WarmServer(socket, str(state.get("model") or model_path.stem), int(state.get("pid") or 0), start_s, notices,
+                      switch if isinstance(switch, bool) else None)
 
 
 def serve_installed() -> bool:

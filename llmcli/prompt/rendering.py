@@ -9,6 +9,7 @@ from llmcli.answer.answerer import PromptOptions, RenderedPrompt
 from llmcli.answer.images import MARKER as IMAGE_MARKER
 from llmcli.answer.images import MAX_IMAGES, ImageInput
 from llmcli.answer.message import Message
+from llmcli.answer.reasoning import THINKING_SWITCHES, no_switch_notice, reads_thinking_switch
 from llmcli.answer.tool_calls import ToolSpec
 from llmcli.errors import TemplateError, UsageError
 from llmcli.llama.vision import Vision
@@ -36,10 +37,8 @@ def find_template(header: GGUFHeader, options: PromptOptions) -> tuple[ChatTempl
             return None, ["this model has no chat template; sending the prompt as-is (--raw)"]
         template = ChatTemplate(stored, "model")
     templates.check(template)
-    if options.think is not None and not any(name in template.source for name in thinking_variables(True)):
-        flag = "--think" if options.think else "--no-think"
-        return template, [f"this model's chat template has no thinking switch: {flag} changes nothing"]
-    return template, []
+    notice = no_switch_notice(reads_thinking_switch(template.source), options.think)
+    return template, [notice] if notice else []
 
 
 def render_prompt(template: ChatTemplate | None, vocab: Vocabulary, messages: list[Message],
@@ -84,4 +83,4 @@ def _tokenized(text: str, vocab: Vocabulary, add_special: bool, images: list[Ima
 def thinking_variables(think: bool | None) -> dict[str, bool]:
     """--think / --no-think as the templates of reasoning models read it: Qwen3's `enable_thinking`, Granite's
     `thinking`; nothing when not given (the template's own default)."""
-    return {} if think is None else {"enable_thinking": think, "thinking": think}
+    return {} if think is None else dict.fromkeys(THINKING_SWITCHES, think)

@@ -23,6 +23,7 @@ RETRIES = 3  # after the first try, for 429 and 5xx
 BACKOFF_S = 0.5  # doubled each retry; a Retry-After the server sends is honoured (up to 10 s)
 PREFILL_COMMENT = re.compile(r":\s?prefill (\d{1,9})/(\d{1,9}) (\d{1,9})")  # llmcli serve's progress (an SSE comment)
 PROMPT_COMMENT = re.compile(r":\s?prompt_tokens (\d{1,9})")  # and a choice's prompt, before its first chunk
+DROPPED_COMMENT = re.compile(r":\s?dropped (\d{1,6})")  # and the oldest exchanges it dropped to fit (fit_history)
 
 
 class NetworkError(LlmcliError):
@@ -101,6 +102,9 @@ class Client:
                             prompt = PROMPT_COMMENT.fullmatch(line.strip())  # (and the prompt's tokens)
                             if prompt is not None:
                                 yield {"llmcli_prompt_tokens": int(prompt.group(1))}
+                            dropped = DROPPED_COMMENT.fullmatch(line.strip())  # (and what it dropped to fit)
+                            if dropped is not None:
+                                yield {"llmcli_dropped": int(dropped.group(1))}
                             continue
                         data = line[5:].strip()
                         if data == "[DONE]":

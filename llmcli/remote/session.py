@@ -11,9 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from llmcli.answer.answerer import ProgressCallback, PromptOptions, ResultCallback, with_system
+from llmcli.answer.answerer import ProgressCallback, PromptOptions, ResultCallback, oldest_exchange_end, with_system
 from llmcli.answer.batch_jsonl import BatchItem, Summary
+from llmcli.answer.constraint import GRAMMAR_FLAGS
 from llmcli.answer.events import AnswerEvent, DecodeEvent, Done, Notice, Prefill, Token, answer_record
+from llmcli.answer.finish import REPETITION_NOTICE
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.image_bytes import read_image
 from llmcli.answer.images import ImageInput
@@ -44,6 +46,7 @@ class RemoteRequest:
     logit_bias: Mapping[str, float] | list[list[Any]] = dataclasses.field(default_factory=dict)
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # sent as they are (a warm server's keep_alive)
     own_server: bool = False  # the server is llmcli serve (a warm server): its own fields are sent (on_overflow)
+    grammar_origin: str | None = None  # the flag the grammar came from: llmcli serve's errors name it (own server)
 
     def body(self, generation: GenerationOptions, think: bool | None = None, chat: bool = True,
              on_overflow: str = "error") -> dict[str, Any]:
@@ -51,6 +54,10 @@ class RemoteRequest:
         body: dict[str, Any] = {"model": self.model, **self.extra, **sampling_fields(generation, self.defaults)}
         if on_overflow == "truncate" and self.own_server:  # (llmcli serve's own field)
             body["on_overflow"] = on_overflow
+        if generation.fit_history and chat and self.own_server:  # (chat: the oldest exchanges go, as in this process)
+            body["fit_history"] = True
+        if not generation.reasoning and self.own_server:  # --reasoning stdout: the think block stays in the text
+            body["reasoning_format"] = "none"  # (llama-server's field, which llmcli serve takes)
         if self.logit_bias:
             body["logit_bias"] = self.logit_bias
         body.update(tool_fields(generation.tools))
@@ -69,6 +76,8 @@ class RemoteRequest:
             body["response_format"] = {"type": "json_object"}
         elif self.grammar is not None:
             body["grammar"] = self.grammar
+            if self.own_server and self.grammar_origin in GRAMMAR_FLAGS:
+                body["grammar_origin"] = self.grammar_origin
         return body
 
 
@@ -99,12 +108,16 @@ class RemoteSession:
         done."""
         for event in exchange(self, user_text, options, self.history, images):
             if isinstance(event, Done) and self.loaded is not None:
-                (load_s, warm), self.loaded = self.loaded, None
+                (load_s, warm), self.loaded = self.loaded, (0.0, True)  # (the next answers find the model loaded)
                 event = dataclasses.replace(event, stats=dataclasses.replace(event.stats, load_s=load_s, warm=warm))
             if isinstance(event, Done):
+                for _ in range(event.dropped):  # (the server fitted the conversation: it goes on as it was answered)
+                    del self.history[: oldest_exchange_end(self.history)]
                 self.history += [*([user_message(user_text, images)] if user_text is not None else []),
                                  Message("assistant", event.text, tool_calls=event.tool_calls)]
             yield event
+            if isinstance(event, Done) and event.finish_reason == "repetition":
+                yield Notice(REPETITION_NOTICE)
 
     def close(self) -> None:
         self.client.close()

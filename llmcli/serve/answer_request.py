@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcli.answer.answerer import RenderedPrompt
+from llmcli.answer.answerer import RenderedPrompt, exchange_starts, oldest_exchange_end
 from llmcli.answer.constraint import Constraint
 from llmcli.answer.context_budget import (
     MAX_CHARS_PER_TOKEN,
     answer_room,
     capped,
+    dropped_notice,
     overflow,
     truncated,
     truncation_notice,
@@ -104,6 +106,9 @@ class AnswerRequest:
     prompt_param: str = "messages"  # how this protocol names the prompt and the limit, for errors
     limit_param: str = "max_tokens"
     on_overflow: str = "error"  # llmcli's own field: "truncate" drops the start of the last message until it fits
+    grammar_origin: str | None = None  # llmcli's own field: the flag a warm run's grammar came from (its errors' words)
+    split_reasoning: bool = True  # False (llama-server's reasoning_format "none"): a think block stays in the text
+    fit_history: bool = False  # llmcli's own field (a warm chat): the oldest exchanges dropped until it fits
 
 
 @dataclass(frozen=True)
@@ -115,15 +120,24 @@ class Parsed:
     include_usage: bool
     stable: int | None = None  # where the conversation's standing part ends (its KV state is kept there)
     notices: tuple[str, ...] = ()  # what the asker should know (run's words: the input truncated, -n capped)
+    started: float = 0.0  # perf_counter when it was prepared: its answer's clock starts there (as a run's does)
+    prompt_s: float = 0.0  # rendering and tokenizing it (part of the TTFT, as a run's)
+    dropped: int = 0  # the conversation's oldest exchanges dropped to fit the context (fit_history)
 
 
 def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
     """The request rendered, tokenized and checked against the context: what a slot needs; ApiError otherwise."""
+    started = time.perf_counter()
     rendered = _render(request, prompter)
     values = {**prompter.defaults, **request.settings}
     limits = prompter.limits
     notices: list[str] = []
     asked = request.max_tokens or values["max_tokens"]
+    dropped = 0
+    if request.fit_history and request.messages is not None:
+        request, rendered, dropped = _fitted(request, prompter, rendered, asked)
+        if dropped:
+            notices.append(dropped_notice(dropped))
     if request.on_overflow == "truncate" and len(rendered.tokens) + (asked or 1) > limits.n_ctx:
         request, rendered, cut = _truncated(request, prompter, asked)
         notices.append(cut)
@@ -136,16 +150,18 @@ def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
     cap = capped(asked, len(rendered.tokens), limits.n_ctx)[1]
     if cap is not None and request.on_overflow != "truncate":
         notices.append(cap)
-    max_tokens = min(asked or limits.max_tokens, room, limits.max_tokens)
+    max_tokens: int | None = min(asked or limits.max_tokens, room, limits.max_tokens)
+    if asked is None and room <= limits.max_tokens:
+        max_tokens = None  # (no -n: until the context is full, which the answer's end says: context_full, as run's)
     stops = tuple(request.stops if request.stops is not None else values["stop"])
     constraint = request.constraint
     if not (constraint.grammar or constraint.json) and not (request.tools is not None and request.tools.active):
         constraint = prompter.constraint  # (the server's own, if it has one)
     try:
         if constraint.grammar is not None and constraint.origin == "grammar":  # a request's own GBNF
-            prompter.check_grammar(constraint.grammar, "grammar")
+            prompter.check_grammar(constraint.grammar, request.grammar_origin or "grammar")
     except LlmcliError as exc:
-        raise ApiError(400, exc.message, param="grammar") from None
+        raise ApiError(400, exc.message, param="grammar", cause=exc) from None
     try:
         biases = resolve_logit_bias(list(request.logit_bias), prompter.tokenize_piece, prompter.n_vocab)
     except LlmcliError as exc:
@@ -155,16 +171,36 @@ def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
         sampling = SamplingConfig.from_settings(values, logit_bias=prompter.logit_bias + biases,
                                                 grammar=constraint.grammar, grammar_origin=constraint.origin)
     except LlmcliError as exc:
-        raise ApiError(400, exc.message) from None
+        raise ApiError(400, exc.message, cause=exc) from None
     generation = GenerationOptions.from_settings(values, sampling, constraint, max_tokens=max_tokens, stops=stops,
                                                  max_draft=limits.max_draft, tools=request.tools,
-                                                 logprobs=request.logprobs).for_prompt(rendered.text,
-                                                                                        prompter.template_source)
+                                                 logprobs=request.logprobs)
+    if not request.split_reasoning:
+        generation = dataclasses.replace(generation, reasoning=False)
+    generation = generation.for_prompt(rendered.text, prompter.template_source)
     last = request.messages[-1] if request.messages else None
     generation = generation.for_turn(last.content if last is not None and last.role == "user" else None if last is not None
                                      else request.prompt if isinstance(request.prompt, str) else "")
+    stable = _stable(request, prompter, rendered.tokens)
     return Parsed(rendered.tokens, generation, sampling.effective_seed(), request.stream, request.include_usage,
-                  _stable(request, prompter, rendered.tokens), tuple(notices))
+                  stable, tuple(notices), started, time.perf_counter() - started, dropped)
+
+
+def _fitted(request: AnswerRequest, prompter: Prompter, rendered: RenderedPrompt, max_tokens: int | None) -> tuple[
+        AnswerRequest, RenderedPrompt, int]:
+    """`fit_history` (a chat through its warm server): the oldest exchanges after the system messages dropped, as
+    chat drops them in this process, until the prompt and room for the answer fit or the last exchange is left; the
+    request as fitted, its prompt, and how many exchanges went."""
+    budget = prompter.limits.n_ctx - answer_room(max_tokens, prompter.limits.n_ctx)
+    messages = list(request.messages or [])
+    lead = len(list(itertools.takewhile(lambda message: message.role == "system", messages)))
+    dropped = 0
+    while len(rendered.tokens) > budget and len(exchange_starts(messages[lead:])) > 1:
+        messages = messages[:lead] + messages[lead:][oldest_exchange_end(messages[lead:]):]
+        dropped += 1
+        request = dataclasses.replace(request, messages=messages)
+        rendered = _render(request, prompter)
+    return request, rendered, dropped
 
 
 def _truncated(request: AnswerRequest, prompter: Prompter, max_tokens: int | None) -> tuple[
@@ -230,7 +266,7 @@ def _render(request: AnswerRequest, prompter: Prompter) -> RenderedPrompt:
     try:
         return prompter.render_chat(request.messages, request.think, request.tools)
     except LlmcliError as exc:  # the template refused the conversation
-        raise ApiError(400, exc.message, param=request.prompt_param) from None
+        raise ApiError(400, exc.message, param=request.prompt_param, cause=exc) from None  # (a warm run's: run's words)
 
 
 def count_tokens(request: AnswerRequest, prompter: Prompter) -> int:

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from llmcli.answer.events import DecodeEvent, Done, Prefill
 from llmcli.answer.openai_wire import WireError
-from llmcli.answer.stats import summary_line
+from llmcli.answer.stats import AnswerClock, summary_line
 from llmcli.decode.serving import Failure, Job, QueueFull, SlotServer
 from llmcli.serve.answer_request import AnswerRequest, ApiError, Parsed, prepare
 from llmcli.serve.model_pool import ModelPool, Served
@@ -186,7 +186,9 @@ async def respond(request: Request, state: ServerState, slots: SlotServer, prepa
     def emitter(index: int) -> Callable[[DecodeEvent | Prefill], None]:  # called on this loop (deliver)
         return lambda event: events.put_nowait((index, event))
 
-    jobs = [Job(p.tokens, p.generation, p.seed, emitter(i), stable=p.stable) for i, p in enumerate(prepared)]
+    jobs = [Job(p.tokens, p.generation, p.seed, emitter(i), stable=p.stable,
+                clock=AnswerClock(p.started, prompt_s=p.prompt_s) if p.started else AnswerClock())
+            for i, p in enumerate(prepared)]
     try:
         for job in jobs:
             slots.submit(job)

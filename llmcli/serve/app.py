@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llmcli import __version__
+from llmcli.answer.reasoning import reads_thinking_switch
 from llmcli.serve import anthropic_routes, chat_page, ollama_routes, openai_api, openai_routes
 from llmcli.serve.answer_request import ApiError
 from llmcli.serve.answering import ServerState, check_key, requested_model
@@ -78,6 +79,9 @@ def _own_app(state: ServerState, hosts: tuple[str, ...] | None, webui: bool) -> 
         expires = served.expires_in()
         return {"name": served.name, "path": str(served.key), "size": served.facts.size, "slots": served.slots.status(),
                 "n_ctx": served.prompter.limits.n_ctx,
+                # (whether its template reads --think: a warm run says, as a run does, when it would change nothing)
+                "thinking_switch": reads_thinking_switch(served.prompter.template_source)
+                if served.prompter.template_source else None,
                 "in_flight": served.in_flight, "pinned": served.pinned, "notices": list(served.notices),
                 "expires_in_s": None if expires is None else round(expires, 1),
                 "idle_s": 0.0 if served.in_flight else round(time.monotonic() - served.last_used, 1)}
@@ -92,7 +96,7 @@ def _own_app(state: ServerState, hosts: tuple[str, ...] | None, webui: bool) -> 
         found = {"status": "ok", "model": default.name if default else None, **first, "version": __version__}
         if trusted:
             return JSONResponse({**found, "models": models, "pid": os.getpid()})
-        return JSONResponse({**found, "models": [{k: v for k, v in m.items() if k not in ("path", "notices")}
+        return JSONResponse({**found, "models": [{k: v for k, v in m.items() if k not in ("path", "notices", "thinking_switch")}
                                                  for m in models]})
 
     async def llmcli_embed(body: Any) -> Any:

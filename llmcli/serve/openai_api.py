@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmcli.answer.constraint import GRAMMAR_FLAGS
 from llmcli.answer.events import DecodeEvent, Done, Prefill, Token, TokenLogprob
 from llmcli.answer.finish import finish_reason
 from llmcli.answer.openai_wire import SAMPLING_FIELDS, WireError, call_delta, message_of, timings, usage
@@ -36,8 +37,12 @@ LEFT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key
                   "prompt_cache_options", "prompt_cache_retention", "moderation", "verbosity", "prediction"})
 # `keep_alive` (llmcli's and Ollama's): how long the model stays loaded after this request
 # `on_overflow` (llmcli's: "truncate" drops the start of the last message until it fits, as run's --on-overflow)
+# `grammar_origin` (llmcli's: the flag a warm run's grammar came from, for its errors' words)
+# `reasoning_format` (llama-server's: "none" leaves a think block in the text, as run's --reasoning stdout)
+# `fit_history` (llmcli's: a chat's oldest exchanges are dropped until it fits, as chat drops them; said in a comment)
 SHARED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "stop", "logit_bias", "logprobs", "seed",
-                    "grammar", "response_format", "keep_alive", "on_overflow", *SAMPLING_FIELDS}) | LEFT
+                    "grammar", "response_format", "keep_alive", "on_overflow", "grammar_origin", "reasoning_format",
+                    "fit_history", *SAMPLING_FIELDS}) | LEFT
 CHAT_FIELDS = SHARED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                         "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "modalities"}
 COMPLETION_FIELDS = SHARED | {"prompt", "echo", "suffix", "best_of"}
@@ -141,7 +146,14 @@ def _answer_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     on_overflow = body.get("on_overflow", "error")
     if on_overflow not in ("error", "truncate"):
         raise ApiError(400, "on_overflow must be error or truncate", param="on_overflow")
-    return dict(settings=settings_of(body, SAMPLING_FIELDS), on_overflow=on_overflow,
+    grammar_origin = body.get("grammar_origin")
+    if grammar_origin is not None and grammar_origin not in GRAMMAR_FLAGS:
+        raise ApiError(400, f"grammar_origin must be one of {', '.join(GRAMMAR_FLAGS)}", param="grammar_origin")
+    reasoning_format = body.get("reasoning_format")  # (llama-server's: "none" leaves a think block in the text)
+    if reasoning_format not in (None, "none", "auto", "deepseek"):
+        raise ApiError(400, "reasoning_format must be none, auto or deepseek", param="reasoning_format")
+    return dict(settings=settings_of(body, SAMPLING_FIELDS), on_overflow=on_overflow, grammar_origin=grammar_origin,
+                split_reasoning=reasoning_format != "none", fit_history=body.get("fit_history") is True,
                 max_tokens=max_tokens_of(body.get("max_completion_tokens", body.get("max_tokens")), "max_tokens"),
                 stops=stops_of(body.get("stop")), constraint=constraint, logit_bias=logit_bias_of(body.get("logit_bias")),
                 stream=bool(body.get("stream")), include_usage=bool(stream_options.get("include_usage")))
@@ -161,6 +173,7 @@ class Reply:
     created: int = 0
     notices: list[tuple[str, ...]] = field(default_factory=list)  # each choice's (Parsed.notices): in its timings
     prompt_tokens: list[int] = field(default_factory=list)  # each choice's prompt, said with its first chunk
+    dropped: list[int] = field(default_factory=list)  # each choice's exchanges dropped to fit (fit_history): said too
     announced: set[int] = field(default_factory=set)  # choices whose first chunk said its prompt's tokens
     started: set[int] = field(default_factory=set)  # choices whose first chunk (with the role) went out
     offsets: dict[int, int] = field(default_factory=dict)  # completions' logprobs: text offset per choice
@@ -169,7 +182,8 @@ class Reply:
     def new(chat: bool, model: str, requests: list[AnswerRequest], prepared: list[Parsed] | None = None) -> Reply:
         prefix = "chatcmpl-" if chat else "cmpl-"
         return Reply(chat, model, requests, prefix + uuid.uuid4().hex[:24], int(time.time()),
-                     notices=[p.notices for p in prepared or ()], prompt_tokens=[len(p.tokens) for p in prepared or ()])
+                     notices=[p.notices for p in prepared or ()], prompt_tokens=[len(p.tokens) for p in prepared or ()],
+                     dropped=[p.dropped for p in prepared or ()])
 
     def _timings(self, index: int, done: Done) -> dict[str, Any]:
         notices = self.notices[index] if index < len(self.notices) else ()
@@ -192,7 +206,9 @@ class Reply:
         if index in self.announced or index >= len(self.prompt_tokens):
             return []
         self.announced.add(index)
-        return [(COMMENT, f"prompt_tokens {self.prompt_tokens[index]}")]
+        dropped = self.dropped[index] if index < len(self.dropped) else 0
+        return [*([(COMMENT, f"dropped {dropped}")] if dropped else []),
+                (COMMENT, f"prompt_tokens {self.prompt_tokens[index]}")]
 
     def opening(self) -> list[Item]:
         return []
