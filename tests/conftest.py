@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import compileall
+import contextlib
 import fcntl
 import importlib
 import json
@@ -147,6 +148,7 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model:
         monkeypatch.delenv(var, raising=False)
     runtime = Path(tempfile.mkdtemp(prefix="llmcli-rt-"))  # (short: a socket's path holds at most 107 bytes)
     monkeypatch.setenv("LLMCLI_RUNTIME_DIR", str(runtime))
+    monkeypatch.setenv("LLMCLI_TEST_FORKED", str(runtime / "forked-servers"))  # (the servers forked for its runs)
     RUNTIME_DIRS.append(runtime)
     if request.node.get_closest_marker("in_process") is not None:
         monkeypatch.setenv("LLMCLI_KEEP_ALIVE", "0")
@@ -172,6 +174,10 @@ def no_warm_server_outlives_its_test() -> Iterator[None]:
     while RUNTIME_DIRS:
         runtime = RUNTIME_DIRS.pop()
         marker = str(runtime).encode()
+        with contextlib.suppress(OSError):
+            for line in (runtime / "forked-servers").read_text().split():  # (LLMCLI_TEST_FORKED)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(line), signal.SIGKILL)
         for entry in Path("/proc").iterdir():
             try:
                 if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes():
@@ -340,6 +346,9 @@ def _become_llmcli(args: list[str], environment: dict[str, str], terminal: bool 
                           if signum == signal.SIGINT else signal.SIG_DFL)
         sys.argv = ["llmcli", *args]
         from llmcli.cli import main
+        from llmcli.pipeline import warm
+
+        warm.spawn_server = _fork_server  # (its warm servers forked too: llmcli and the model are loaded here)
 
         try:
             main()
@@ -357,6 +366,52 @@ def _become_llmcli(args: list[str], environment: dict[str, str], terminal: bool 
         except BaseException:
             pass
         os._exit(code)
+
+
+class ForkedServer:
+    """A warm server forked from a forked CLI run (`spawn_server`'s Popen, as `_start` uses it)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def terminate(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+
+
+def _fork_server(command: list[str], environment: dict[str, str], log_fd: int) -> ForkedServer:
+    """In a forked CLI run: its warm server (`python -m llmcli serve …`) forked from it, as `spawn_server` starts it
+    (a session of its own, /dev/null, stderr into its log, no other fd: the test's pipes close when the run ends);
+    llmcli, llama.cpp and the model's weights are loaded already (a server start: ~0.2 s of CPU, not ~1.3 s). Its pid
+    is noted in the test's runtime dir: it ends with the test."""
+    if threading.active_count() > 1:  # (forking could inherit a held lock: a real process instead)
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_fd,
+                                env=environment, start_new_session=True, close_fds=True)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            quiet = os.open(os.devnull, os.O_RDWR)
+            os.dup2(quiet, 0)
+            os.dup2(quiet, 1)
+            os.dup2(log_fd, 2)
+            os.closerange(3, 65536)
+        except BaseException:
+            os._exit(70)
+        _become_llmcli(command[3:], environment)  # (command: python -m llmcli serve …)
+    with open(environment["LLMCLI_TEST_FORKED"], "a") as noted:  # (whatever runtime dir the run was given)
+        noted.write(f"{pid}\n")
+    return ForkedServer(pid)
 
 
 class Terminal(pexpect.fdpexpect.fdspawn):

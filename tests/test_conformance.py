@@ -1,6 +1,6 @@
 """One product on every path (issue 57): the conformance matrix. Every setting of the table (llmcli/config/settings.py)
 and every option of `run` that shapes an answer has a row; each row that can be asked of an answer is run on every
-path — in-process `run`, the warm `run` (the default), `run --batch`, and `--endpoint` to `llmcli serve` — and gives
+path — in-process `run`, the warm `run` (the default), `chat` (warm), `run --batch`, and `--endpoint` to `llmcli serve` — and gives
 the in-process answer (the same greedy text, tokens, logprobs, finish reason, notices, seed, rendered prompt), or a
 refusal that names the option (exit 2), or, where a server decides, a notice naming it: never silence.
 
@@ -71,7 +71,7 @@ ROWS = [
      ["--no-think", "--think-budget", "8", "--no-repetition-guard", "--call-preference", "1"]),
     ("-n past the context", ("max_tokens",), ["-n", "5000"]),
 ]
-PATHS = ("in-process", "warm", "--batch", "--endpoint serve")
+PATHS = ("in-process", "warm", "chat", "--batch", "--endpoint serve")
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def paths(tmp_path_factory, smollm2):
     warm = {"LLMCLI_RUNTIME_DIR": runtime, "LLMCLI_KEEP_ALIVE": ""}
     server, url = start_server(tmp_path_factory.mktemp("serve"), "-m", str(smollm2), "-P", "1")
     try:
-        yield {"in-process": {"LLMCLI_KEEP_ALIVE": "0"}, "warm": warm, "--endpoint serve": {"LLMCLI_ENDPOINT": url}}
+        yield {"in-process": {"LLMCLI_KEEP_ALIVE": "0"}, "warm": warm, "chat": warm, "--endpoint serve": {"LLMCLI_ENDPOINT": url}}
     finally:
         run_cli("stop", env=warm)
         shutil.rmtree(runtime, ignore_errors=True)
@@ -96,6 +96,10 @@ def _answer(env: dict[str, str], args: list[str], path: str) -> tuple[int, dict 
                          env={"LLMCLI_KEEP_ALIVE": "0"})
         record = json.loads(result.stdout.splitlines()[0]) if result.code == 0 and result.stdout else None
         return result.code, record, result.stderr
+    if path == "chat":  # (the default: warm) one message, its reply's record
+        result = run_cli("chat", "--no-save", *common, *args, input=PROMPT + "\n", env=env)
+        record = json.loads(result.stdout.splitlines()[0]) if result.code == 0 and result.stdout.strip() else None
+        return (result.code if record is not None or result.code else 1), record, result.stderr
     result = run_cli("run", *common, *args, PROMPT, env=env)
     return result.code, json.loads(result.stdout) if result.code == 0 else None, result.stderr
 

@@ -240,6 +240,9 @@ def test_ollama_s_pull_downloads_a_hub_model_that_then_answers_and_a_client_gone
         assert no_path.status_code == 404 and "File name too long" in no_path.json()["error"]
         with pytest.raises(ollama.ResponseError):
             client.pull("\x1b]0;owned\x07\x1b[2Jx")  # (a terminal's title and clear screen, in a name)
+        deadline = time.monotonic() + 10  # (a pull's line is written once its response is out: it may follow it)
+        while "pull ^[]0;owned" not in LOGS[proc.pid].read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
         log = LOGS[proc.pid].read_text()  # one line a pull in the server's log (the stopped one's: before the next)
         assert "pull ^[]0;owned^G^[[2Jx: failed" in log and "\x1b" not in log
         assert f"pull hf.co/someone/Smol-GGUF: someone/Smol-GGUF:Q4_K_M ready ({human_size(size)}) in " in log, log

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx2
 
@@ -238,8 +238,7 @@ def _start(socket: Path, model_path: Path, effective: settings.Settings, templat
     log = socket.with_suffix(".log")
     log.unlink(missing_ok=True)  # (a link planted at its name goes, never followed)
     with os.fdopen(paths.open_private(log, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as output:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=output,
-                                   env=environment, start_new_session=True, close_fds=True)
+        process = spawn_server(command, environment, output.fileno())
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         state = health(socket, timeout=1.0)
@@ -251,6 +250,24 @@ def _start(socket: Path, model_path: Path, effective: settings.Settings, templat
         time.sleep(0.05)
     process.terminate()
     raise LlmcliError(f"the warm server did not answer within {START_TIMEOUT_S:.0f} s")
+
+
+def spawn_server(command: list[str], environment: dict[str, str], log_fd: int) -> ServerProcess:
+    """A warm server's process, started detached: a session of its own, stdin and stdout on /dev/null, stderr into
+    its log. The one place one starts (the test suite's forked CLI runs fork theirs here: tests/conftest.py)."""
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_fd,
+                            env=environment, start_new_session=True, close_fds=True)
+
+
+class ServerProcess(Protocol):
+    """What `_start` needs of a server's process while it waits for it (a Popen's)."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def terminate(self) -> None: ...
 
 
 def _env_value(value: Any) -> str:
