@@ -187,7 +187,6 @@ def _recorded() -> dict[str, list[dict]]:
         return {cid: log.events(cid) for cid, _ in log.conversations()}
 
 
-@pytest.mark.in_process  # (a warm chat's record has no template hash: issue 57's closing note)
 def test_resume_last_restores_the_history(isolated_env):
     first = run_cli("chat", "--temp", "0", "-n", "8", "-q", input="My secret word is PINEAPPLE.\n")
     assert first.code == 0, first.stderr

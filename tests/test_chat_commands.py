@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from conftest import run_cli
 
 
@@ -34,7 +33,6 @@ def _used(show: str) -> int:
     return int(show.split("context  ", 1)[1].split(" /", 1)[0])
 
 
-@pytest.mark.in_process  # (a warm chat's /show has no context size: issue 57's closing note)
 def test_show_counts_the_conversation_after_clear_undo_and_load(tmp_path: Path):
     saved = tmp_path / "one.json"
     _, err = chat_lines("hi", "/show", f"/save {saved}", "/clear", "/show", "hi", "/undo", "/show", f"/load {saved}",
@@ -45,7 +43,6 @@ def test_show_counts_the_conversation_after_clear_undo_and_load(tmp_path: Path):
     assert "1 exchange" in shows[0] and "0 exchanges" in shows[1] and "0 exchanges" in shows[2]
 
 
-@pytest.mark.in_process  # (a warm chat's /show cannot name the template's own system prompt: issue 57's closing note)
 def test_show_names_the_template_s_own_system_prompt_and_stats_count_in_words():
     _, err = chat_lines("hi", "/show", "/stats")
     assert "system   (none given; the chat template adds its own: You are a helpful" in err  # SmolLM2's template

@@ -48,6 +48,16 @@ class ContextInfo:
 
 
 @dataclass(frozen=True)
+class ServedFacts:
+    """What a warm server says of its model that a local model's answerer would tell itself: its context, its chat
+    template's sha256 and the system prompt the template adds when none is given (chat's /show, the record)."""
+
+    n_ctx: int
+    template_sha256: str | None = None
+    template_system: str | None = None
+
+
+@dataclass(frozen=True)
 class Resumed:
     """A resumed conversation's KV state: the tokens restored, or why none were (None: nothing to say); what the
     prompt cache had to say on the way (a damaged entry removed)."""

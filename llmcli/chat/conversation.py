@@ -23,6 +23,7 @@ from llmcli.answer.answerer import (
     Answerer,
     ContextInfo,
     Resumed,
+    ServedFacts,
     exchange_starts,
     last_exchange_start,
     template_source,
@@ -52,7 +53,7 @@ class Conversation:
                  save: bool = True, conversation_id: str | None = None, pinned: frozenset[str] = frozenset(),
                  log: Callable[[str, dict[str, Any], list[Message]], str | None] | None = None,
                  tools: ToolRunner | None = None,
-                 cancel: Cancellation | None = None):
+                 cancel: Cancellation | None = None, served: ServedFacts | None = None):
         self.session = session
         self.generation = generation
         self.model_name = model_name
@@ -68,6 +69,7 @@ class Conversation:
         self._started = False
         self.tools = tools  # --functions: the calls run between a message and its reply
         self.cancel = cancel or Cancellation()
+        self.served = served  # a warm server's facts (its context, its template): what a local model tells itself
 
     # -- the record ------------------------------------------------------------------------
 
@@ -79,10 +81,12 @@ class Conversation:
         if not self._started:
             self._started = True
             template = template_source(self.session) or ""
+            template_sha256 = hashlib.sha256(template.encode()).hexdigest() if template else \
+                self.served.template_sha256 if self.served is not None else None
             records.insert(0, {
                 "type": "session", "id": self.id, "model": self.model_name, "model_path": str(self.model_path),
                 "model_sha256": remembered_sha256(self.model_path) if self.model_path else None,
-                "template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
+                "template_sha256": template_sha256,
                 "system": self.system, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             })
         failure = answer_log.record_conversation(self.id, records)
@@ -166,13 +170,16 @@ class Conversation:
             return local.context()
         last = self.turn_stats[-1].stats if self.turn_stats and self.history else None
         used = last.prompt_tokens + last.completion_tokens if last is not None else 0
-        return ContextInfo(0, used, last.cached_tokens if last is not None else 0)
+        return ContextInfo(self.served.n_ctx if self.served is not None else 0, used,
+                           last.cached_tokens if last is not None else 0)
 
     @property
     def template_system(self) -> str | None:
         """The system prompt the chat template adds when none is given (None: none, or a server's template)."""
         local = self.session.local
-        return local.template_system if local is not None else None
+        if local is not None:
+            return local.template_system
+        return self.served.template_system if self.served is not None else None
 
     def _fit(self, text: str, images: tuple[ImageInput, ...] = ()) -> int:
         """Drop the oldest exchanges until the prompt plus room for the answer fits; returns how many (a server says

@@ -69,7 +69,7 @@ def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, requ
             pinned=pipeline.settings.chosen_now(),
             log=(lambda text, answer, added: record([log_entry(pipeline, "chat", text, answer, conversation.generation,
                                                                conversation.id, added)]))
-            if pipeline.settings["log"] else None, tools=runner, cancel=pipeline.cancel,
+            if pipeline.settings["log"] else None, tools=runner, cancel=pipeline.cancel, served=pipeline.served,
         )
         if resumed is not None:
             records = resumed.records()

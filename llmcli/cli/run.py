@@ -241,7 +241,8 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
     with output.open_pipeline(request, console, runner) as pipeline:
         session = pipeline.session
         conversation = Conversation(session, pipeline.generation, pipeline.model.name, pipeline.model.path,
-                                    save=pipeline.settings["log"], pinned=pipeline.settings.chosen_now())
+                                    save=pipeline.settings["log"], pinned=pipeline.settings.chosen_now(),
+                                    served=pipeline.served)
         log_ids: list[int] = []
         if pipeline.settings["log"]:
             conversation.log = lambda text, answer, added: record([log_entry(

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 from llmcli import paths
-from llmcli.answer.answerer import Answerer, RenderedPrompt
+from llmcli.answer.answerer import Answerer, RenderedPrompt, ServedFacts
 from llmcli.answer.constraint import Constraint, build_constraint
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.images import ImageInput
@@ -99,6 +99,7 @@ class Pipeline(Generic[A]):
     generation: GenerationOptions
     cancel: Cancellation
     resources: ExitStack = field(default_factory=ExitStack)
+    served: ServedFacts | None = None  # a warm server's model, as it says it (its context, its template)
 
     def close(self) -> None:
         self.resources.close()

@@ -47,6 +47,7 @@ def open_warm(request: Request, constraint: Constraint, cancel: Cancellation, on
     assert isinstance(session, RemoteSession)
     session.loaded = (warm.start_s or 0.0, warm.start_s is None)
     pipeline.model = model  # named as an in-process run names it (the log, --json, `logs -m`)
+    pipeline.served = warm.facts
     notice = first_start_notice(model.name, str(effective["keep_alive"])) if warm.start_s is not None else None
     think = no_switch_notice(warm.thinking_switch, effective["think"]) if warm.thinking_switch is not None else None
     session.notices[:0] = [*([notice] if notice else []), *warm.notices, *([think] if think else [])]

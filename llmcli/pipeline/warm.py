@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import httpx2
 
 from llmcli import __version__, paths, reaper
+from llmcli.answer.answerer import ServedFacts
 from llmcli.config import settings
 from llmcli.embed.embedded import Embedded
 from llmcli.errors import LlmcliError
@@ -53,6 +54,7 @@ class WarmServer:
     start_s: float | None = None  # seconds this run waited for it to start and load its model; None: it was running
     notices: tuple[str, ...] = ()  # what its model's load said (no chat template, …): said with each answer, as here
     thinking_switch: bool | None = None  # whether its chat template reads --think (None: it has none, or did not say)
+    facts: ServedFacts | None = None  # its context and chat template, as it says them
 
 
 def socket_for(model_path: Path, effective: settings.Settings, template_file: Path | None,
@@ -134,9 +136,13 @@ def ensure(model_path: Path, effective: settings.Settings, template_file: Path |
                 start_s = time.perf_counter() - started
     served: Any = next(iter(state.get("models") or []), {})
     notices = tuple(n for n in served.get("notices") or () if isinstance(n, str)) if isinstance(served, dict) else ()
-    switch = served.get("thinking_switch") if isinstance(served, dict) else None
+    served = served if isinstance(served, dict) else {}
+    switch, n_ctx = served.get("thinking_switch"), served.get("n_ctx")
+    sha, system = served.get("template_sha256"), served.get("template_system")
+    facts = ServedFacts(n_ctx, sha if isinstance(sha, str) else None, system if isinstance(system, str) else None) \
+        if type(n_ctx) is int and n_ctx > 0 else None
     return WarmServer(socket, str(state.get("model") or model_path.stem), int(state.get("pid") or 0), start_s, notices,
-                      switch if isinstance(switch, bool) else None)
+                      switch if isinstance(switch, bool) else None, facts)
 
 
 def serve_installed() -> bool:

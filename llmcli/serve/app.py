@@ -18,6 +18,7 @@ its own thread; each request waits on an asyncio queue that the engine's thread 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -71,6 +72,9 @@ def create_app(state: ServerState, describe: Callable[[str, Any, int], ModelFact
     return Starlette(routes=mounts, lifespan=lifespan, middleware=middleware)
 
 
+# What /health tells of a model only with the key (or on a Unix socket): a warm run's client reads them
+PRIVATE_FACTS = ("path", "notices", "thinking_switch", "template_sha256", "template_system")
+
 def _own_app(state: ServerState, hosts: tuple[str, ...] | None, webui: bool) -> Starlette:
     """llmcli's own routes: /health, the warm servers' /llmcli/embed, the chat page; errors in OpenAI's shape."""
     pool = state.pool
@@ -82,6 +86,8 @@ def _own_app(state: ServerState, hosts: tuple[str, ...] | None, webui: bool) -> 
                 # (whether its template reads --think: a warm run says, as a run does, when it would change nothing)
                 "thinking_switch": reads_thinking_switch(served.prompter.template_source)
                 if served.prompter.template_source else None,
+                "template_sha256": hashlib.sha256(served.prompter.template_source.encode()).hexdigest()
+                if served.prompter.template_source else None, "template_system": served.template_system,
                 "in_flight": served.in_flight, "pinned": served.pinned, "notices": list(served.notices),
                 "expires_in_s": None if expires is None else round(expires, 1),
                 "idle_s": 0.0 if served.in_flight else round(time.monotonic() - served.last_used, 1)}
@@ -96,7 +102,7 @@ def _own_app(state: ServerState, hosts: tuple[str, ...] | None, webui: bool) -> 
         found = {"status": "ok", "model": default.name if default else None, **first, "version": __version__}
         if trusted:
             return JSONResponse({**found, "models": models, "pid": os.getpid()})
-        return JSONResponse({**found, "models": [{k: v for k, v in m.items() if k not in ("path", "notices", "thinking_switch")}
+        return JSONResponse({**found, "models": [{k: v for k, v in m.items() if k not in PRIVATE_FACTS}
                                                  for m in models]})
 
     async def llmcli_embed(body: Any) -> Any:

@@ -40,6 +40,7 @@ class Served:
     close: Callable[[], None]  # the pipeline and the embedding model
     embeddings: Any = None
     notices: tuple[str, ...] = ()  # what the user should know about it (printed when the server starts)
+    template_system: str | None = None  # the system prompt its chat template adds when none is given
     keep_alive: float | None = None  # seconds after its last request (None: forever)
     pinned: bool = False  # a -m model: never expires
     in_flight: int = 0

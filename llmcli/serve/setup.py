@@ -103,7 +103,8 @@ def _served(pipeline: Pipeline[Session], request: Request, shape: ServerModels) 
         embeddings.close()
         pipeline.close()
 
-    return Served(engine.path.resolve(), slots, prompter, facts, close, embeddings, tuple(session.notices))
+    return Served(engine.path.resolve(), slots, prompter, facts, close, embeddings, tuple(session.notices),
+                  session.template_system)
 
 
 class Embeddings:
