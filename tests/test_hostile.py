@@ -183,6 +183,38 @@ def test_every_structured_output_field_takes_long_bounds_and_refuses_costly_gram
     assert post(url, "/v1/chat/completions", {"messages": HI, "max_tokens": 2}).status_code == 200
 
 
+def test_a_grammar_no_answer_can_follow_is_refused_before_llama_cpp_aborts_on_it(server):
+    """Issue 58: a grammar or schema that allows no token at some point passed every limit, then llama.cpp aborted the
+    whole server on the first token ("Unexpected empty grammar stack", SIGABRT): every client's connection dropped.
+    Each of the trial's requests is now its protocol's 400 naming its field; the server answers on; `run` says it in
+    one line (exit 2) where it exited 134."""
+    proc, url = server
+    nul = {"const": "\u0000"}
+    tool = {"name": "note", "description": "Notes.", "input_schema": {"type": "object", "properties": {"text": nul},
+                                                                      "required": ["text"]}}
+    impossible = [  # (route, the request, the field the 400 names)
+        ("/api/chat", {"model": "smollm2", "messages": HI, "format": nul, "stream": False}, "format"),
+        ("/v1/messages", {"model": "smollm2", "max_tokens": 8, "messages": HI, "tools": [tool],
+                          "tool_choice": {"type": "any"}}, "tools"),
+        ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                              "schema": {"enum": ["\u0000"]}}}}, "text.format"),
+        ("/v1/chat/completions", {"messages": HI, "grammar": "root ::= [z-a]"}, "grammar"),
+        ("/v1/chat/completions", {"messages": HI, "grammar": "root ::= [\\x00]"}, "grammar"),
+        ("/v1/chat/completions", {"messages": HI, "grammar": "root ::= <[999999]>"}, "grammar"),
+    ]
+    for path, body, field in impossible:
+        reply = post(url, path, body)
+        assert reply.status_code == 400 and "no answer can follow" in reply.text, (field, reply.text[:300])
+        error = reply.json()["error"]
+        assert isinstance(error, str) or error.get("param", field) == field and field in error["message"] \
+            or error.get("param") == field, (field, error)  # (Anthropic's errors have no param: the message names it)
+        assert proc.poll() is None  # (it lives)
+    assert post(url, "/v1/chat/completions", {"messages": HI, "max_tokens": 2}).status_code == 200
+    for grammar in ("root ::= [z-a]", "root ::= \"a\\x00\"", "root ::= <[999999]>"):
+        refused = run_cli("run", "-n", "3", "--grammar", grammar, "hi")
+        assert refused.code == 2 and refused.stderr.startswith("Error: --grammar: no answer can follow"), refused.stderr
+
+
 # -- 4: cross-site requests and DNS rebinding -------------------------------------------------------------------------
 
 

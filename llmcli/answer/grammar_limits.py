@@ -80,3 +80,69 @@ def _problem(gbnf: str) -> str | None:
         if rules > MAX_RULES:
             return f"more than {MAX_RULES} rules (counting its groups and each *, + and ?)"
     return None
+
+
+# -- what no answer can satisfy ----------------------------------------------------------------------------------
+# llama.cpp's sampler aborts the process ("Unexpected empty grammar stack after accepting piece", SIGABRT) when the
+# grammar allows no token: a NUL (no token's text holds one), a reversed or empty character class, or a class that
+# only NUL matches. Seen here, before llama.cpp is given it (token ids beyond the vocabulary: llmcli/llama).
+
+_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|.)", re.DOTALL)
+_SIMPLE = {"n": "\n", "r": "\r", "t": "\t"}
+MAX_CODE_POINT = 0x10FFFF
+
+
+def _characters(text: str) -> list[str]:
+    """A literal's or class's text, its escapes read as llama.cpp reads them (one character each)."""
+    found, at = [], 0
+    for match in _ESCAPE.finditer(text):
+        found += list(text[at:match.start()])
+        code = match.group(1)
+        found.append(chr(min(int(code[1:], 16), MAX_CODE_POINT)) if code[0] in "xuU" and len(code) > 1
+                     else _SIMPLE.get(code, code))
+        at = match.end()
+    return found + list(text[at:])
+
+
+def _class_problem(body: str) -> str | None:
+    negated = body.startswith("^")
+    chars = _characters(body[1:] if negated else body)
+    ranges, index = [], 0
+    while index < len(chars):
+        low = high = chars[index]
+        if index + 2 < len(chars) and chars[index + 1] == "-":
+            high = chars[index + 2]
+            index += 3
+        else:
+            index += 1
+        if ord(high) < ord(low):
+            return f"the character class [{body}] holds a reversed range"
+        ranges.append((ord(low), ord(high)))
+    if negated:
+        reach = 1  # (NUL does not count: no token's text holds one)
+        for first, last in sorted(ranges):
+            if first > reach:
+                return None
+            reach = max(reach, last + 1)
+        return None if reach <= MAX_CODE_POINT else f"the character class [{body}] excludes every character"
+    if not ranges:
+        return "an empty character class []"
+    if all(high == 0 for _, high in ranges):
+        return f"the character class [{body}] matches only NUL, which no token holds"
+    return None
+
+
+@functools.lru_cache(maxsize=128)
+def dead_end(gbnf: str) -> str | None:
+    """Why no answer can follow this GBNF, where that is plain from its text (one line), or None: llama.cpp would
+    abort the process on it."""
+    for match in _TOKENS.finditer(gbnf):
+        token = match.group()
+        if token[0] == '"' and len(token) > 1:
+            if "\0" in _characters(token[1:-1]):
+                return "a literal holds NUL, which no token holds"
+        elif token[0] == "[":
+            problem = _class_problem(token[1:-1] if token.endswith("]") else token[1:])
+            if problem:
+                return problem
+    return None

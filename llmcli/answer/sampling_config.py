@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from llmcli.answer.grammar_limits import grammar_problem
+from llmcli.answer.grammar_limits import dead_end, grammar_problem
 from llmcli.config.settings import SETTINGS, default
 from llmcli.errors import UsageError
 
@@ -82,10 +82,15 @@ ANSWER_FIELDS = ("repetition_guard", "think_budget")  # of those, the answer's o
 
 
 def check_grammar(gbnf: str, origin: str) -> None:
-    """UsageError (exit 2; serve's 400) naming `origin` when a grammar passes a limit of llmcli/answer/grammar_limits.py."""
+    """UsageError (exit 2; serve's 400) naming `origin` when a grammar passes a limit of llmcli/answer/grammar_limits.py,
+    or no answer can follow it (what llama.cpp would abort on)."""
     problem = grammar_problem(gbnf)
     if problem:
         raise UsageError(f"{origin}: the grammar is too large for llama.cpp: {problem}",
+                         hint="See the README's Grammar limits.")
+    impossible = dead_end(gbnf)
+    if impossible:  # (llama.cpp would abort the process at the first token)
+        raise UsageError(f"{origin}: no answer can follow the grammar: {impossible}",
                          hint="See the README's Grammar limits.")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
 from typing import Any
 
 import llama_cpp
@@ -47,6 +48,7 @@ class Sampler:
         if config.grammar is None:
             self.chain = _build_chain(config, vocab, seed, n_ctx)
             return
+        _check_token_ids(config, vocab)
         lazy = config.repeat_penalty == 1.0 and not config.presence_penalty and not config.frequency_penalty \
             and not config.dry_multiplier and (config.greedy or config.mirostat == 0)
         with stderr_captured() as captured:  # the grammar parser writes its reason to fd 2, not the log
@@ -116,6 +118,19 @@ def _new_grammar(config: SamplingConfig, vocab: Any) -> Any:
     patterns = (ctypes.c_char_p * len(config.grammar_triggers))(*(p.encode() for p in config.grammar_triggers))
     return llama_cpp.llama_sampler_init_grammar_lazy_patterns(vocab, config.grammar.encode(), b"root", patterns,
                                                                len(config.grammar_triggers), None, 0)
+
+
+_TOKEN_ID = re.compile(r"<\[(\d{1,12})\]>")  # a grammar's token by id: <[1234]>
+
+
+def _check_token_ids(config: SamplingConfig, vocab: Any) -> None:
+    """A token id beyond the vocabulary is refused here: llama.cpp takes it, then aborts the process on it."""
+    assert config.grammar is not None
+    n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+    beyond = next((int(m.group(1)) for m in _TOKEN_ID.finditer(config.grammar) if int(m.group(1)) >= n_vocab), None)
+    if beyond is not None:
+        raise UsageError(f"{config.grammar_origin}: no answer can follow the grammar: token <[{beyond}]> is beyond "
+                         f"the vocabulary ({n_vocab} tokens)")
 
 
 def _grammar_sampler(config: SamplingConfig, vocab: Any) -> Any:

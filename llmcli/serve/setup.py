@@ -10,6 +10,7 @@ from typing import Any
 from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.chat.session import Session
 from llmcli.config import settings
+from llmcli.errors import LlmcliError
 from llmcli.pipeline import Pipeline, Request, Shape, fetch_for, resolve_settings
 from llmcli.pipeline.local import open_pipeline
 from llmcli.prompt.rendering import thinking_variables
@@ -103,8 +104,12 @@ def _served(pipeline: Pipeline[Session], request: Request, shape: ServerModels) 
         embeddings.close()
         pipeline.close()
 
+    try:  # (what a warm chat's /show says; a template that cannot render it is refused by each request instead)
+        template_system = session.template_system
+    except LlmcliError:
+        template_system = None
     return Served(engine.path.resolve(), slots, prompter, facts, close, embeddings, tuple(session.notices),
-                  session.template_system)
+                  template_system)
 
 
 class Embeddings:
