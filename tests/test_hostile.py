@@ -574,3 +574,33 @@ def test_tools_debug_shows_a_tool_s_control_sequences_without_obeying_them(tmp_p
                      "--temp", "0", "-n", "64", "Use the tool.")
     assert "tool result t_escapes: ^[]0;pwned^G^[[2J^[]52;c;cHduZWQ=^Gdone" in result.stderr, result.stderr
     assert "\x1b" not in result.stderr and "\x07" not in result.stderr
+
+
+# -- issue 58, item 5: one bad line is that line's error; -t within llama.cpp's arrays ---------------------------------
+
+
+def test_a_lone_surrogate_or_a_deep_nesting_is_one_line_s_error_and_t_is_bounded(tmp_path):
+    """A JSONL line holding a lone surrogate escape, or 100,000 nested brackets, lost the whole job (an internal error,
+    a RecursionError): each is now that line's error record in `--batch` (the others answered) and in `embed --input`,
+    and one line naming the line in `eval tools --items`. `-t 100000` segfaulted llama.cpp: refused (exit 2)."""
+    deep = '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text('{"prompt": "hi"}\n{"prompt": "\\ud800"}\n' + deep + '\n{"prompt": "ho"}\n')
+    result = run_cli("run", "--keep-alive", "0", "-n", "2", "--temp", "0", "--batch", str(batch))
+    assert result.code == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["index"] for r in records] == [0, 1, 2, 3] and records[0]["text"] and records[3]["text"]
+    assert "lone surrogate" in records[1]["error"] and "nested too deep" in records[2]["error"]
+    lines = tmp_path / "texts.jsonl"
+    lines.write_text('{"text": "hi"}\n' + deep.replace("prompt", "text") + '\n{"text": "\\udfff"}\n')
+    embedded = run_cli("embed", "--keep-alive", "0", "--input", str(lines))
+    assert embedded.code == 0, embedded.stderr
+    vectors = [json.loads(line) for line in embedded.stdout.splitlines()]
+    assert "embedding" in vectors[0] and "nested too deep" in vectors[1]["error"] and "surrogate" in vectors[2]["error"]
+    items = tmp_path / "items.jsonl"
+    items.write_text(deep + "\n")
+    evaluated = run_cli("eval", "tools", "--items", str(items))
+    assert evaluated.code == 2 and f"{items}:1: not JSON (malformed JSON: nested too deep)" in evaluated.stderr
+    assert "Traceback" not in evaluated.stderr + embedded.stderr + result.stderr
+    threads = run_cli("run", "-t", "100000", "-n", "1", "hi")
+    assert threads.code == 2 and "--threads must be between 1 and 512" in threads.stderr

@@ -10,6 +10,7 @@ import base64
 import io
 import json
 import struct
+import time
 import zlib
 from pathlib import Path
 
@@ -259,3 +260,51 @@ def test_a_warm_run_sends_the_picture_to_its_server(cli, seeing: Path, pictures:
     finally:
         cli("stop", env=runtime)
         shutil.rmtree(runtime["LLMCLI_RUNTIME_DIR"], ignore_errors=True)
+
+
+def _memory_mib(pid: int, field: str) -> int:
+    return int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if line.startswith(field)).split()[1]) // 1024
+
+
+def test_large_pictures_are_decoded_within_a_pixel_budget_and_give_their_memory_back(seeing: Path, tmp_path: Path) -> None:
+    """Issue 58: eight requests of four 7000 x 7000 PNGs (1 MB each) took a server from 315 MB to 4.1 GB, 3.7 GB kept
+    after: each picture was decoded at once, all of them together. Now the pixels decoded at once are bounded
+    (MAX_DECODING_PIXELS: one such picture), a full queue refuses before anything is decoded, and the memory a large
+    decode took is handed back: four concurrent requests peak at one decode's worth (+1.3 GB unbounded, +0.9 GB with
+    two at once) and leave nothing behind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx2
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (7000, 7000), (200, 30, 30)).save(buffer, "PNG")  # (160 KB: 49 million pixels, 147 MB of RGB)
+    uri = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    proc, url = start_server(tmp_path, "-m", str(seeing), "--temp", "0", "-P", "1", "--queue", "3")
+    try:
+        body = {"max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": uri}}]}]}
+        before = _memory_mib(proc.pid, "VmRSS")
+        Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # (the peak, from now)
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda _: httpx2.post(f"{url}/v1/chat/completions", json=body, timeout=120), range(4)))
+        assert [reply.status_code for reply in replies] == [200] * 4, [reply.text[:200] for reply in replies]
+        peak, after = _memory_mib(proc.pid, "VmHWM") - before, _memory_mib(proc.pid, "VmRSS") - before
+        assert peak < 750, peak  # one decode at a time (~450 MB in a server), not four
+        assert after < 300, after  # the vision encoder, loaded with the first picture (~140 MB); not 3.7 GB kept
+        full = start_server(tmp_path, "-m", str(seeing), "-P", "1", "--queue", "0")  # a queue of none: the slot only
+        try:
+            slow = {**body, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 100}
+            with ThreadPoolExecutor(2) as pool:
+                busy = pool.submit(httpx2.post, f"{full[1]}/v1/chat/completions", json=slow, timeout=120)
+                for _ in range(200):  # the slot taken
+                    if httpx2.get(f"{full[1]}/health", timeout=10).json().get("busy"):
+                        break
+                    time.sleep(0.02)
+                refused = httpx2.post(f"{full[1]}/v1/chat/completions", json=body, timeout=120)
+                assert busy.result().status_code == 200
+            assert refused.status_code == 429 and "busy" in refused.text
+        finally:
+            stop_server(full[0])
+    finally:
+        stop_server(proc)

@@ -26,6 +26,25 @@ class BatchItem:
         return {**self.extra, "index": self.index, "error": message}
 
 
+def read_json_line(line: str) -> tuple[Any, str | None]:
+    """One line of JSONL read: (its value, None), or (None, why it is not one) — malformed, nested too deep for
+    Python's parser (100,000 brackets: a RecursionError), or holding a lone surrogate escape (`"\\ud800"`: no file or
+    terminal can carry it). Every JSONL llmcli reads goes through here: one bad line is that line's error."""
+    try:
+        value = json.loads(line)
+    except RecursionError:
+        return None, "malformed JSON: nested too deep"
+    except ValueError as exc:
+        return None, f"malformed JSON: {exc}"
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return None, "not text: a lone surrogate escape (half of a character)"
+    except RecursionError:
+        return None, "malformed JSON: nested too deep"
+    return value, None
+
+
 def parse_items(lines: Iterable[str], base: Path | None = None) -> list[BatchItem]:
     """One prompt per line, or JSONL objects with a `prompt` field (and `images`: paths, relative to `base`, or data
     URIs); bad lines become error items."""
@@ -38,10 +57,9 @@ def parse_items(lines: Iterable[str], base: Path | None = None) -> list[BatchIte
         if not line.lstrip().startswith("{"):
             items.append(BatchItem(index, line))
             continue
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            items.append(BatchItem(index, None, error=f"malformed JSON: {exc}"))
+        record, problem = read_json_line(line)
+        if problem is not None:
+            items.append(BatchItem(index, None, error=problem))
             continue
         prompt = record.pop("prompt", None) if isinstance(record, dict) else None
         if not isinstance(prompt, str) or not prompt.strip():
@@ -79,9 +97,8 @@ def answered(lines: Iterable[str]) -> dict[int, Record]:
     """The records of an earlier output (--resume) that answer their prompt: not an error, not interrupted."""
     kept: dict[int, Record] = {}
     for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
+        record, problem = read_json_line(line)
+        if problem is not None:
             continue  # (a line cut short when the job was killed)
         index = record.get("index") if isinstance(record, dict) else None
         if isinstance(index, int) and "error" not in record and record.get("finish_reason") not in (None, "interrupted"):

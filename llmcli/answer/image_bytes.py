@@ -7,14 +7,22 @@ than MAX_PIXELS pixels (the header is read before any pixel: a decompression bom
 (which frame would be meant?), more than MAX_IMAGE_BYTES. Modes are converted (CMYK, greyscale, palette, alpha on white)
 and a large picture is scaled down to at most `max_side` on its longer side: the projector resizes to its own size
 anyway, and a smaller bitmap is faster to hash, send and preprocess.
+
+Memory: decoding takes width × height × 3 bytes and more for a moment (a 7000 × 7000 PNG of 1 MB: ~150 MB), so the
+pixels being decoded at once in one process — every request's, a server's threads together — are bounded by
+MAX_DECODING_PIXELS (the others wait for room), and what a large decode took is handed back to the system after it.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import ctypes
 import io
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +36,10 @@ if TYPE_CHECKING:
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image file or a request's image: larger is refused before it is read whole
 MAX_PIXELS = 50_000_000  # width × height read from the header: more is refused before any pixel is decoded
 DEFAULT_MAX_SIDE = 1536  # pixels on the longer side after scaling down (the projectors here see 224–896)
+MAX_DECODING_PIXELS = MAX_PIXELS  # decoded at once in one process: one picture of the largest size, or several
+# smaller ones (four concurrent 7000 x 7000 PNGs peaked a server at +1.3 GB, at +0.9 GB with two at once, under 0.75
+# GB with this); the others wait for room
+DECODE_WAIT_S = 120.0  # how long an image waits for room to be decoded before it is refused (busy)
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "WEBP": "image/webp", "BMP": "image/bmp"}
 
 
@@ -55,8 +67,17 @@ def decode_image(data: bytes, source: str, max_side: int = DEFAULT_MAX_SIDE) -> 
             frames = int(getattr(picture, "n_frames", 1))
             if frames > 1:
                 raise ImageError(f"{source}: an animated image ({frames} frames): give one frame as a still image")
-            picture.load()
-            rgb = _as_rgb(picture)
+            with DECODING.room(width * height, source):
+                picture.load()
+                rgb = _as_rgb(picture)
+                if max(rgb.size) > max_side:
+                    rgb.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
+                size, pixels, kind = rgb.size, rgb.tobytes(), FORMATS[str(picture.format)]
+                rgb.close()
+                picture.close()
+                del rgb, picture  # (the full-size pixels: gone before the memory is trimmed)
+            if width * height > LARGE_PIXELS:
+                _give_back_memory()
     except ImageError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):  # (Pillow's check, from the header alone)
@@ -65,9 +86,43 @@ def decode_image(data: bytes, source: str, max_side: int = DEFAULT_MAX_SIDE) -> 
         raise ImageError(f"{source}: not an image llmcli reads (PNG, JPEG, GIF, WebP or BMP)") from None
     except (OSError, ValueError, SyntaxError, EOFError) as exc:  # Pillow's truncated and damaged files
         raise ImageError(f"{source}: a damaged or truncated image ({str(exc) or type(exc).__name__})") from None
-    if max(rgb.size) > max_side:
-        rgb.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
-    return ImageInput(rgb.width, rgb.height, rgb.tobytes(), source, data, FORMATS[str(picture.format)])
+    return ImageInput(size[0], size[1], pixels, source, data, kind)
+
+
+LARGE_PIXELS = 4_000_000  # a decode this large hands its memory back to the system after it
+
+
+class PixelBudget:
+    """The pixels being decoded at once in this process, at most `capacity`: a decode waits for room."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.free = capacity, capacity
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def room(self, pixels: int, source: str) -> Iterator[None]:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.free >= pixels, DECODE_WAIT_S):
+                raise ImageError(f"{source}: other images take the room to decode it ({self.capacity:,} pixels at "
+                                 "once); try again")
+            self.free -= pixels
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.free += pixels
+                self._changed.notify_all()
+
+
+DECODING = PixelBudget(MAX_DECODING_PIXELS)
+
+
+def _give_back_memory() -> None:
+    """glibc keeps a large decode's freed pages in its arenas (a server's RSS stayed at 3.7 GB): trim them."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # (not glibc)
+        pass
 
 
 def _as_rgb(picture: PILImage) -> PILImage:

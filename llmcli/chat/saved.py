@@ -4,13 +4,13 @@ conversations that can be resumed — recorded in the answer log, or an older ch
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmcli import paths
 from llmcli.answer.answerer import exchange_starts, last_exchange_start, oldest_exchange_end
+from llmcli.answer.batch_jsonl import read_json_line
 from llmcli.answer.message import Message
 from llmcli.errors import UsageError
 from llmcli.store import answer_log
@@ -86,10 +86,10 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     records = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if line.strip():
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                raise UsageError(f"{path}:{number} is not valid JSON; the conversation file is damaged") from None
+            record, problem = read_json_line(line)
+            if problem is not None:
+                raise UsageError(f"{path}:{number} is not valid JSON ({problem}); the conversation file is damaged")
+            records.append(record)
     return records
 
 

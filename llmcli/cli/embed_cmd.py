@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
+from llmcli.answer.batch_jsonl import read_json_line
 from llmcli.cli import options as o
 from llmcli.errors import ExitCode, ResourceError, StdoutClosed, UsageError
 
@@ -218,10 +219,9 @@ def _records(text: str | None, input_file: Path | None, field: str) -> list[Embe
         raise UsageError(f"cannot read --input {input_file}: {exc}") from None
     records = []
     for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            records.append({"error": f"line {number}: not JSON ({exc})"})
+        record, problem = read_json_line(line)
+        if problem is not None:
+            records.append({"error": f"line {number}: not JSON ({problem})"})
             continue
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
             records.append({"error": f"line {number}: no {field!r} string"})
@@ -237,10 +237,7 @@ def _collection(path: Path) -> list[EmbedRecord]:
         raise UsageError(f"cannot read --collection {path}: {exc}") from None
     stored = []
     for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
+        record, _ = read_json_line(line)
         if isinstance(record, dict) and isinstance(record.get("embedding"), list) and record["embedding"]:
             stored.append(record)
     if not stored:

@@ -100,6 +100,9 @@ def _s(name: str, kind: type, default: Any, help: str, *flags: str, panel: str =
     return Setting(name, kind, default, help, flags or (f"--{name.replace('_', '-')}",), panel, **extra)
 
 
+MAX_THREADS = 512  # llama.cpp's GGML_MAX_N_THREADS
+
+
 def _at_least(minimum: float) -> dict[str, Any]:
     return {"check": lambda v: v >= minimum, "rule": f"must be >= {minimum:g}"}
 
@@ -193,7 +196,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _s("ctx_size", int, None, "Context window in tokens (llama.cpp rounds it up to a multiple of 256).",
        "--ctx-size", "-c", panel=ENGINE, default_text="the model's, capped at 4096", **_at_least(16)),
     _s("threads", int, None, "CPU threads.", "--threads", "-t", panel=ENGINE,
-       default_text="one per physical core", **_at_least(1)),
+       default_text="one per physical core",  # (llama.cpp's most, GGML_MAX_N_THREADS: more overflows its arrays)
+       check=lambda v: 1 <= v <= MAX_THREADS, rule=f"must be between 1 and {MAX_THREADS}"),
     _s("batch_size", int, 512, "Prompt tokens evaluated per step.", "--batch-size", "-b", panel=ENGINE, **_at_least(1)),
     _s("mlock", bool, False, "Keep the weights in RAM.", "--mlock/--no-mlock", panel=ENGINE),
     _s("mmap", bool, True, "Map the model file instead of reading it.", "--mmap/--no-mmap", panel=ENGINE),

@@ -105,13 +105,21 @@ class SlotServer:
 
     def submit(self, job: Job) -> None:
         with self._wake:
-            if self._stopping:
-                raise QueueFull("the server is shutting down")
-            busy = sum(1 for slot in self.scheduler.slots if slot is not None)
-            if busy + len(self.waiting) >= self.n_slots + self.queue_size:
-                raise QueueFull(f"all {self.n_slots} slots are busy and {len(self.waiting)} requests wait")
+            self._check_room()
             self.waiting.append(job)
             self._wake.notify()
+
+    def admit(self) -> None:
+        """QueueFull now if a request would be refused (before its images are decoded: the queue's limits first)."""
+        with self._wake:
+            self._check_room()
+
+    def _check_room(self) -> None:
+        if self._stopping:
+            raise QueueFull("the server is shutting down")
+        busy = sum(1 for slot in self.scheduler.slots if slot is not None)
+        if busy + len(self.waiting) >= self.n_slots + self.queue_size:
+            raise QueueFull(f"all {self.n_slots} slots are busy and {len(self.waiting)} requests wait")
 
     def stop(self) -> None:
         """Finish: requests still waiting are cancelled; the loop ends once the slots are empty."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmcli.answer.batch_jsonl import read_json_line
 from llmcli.errors import UsageError
 
 # The categories `eval tools` knows by name: their item file in BFCL's data (answers under possible_answer/).
@@ -138,10 +139,9 @@ def _records(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
         raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
     for number, line in enumerate(lines, 1):
         if line.strip():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                raise UsageError(f"{path}:{number}: not JSON") from None
+            record, problem = read_json_line(line)
+            if problem is not None:  # (the items of a file are measured together: one bad line is the file's error)
+                raise UsageError(f"{path}:{number}: not JSON ({problem})")
             if isinstance(record, dict):
                 yield number, record
 

@@ -166,6 +166,10 @@ async def answer(request: Request, state: ServerState, parse: Callable[[Any, Ser
     try:
         body = await read_body(request, state)
         served, release = await requested_model(state, body)
+        try:
+            served.slots.admit()  # (the queue's limits before anything is decoded: a request's images)
+        except QueueFull as exc:
+            raise ApiError(429, f"busy: {exc}; retry later", code="busy") from None
         asked = await asyncio.to_thread(parse, body, served)
         if not isinstance(asked, Asked):
             release()
