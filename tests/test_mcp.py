@@ -87,7 +87,7 @@ def test_mcp_call_and_its_faults(tmp_path, pids, http_server):
     assert killed.code == 1 and "failed" in killed.stdout and "Traceback" not in killed.stderr
 
 
-@pytest.mark.in_process  # (--tools-debug's "next prompt ends" is a local template's: issue 57's closing note)
+@pytest.mark.in_process  # (a warm server's greedy call for remote_shout loops here, to -n: its slot's numbers)
 def test_run_calls_an_mcp_tool_and_its_result_reaches_the_model(tmp_path, pids, http_server):
     config = _config(tmp_path, pids, local=_stdio(pids, tools=["shout"]), remote={"url": http_server, "tools": ["shout"]},
                      broken={"command": str(tmp_path / "no-such-server")})  # (two tools: a short prompt to prefill)

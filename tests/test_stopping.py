@@ -60,6 +60,28 @@ def test_the_loop_detector_needs_an_exact_repeat_over_a_long_enough_span():
     assert not looping(almost)
 
 
+def test_the_repetition_guard_never_cuts_a_tool_call_into_invalid_json():
+    """Issue 60: a forced call asked to write "la" 300 times ended `stop` (`end_turn`) with an unterminated string: the
+    guard cut it. Inside a call it leaves the call to its grammar and -n (a limit cut is said as one: `length`);
+    outside one it still stops a loop."""
+    from llmcli.answer.generation import Answer, GenerationOptions
+    from llmcli.answer.sampling_config import SamplingConfig
+    from llmcli.answer.tool_calls import Tool, ToolSpec
+
+    tools = ToolSpec((Tool("write", "Write a text.", '{"type": "object", "properties": {"text": {"type": "string"}}}'),))
+    looped = {}
+    for opening in ('<tool_call>{"name": "write", "arguments": {"text": "', "Sure: "):
+        answer = Answer(GenerationOptions(SamplingConfig(), max_tokens=400, tools=tools), 10, 4096)
+        pieces = [opening.encode()] + [b"la "] * 399
+        for token, piece in enumerate(pieces):
+            answer.add(1000 if token else 1, False, piece)  # (the same token over and over after the opening)
+            if answer.finish is not None:
+                break
+        looped[opening[:5]] = (answer.finish, answer.n_out)
+    assert looped["<tool"] == ("length", 400)  # the call runs on to -n: cut, and said so (never a parsed "stop")
+    assert looped["Sure:"][0] == "repetition" and looped["Sure:"][1] < 120
+
+
 def test_n_minus_one_means_until_the_context_is_full():
     full = json.loads(run_cli("run", "-c", "64", "-n", "-1", "--no-repetition-guard", "--temp", "0", "--json", "--grammar", 'root ::= ("a "){400}',
                               "hi").stdout)

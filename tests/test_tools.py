@@ -327,7 +327,6 @@ def functions(tmp_path) -> str:
     return str(path)
 
 
-@pytest.mark.in_process  # (--tools-debug's "next prompt ends" is a local template's: issue 57's closing note)
 def test_run_calls_a_function_and_feeds_its_result_back(functions):
     result = run_cli("run", "--functions", functions, "--tool-choice", "required", "--tools-debug", "--temp", "0",
                      "-n", "100", "--json", "What is 12 times 7?")

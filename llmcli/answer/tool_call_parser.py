@@ -138,6 +138,11 @@ class ToolCallParser:
         self.cut = False  # the answer ended inside a new call (it is kept, invalid: it must not run)
 
     @property
+    def in_call(self) -> bool:
+        """Inside a call's markup or arguments (the repetition guard leaves it to its grammar and -n)."""
+        return self._state in ("opened", "call")
+
+    @property
     def ended_after_calls(self) -> bool:
         """The calls are the whole answer, and whatever came after them was no new call: spaces, an opening that
         nothing followed, or a copy of a call already made (whole, or cut off by -n). A limit that cut the answer

@@ -58,11 +58,13 @@ def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, requ
     from llmcli.chat.conversation import Conversation
     from llmcli.chat.saved import find_conversation
     from llmcli.cli import output
-    from llmcli.pipeline import log_entry
+    from llmcli.pipeline import log_entry, prompt_text
     from llmcli.store.answer_log import record
 
     resumed = find_conversation(resume) if resume else None
     with output.open_pipeline(request, console, runner) as pipeline:
+        if runner is not None:  # (--tools-debug's prompt after the results: this process's, or the warm server's)
+            runner.render_prompt = prompt_text(pipeline, request)
         conversation = Conversation(
             pipeline.session, pipeline.generation, pipeline.model.name, pipeline.model.path,
             save=not no_save, conversation_id=resumed.id if resumed else None,

@@ -234,12 +234,14 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
     from llmcli.chat.conversation import Conversation
     from llmcli.cli import output
     from llmcli.cli.stream import AnswerSink, show_answer
-    from llmcli.pipeline import continued, log_entry
+    from llmcli.pipeline import continued, log_entry, prompt_text
     from llmcli.store.answer_log import record
     from llmcli.tools.tool_loop import cut_off as tool_call_cut_off
 
     with output.open_pipeline(request, console, runner) as pipeline:
         session = pipeline.session
+        if runner is not None:  # (--tools-debug's prompt after the results: this process's, or the warm server's)
+            runner.render_prompt = prompt_text(pipeline, request)
         conversation = Conversation(session, pipeline.generation, pipeline.model.name, pipeline.model.path,
                                     save=pipeline.settings["log"], pinned=pipeline.settings.chosen_now(),
                                     served=pipeline.served)

@@ -9,7 +9,7 @@ loaded) or the local model (llmcli/pipeline/local.py) — as one `Pipeline` whos
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,7 +173,7 @@ class ShownPrompt:
     n_ctx: int
 
 
-def shown_prompt(pipeline: Pipeline[Answerer], request: Request, text: str, tools: ToolSpec | None = None,
+def shown_prompt(pipeline: Pipeline[Answerer], request: Request, text: str | None, tools: ToolSpec | None = None,
                  images: tuple[ImageInput, ...] = ()) -> ShownPrompt:
     """The prompt of `text` after the conversation, with `tools`: rendered by the model in this process, or, when a
     warm server holds it, by its vocabulary and template read here (no weights loaded); --endpoint's server renders
@@ -189,6 +189,14 @@ def shown_prompt(pipeline: Pipeline[Answerer], request: Request, text: str, tool
     with open_tokenizer(request) as tokenizer:
         rendered = tokenizer.render(text, session.history, session.options, tools, images)
         return ShownPrompt(rendered, not session.options.raw and tokenizer.template is not None, tokenizer.n_ctx)
+
+
+def prompt_text(pipeline: Pipeline[Answerer], request: Request) -> Callable[[ToolSpec | None], str] | None:
+    """The conversation's prompt as it stands (it ends with tool results), rendered as the model sees it, with these
+    tools: what --tools-debug shows after a round of calls; None where a server renders its own (--endpoint)."""
+    if pipeline.session.local is None and pipeline.settings["endpoint"]:
+        return None
+    return lambda tools: shown_prompt(pipeline, request, None, tools).rendered.text
 
 
 def _warm_possible(chosen: bool, notices: list[str]) -> bool:

@@ -62,7 +62,8 @@ class ToolRunner:
     approve: Callable[[ToolCall], bool] | None = None  # --tools-approve: False refuses the call
     on_call: Callable[[ToolCall], None] | None = None  # --tools-debug: a call about to run
     on_result: Callable[[ToolCall, ToolResult], None] | None = None  # --tools-debug: what it gave
-    on_prompt: Callable[[str], None] | None = None  # --tools-debug: the prompt the results went into (local models)
+    on_prompt: Callable[[str], None] | None = None  # --tools-debug: the prompt the results went into
+    render_prompt: Callable[[ToolSpec | None], str] | None = None  # how it is rendered (None: a server's own)
 
     def notices(self) -> list[str]:
         """What the sources have to say once they are up (an MCP server that did not start)."""
@@ -154,8 +155,8 @@ def answer_with_tools(answerer: Answerer, user_text: str, generation: Generation
                                       tool_results=tuple(results))
             return
         text = None
-        if runner.on_prompt is not None and answerer.local is not None:  # (a server renders its own prompt)
-            runner.on_prompt(answerer.local.render(None, tools=runner.spec(first=False)).text)
+        if runner.on_prompt is not None and runner.render_prompt is not None:  # (--endpoint: the server's own)
+            runner.on_prompt(runner.render_prompt(runner.spec(first=False)))
 
 
 def cut_off(done: Done) -> bool:
