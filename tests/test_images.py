@@ -127,6 +127,13 @@ def test_what_cannot_see_says_so(cli, smollm2: Path, seeing: Path, gemma3: Path,
     assert other.code == 5 and "writes embeddings of width 576, but gemma3-270m.gguf takes 640" in other.stderr
     not_one = cli("run", "-m", str(seeing), "--mmproj", str(smollm2), "-n", "1", "hi")
     assert not_one.code == 5 and "is not a vision projector" in not_one.stderr
+    for shape, words in (({"width": 60, "heads": 8}, "its width (60) is not a multiple of its attention heads (8)"),
+                         ({"image_size": 50, "patch": 14}, "its image size (50) is not a multiple of its patch size")):
+        odd = tmp_path / f"odd-{len(words)}" / "mmproj-odd.gguf"  # (issue 58: it loaded, then aborted on the picture)
+        odd.parent.mkdir()
+        write_projector(odd, 576, **shape)
+        refused = cli("run", "-m", str(smollm2), "--mmproj", str(odd), "-n", "1", "--image", str(pictures["one.png"]), "hi")
+        assert refused.code == 5 and words in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
     shown = cli("show", str(seeing))
     assert "yes: mlp projector, 56 px" in shown.stdout
     assert "no (no vision projector found" in cli("show", str(smollm2)).stdout

@@ -56,11 +56,23 @@ def read_projector(path: Path) -> Projector:
     eps = header.get("clip.vision.attention.layer_norm_epsilon")
     if eps is not None and (not isinstance(eps, float) or not math.isfinite(eps) or eps <= 0):
         raise IntegrityError(f"{path}: clip.vision.attention.layer_norm_epsilon = {eps!r} is not a usable number")
+    _check_shapes(path, header)
     kind = str(header.get("clip.projector_type") or header.get("clip.vision.projector_type") or "mlp")
     vision = bool(header.get("clip.has_vision_encoder", False))
     audio = bool(header.get("clip.has_audio_encoder", False))
     size = header.get("clip.vision.image_size")
     return Projector(path, kind, vision, audio, size if isinstance(size, int) else None, _output_width(header, kind))
+
+
+def _check_shapes(path: Path, header: GGUFHeader) -> None:
+    """Shapes llama.cpp's CLIP encoder cannot run, refused at load: it loads them, then aborts the process on the first
+    image (GGML_ASSERT). Its attention splits the width among its heads; its patches tile the image."""
+    width, heads = header.get("clip.vision.embedding_length"), header.get("clip.vision.attention.head_count")
+    size, patch = header.get("clip.vision.image_size"), header.get("clip.vision.patch_size")
+    for what, whole, part, of in (("width", width, heads, "attention heads"), ("image size", size, patch, "patch size")):
+        if isinstance(whole, int) and isinstance(part, int) and whole % part:
+            raise IntegrityError(f"{path}: its {what} ({whole}) is not a multiple of its {of} ({part}): llama.cpp "
+                                 "cannot run this projector", hint="The file is damaged, or not a projector llama.cpp reads.")
 
 
 def _output_width(header: GGUFHeader, kind: str) -> int | None:
