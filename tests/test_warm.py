@@ -184,7 +184,7 @@ def test_a_runtime_dir_too_deep_for_a_socket_answers_in_process_and_says_why(tmp
     assert "answering in this process" in result.stderr
 
 
-@pytest.mark.parametrize("begun", [False, True])
+@pytest.mark.parametrize("begun", [False, True, "sampled"])
 def test_a_server_that_goes_away_leaves_the_answer_to_this_process(runtime, monkeypatch, begun):
     """A warm server that answers /health, then drops the request (it crashed after it was found) — at once, or after
     streaming the answer's first characters: the run loads the model itself and answers, with one notice; what the
@@ -203,7 +203,8 @@ def test_a_server_that_goes_away_leaves_the_answer_to_this_process(runtime, monk
     socket = socket_for(model.path, effective, None)
     socket.parent.mkdir(parents=True, mode=0o700)
     chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "smollm2", "choices": [
-        {"index": 0, "delta": {"role": "assistant", "content": here.stdout[:6]}, "finish_reason": None}]}
+        {"index": 0, "delta": {"role": "assistant", "content": "Once upon a" if begun == "sampled" else here.stdout[:6]},
+         "finish_reason": None}]}
 
     class Vanishing(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -232,6 +233,14 @@ def test_a_server_that_goes_away_leaves_the_answer_to_this_process(runtime, monk
     fake = socketserver.UnixStreamServer(str(socket), Vanishing)
     threading.Thread(target=fake.serve_forever, daemon=True).start()
     try:
+        if begun == "sampled":  # (issue 58: it printed a second, whole answer after the first's start)
+            warm = run_cli("run", "--keep-alive", "5m", "--temp", "0.8", "--seed", "7", "-n", "16", "--json",
+                           "--no-prompt-cache", PROMPT, env=runtime)
+            assert warm.code == 0, warm.stderr
+            record = json.loads(warm.stdout)
+            assert record["text"].startswith("Once upon a") and len(record["text"]) > len("Once upon a") + 2
+            assert "went away" in warm.stderr and "starts again" not in warm.stderr  # one answer, gone on from its start
+            return
         warm = run_cli("run", "--keep-alive", "5m", "--temp", "0", "-n", "16", "--no-prompt-cache", PROMPT, env=runtime)
         assert warm.code == 0, warm.stderr
         assert warm.stdout == here.stdout and "went away" in warm.stderr and "starts again" not in warm.stderr

@@ -212,9 +212,12 @@ class Session:
         return best
 
     def ask(self, user_text: str | None, options: GenerationOptions,
-            stable_text: str | None = None, images: tuple[ImageInput, ...] = ()) -> Iterator[AnswerEvent]:
+            stable_text: str | None = None, images: tuple[ImageInput, ...] = (),
+            answer_prefix: str = "") -> Iterator[AnswerEvent]:
         """Answer `user_text` (None: the history ends with tool results, the model goes on); the exchange joins the
-        history when the answer is done (the reply with its tool calls).
+        history when the answer is done (the reply with its tool calls). `answer_prefix`: the start of the answer,
+        already shown (a warm server began it, then went away): this answer goes on from it, and its Done's text
+        holds it.
 
         `stable_text`: the start of `user_text` that later messages are likely to share (a piped document),
         given by a one-shot run. The prompt is evaluated in two parts, split where that text ends, with or
@@ -241,6 +244,11 @@ class Session:
         if notice is not None and not truncate:  # -n past the context: capped
             yield Notice(notice)
             options = dataclasses.replace(options, max_tokens=max_tokens)
+        if answer_prefix:  # (its tokens after the prompt, as the server had sampled them, near enough)
+            begun = self.engine.vocab.tokenize(answer_prefix, add_special=False)
+            prompt = RenderedPrompt(prompt.text + answer_prefix, [*prompt.tokens, *begun])
+            if options.max_tokens:
+                options = dataclasses.replace(options, max_tokens=max(1, options.max_tokens - len(begun)))
         options = options.for_prompt(prompt.text, self.template_source)
         stable = None if stable_text is None or len(prompt.tokens) < self.split_min else (
             len(prompt.tokens) - 1 if stable_text == user_text else self._stable_tokens(prompt.tokens, stable_text))
@@ -254,6 +262,7 @@ class Session:
         clock = AnswerClock(started, load_s, prompt_s)
         for event in self.scheduler.answer(prompt.tokens, options, seed, clock, split_at=stable):
             if isinstance(event, Done):
+                event = dataclasses.replace(event, text=answer_prefix + event.text) if answer_prefix else event
                 self.history += [*([user_message(user_text, images)] if user_text is not None else []),
                                  Message("assistant", event.text, tool_calls=event.tool_calls)]
                 if restored:

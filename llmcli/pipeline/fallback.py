@@ -1,8 +1,9 @@
 """A warm server's answerer that never loses an answer to the server's state: if the server goes away (it crashed,
 or was stopped after it was found), this process loads the model and answers, with one notice; from then on the
-conversation goes on here. An answer the server had begun goes on where it was: the new answer's text is held back
-while it repeats what was already shown (a greedy answer is the same here), and should it part from it, a notice
-says the answer starts again. The final record is the answer given here, whole."""
+conversation goes on here. An answer the server had begun goes on where it was: a sampled one from the text already
+shown (its tokens after the prompt: one answer, never a second one after the first's start); a greedy one is made
+again, its text held back while it repeats what was shown (it is the same here), and should it part from it, a
+notice says the answer starts again. The final record is the answer given here, whole."""
 
 from __future__ import annotations
 
@@ -75,10 +76,13 @@ class FallbackAnswerer:
     def ask(self, user_text: str | None, options: GenerationOptions,
             stable_text: str | None = None, images: tuple[ImageInput, ...] = ()) -> Iterator[AnswerEvent]:
         shown: list[str] = []  # the answer's text already delivered
+        thought = False  # (and reasoning: an answer that thought is not resumed from its text alone)
         try:
             for event in self._current.ask(user_text, options, stable_text, images):
-                if isinstance(event, Token) and not event.reasoning:
-                    shown.append(event.text)
+                if isinstance(event, Token):
+                    thought = thought or event.reasoning
+                    if not event.reasoning:
+                        shown.append(event.text)
                 yield event
             return
         except NetworkError:
@@ -92,7 +96,14 @@ class FallbackAnswerer:
         local = self._local.generation
         options = dataclasses.replace(options, constraint=local.constraint, sampling=dataclasses.replace(
             options.sampling, grammar=local.sampling.grammar, grammar_origin=local.sampling.grammar_origin))
-        yield from _after(self._current.ask(user_text, options, stable_text, images), "".join(shown))
+        begun = "".join(shown)
+        from llmcli.chat.session import Session  # (loaded now: the model is in this process)
+
+        if begun and not options.sampling.greedy and options.tools is None and not thought and \
+                isinstance(self._current, Session):  # a sampled answer goes on from what was shown (a greedy one
+            yield from self._current.ask(user_text, options, stable_text, images, answer_prefix=begun)  # is the same)
+            return
+        yield from _after(self._current.ask(user_text, options, stable_text, images), begun)
 
     def close(self) -> None:
         if self._local is not None:
