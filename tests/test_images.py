@@ -156,10 +156,16 @@ def test_gemma3_projector_and_batch_records(cli, gemma3: Path, pictures: dict[st
     assert out[0]["id"] == "a" and out[0]["timings"]["images"] == 1 and out[1]["timings"]["images"] == 0
     assert out[0]["usage"]["prompt_tokens"] > out[1]["usage"]["prompt_tokens"]
     assert "cannot read the image" in out[2]["error"] and '"images" must be a list' in out[3]["error"]
-    # (--raw with --image: a warm run refuses it, a completions request carries no image; in this process it answers)
-    alone = cli("run", "-m", str(folder / "gemma.gguf"), "--keep-alive", "0", "-n", "2", "--temp", "0", "--raw", "--json",
+    # (--raw with --image through the warm server, the default: it was refused; llmcli serve's own `images` field now)
+    alone = cli("run", "-m", str(folder / "gemma.gguf"), "-n", "2", "--temp", "0", "--raw", "--json",
                 "--image", str(tmp_path / "one.png"), "A picture of")
-    assert json.loads(alone.stdout)["text"] == out[0]["text"]  # a batch record's answer is a run's
+    assert alone.code == 0, alone.stderr
+    warm = json.loads(alone.stdout)
+    assert warm["timings"]["images"] == 1 and len(cli("ps", "--json").stdout.splitlines()) == 1  # (its server)
+    here = cli("run", "-m", str(folder / "gemma.gguf"), "--keep-alive", "0", "-n", "2", "--temp", "0", "--raw",
+               "--json", "--image", str(tmp_path / "one.png"), "A picture of")
+    assert json.loads(here.stdout)["text"] == out[0]["text"]  # a batch record's answer is a run's
+    assert warm["usage"]["prompt_tokens"] == json.loads(here.stdout)["usage"]["prompt_tokens"]  # rendered alike
 
 
 def test_every_protocol_reaches_the_model(seeing: Path, pictures: dict[str, Path], tmp_path: Path) -> None:

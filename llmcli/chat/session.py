@@ -184,6 +184,11 @@ class Session:
         return render_prompt(self.template, self.engine.vocab, with_system(options.system, messages), options, tools,
                              self.engine.load_vision)
 
+    def render_raw(self, text: str, images: tuple[ImageInput, ...]) -> RenderedPrompt:
+        """A raw prompt with pictures as a request gives it (serve): as `run --raw --image` renders it here."""
+        return render_prompt(None, self.engine.vocab, [user_message(text, images)],
+                             dataclasses.replace(self.options, raw=True), vision=self.engine.load_vision)
+
     def slot_server(self, n_slots: int, queue_size: int) -> SlotServer:
         """This session's model answering requests in `n_slots` slots (serve): the same engine, speculation and
         prompt store as its own answers; split where a long conversation's standing part ends when the store is on."""

@@ -170,10 +170,12 @@ def exchange(session: RemoteSession, user_text: str | None, options: GenerationO
         new = [user_message(user_text, images)] if user_text is not None else []
         messages = with_system(session.options.system, [*history, *new])
         body["messages"] = [message_dict(m) for m in messages]
-    elif images:
+    elif images and not session.request.own_server:
         raise UsageError("images need a chat request: --raw sends text only")
-    else:
+    else:  # (llmcli serve takes a raw prompt's pictures in a field of its own: a warm run --raw --image)
         body["prompt"] = user_text or ""
+        if images:
+            body["images"] = [image.data_uri() for image in images]
     answer = ChunkReader(options.stops, started, options.tools)
     for chunk in session.client.stream("chat/completions" if chat else "completions", body):
         yield from answer.events(chunk, chat)

@@ -25,6 +25,7 @@ from llmcli.answer.context_budget import (
     truncation_notice,
 )
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.images import ImageInput
 from llmcli.answer.message import Message
 from llmcli.answer.openai_wire import WireError
 from llmcli.answer.sampling_config import SamplingConfig, resolve_logit_bias
@@ -79,6 +80,7 @@ class Prompter:
     logit_bias: tuple[tuple[int, float], ...] = ()  # the server's own --logit-bias, before each request's
     constraint: Constraint = field(default_factory=Constraint)  # serve's --grammar, --json-schema, --format: the
     # constraint of a request that sets none (nor tools) of its own
+    render_raw: Callable[[str, tuple[ImageInput, ...]], RenderedPrompt] | None = None  # a raw prompt with pictures
 
     def check_model(self, model: Any, message: Callable[[str], str] | None = None) -> None:
         """404 unless `model` (when given) names this server's model."""
@@ -109,6 +111,7 @@ class AnswerRequest:
     grammar_origin: str | None = None  # llmcli's own field: the flag a warm run's grammar came from (its errors' words)
     split_reasoning: bool = True  # False (llama-server's reasoning_format "none"): a think block stays in the text
     fit_history: bool = False  # llmcli's own field (a warm chat): the oldest exchanges dropped until it fits
+    images: tuple[ImageInput, ...] = ()  # a raw prompt's pictures (its markers say where; Ollama's raw generate)
 
 
 @dataclass(frozen=True)
@@ -258,6 +261,13 @@ def _render(request: AnswerRequest, prompter: Prompter) -> RenderedPrompt:
                 raise ApiError(400, f"{request.prompt_param}: token ids are in [0, {prompter.n_vocab})",
                                param=request.prompt_param)
             return RenderedPrompt("", list(prompt))
+        if request.images:  # (as `run --raw --image` renders it: the text, each picture's tokens where it is)
+            if prompter.render_raw is None:
+                raise ApiError(400, "this model does not see images", param="images")
+            try:
+                return prompter.render_raw(prompt or "", request.images)
+            except LlmcliError as exc:
+                raise ApiError(400, exc.message, param="images", cause=exc) from None
         return RenderedPrompt(prompt or "", prompter.tokenize(prompt or ""))
     if not request.messages:
         raise ApiError(400, f"{request.prompt_param} must not be empty", param=request.prompt_param)

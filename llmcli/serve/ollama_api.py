@@ -103,10 +103,8 @@ def parse_generate(body: Any, prompter: Prompter) -> list[AnswerRequest]:
         raise ApiError(400, "system must be a string")
     fields = _answer_fields(body)
     images = _images(body.get("images"), "images")
-    if body.get("raw"):
-        if images:
-            raise ApiError(400, "images need the chat template: raw takes text only")
-        return [AnswerRequest(prompt=(system or "") + prompt, prompt_param="prompt", **fields)]
+    if body.get("raw"):  # (pictures in a raw prompt: where its markers are, else after its text, as run --raw does)
+        return [AnswerRequest(prompt=(system or "") + prompt, prompt_param="prompt", images=images, **fields)]
     messages = ([Message("system", system)] if system else []) + [user_message(prompt, images)]
     return [AnswerRequest(messages=messages, prompt_param="prompt", **fields)]
 

@@ -13,6 +13,8 @@ from typing import Any
 from llmcli.answer.constraint import GRAMMAR_FLAGS
 from llmcli.answer.events import DecodeEvent, Done, Prefill, Token, TokenLogprob
 from llmcli.answer.finish import finish_reason
+from llmcli.answer.image_bytes import ImageError, decode_data
+from llmcli.answer.images import MAX_IMAGES, ImageInput
 from llmcli.answer.openai_wire import SAMPLING_FIELDS, WireError, call_delta, message_of, timings, usage
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.serve.answer_request import AnswerRequest, ApiError, Parsed, Prompter
@@ -45,7 +47,7 @@ SHARED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "sto
                     "fit_history", *SAMPLING_FIELDS}) | LEFT
 CHAT_FIELDS = SHARED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                         "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "modalities"}
-COMPLETION_FIELDS = SHARED | {"prompt", "echo", "suffix", "best_of"}
+COMPLETION_FIELDS = SHARED | {"prompt", "echo", "suffix", "best_of", "images"}  # images: llmcli's (a raw prompt's)
 # Refused where honouring is impossible and ignoring would change what the client gets.
 NOT_HERE = {"audio": "text only", "web_search_options": "no web search", "functions": "use tools",
             "function_call": "use tool_choice"}
@@ -114,7 +116,22 @@ def parse_completion(body: Any, prompter: Prompter) -> list[AnswerRequest]:
     logprobs = body.get("logprobs")
     n_top = None if logprobs is None else count_of(logprobs, "logprobs")
     fields = _answer_fields(body)
-    return [AnswerRequest(prompt=p, logprobs=n_top, prompt_param="prompt", **fields) for p in prompts]
+    images = _raw_images(body.get("images"), prompts)
+    return [AnswerRequest(prompt=p, logprobs=n_top, prompt_param="prompt", images=images, **fields) for p in prompts]
+
+
+def _raw_images(given: Any, prompts: list[Any]) -> tuple[ImageInput, ...]:
+    """llmcli's own `images` of a completions request (a warm `run --raw --image`): data URIs, for one text prompt."""
+    if given is None:
+        return ()
+    if not isinstance(given, list) or not all(isinstance(image, str) for image in given) or len(given) > MAX_IMAGES:
+        raise ApiError(400, f"images must be a list of at most {MAX_IMAGES} data URIs", param="images")
+    if len(prompts) != 1 or not isinstance(prompts[0], str):
+        raise ApiError(400, "images go with one text prompt", param="images")
+    try:
+        return tuple(decode_data(image, f"images[{index}]") for index, image in enumerate(given))
+    except ImageError as exc:
+        raise ApiError(400, exc.message, param="images") from None
 
 
 def _is_id(value: Any) -> bool:

@@ -94,7 +94,8 @@ def _served(pipeline: Pipeline[Session], request: Request, shape: ServerModels) 
                         engine.vocab.n_tokens, check_grammar, session.template_source or "",
                         split_min=session.split_min if session.prompt_cache is not None else 0,
                         tokenize_piece=lambda text: engine.vocab.tokenize(text, add_special=False),
-                        logit_bias=pipeline.generation.sampling.logit_bias, constraint=pipeline.generation.constraint)
+                        logit_bias=pipeline.generation.sampling.logit_bias, constraint=pipeline.generation.constraint,
+                        render_raw=session.render_raw)
     template = session.template_source or ""
     facts = read_facts(names[0], engine.path, engine.n_ctx, template, _capabilities(template))
     slots = session.slot_server(shape.parallel, shape.queue)  # the session's own engine, drafts and prompt store
