@@ -604,3 +604,14 @@ def test_a_lone_surrogate_or_a_deep_nesting_is_one_line_s_error_and_t_is_bounded
     assert "Traceback" not in evaluated.stderr + embedded.stderr + result.stderr
     threads = run_cli("run", "-t", "100000", "-n", "1", "hi")
     assert threads.code == 2 and "--threads must be between 1 and 512" in threads.stderr
+
+
+
+def test_a_cache_that_cannot_be_written_while_a_packaged_model_is_assembled_is_exit_6():
+    """Issue 58: assembling gemma3-270m from its packages into a cache that cannot be written (read-only, full) was
+    "internal error: PermissionError" (exit 1): now one line naming the place, exit 6 (resources), nothing left."""
+    result = _run_module("run", "-m", "gemma3-270m", "-n", "1", "hi",
+                         env={"LLMCLI_CACHE_DIR": "/sys/llmcli-test", "LLMCLI_KEEP_ALIVE": "0"})  # (sysfs: EPERM)
+    assert result.returncode == 6, result.stderr
+    assert result.stderr.startswith("Error: could not assemble gemma3-270m in /sys/llmcli-test") and \
+        "internal error" not in result.stderr

