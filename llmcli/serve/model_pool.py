@@ -147,6 +147,8 @@ class ModelPool:
                 own = self.default is not None and key == self.default.key
                 served = await asyncio.to_thread(self.load, None if own else name)
             except LlmcliError as exc:
+                if _is_path(name):  # (a file a request names: one answer whatever it is, telling nothing of it)
+                    raise self._not_found(name) from None
                 status = 404 if isinstance(exc, ModelNotFoundError) else 503
                 raise ApiError(status, f"model '{name}' could not be loaded: {exc.message}", param="model") from None
             finally:
@@ -169,9 +171,9 @@ class ModelPool:
             try:
                 self._names[bare] = await asyncio.to_thread(self.resolve, bare, pull)
             except LlmcliError as exc:
-                if not isinstance(exc, ModelNotFoundError):  # found, and its download failed (network, checksum, room)
+                if not isinstance(exc, ModelNotFoundError) and not _is_path(bare):  # found, and its download failed
                     raise ApiError(503, f"model '{name}' could not be downloaded: {exc.message}", param="model") from None
-                raise self._not_found(name) from None
+                raise self._not_found(name) from None  # (a path: whether it exists, or what it holds, is not said)
             except (OSError, ValueError):  # (a name the file system refuses: too long a component)
                 raise self._not_found(name) from None
         return self._names[bare]
@@ -243,6 +245,11 @@ class ModelPool:
         for served in list(self.loaded.values()):
             if served.in_flight == 0 and served.expires_in() == 0 and served.key in self.loaded:
                 await self._unload(served)
+
+
+def _is_path(name: str) -> bool:
+    """Whether a request's model name is a file's path (not a name `llmcli list` shows, nor a Hub reference)."""
+    return name.startswith(("/", "~", ".")) or name.lower().endswith(".gguf")
 
 
 def checked_name(name: str) -> str:
