@@ -199,6 +199,30 @@ def test_a_full_queue_is_429_with_retry_after_and_sigterm_ends_the_streams_clean
         stop_server(proc)
 
 
+def test_a_waiting_request_whose_client_left_holds_no_place_in_the_queue(tmp_path):
+    """Issue 58: requests whose clients had left stayed counted as waiting until the engine reached them, so a busy
+    slot and a queue of gone clients answered every new request 429. One slot, a queue of one: a client waits, then
+    leaves; the next request takes its place and is answered."""
+    proc, url = start_server(tmp_path, "-P", "1", "--queue", "1", "-c", "512")
+    try:
+        long = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 300, "stream": True,
+                "logit_bias": {"0": -100, "1": -100, "2": -100}}  # no end of text: the slot stays busy
+        with HTTP.stream("POST", f"{url}/v1/chat/completions", json=long, timeout=60) as busy:
+            lines = busy.iter_lines()  # kept: a dropped iterator closes the stream
+            next(line for line in lines if line.startswith("data:"))  # the slot is answering
+            with HTTP.stream("POST", f"{url}/v1/chat/completions", json=long, timeout=60):
+                deadline = time.monotonic() + 30
+                while HTTP.get(f"{url}/health", timeout=10).json().get("waiting") != 1 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert HTTP.get(f"{url}/health", timeout=10).json()["waiting"] == 1
+            time.sleep(0.3)  # (it has left: its connection is closed)
+            taken = HTTP.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            assert taken.status_code == 200, taken.text
+    finally:
+        stop_server(proc)
+
+
 def test_a_public_address_needs_an_api_key():
     result = run_cli("serve", "--host", "0.0.0.0")
     assert result.code == 2 and "--api-key" in result.stderr and "Traceback" not in result.stderr

@@ -118,8 +118,9 @@ class SlotServer:
         if self._stopping:
             raise QueueFull("the server is shutting down")
         busy = sum(1 for slot in self.scheduler.slots if slot is not None)
-        if busy + len(self.waiting) >= self.n_slots + self.queue_size:
-            raise QueueFull(f"all {self.n_slots} slots are busy and {len(self.waiting)} requests wait")
+        waiting = sum(1 for job in self.waiting if not job.cancelled.is_set())  # (a client that left holds no place,
+        if busy + waiting >= self.n_slots + self.queue_size:  # though its job leaves the queue at the next admission)
+            raise QueueFull(f"all {self.n_slots} slots are busy and {waiting} requests wait")
 
     def stop(self) -> None:
         """Finish: requests still waiting are cancelled; the loop ends once the slots are empty."""
