@@ -394,7 +394,8 @@ def _fork_server(command: list[str], environment: dict[str, str], log_fd: int) -
     (a session of its own, /dev/null, stderr into its log, no other fd: the test's pipes close when the run ends);
     llmcli, llama.cpp and the model's weights are loaded already (a server start: ~0.2 s of CPU, not ~1.3 s). Its pid
     is noted in the test's runtime dir: it ends with the test."""
-    if threading.active_count() > 1:  # (forking could inherit a held lock: a real process instead)
+    if threading.active_count() > 1 or "LLMCLI_TEST_FORKED" not in environment:  # (forking could inherit a held
+        # lock; a run outside a test's environment has no pid file to note it in: a real process, found by its dir)
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_fd,
                                 env=environment, start_new_session=True, close_fds=True)
     pid = os.fork()

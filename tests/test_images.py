@@ -162,9 +162,9 @@ def test_gemma3_projector_and_batch_records(cli, gemma3: Path, pictures: dict[st
     assert alone.code == 0, alone.stderr
     warm = json.loads(alone.stdout)
     assert warm["timings"]["images"] == 1 and len(cli("ps", "--json").stdout.splitlines()) == 1  # (its server)
+    assert warm["text"] == out[0]["text"]  # a batch record's answer is a run's (the same path: the warm server)
     here = cli("run", "-m", str(folder / "gemma.gguf"), "--keep-alive", "0", "-n", "2", "--temp", "0", "--raw",
                "--json", "--image", str(tmp_path / "one.png"), "A picture of")
-    assert json.loads(here.stdout)["text"] == out[0]["text"]  # a batch record's answer is a run's
     assert warm["usage"]["prompt_tokens"] == json.loads(here.stdout)["usage"]["prompt_tokens"]  # rendered alike
 
 

@@ -137,8 +137,8 @@ class Answer:
             self.finish = "length"
         elif self.n_out > self.room:
             self.finish = "context_full"
-        elif tokens is not None and self.n_out % LOOP_EVERY == 0 and looping(tokens) \
-                and not (self.calls is not None and self.calls.in_call):  # (a call is never cut into invalid JSON)
+        elif tokens is not None and self.n_out % LOOP_EVERY == 0 and not (self.calls is not None and self.calls.in_call) \
+                and looping(tokens):  # (a call is never cut into invalid JSON: its grammar and -n end it)
             self.finish = "repetition"
         return events
 

@@ -120,16 +120,18 @@ def _new_grammar(config: SamplingConfig, vocab: Any) -> Any:
                                                                len(config.grammar_triggers), None, 0)
 
 
-_TOKEN_ID = re.compile(r"<\[(\d{1,12})\]>")  # a grammar's token by id: <[1234]>
+_TOKEN_ID = re.compile(r"<\[(\d+)\]>")  # a grammar's token by id: <[1234]>
 
 
 def _check_token_ids(config: SamplingConfig, vocab: Any) -> None:
     """A token id beyond the vocabulary is refused here: llama.cpp takes it, then aborts the process on it."""
     assert config.grammar is not None
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
-    beyond = next((int(m.group(1)) for m in _TOKEN_ID.finditer(config.grammar) if int(m.group(1)) >= n_vocab), None)
+    beyond = next((m.group(1) for m in _TOKEN_ID.finditer(config.grammar)  # (any number of digits: no int() of
+                   if len(m.group(1)) > 9 or int(m.group(1)) >= n_vocab), None)  # 5,000 of them)
     if beyond is not None:
-        raise UsageError(f"{config.grammar_origin}: no answer can follow the grammar: token <[{beyond}]> is beyond "
+        shown = beyond if len(beyond) <= 12 else beyond[:12] + "…"
+        raise UsageError(f"{config.grammar_origin}: no answer can follow the grammar: token <[{shown}]> is beyond "
                          f"the vocabulary ({n_vocab} tokens)")
 
 
