@@ -12,7 +12,7 @@ from llmcli.answer.answerer import Answerer, PromptOptions
 from llmcli.answer.constraint import Constraint
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.reasoning import no_switch_notice
-from llmcli.answer.sampling_config import SamplingConfig, logit_bias_pair
+from llmcli.answer.sampling_config import SamplingConfig, check_grammar, logit_bias_pair
 from llmcli.config import settings
 from llmcli.errors import ModelNotFoundError
 from llmcli.interrupt import Cancellation
@@ -73,9 +73,9 @@ def open_remote(request: Request, effective: settings.Settings, constraint: Cons
         gbnf = constraint.grammar if not constraint.json else None
         remote = RemoteRequest(model, defaults, gbnf, constraint.schema, constraint.json and constraint.schema is None,
                                biases, extra or {}, own_server=bool(sent_at_start), grammar_origin=constraint.origin)
-        # checked as for a local model (a grammar against llmcli's limits too, named by its flag, before it is sent)
-        SamplingConfig.from_settings(effective.values, grammar=gbnf, grammar_origin=constraint.origin)
-        sampling = SamplingConfig.from_settings(effective.values)
+        if gbnf is not None:  # against llmcli's limits, named by its flag, before it is sent (as for a local model)
+            check_grammar(gbnf, constraint.origin)
+        sampling = SamplingConfig.from_settings(effective.values)  # checked as for a local model
         prompt = PromptOptions(effective["system"], request.raw, None, effective["on_overflow"], effective["think"])
         generation = GenerationOptions.from_settings(effective.values, sampling,  # (the server drafts, if it does)
                                                      Constraint(json=constraint.json, schema=constraint.schema),
