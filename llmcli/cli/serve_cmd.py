@@ -48,6 +48,10 @@ InsecureOpt = Annotated[bool, typer.Option("--insecure", help="Allow a non-loopb
                                            rich_help_panel=_SERVER)]
 MaxBodyOpt = Annotated[int, typer.Option("--max-body", min=1024, help="Largest request body, in bytes.",
                                          rich_help_panel=_SERVER)]
+StepTimeoutOpt = Annotated[float, typer.Option(
+    "--step-timeout", min=1.0, help="Seconds one step of a model's engine may take (a grammar's sampling of one token "
+    "included): past it the engine is started again, the request it was sampling fails, the others resume.",
+    rich_help_panel=_SERVER)]
 MaxAnswerOpt = Annotated[int, typer.Option("--max-answer", min=1, help="The most tokens a request may ask for.",
                                            rich_help_panel=_SERVER)]
 GraceOpt = Annotated[float, typer.Option(
@@ -111,6 +115,7 @@ def serve(
     max_models: MaxModelsOpt = 3,
     keep_alive: KeepAliveOpt = "5m",
     allow_pull: AllowPullOpt = False,
+    step_timeout: StepTimeoutOpt = 300.0,
     socket_path: SocketOpt = None,
     exit_when_idle: ExitIdleOpt = False,
     webui: WebuiOpt = True,
@@ -125,6 +130,9 @@ def serve(
     sequences, …) are the defaults of requests that do not say otherwise: --grammar, --json-schema and --format
     constrain every answer whose request sets no grammar, format or tools of its own, and --logit-bias applies before
     a request's own biases. --api-key (or $LLMCLI_API_KEY) is the key every request must bring.
+
+    Each model's engine (llama.cpp) runs in a process of its own: if it dies, it is started again and the answers in
+    flight resume where they were; a step longer than --step-timeout ends the request it was sampling.
     """
     api_key = api_key or os.environ.get("LLMCLI_API_KEY") or None
     if not _loopback(host) and api_key is None and not insecure:
@@ -162,11 +170,11 @@ def serve(
         listening = _private_socket(socket_path)
         listen = {"fd": listening.fileno()}
         warm.listening_here(socket_path)  # (the model's memory check never asks this process's own socket)
+    console = output.stderr_console()
     found = ServerModels(request, parallel, queue if queue is not None else 4 * parallel, max_body,
-                         max_answer, allow_pull)
+                         max_answer, allow_pull, step_timeout, lambda line: output.print_stats_line(console, line))
     with output.download_progress() as progress:
         first = found.load(None, progress)
-    console = output.stderr_console()
     for notice in first.notices:
         output.print_notice(console, notice)
     pool = ModelPool(found.resolve, found.load, max_models, expiry)

@@ -22,11 +22,11 @@ Built on the engine's public API; it never prints.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcli.answer.events import DecodeEvent, Prefill
+from llmcli.answer.events import DecodeEvent, Prefill, TokenLogprob
 from llmcli.answer.generation import Answer, GenerationOptions
 from llmcli.answer.images import has_images, image_start, text_before_image
 from llmcli.answer.reasoning import CLOSE as THINK_CLOSE
@@ -61,6 +61,7 @@ class Scheduler:
         self.cells = self.cells or self.engine.kv.n_ctx
         self._batch = Batch(max(self.engine.config.n_batch, self.n_slots))
         self._closing: list[int] | None = None
+        self.sampling: Slot | None = None  # the slot whose token llama.cpp is sampling now
 
     def close(self) -> None:
         self._batch.close()
@@ -75,11 +76,15 @@ class Scheduler:
     # -- slots ---------------------------------------------------------------------------------
 
     def start(self, seq: int, prompt: list[int], options: GenerationOptions, seed: int, clock: AnswerClock | None = None,
-              *, tag: Any = None, split_at: int | None = None, shared: int = 0, reuse_at_least: int = 1) -> Slot:
+              *, tag: Any = None, split_at: int | None = None, shared: int = 0, reuse_at_least: int = 1,
+              resumed: Sequence[tuple[int, TokenLogprob | None]] | None = None) -> Slot:
         """A slot for `prompt` in sequence `seq` (free): the longest prefix of it the sequence holds is kept (when
         it has `reuse_at_least` tokens), the rest evaluated by the next steps. `shared`: the prefix sequence's
         tokens to copy in first (--batch). Raises what the sampler chain raises (a grammar llama.cpp refuses);
-        nothing is started then."""
+        nothing is started then. `resumed` (not None: each sampled token is recorded, `Slot.record`): the tokens this
+        answer had sampled, with their logprobs, before the engine that sampled them died: they are the prompt's end,
+        fed to the answer and the sampler chain (its grammar, its penalties) as if sampled here, and decoding goes on
+        after them; their text is not given again."""
         engine = self.engine
         calls = options.tools is not None and options.tools.active  # (the call's opening is read in the vocabulary)
         sampler = engine.sampler(with_tool_grammar(options.sampling, options.tools, options.thinking_open,
@@ -103,8 +108,16 @@ class Scheduler:
         kv.checkpoints.pop(seq, None)
         clock.prefill_started = time.perf_counter()
         drafter = Drafter.for_mode(options.speculate, prompt, self.speculation.draft_model)
-        slot = Slot(seq, prompt, options, sampler, Answer(options, len(prompt), engine.n_ctx), clock, drafter,
+        answer = Answer(options, len(prompt) - len(resumed or ()), engine.n_ctx)
+        slot = Slot(seq, prompt, options, sampler, answer, clock, drafter,
                     cached, cached, split_at if split_at is not None and cached < split_at < len(prompt) else None, tag)
+        if resumed is not None:
+            slot.record, slot.replayed = list(resumed), len(resumed)
+            vocab = engine.vocab
+            for token, logprob in resumed:
+                sampler.accept(token)
+                answer.add(token, False, vocab.answer_piece(token, options.special), logprob)
+            slot.thinking_closed = answer.thinking_spent
         self.slots[seq] = slot
         return slot
 
@@ -118,7 +131,8 @@ class Scheduler:
         if events and slot.clock.first_text is None:
             slot.clock.first_text = time.perf_counter()
         stats = slot.clock.stats(
-            prompt_tokens=len(slot.prompt), cached_tokens=slot.cached, prefill_tokens=slot.prefilled - slot.cached,
+            prompt_tokens=len(slot.prompt) - slot.replayed, cached_tokens=slot.cached,
+            prefill_tokens=slot.prefilled - slot.cached,
             completion_tokens=slot.answer.n_out, decode_steps=max(0, slot.sampled - 1),
             seed=None if slot.options.sampling.greedy else slot.sampler.seed, threads=self.engine.n_threads,
             prefill_threads=slot.prefill_threads,
@@ -273,10 +287,14 @@ class Scheduler:
                 token = slot.forced.pop(0)
                 sampler.accept(token)
             else:
+                self.sampling = slot  # (what a stalled step was doing: a server's watchdog asks)
                 token = sampler.sample(first + i)
+                self.sampling = None
             slot.sampled += 1
             n_top = slot.options.logprobs
             logprob = None if n_top is None else token_logprob(sampler.ctx, vocab, first + i, token, n_top)
+            if slot.record is not None:
+                slot.record.append((token, logprob))
             gained = answer.add(token, vocab.is_end_of_generation(token), vocab.answer_piece(token, slot.options.special),
                                 logprob)
             slot.clock.token(time.perf_counter(), bool(gained))

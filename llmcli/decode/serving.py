@@ -26,8 +26,9 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcli.answer.events import DecodeEvent, Done, Prefill
+from llmcli.answer.events import DecodeEvent, Done, Prefill, TokenLogprob
 from llmcli.answer.generation import GenerationOptions
+from llmcli.answer.images import ImageInput
 from llmcli.answer.shared_prefix import shared_prefix
 from llmcli.answer.stats import AnswerClock
 from llmcli.decode.prompt_cache import PromptCache
@@ -65,6 +66,9 @@ class Job:
     clock: AnswerClock = field(default_factory=AnswerClock)  # stamped from its arrival
     failure: Failure | None = None  # set before its Done when it failed
     stable: int | None = None  # where its prompt's standing part ends: its KV state is restored and saved there
+    images: tuple[ImageInput, ...] = ()  # the pictures whose placeholder ids its prompt holds (prepared here first)
+    resumed: tuple[tuple[int, TokenLogprob | None], ...] | None = None  # (not None: its sampled tokens are recorded)
+    key: int = 0  # the client's number for it (a supervised engine's)
 
 
 Delivery = Callable[[list[tuple["Job", DecodeEvent | Prefill]]], None]
@@ -92,6 +96,7 @@ class SlotServer:
                  speculation: Speculation | None = None, prompt_cache: PromptCache | None = None):
         self.engine, self.n_slots, self.queue_size = engine, n_slots, queue_size
         self.deliver = deliver
+        self.on_step: Callable[[], None] | None = None  # after each step (a supervised engine says it is alive)
         self.prompt_cache = prompt_cache  # long prompts' standing parts, kept across slots, unloads and restarts
         self.scheduler = Scheduler(engine, n_slots, speculation or Speculation())
         self._events: list[tuple[Job, DecodeEvent | Prefill]] = []
@@ -178,6 +183,8 @@ class SlotServer:
                     if self._events:
                         events, self._events = self._events, []
                         self.deliver(events)
+                    elif self.on_step is not None:
+                        self.on_step()
         finally:
             scheduler.close()
 
@@ -207,8 +214,14 @@ class SlotServer:
             if self.prompt_cache is not None and job.stable is not None:  # (when the slot holds less of it)
                 self.prompt_cache.restore(job.tokens, job.stable, free[0])
             try:
-                scheduler.start(free[0], job.tokens, job.generation, job.seed, job.clock, tag=job,
-                                split_at=job.stable, reuse_at_least=MIN_REUSE)
+                if job.images:  # (their placeholder ids are their contents': the ones the prompt holds)
+                    vision = self.engine.load_vision()
+                    for image in job.images:
+                        vision.tokenize(image)
+                resumed = job.resumed
+                tokens = job.tokens if not resumed else [*job.tokens, *(token for token, _ in resumed)]
+                scheduler.start(free[0], tokens, job.generation, job.seed, job.clock, tag=job,
+                                split_at=job.stable, reuse_at_least=MIN_REUSE, resumed=resumed)
             except Exception as exc:  # a grammar llama.cpp refuses: the request fails, the server goes on
                 job.failure = Failure(str(exc), refused=True)
                 self._events.append((job, _cancelled(job)))

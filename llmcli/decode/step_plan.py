@@ -40,11 +40,13 @@ class Slot:
     forced: list[int] = field(default_factory=list)  # tokens the loop writes next, unsampled (a think block's close)
     thinking_closed: bool = False  # its think block was closed at --think-budget
     prefill_threads: int | None = None  # llama.cpp threads its first prompt chunk was evaluated on
+    record: list[tuple[int, Any]] | None = None  # each sampled token and its logprob (an answer a restart resumes)
+    replayed: int = 0  # the prompt ends with this many tokens of the answer, sampled before a restart (resumed)
 
     @property
     def pos(self) -> int:
         """Position of the pending token: right after the prompt and the answer's tokens decoded so far."""
-        return self.prefilled + self.answer.n_out - 1
+        return self.prefilled + self.answer.n_out - self.replayed - 1
 
 
 @dataclass(frozen=True)

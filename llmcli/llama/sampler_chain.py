@@ -191,3 +191,9 @@ def _build_chain(config: SamplingConfig, vocab: Any, seed: int, n_ctx: int, with
         add(llama_cpp.llama_sampler_init_temp(config.temp))
         add(llama_cpp.llama_sampler_init_dist(seed))
     return chain
+
+
+def parse_grammar(vocab: Any, gbnf: str, origin: str, n_ctx: int) -> None:
+    """llama.cpp's grammar parser on `gbnf` over `vocab` (a Vocabulary) alone, no context (LlmcliError: what it
+    refused, as a sampler chain would say it)."""
+    Sampler(SamplingConfig(temp=0, grammar=gbnf, grammar_origin=origin), vocab.handle, 0, None, n_ctx).close()

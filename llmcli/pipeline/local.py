@@ -26,6 +26,7 @@ from llmcli.interrupt import Cancellation
 from llmcli.llama.cpu_topology import physical_cores
 from llmcli.llama.engine import Engine
 from llmcli.llama.engine_config import EngineConfig, default_context, padded_cells
+from llmcli.llama.sampler_chain import parse_grammar
 from llmcli.llama.schema_grammar import with_grammar
 from llmcli.llama.vision import Vision
 from llmcli.llama.vocab import VocabularyFile
@@ -168,6 +169,27 @@ class Tokenizer:
         return render_prompt(template, self.vocabulary.vocab, with_system(options.system, [*history, *new]), options,
                              tools, vision=self._vision)
 
+    def render_conversation(self, messages: list[Message], think: bool | None = None,
+                            tools: ToolSpec | None = None) -> RenderedPrompt:
+        """A whole conversation as a request gives it, rendered as the model's session renders it (serve, whose
+        engine is in another process)."""
+        options = self.prompt if think is None else dataclasses.replace(self.prompt, think=think)
+        return render_prompt(self.template, self.vocabulary.vocab, with_system(options.system, messages), options, tools,
+                             self._vision)
+
+    def render_raw(self, text: str, images: tuple[ImageInput, ...]) -> RenderedPrompt:
+        """A raw prompt with pictures (serve): as `run --raw --image` renders it."""
+        return render_prompt(None, self.vocabulary.vocab, [user_message(text, images)],
+                             dataclasses.replace(self.prompt, raw=True), vision=self._vision)
+
+    @property
+    def template_source(self) -> str | None:
+        return self.template.source if self.template is not None else None
+
+    def check_grammar(self, gbnf: str, origin: str, n_ctx: int) -> None:
+        """llama.cpp's grammar parser on `gbnf`, with this vocabulary alone (LlmcliError: what it refused)."""
+        parse_grammar(self.vocabulary.vocab, gbnf, origin, n_ctx)
+
     def _vision(self) -> Vision:
         if self.projector is None:
             raise UsageError("this model does not see images: it has no vision projector",
@@ -185,9 +207,9 @@ class Tokenizer:
         self.close()
 
 
-def open_tokenizer(request: Request) -> Tokenizer:
+def open_tokenizer(request: Request, on_progress: ProgressCallback | None = None) -> Tokenizer:
     """The vocabulary (llama.cpp's vocab_only load: no weights) and template of the request's model."""
-    effective, model = resolve_settings(request)
+    effective, model = resolve_settings(request, on_progress)
     header = read_header(model.path)
     prompt = PromptOptions(effective["system"], request.raw, request.template_file, effective["on_overflow"],
                            effective["think"])

@@ -126,6 +126,7 @@ class Parsed:
     started: float = 0.0  # perf_counter when it was prepared: its answer's clock starts there (as a run's does)
     prompt_s: float = 0.0  # rendering and tokenizing it (part of the TTFT, as a run's)
     dropped: int = 0  # the conversation's oldest exchanges dropped to fit the context (fit_history)
+    images: tuple[ImageInput, ...] = ()  # the pictures its prompt holds (the engine prepares them again)
 
 
 def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
@@ -185,8 +186,10 @@ def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
     generation = generation.for_turn(last.content if last is not None and last.role == "user" else None if last is not None
                                      else request.prompt if isinstance(request.prompt, str) else "")
     stable = _stable(request, prompter, rendered.tokens)
+    images = (*request.images, *(image for message in request.messages or () for image in message.images))
     return Parsed(rendered.tokens, generation, sampling.effective_seed(), request.stream, request.include_usage,
-                  stable, tuple(notices), started, time.perf_counter() - started, dropped)
+                  stable, tuple(notices), started, time.perf_counter() - started, dropped,
+                  images if any(token < 0 for token in rendered.tokens) else ())
 
 
 def _fitted(request: AnswerRequest, prompter: Prompter, rendered: RenderedPrompt, max_tokens: int | None) -> tuple[

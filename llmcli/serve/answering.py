@@ -22,8 +22,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from llmcli.answer.events import DecodeEvent, Done, Prefill
 from llmcli.answer.openai_wire import WireError
 from llmcli.answer.stats import AnswerClock, summary_line
-from llmcli.decode.serving import Failure, Job, QueueFull, SlotServer
+from llmcli.decode.serving import Failure, Job, QueueFull
 from llmcli.serve.answer_request import AnswerRequest, ApiError, Parsed, prepare
+from llmcli.serve.engine_process import EngineProcess
 from llmcli.serve.model_pool import ModelPool, Served
 from llmcli.serve.pulling import PullModel
 from llmcli.serve.wire import COMMENT, Exchange, Item
@@ -181,7 +182,7 @@ async def answer(request: Request, state: ServerState, parse: Callable[[Any, Ser
         return error_response(error, shape)
 
 
-async def respond(request: Request, state: ServerState, slots: SlotServer, prepared: list[Parsed], exchange: Exchange,
+async def respond(request: Request, state: ServerState, slots: EngineProcess, prepared: list[Parsed], exchange: Exchange,
                   ndjson: bool = False, release: Callable[[], None] = lambda: None) -> Response:
     """Submit prepared answers; the whole response, or a stream of the exchange's items (SSE, or NDJSON);
     `release` once every answer is over."""
@@ -190,7 +191,7 @@ async def respond(request: Request, state: ServerState, slots: SlotServer, prepa
     def emitter(index: int) -> Callable[[DecodeEvent | Prefill], None]:  # called on this loop (deliver)
         return lambda event: events.put_nowait((index, event))
 
-    jobs = [Job(p.tokens, p.generation, p.seed, emitter(i), stable=p.stable,
+    jobs = [Job(p.tokens, p.generation, p.seed, emitter(i), stable=p.stable, images=p.images,
                 clock=AnswerClock(p.started, prompt_s=p.prompt_s) if p.started else AnswerClock())
             for i, p in enumerate(prepared)]
     try:

@@ -99,7 +99,9 @@ def _own_app(state: ServerState, hosts: tuple[str, ...] | None, webui: bool) -> 
         first = default.slots.status() if default is not None and default.key in pool.loaded else {}
         trusted = hosts is None if state.api_key is None else _has_key(request, state)
         models = [status(served) for served in pool.loaded.values()]
-        found = {"status": "ok", "model": default.name if default else None, **first, "version": __version__}
+        mending = any(served.slots.state != "running" for served in pool.loaded.values())  # (an engine restarting)
+        found = {"status": "degraded" if mending else "ok", "model": default.name if default else None, **first,
+                 "version": __version__}
         if trusted:
             return JSONResponse({**found, "models": models, "pid": os.getpid()})
         return JSONResponse({**found, "models": [{k: v for k, v in m.items() if k not in PRIVATE_FACTS}

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmcli.decode.serving import SlotServer, deliver_here
+from llmcli.decode.serving import deliver_here
 from llmcli.errors import LlmcliError, ModelNotFoundError
 from llmcli.serve.answer_request import ApiError, Prompter
+from llmcli.serve.engine_process import EngineProcess
 from llmcli.serve.model_facts import ModelFacts
 from llmcli.units import parse_keep_alive
 
@@ -34,7 +35,7 @@ class Served:
     """One loaded model: its slot server (on its own engine thread), how requests become its tokens, its facts."""
 
     key: Path  # the file: two names of one model are one Served
-    slots: SlotServer
+    slots: EngineProcess
     prompter: Prompter
     facts: ModelFacts
     close: Callable[[], None]  # the pipeline and the embedding model

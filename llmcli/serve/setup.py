@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcli.answer.sampling_config import SamplingConfig
-from llmcli.chat.session import Session
 from llmcli.config import settings
-from llmcli.errors import LlmcliError
-from llmcli.pipeline import Pipeline, Request, Shape, fetch_for, resolve_settings
-from llmcli.pipeline.local import open_pipeline
+from llmcli.pipeline import Request, fetch_for, resolve_settings
+from llmcli.pipeline.local import Tokenizer, open_tokenizer
 from llmcli.prompt.rendering import thinking_variables
 from llmcli.serve.answer_request import Limits, Prompter
+from llmcli.serve.engine_process import STEP_TIMEOUT_S, EngineFacts, EngineProcess, EngineSpec
 from llmcli.serve.model_facts import ModelFacts, read_facts
 from llmcli.serve.model_pool import Served
 from llmcli.store import catalog, models
@@ -32,6 +31,8 @@ class ServerModels:
     max_body: int
     max_answer: int
     allow_pull: bool = False  # a Hub model not downloaded yet may be downloaded (else: 404)
+    step_timeout: float = STEP_TIMEOUT_S  # the longest step an engine may take before it is restarted
+    report: Callable[[str], None] | None = None  # a line for the server's log (an engine restarted)
 
     def request_for(self, name: str | None) -> Request:
         if name is None:
@@ -54,14 +55,22 @@ class ServerModels:
         return models.resolve(name, config.aliases, fetch).name
 
     def load(self, name: str | None = None, on_progress: Any = None) -> Served:
-        """The model loaded with `parallel` slots of a full context each, its slot server (speculative decoding as
-        --speculate says, for every slot), its prompter, and what the model lists say of it."""
+        """The model loaded in an engine process of its own (llmcli/serve/engine_process.py) with `parallel` slots of a
+        full context each (speculative decoding as --speculate says, for every slot); here its vocabulary and
+        template (a request's prompt is rendered and tokenized in this process), its prompter, and what the model
+        lists say of it."""
         request = self.request_for(name)
-        pipeline = open_pipeline(dataclasses.replace(request, shape=Shape(self.parallel, served=True)), on_progress)
+        resolve_settings(request, on_progress)  # (downloaded first, when it must be and may be)
+        request = dataclasses.replace(request, offline=True)
+        engine = EngineProcess(EngineSpec(request, self.parallel), self.queue, self.step_timeout, self.report)
+        tokenizer = None
         try:
-            return _served(pipeline, request, self)
+            tokenizer = open_tokenizer(request)
+            return _served(tokenizer, engine.ready(), engine, request, self)
         except BaseException:
-            pipeline.close()
+            engine.kill()
+            if tokenizer is not None:
+                tokenizer.close()
             raise
 
     def loadable(self) -> list[tuple[str, Path]]:
@@ -79,38 +88,28 @@ def _capabilities(template: str) -> tuple[str, ...]:
     return ("completion", "tools", "embedding", *(("thinking",) if thinks else ()))
 
 
-def _served(pipeline: Pipeline[Session], request: Request, shape: ServerModels) -> Served:
-    session = pipeline.session
-    engine = session.engine
-
-    def check_grammar(gbnf: str, origin: str) -> None:  # llama.cpp's parser, on the vocabulary alone
-        engine.sampler(SamplingConfig(temp=0, grammar=gbnf, grammar_origin=origin), 0).close()
-
-    names = tuple(dict.fromkeys((pipeline.model.name, engine.path.stem, engine.path.name)))
-    limits = Limits(engine.n_ctx, min(shape.max_answer, engine.n_ctx), shape.max_body, pipeline.generation.max_draft,
-                    engine.n_ctx_train)
-    prompter = Prompter(session.render_conversation, lambda text: engine.vocab.tokenize(text, add_special=True), names,
-                        dict(pipeline.settings.values), limits, session.tool_format(pipeline.settings["tool_format"]),
-                        engine.vocab.n_tokens, check_grammar, session.template_source or "",
-                        split_min=session.split_min if session.prompt_cache is not None else 0,
-                        tokenize_piece=lambda text: engine.vocab.tokenize(text, add_special=False),
-                        logit_bias=pipeline.generation.sampling.logit_bias, constraint=pipeline.generation.constraint,
-                        render_raw=session.render_raw)
-    template = session.template_source or ""
-    facts = read_facts(names[0], engine.path, engine.n_ctx, template, _capabilities(template))
-    slots = session.slot_server(shape.parallel, shape.queue)  # the session's own engine, drafts and prompt store
+def _served(tokenizer: Tokenizer, facts: EngineFacts, engine: EngineProcess, request: Request,
+            shape: ServerModels) -> Served:
+    vocabulary = tokenizer.vocabulary
+    vocab = vocabulary.vocab
+    names = facts.names
+    limits = Limits(facts.n_ctx, min(shape.max_answer, facts.n_ctx), shape.max_body, facts.max_draft, facts.n_ctx_train)
+    prompter = Prompter(tokenizer.render_conversation, lambda text: vocab.tokenize(text, add_special=True), names,
+                        facts.values, limits, facts.tool_format, vocab.n_tokens,
+                        lambda gbnf, origin: tokenizer.check_grammar(gbnf, origin, facts.n_ctx),
+                        tokenizer.template_source or "", split_min=facts.split_min,
+                        tokenize_piece=lambda text: vocab.tokenize(text, add_special=False),
+                        logit_bias=facts.logit_bias, constraint=facts.constraint, render_raw=tokenizer.render_raw)
+    template = tokenizer.template_source or ""
+    model_facts = read_facts(names[0], facts.path, facts.n_ctx, template, _capabilities(template))
     embeddings = Embeddings(request)
 
     def close() -> None:
+        engine.kill()
         embeddings.close()
-        pipeline.close()
+        vocabulary.close()
 
-    try:  # (what a warm chat's /show says; a template that cannot render it is refused by each request instead)
-        template_system = session.template_system
-    except LlmcliError:
-        template_system = None
-    return Served(engine.path.resolve(), slots, prompter, facts, close, embeddings, tuple(session.notices),
-                  template_system)
+    return Served(facts.path, engine, prompter, model_facts, close, embeddings, facts.notices, facts.template_system)
 
 
 class Embeddings:

@@ -1,0 +1,128 @@
+"""`python -m llmcli.serve.engine_child FD`: one model's engine, in a process of its own (llmcli/serve/engine_process.py
+starts it and talks to it over the socket FD).
+
+It loads the model as `serve` would in its own process (the pipeline: weights, KV cache, prompt store, draft model,
+vision projector), then runs its slot server: jobs come in over the socket, each step's events go out with the tokens
+each answer sampled (what a restart resumes it from). The server does the queue's accounting; here a job is admitted
+as soon as a slot is free. SIGINT is ignored (the server answers Ctrl-C by stopping this process); when the server
+goes away, however it went, the socket ends and so does this process, at once.
+
+Messages in: the EngineSpec first, then ("submit", key, Job fields…), ("cancel", key), ("who",), ("stop",).
+Messages out: ("ready", facts) or ("failed", kind, message, hint, exit code), then ("events", [(key, event, failure)],
+{key: [(token, logprob)…]}, status or None), ("alive",) while a step runs long, ("sampling", key or None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+ALIVE_EVERY_S = 1.0  # a busy engine says it is alive at least this often (the server's step watchdog)
+
+
+class _Child:
+    def __init__(self, conn: Connection, slots: Any):
+        self.conn, self.slots = conn, slots
+        self._send_lock = threading.Lock()
+        self._jobs: dict[int, Any] = {}
+        self._sent: dict[int, int] = {}  # tokens of each answer's record already sent
+        self._last_send = time.monotonic()
+
+    def send(self, message: Any) -> None:
+        with self._send_lock:
+            self.conn.send(message)
+            self._last_send = time.monotonic()
+
+    def deliver(self, events: list[tuple[Any, Any]]) -> None:
+        """One step's events (the engine's thread), with every answer's tokens sampled since the last message."""
+        records: dict[int, list[Any]] = {}
+        for slot in self.slots.scheduler.slots:
+            if slot is not None and slot.record is not None:
+                key = slot.tag.key
+                sent = self._sent.get(key, 0)
+                if len(slot.record) > sent:
+                    records[key] = slot.record[sent:]
+                    self._sent[key] = len(slot.record)
+        out, finished = [], False
+        for job, event in events:
+            out.append((job.key, event, job.failure))
+            if type(event).__name__ == "Done":
+                finished = True
+                self._jobs.pop(job.key, None)
+                self._sent.pop(job.key, None)
+        self.send(("events", out, records, self.slots.status() if finished else None))
+
+    def step_done(self) -> None:
+        if time.monotonic() - self._last_send >= ALIVE_EVERY_S:
+            self.send(("alive",))
+
+    def read(self) -> None:
+        """The socket's messages (its own thread); its end is this process's end."""
+        from llmcli.decode.serving import Job
+
+        try:
+            while True:
+                message = self.conn.recv()
+                kind = message[0]
+                if kind == "submit":
+                    _, key, tokens, generation, seed, clock, stable, images, resumed = message
+                    job = Job(tokens, generation, seed, lambda event: None, clock=clock, stable=stable, images=images,
+                              resumed=resumed, key=key)
+                    self._jobs[key] = job
+                    self._sent[key] = len(resumed)
+                    self.slots.submit(job)
+                elif kind == "cancel":
+                    cancelled = self._jobs.get(message[1])
+                    if cancelled is not None:
+                        cancelled.cancelled.set()
+                elif kind == "who":
+                    slot = self.slots.scheduler.sampling
+                    self.send(("sampling", None if slot is None else slot.tag.key))
+                elif kind == "stop":
+                    self.slots.stop()
+        except (EOFError, OSError):
+            pass
+        os._exit(0)  # the server is gone (or told this process to stop and has): nothing here outlives it
+
+
+def main(fd: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C is the server's: it stops this process)
+    conn = Connection(fd)
+    try:
+        spec = conn.recv()
+    except (EOFError, OSError):
+        return
+    try:
+        from llmcli.errors import LlmcliError
+        from llmcli.serve.engine_process import load_engine
+
+        try:
+            slots, facts = load_engine(spec)
+        except LlmcliError as exc:
+            conn.send(("failed", type(exc).__name__, exc.message, exc.hint, int(exc.exit_code)))
+            return
+        child = _Child(conn, slots)
+        slots.deliver = child.deliver
+        slots.on_step = child.step_done
+        slots.queue_size = 1 << 20  # (the server counts the queue's places)
+        threading.Thread(target=child.read, name="llmcli-engine-reader", daemon=True).start()
+        conn.send(("ready", dataclasses.replace(facts, pid=os.getpid())))
+        slots.run()
+    except Exception as exc:  # noqa: BLE001 — said to the server, which reports it as the load's failure
+        try:
+            conn.send(("failed", "LlmcliError", f"the engine failed: {exc}", None, 1))
+        except OSError:
+            pass
+    finally:
+        sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

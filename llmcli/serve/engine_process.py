@@ -1,0 +1,455 @@
+"""Each model's engine in a supervised process of its own: nothing llama.cpp does takes the server down.
+
+`EngineProcess` is what `serve` (and every warm server) answers through: the slot server's interface (`submit`,
+`admit`, `stop`, `cancel_all`, `status`, `run`), with the scheduler, the llama.cpp context, the prompt store, the
+draft model and the vision encoder in a child process (llmcli/serve/engine_child.py: started with `python -m`, never
+forked from this threaded server). The server keeps HTTP, the protocols, templates and tokenizing (the vocabulary
+alone: llmcli/pipeline/local.py's Tokenizer) and the queue's places.
+
+`run` — the supervisor, on the thread a model's engine thread used to be — reads each step's events and the tokens
+each answer sampled, forwards a client's departure at once, and watches two things:
+- the engine's death (a signal, an abort, the OOM killer): it starts the engine again and resumes every answer in
+  flight from its prompt and the tokens it had sampled (their text is not sent again; the prompt store makes the
+  prompt cheap). The client sees a pause. A request in flight at two deaths in a row without any progress between them
+  is the suspect: it ends with an error (500); the others resume.
+- a step longer than `step_timeout` (a grammar that makes llama.cpp's sampler take minutes per token): the engine is
+  asked which answer it was sampling, then killed and started again; that request ends with an error saying so (400),
+  the others resume.
+While an engine restarts, `status()` says so (`/health`: degraded); each restart is one line of the server's log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from llmcli import errors
+from llmcli.answer.constraint import Constraint
+from llmcli.answer.events import DecodeEvent, Done, Prefill, TokenLogprob
+from llmcli.decode.serving import Delivery, Failure, Job, QueueFull, deliver_here
+from llmcli.errors import LlmcliError
+from llmcli.pipeline import Request, Shape
+
+STEP_TIMEOUT_S = 300.0  # the default --step-timeout: no honest step (a prompt chunk, an image) of a slow machine lasts it
+POLL_S = 0.05  # how often the supervisor looks for clients that left (and stalls) while no message comes
+WHO_WAIT_S = 2.0  # how long a stalled engine has to say which answer it was sampling
+RESTART_BACKOFF_S = 2.0  # between attempts to start an engine that failed to start again
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the engine process loads: the request of its model (as `serve -m` gives it) and its slots."""
+
+    request: Request
+    parallel: int
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the engine process says of its model once loaded: what the server's prompter and lists need."""
+
+    names: tuple[str, ...]
+    path: Path
+    values: dict[str, Any]  # the effective settings
+    n_ctx: int
+    n_ctx_train: int
+    max_draft: int
+    logit_bias: tuple[tuple[int, float], ...]
+    constraint: Constraint
+    tool_format: str
+    split_min: int
+    notices: tuple[str, ...]
+    template_system: str | None
+    load_s: float
+    pid: int = 0
+
+
+def load_engine(spec: EngineSpec) -> tuple[Any, EngineFacts]:
+    """In the engine process: the model loaded with its slots (a SlotServer) and what the server needs to know."""
+    from llmcli.pipeline.local import open_pipeline
+
+    pipeline = open_pipeline(dataclasses.replace(spec.request, shape=Shape(spec.parallel, served=True)))
+    session, engine = pipeline.session, pipeline.session.engine
+    try:
+        template_system = session.template_system
+    except LlmcliError:  # (a template that cannot render it is refused by each request instead)
+        template_system = None
+    generation = pipeline.generation
+    facts = EngineFacts(tuple(dict.fromkeys((pipeline.model.name, engine.path.stem, engine.path.name))),
+                        engine.path.resolve(), dict(pipeline.settings.values), engine.n_ctx, engine.n_ctx_train,
+                        generation.max_draft, tuple(generation.sampling.logit_bias), generation.constraint,
+                        session.tool_format(pipeline.settings["tool_format"]),
+                        session.split_min if session.prompt_cache is not None else 0, tuple(session.notices),
+                        template_system, engine.load_s)
+    return session.slot_server(spec.parallel, 0), facts
+
+
+@dataclass
+class _Flight:
+    """A job the engine has (or will have, after a restart): the tokens it sampled so far, its strikes."""
+
+    job: Job
+    record: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
+    sent: bool = False  # the current engine has it
+    cancel_sent: bool = False
+    progressed: bool = False  # since the last death
+    strikes: int = 0  # deaths in a row it was in flight at, without progress
+
+
+class EngineProcess:
+    """One model's engine in a child process, supervised (see the module's note). Starting it loads the model
+    (LlmcliError as a load in this process would raise it)."""
+
+    def __init__(self, spec: EngineSpec, queue_size: int, step_timeout: float = STEP_TIMEOUT_S,
+                 report: Callable[[str], None] | None = None):
+        self.spec, self.n_slots, self.queue_size = spec, spec.parallel, queue_size
+        self.step_timeout = step_timeout
+        self.report = report
+        self.deliver: Delivery = deliver_here
+        self._lock = threading.Lock()  # the flights, the connection's sending side, the state
+        self._flights: dict[int, _Flight] = {}
+        self._next_key = 0
+        self._stopping = False
+        self._child_status: dict[str, Any] = {}
+        self.served = 0
+        self.restarts = 0
+        self.state = "starting"
+        self.last_restart: dict[str, Any] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self._last_heard = time.monotonic()
+        self._spawned = self._spawn()  # (its imports and its load go on while this process loads the vocabulary)
+        self.facts: EngineFacts | None = None
+
+    def ready(self) -> EngineFacts:
+        """The engine's facts once its model is loaded (LlmcliError: why not; nothing is left running then)."""
+        self.facts = self._ready(*self._spawned)
+        self.state = "running"
+        return self.facts
+
+    # -- the child ----------------------------------------------------------------------------------
+
+    def _start(self) -> EngineFacts:
+        """A new engine process, its model loaded (LlmcliError: why not; nothing is left running then)."""
+        return self._ready(*self._spawn())
+
+    def _spawn(self) -> tuple[subprocess.Popen[bytes], Connection]:
+        ours, theirs = socket.socketpair()
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "llmcli.serve.engine_child", str(theirs.fileno())],
+                                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        return proc, conn
+
+    def _ready(self, proc: subprocess.Popen[bytes], conn: Connection) -> EngineFacts:
+        try:
+            conn.send(self.spec)
+            while not conn.poll(0.2):
+                if proc.poll() is not None:
+                    raise _died_loading(proc.returncode)
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                raise _died_loading(proc.wait()) from None
+            if message[0] == "failed":
+                _, kind, text, hint, code = message
+                error_type = getattr(errors, kind, LlmcliError)
+                error = error_type(text, hint) if issubclass(error_type, LlmcliError) else LlmcliError(text, hint)
+                error.exit_code = errors.ExitCode(code)
+                raise error
+            facts: EngineFacts = message[1]
+        except BaseException:
+            conn.close()
+            _kill(proc)
+            raise
+        self._proc, self._conn = proc, conn
+        self._last_heard = time.monotonic()
+        return facts
+
+    @property
+    def name(self) -> str:
+        return self.facts.names[0] if self.facts is not None else str(self.spec.request.settings.get("model"))
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid if self._proc is not None else 0
+
+    # -- the request side (any thread) --------------------------------------------------------------
+
+    def admit(self) -> None:
+        """QueueFull now if a request would be refused (before its images are decoded: the queue's limits first)."""
+        with self._lock:
+            self._check_room()
+
+    def _check_room(self) -> None:
+        if self._stopping:
+            raise QueueFull("the server is shutting down")
+        if self.state == "failed":
+            raise QueueFull("the model's engine is being started again")
+        held = sum(1 for flight in self._flights.values() if not flight.job.cancelled.is_set())
+        if held >= self.n_slots + self.queue_size:
+            busy = min(held, self.n_slots)
+            raise QueueFull(f"all {self.n_slots} slots are busy and {held - busy} requests wait")
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            self._check_room()
+            self._next_key += 1
+            job.key = self._next_key
+            flight = _Flight(job)
+            self._flights[job.key] = flight
+            if self.state == "running":
+                self._send_job(flight)
+
+    def _send_job(self, flight: _Flight) -> None:
+        """(Holding the lock.) The job to the current engine, resumed from what it sampled before."""
+        job = flight.job
+        assert self._conn is not None
+        try:
+            self._conn.send(("submit", job.key, job.tokens, job.generation, job.seed, job.clock, job.stable,
+                             job.images, tuple(flight.record)))
+            flight.sent = True
+            self._last_heard = max(self._last_heard, time.monotonic())  # (an idle engine's silence was not a stall)
+        except OSError:
+            pass  # the engine has died: the supervisor sends it again to the next one
+
+    def stop(self) -> None:
+        """Finish: waiting requests are cancelled; the engine ends once its answers are done."""
+        with self._lock:
+            self._stopping = True
+            self._send(("stop",))
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            for flight in self._flights.values():
+                flight.job.cancelled.set()
+
+    def kill(self) -> None:
+        """End the engine process now (the server is exiting)."""
+        with self._lock:
+            self._stopping = True
+        if self._proc is not None:
+            _kill(self._proc)
+
+    def _send(self, message: Any) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.send(message)
+            except OSError:
+                pass
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            held = sum(1 for flight in self._flights.values() if not flight.job.cancelled.is_set())
+            busy = min(held, self.n_slots)
+            return {"slots": self.n_slots, "busy": busy, "waiting": held - busy, "served": self.served,
+                    "steps_by_busy": self._child_status.get("steps_by_busy", {}),
+                    "engine": {"pid": self.pid, "state": self.state, "restarts": self.restarts,
+                               **({"last_restart": self.last_restart} if self.last_restart else {})}}
+
+    # -- the supervisor (its own thread) ------------------------------------------------------------
+
+    def run(self) -> None:
+        """Until `stop` and the engine's end: its messages in, clients' departures out, its deaths and stalls
+        mended."""
+        try:
+            while True:
+                conn = self._conn
+                assert conn is not None
+                cause = None
+                try:
+                    if conn.poll(POLL_S):
+                        self._handle(conn.recv())
+                except (EOFError, OSError):
+                    cause = self._death_cause()
+                self._forward_cancels()
+                if cause is None and self._stalled():
+                    cause = self._end_stall()
+                if cause is not None:
+                    if self._stopping:
+                        return
+                    self._restart(cause)
+        finally:
+            self._fail_all("the server stopped")
+            if self._conn is not None:
+                self._conn.close()
+            if self._proc is not None:
+                _kill(self._proc)
+
+    def _handle(self, message: Any) -> None:
+        self._last_heard = time.monotonic()
+        if message[0] != "events":
+            return
+        _, events, records, status = message
+        out: list[tuple[Job, DecodeEvent | Prefill]] = []
+        with self._lock:
+            for key, tokens in records.items():
+                flight = self._flights.get(key)
+                if flight is not None:
+                    flight.record.extend(tokens)
+                    flight.progressed = True
+            for key, event, failure in events:
+                flight = self._flights.get(key)
+                if flight is None:
+                    continue
+                flight.progressed = True
+                if failure is not None:
+                    flight.job.failure = failure
+                out.append((flight.job, event))
+                if isinstance(event, Done):
+                    del self._flights[key]
+                    self.served += 1
+            if status is not None:
+                self._child_status = status
+        if out:
+            self.deliver(out)
+
+    def _forward_cancels(self) -> None:
+        with self._lock:
+            for key, flight in self._flights.items():
+                if flight.sent and not flight.cancel_sent and flight.job.cancelled.is_set():
+                    flight.cancel_sent = True
+                    self._send(("cancel", key))
+
+    def _stalled(self) -> bool:
+        with self._lock:
+            busy = any(flight.sent for flight in self._flights.values())
+        return busy and time.monotonic() - self._last_heard > self.step_timeout
+
+    def _end_stall(self) -> str:
+        """Ask the stalled engine which answer it was sampling, then kill it; that answer fails."""
+        conn = self._conn
+        assert conn is not None and self._proc is not None
+        culprit = None
+        with self._lock:
+            self._send(("who",))
+        deadline = time.monotonic() + WHO_WAIT_S
+        try:
+            while (left := deadline - time.monotonic()) > 0 and conn.poll(left):
+                message = conn.recv()
+                if message[0] == "sampling":
+                    culprit = message[1]
+                    break
+                self._handle(message)
+        except (EOFError, OSError):
+            pass
+        _kill(self._proc)
+        if culprit is not None:
+            with self._lock:
+                flight = self._flights.pop(culprit, None)
+            if flight is not None:
+                flight.job.failure = Failure(
+                    f"this request's grammar or JSON schema made llama.cpp take longer than the step limit ({self.step_timeout:g} s, "
+                    "serve --step-timeout) to sample one token", refused=True)
+                self.deliver([(flight.job, _ended(flight))])
+        return f"a step took longer than {self.step_timeout:g} s"
+
+    def _death_cause(self) -> str:
+        assert self._proc is not None
+        try:
+            code = self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            _kill(self._proc)
+            code = self._proc.returncode
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exited with status {code}"
+
+    def _restart(self, cause: str) -> None:
+        """A new engine; the answers in flight resumed (a suspect failed)."""
+        started = time.monotonic()
+        with self._lock:
+            self.state = "restarting"
+            self.restarts += 1
+            suspects = []
+            for key, flight in list(self._flights.items()):
+                if not flight.sent:
+                    continue
+                flight.strikes = 0 if flight.progressed else flight.strikes + 1
+                flight.progressed = flight.sent = flight.cancel_sent = False
+                if flight.strikes >= 2 or flight.job.cancelled.is_set():
+                    suspects.append(self._flights.pop(key))
+            if self._conn is not None:
+                self._conn.close()
+        for flight in suspects:
+            if not flight.job.cancelled.is_set():
+                flight.job.failure = Failure(f"the model's engine died twice while answering this request, before any "
+                                             f"progress ({cause}): the request is the likely cause", refused=False)
+            self.deliver([(flight.job, _ended(flight))])
+        while True:
+            try:
+                facts = self._start()
+                break
+            except LlmcliError as exc:
+                with self._lock:
+                    self.state = "failed"
+                    failed, self._flights = list(self._flights.values()), {}
+                self._say(f"engine of {self.name}: could not start again: {exc.message}")
+                for flight in failed:
+                    flight.job.failure = Failure(f"the model's engine died ({cause}) and could not start again: "
+                                                 f"{exc.message}", refused=False)
+                    self.deliver([(flight.job, _ended(flight))])
+                if self._stopping:
+                    return
+                time.sleep(RESTART_BACKOFF_S)
+        with self._lock:
+            self.facts = facts
+            self.state = "running"
+            for flight in self._flights.values():
+                self._send_job(flight)
+        took = time.monotonic() - started
+        self.last_restart = {"cause": cause, "seconds": round(took, 3)}
+        resumed = len(self._flights)
+        self._say(f"engine of {self.name}: {cause}; started again in {took:.2f} s (pid {self.pid}, restart "
+                  f"{self.restarts}); {resumed} answer{'' if resumed == 1 else 's'} resumed")
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            left, self._flights = list(self._flights.values()), {}
+        for flight in left:
+            if not flight.job.cancelled.is_set():
+                flight.job.failure = Failure(reason, refused=False)
+            self.deliver([(flight.job, _ended(flight))])
+
+    def _say(self, line: str) -> None:
+        if self.report is not None:
+            self.report(line)
+
+
+def _ended(flight: _Flight) -> Done:
+    """The Done of an answer the engine will not finish."""
+    return Done("interrupted", flight.job.clock.stats(prompt_tokens=len(flight.job.tokens)))
+
+
+def _died_loading(code: int) -> LlmcliError:
+    what = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"status {code}"
+    return errors.IntegrityError(f"llama.cpp ended the engine process while it loaded the model ({what})",
+                                 hint="Check that the file is a complete GGUF model supported by this llama.cpp build.")
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
