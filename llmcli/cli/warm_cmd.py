@@ -40,12 +40,14 @@ def ps(as_json: JsonOpt = False, url: UrlOpt = None) -> None:
         for model in record["models"]:
             slots = model.get("slots") or {}
             known = record["pid"] > 0  # (a server tells its pid only to its key's holder: --url without it)
+            restarts = (slots.get("engine") or {}).get("restarts")
             rows.append((model["name"], str(model.get("n_ctx") or "-"), str(record["pid"]) if known else "-",
                          human_size(model.get("size") or 0), f"{record['rss_mib']:.0f} MiB" if known else "-",
-                         f"{slots.get('busy', 0)}/{slots.get('slots', 0)}", _expiry(model), record["socket"]))
+                         f"{slots.get('busy', 0)}/{slots.get('slots', 0)}", str(restarts) if restarts is not None else "-",
+                         _expiry(model), record["socket"]))
     # (CONTEXT: a run with another -c has a server of its own, so one model may have two rows)
-    print_table(("MODEL", "CONTEXT", "PID", "FILE", "MEMORY", "BUSY", "EXITS", "WHERE"), rows,
-                right=("CONTEXT", "PID", "FILE", "MEMORY"),
+    print_table(("MODEL", "CONTEXT", "PID", "FILE", "MEMORY", "BUSY", "RESTARTS", "EXITS", "WHERE"), rows,
+                right=("CONTEXT", "PID", "FILE", "MEMORY", "RESTARTS"),
                 empty="No warm server: `llmcli run …` starts one (unless --keep-alive 0).")
 
 
@@ -85,8 +87,11 @@ def _path_of(model: str) -> Path | None:
 
 
 def _record(where: Path | str, state: Health) -> Health:
-    pid = int(state.get("pid") or 0)
-    return {"model": state.get("model"), "pid": pid, "socket": state.get("url") or str(where), "rss_mib": _rss_mib(pid),
+    from llmcli.pipeline.warm import server_pids
+
+    pid = int(state.get("pid") or 0)  # (the memory: the server's and its engines', where each model is loaded)
+    rss = sum(_rss_mib(each) for each in server_pids(state)) if pid else 0.0
+    return {"model": state.get("model"), "pid": pid, "socket": state.get("url") or str(where), "rss_mib": rss,
             "models": state.get("models") or [], "version": state.get("version")}
 
 

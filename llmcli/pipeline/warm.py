@@ -187,6 +187,12 @@ def without_serve(asked: bool, instead: str) -> str | None:
     return f"a warm server needs the serve extra ({install_hint('serve')}); {instead} in this process"
 
 
+def server_pids(state: Health) -> list[int]:
+    """The processes of a server (as its /health tells its key's holder): its own, and each model's engine's."""
+    engines = [int(((m.get("slots") or {}).get("engine") or {}).get("pid") or 0) for m in state.get("models") or []]
+    return [pid for pid in (int(state.get("pid") or 0), *engines) if pid > 0]
+
+
 def held_by_others(model_path: Path) -> int:
     """The memory this user's warm servers hold that MemAvailable counts as free (their mapped models), leaving out a
     server of `model_path` itself (its pages are the ones this load maps too)."""
@@ -194,7 +200,7 @@ def held_by_others(model_path: Path) -> int:
     for _, state in running():
         paths_served = {m.get("path") for m in state.get("models", [])}
         if str(model_path.resolve()) not in paths_served:
-            held += memory.mapped_file_bytes(int(state.get("pid") or 0))
+            held += sum(memory.mapped_file_bytes(pid) for pid in server_pids(state))
     return held
 
 

@@ -351,9 +351,9 @@ class EngineProcess:
             with self._lock:
                 flight = self._flights.pop(culprit, None)
             if flight is not None:
-                flight.job.failure = Failure(
-                    f"this request's grammar or JSON schema made llama.cpp take longer than the step limit ({self.step_timeout:g} s, "
-                    "serve --step-timeout) to sample one token", refused=True)
+                limit = f"{self.step_timeout:g} s, serve --step-timeout"
+                flight.job.failure = Failure(f"this request's grammar or JSON schema made llama.cpp take longer than the "
+                                             f"step limit ({limit}) to sample one token", refused=True)
                 self.deliver([(flight.job, _ended(flight))])
         return f"a step took longer than {self.step_timeout:g} s"
 
