@@ -12,6 +12,8 @@ import time
 import httpx
 from conftest import LOGS, run_cli, start_server, stop_server
 
+KEY = "engine-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPTS = ["Tell me about the sea.", "Write a story about a cat.", "Explain how rain forms.", "Describe a city at night."]
 
 
@@ -23,14 +25,14 @@ def wait_until(condition, timeout: float) -> None:
 
 
 def _health(url: str) -> dict:
-    return httpx.get(f"{url}/health", timeout=10).json()
+    return httpx.get(f"{url}/health", headers=AUTH, timeout=10).json()  # (the pids: only with the key)
 
 
 def _stream(url: str, prompt: str, seen: list[int], index: int) -> tuple[str, str | None]:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 160,
             "temperature": 0, "stream": True}
     text, finish = "", None
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=120) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -58,13 +60,14 @@ def _answer_all(url: str) -> tuple[list[tuple[str, str | None] | None], list[int
 
 
 def test_four_streams_complete_through_three_engine_deaths_and_health_answers_throughout(tmp_path, smollm2):
-    proc, url = start_server(tmp_path, "-m", str(smollm2), "-P", "4")
+    proc, url = start_server(tmp_path, "-m", str(smollm2), "-P", "4", "--api-key", KEY)
     try:
         undisturbed, _, threads = _answer_all(url)
         for thread in threads:
             thread.join(120)
         first = _health(url)["engine"]
         assert first["state"] == "running" and first["restarts"] == 0 and first["pid"] not in (0, proc.pid)
+        assert "pid" not in httpx.get(f"{url}/health", timeout=10).json()["engine"]  # (not to a caller without the key)
 
         results, seen, threads = _answer_all(url)
         statuses = []

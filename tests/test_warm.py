@@ -114,7 +114,8 @@ def test_run_chat_and_embed_are_warm_by_default_and_keep_alive_0_answers_in_this
     (server,) = servers(default)  # one server answered them all
     assert server["models"][0]["name"] == "smollm2"  # the name the user gave
     table = run_cli("ps", env=default).stdout.splitlines()
-    assert table[0].split() == ["MODEL", "CONTEXT", "PID", "FILE", "MEMORY", "BUSY", "EXITS", "WHERE"]  # as `list`
+    assert table[0].split() == ["MODEL", "CONTEXT", "PID", "FILE", "MEMORY", "BUSY", "RESTARTS", "EXITS",
+                                  "WHERE"]  # as `list`
     assert table[1].split()[:3] == ["smollm2", "4096", str(server["pid"])] and not any(c in "\n".join(table) for c in "┃━│")
     for off in ({**default, "LLMCLI_KEEP_ALIVE": "0"}, default):
         here = run_cli("run", "-m", "smollm2", "-n", "2", *(["--keep-alive", "0"] if off is default else []), PROMPT,

@@ -35,6 +35,7 @@ from llmcli.decode.prompt_cache import PromptCache
 from llmcli.decode.scheduler import Scheduler
 from llmcli.decode.speculative import Speculation
 from llmcli.decode.step_plan import Slot
+from llmcli.errors import LlmcliError
 from llmcli.llama.engine import Engine
 
 # A slot's cache is reused for a prompt that shares at least this many tokens with it, or all of it (a prompt asked
@@ -81,6 +82,7 @@ class Failure:
 
     message: str
     refused: bool
+    cause: LlmcliError | None = None  # llmcli's own error behind it (its hint and exit code go out with it)
 
 
 def deliver_here(events: list[tuple[Job, DecodeEvent | Prefill]]) -> None:

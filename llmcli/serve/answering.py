@@ -23,6 +23,7 @@ from llmcli.answer.events import DecodeEvent, Done, Prefill
 from llmcli.answer.openai_wire import WireError
 from llmcli.answer.stats import AnswerClock, summary_line
 from llmcli.decode.serving import Failure, Job, QueueFull
+from llmcli.errors import LlmcliError
 from llmcli.serve.answer_request import AnswerRequest, ApiError, Parsed, prepare
 from llmcli.serve.engine_process import EngineProcess
 from llmcli.serve.model_pool import ModelPool, Served
@@ -171,6 +172,8 @@ async def answer(request: Request, state: ServerState, parse: Callable[[Any, Ser
             served.slots.admit()  # (the queue's limits before anything is decoded: a request's images)
         except QueueFull as exc:
             raise ApiError(429, f"busy: {exc}; retry later", code="busy") from None
+        except LlmcliError as exc:  # (its engine died and could not start again: why)
+            raise ApiError(500, exc.message, cause=exc) from None
         asked = await asyncio.to_thread(parse, body, served)
         if not isinstance(asked, Asked):
             release()
@@ -302,7 +305,7 @@ async def _whole(request: Request, events: asyncio.Queue[tuple[int, DecodeEvent 
 
 def _api_error(failure: Failure) -> ApiError:
     """A job's failure as HTTP says it: the request's fault is a 400, the engine's a 500."""
-    return ApiError(400 if failure.refused else 500, failure.message)
+    return ApiError(400 if failure.refused else 500, failure.message, cause=failure.cause)
 
 
 def _reporter(request: Request, state: ServerState) -> Callable[[Done], None]:

@@ -104,8 +104,9 @@ def _own_app(state: ServerState, hosts: tuple[str, ...] | None, webui: bool) -> 
                  "version": __version__}
         if trusted:
             return JSONResponse({**found, "models": models, "pid": os.getpid()})
-        return JSONResponse({**found, "models": [{k: v for k, v in m.items() if k not in PRIVATE_FACTS}
-                                                 for m in models]})
+        return JSONResponse({**_without_pid(found), "models": [_without_pid({k: v for k, v in m.items()
+                                                                             if k not in PRIVATE_FACTS})
+                                                               for m in models]})
 
     async def llmcli_embed(body: Any) -> Any:
         """Per-text results (a text that fails is its own error), normalize and truncate as asked."""
@@ -126,6 +127,18 @@ def _own_app(state: ServerState, hosts: tuple[str, ...] | None, webui: bool) -> 
         Route("/llmcli/embed", posted(state, openai_api.error_body, llmcli_embed), methods=["POST"]),
         *chat_page.routes(webui),  # `/`: the chat page for a browser, one line for anything else
     ], openai_api.error_body, hosts)
+
+
+def _without_pid(facts: dict[str, Any]) -> dict[str, Any]:
+    """A model's (or the default model's) facts without its engine's pid: for a caller without the key."""
+    slots: dict[str, Any] = facts["slots"] if isinstance(facts.get("slots"), dict) else facts
+    engine = slots.get("engine")
+    if not isinstance(engine, dict):
+        return facts
+    hidden = {k: v for k, v in engine.items() if k != "pid"}
+    if slots is facts:
+        return {**facts, "engine": hidden}
+    return {**facts, "slots": {**slots, "engine": hidden}}
 
 
 def _has_key(request: Request, state: ServerState) -> bool:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from llmcli import errors
 from llmcli.answer.constraint import Constraint
@@ -44,7 +44,6 @@ from llmcli.pipeline import Request, Shape
 STEP_TIMEOUT_S = 300.0  # the default --step-timeout: no honest step (a prompt chunk, an image) of a slow machine lasts it
 POLL_S = 0.05  # how often the supervisor looks for clients that left (and stalls) while no message comes
 WHO_WAIT_S = 2.0  # how long a stalled engine has to say which answer it was sampling
-RESTART_BACKOFF_S = 2.0  # between attempts to start an engine that failed to start again
 
 
 @dataclass(frozen=True)
@@ -126,7 +125,8 @@ class EngineProcess:
         self.restarts = 0
         self.state = "starting"
         self.last_restart: dict[str, Any] | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self.failure: LlmcliError | None = None  # why its engine could not start again (it is not tried again)
+        self._proc: EngineChild | None = None
         self._conn: Connection | None = None
         self._last_heard = time.monotonic()
         self._spawned = self._spawn()  # (its imports and its load go on while this process loads the vocabulary)
@@ -144,22 +144,21 @@ class EngineProcess:
         """A new engine process, its model loaded (LlmcliError: why not; nothing is left running then)."""
         return self._ready(*self._spawn())
 
-    def _spawn(self) -> tuple[subprocess.Popen[bytes], Connection]:
+    def _spawn(self) -> tuple[EngineChild, Connection]:
         ours, theirs = socket.socketpair()
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "llmcli.serve.engine_child", str(theirs.fileno())],
-                                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
+            proc = spawn_engine([sys.executable, "-m", "llmcli.serve.engine_child", str(theirs.fileno())], theirs.fileno())
         finally:
             theirs.close()
         conn = Connection(ours.detach())
         return proc, conn
 
-    def _ready(self, proc: subprocess.Popen[bytes], conn: Connection) -> EngineFacts:
+    def _ready(self, proc: EngineChild, conn: Connection) -> EngineFacts:
         try:
             conn.send(self.spec)
             while not conn.poll(0.2):
-                if proc.poll() is not None:
-                    raise _died_loading(proc.returncode)
+                if (ended := proc.poll()) is not None:
+                    raise _died_loading(ended)
             try:
                 message = conn.recv()
             except (EOFError, OSError):
@@ -197,8 +196,8 @@ class EngineProcess:
     def _check_room(self) -> None:
         if self._stopping:
             raise QueueFull("the server is shutting down")
-        if self.state == "failed":
-            raise QueueFull("the model's engine is being started again")
+        if self.state == "failed" and self.failure is not None:
+            raise self.failure  # (the model could not be loaded again: why, as a load says it)
         held = sum(1 for flight in self._flights.values() if not flight.job.cancelled.is_set())
         if held >= self.n_slots + self.queue_size:
             busy = min(held, self.n_slots)
@@ -282,6 +281,8 @@ class EngineProcess:
                     if self._stopping:
                         return
                     self._restart(cause)
+        except _EngineGone:
+            return
         finally:
             self._fail_all("the server stopped")
             if self._conn is not None:
@@ -363,7 +364,7 @@ class EngineProcess:
             code = self._proc.wait(5)
         except subprocess.TimeoutExpired:
             _kill(self._proc)
-            code = self._proc.returncode
+            code = self._proc.returncode or -signal.SIGKILL
         if code < 0:
             try:
                 return f"killed by {signal.Signals(-code).name}"
@@ -392,22 +393,18 @@ class EngineProcess:
                 flight.job.failure = Failure(f"the model's engine died twice while answering this request, before any "
                                              f"progress ({cause}): the request is the likely cause", refused=False)
             self.deliver([(flight.job, _ended(flight))])
-        while True:
-            try:
-                facts = self._start()
-                break
-            except LlmcliError as exc:
-                with self._lock:
-                    self.state = "failed"
-                    failed, self._flights = list(self._flights.values()), {}
-                self._say(f"engine of {self.name}: could not start again: {exc.message}")
-                for flight in failed:
-                    flight.job.failure = Failure(f"the model's engine died ({cause}) and could not start again: "
-                                                 f"{exc.message}", refused=False)
-                    self.deliver([(flight.job, _ended(flight))])
-                if self._stopping:
-                    return
-                time.sleep(RESTART_BACKOFF_S)
+        try:
+            facts = self._start()
+        except LlmcliError as exc:  # (the file changed under it, memory taken meanwhile): each request is told why
+            with self._lock:
+                self.state, self.failure = "failed", exc
+                failed, self._flights = list(self._flights.values()), {}
+            self._say(f"engine of {self.name}: {cause}; could not start again: {exc.message}")
+            for flight in failed:
+                flight.job.failure = Failure(f"the model's engine died ({cause}) and could not start again: "
+                                             f"{exc.message}", refused=False, cause=exc)
+                self.deliver([(flight.job, _ended(flight))])
+            raise _EngineGone from None
         with self._lock:
             self.facts = facts
             self.state = "running"
@@ -432,6 +429,30 @@ class EngineProcess:
             self.report(line)
 
 
+class _EngineGone(Exception):
+    """The engine could not be started again: its supervisor ends."""
+
+
+class EngineChild(Protocol):
+    """What the supervisor needs of an engine's process (a Popen's)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def spawn_engine(command: list[str], fd: int) -> EngineChild:
+    """An engine's process, `python -m llmcli.serve.engine_child FD` with the socket FD: the one place one starts (the
+    test suite's forked servers fork theirs here: tests/conftest.py)."""
+    return subprocess.Popen(command, pass_fds=[fd], stdin=subprocess.DEVNULL, close_fds=True)
+
+
 def _ended(flight: _Flight) -> Done:
     """The Done of an answer the engine will not finish."""
     return Done("interrupted", flight.job.clock.stats(prompt_tokens=len(flight.job.tokens)))
@@ -443,7 +464,7 @@ def _died_loading(code: int) -> LlmcliError:
                                  hint="Check that the file is a complete GGUF model supported by this llama.cpp build.")
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
+def _kill(proc: EngineChild) -> None:
     if proc.poll() is None:
         try:
             os.kill(proc.pid, signal.SIGKILL)
