@@ -139,3 +139,39 @@ def test_ps_shows_each_warm_server_s_restarts():
     assert table[1][column:].split()[0] == "1"
     again = run_cli("run", "-n", "4", "hi")  # (the restarted engine answers; its text may differ: threads adapt)
     assert again.code == 0 and again.stdout.strip() and "warm" in again.stderr
+
+
+def test_a_request_waiting_for_a_slot_through_two_deaths_is_no_suspect(tmp_path, smollm2):
+    """One slot: an answer streams while another request waits for the slot; the engine dies twice (each time after the
+    answer has gone on): the waiting request made no progress, but it held no slot — both complete."""
+    proc, url = start_server(tmp_path, "-m", str(smollm2), "-P", "1", "--api-key", KEY)
+    try:
+        seen = [0]
+        results: dict[str, object] = {}
+
+        def first() -> None:
+            results["first"] = _stream(url, PROMPTS[0], seen, 0)
+
+        def second() -> None:
+            results["second"] = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=120, json={
+                "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 16, "temperature": 0})
+
+        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        threads[0].start()
+        wait_until(lambda: seen[0] > 0, 60)
+        threads[1].start()
+        for _ in range(2):
+            mark = seen[0]
+            wait_until(lambda mark=mark: seen[0] >= mark + 16 or "first" in results, 60)
+            assert "first" not in results and "second" not in results  # (still streaming; still waiting)
+            pid = _health(url)["engine"]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda pid=pid: _health(url)["engine"]["pid"] != pid, 60)
+        for thread in threads:
+            thread.join(120)
+        assert results["first"][1] in ("stop", "length")
+        waited = results["second"]
+        assert waited.status_code == 200 and waited.json()["choices"][0]["message"]["content"], waited.text
+        assert _health(url)["engine"]["restarts"] == 2
+    finally:
+        stop_server(proc)

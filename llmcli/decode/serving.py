@@ -99,6 +99,7 @@ class SlotServer:
         self.engine, self.n_slots, self.queue_size = engine, n_slots, queue_size
         self.deliver = deliver
         self.on_step: Callable[[], None] | None = None  # after each step (a supervised engine says it is alive)
+        self.on_admit: Callable[[Job], None] | None = None  # a job took a slot (before its first step)
         self.prompt_cache = prompt_cache  # long prompts' standing parts, kept across slots, unloads and restarts
         self.scheduler = Scheduler(engine, n_slots, speculation or Speculation())
         self._events: list[tuple[Job, DecodeEvent | Prefill]] = []
@@ -224,6 +225,8 @@ class SlotServer:
                 tokens = job.tokens if not resumed else [*job.tokens, *(token for token, _ in resumed)]
                 scheduler.start(free[0], tokens, job.generation, job.seed, job.clock, tag=job,
                                 split_at=job.stable, reuse_at_least=MIN_REUSE, resumed=resumed)
+                if self.on_admit is not None:
+                    self.on_admit(job)
             except Exception as exc:  # a grammar llama.cpp refuses: the request fails, the server goes on
                 job.failure = Failure(str(exc), refused=True)
                 self._events.append((job, _cancelled(job)))

@@ -9,7 +9,8 @@ goes away, however it went, the socket ends and so does this process, at once.
 
 Messages in: the EngineSpec first, then ("submit", key, Job fields…), ("cancel", key), ("who",), ("stop",).
 Messages out: ("ready", facts) or ("failed", kind, message, hint, exit code), then ("events", [(key, event, failure)],
-{key: [(token, logprob)…]}, status or None), ("alive",) while a step runs long, ("sampling", key or None).
+{key: [(token, logprob)…]}, status or None), ("admitted", key) when a job takes a slot, ("alive",) while a step
+runs long, ("sampling", key or None).
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ def main(fd: int) -> None:
         child = _Child(conn, slots)
         slots.deliver = child.deliver
         slots.on_step = child.step_done
+        slots.on_admit = lambda job: child.send(("admitted", job.key))  # (a death from now on may be its doing)
         slots.queue_size = 1 << 20  # (the server counts the queue's places)
         threading.Thread(target=child.read, name="llmcli-engine-reader", daemon=True).start()
         conn.send(("ready", dataclasses.replace(facts, pid=os.getpid())))

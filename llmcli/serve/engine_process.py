@@ -11,7 +11,9 @@ each answer sampled, forwards a client's departure at once, and watches two thin
 - the engine's death (a signal, an abort, the OOM killer): it starts the engine again and resumes every answer in
   flight from its prompt and the tokens it had sampled (their text is not sent again; the prompt store makes the
   prompt cheap). The client sees a pause. A request in flight at two deaths in a row without any progress between them
-  is the suspect: it ends with an error (500); the others resume.
+  is the suspect: it ends with an error (500); the others resume. (A request that held a slot and made no progress
+  before a death is resumed alone, once the others in slots have progressed: a second death is then its own; one
+  waiting for a slot is never a suspect.)
 - a step longer than `step_timeout` (a grammar that makes llama.cpp's sampler take minutes per token): the engine is
   asked which answer it was sampling, then killed and started again; that request ends with an error saying so (400),
   the others resume.
@@ -103,7 +105,9 @@ class _Flight:
     sent: bool = False  # the current engine has it
     cancel_sent: bool = False
     progressed: bool = False  # since the last death
+    admitted: bool = False  # it holds a slot of the current engine (waiting in its queue, a death is not its doing)
     strikes: int = 0  # deaths in a row it was in flight at, without progress
+    held: bool = False  # a suspect (one strike): resumed alone, once the answers resumed beside it have progressed
 
 
 class EngineProcess:
@@ -275,6 +279,7 @@ class EngineProcess:
                 except (EOFError, OSError):
                     cause = self._death_cause()
                 self._forward_cancels()
+                self._release_held()
                 if cause is None and self._stalled():
                     cause = self._end_stall()
                 if cause is not None:
@@ -292,6 +297,11 @@ class EngineProcess:
 
     def _handle(self, message: Any) -> None:
         self._last_heard = time.monotonic()
+        if message[0] == "admitted":
+            with self._lock:
+                if (admitted := self._flights.get(message[1])) is not None:
+                    admitted.admitted = True
+            return
         if message[0] != "events":
             return
         _, events, records, status = message
@@ -324,6 +334,18 @@ class EngineProcess:
                 if flight.sent and not flight.cancel_sent and flight.job.cancelled.is_set():
                     flight.cancel_sent = True
                     self._send(("cancel", key))
+
+    def _release_held(self) -> None:
+        """A suspect goes back to the engine alone: when every answer there has progressed since the restart, and no
+        other suspect is there (if the engine dies again without it progressing, it is the cause)."""
+        with self._lock:
+            held = [flight for flight in self._flights.values() if flight.held]
+            if not held or self.state != "running":
+                return
+            sent = [flight for flight in self._flights.values() if flight.sent and flight.admitted]
+            if all(flight.progressed for flight in sent):
+                held[0].held = False
+                self._send_job(held[0])
 
     def _stalled(self) -> bool:
         with self._lock:
@@ -382,8 +404,10 @@ class EngineProcess:
             for key, flight in list(self._flights.items()):
                 if not flight.sent:
                     continue
-                flight.strikes = 0 if flight.progressed else flight.strikes + 1
-                flight.progressed = flight.sent = flight.cancel_sent = False
+                if flight.progressed or flight.admitted:
+                    flight.strikes = 0 if flight.progressed else flight.strikes + 1
+                flight.progressed = flight.sent = flight.cancel_sent = flight.admitted = False
+                flight.held = flight.strikes == 1
                 if flight.strikes >= 2 or flight.job.cancelled.is_set():
                     suspects.append(self._flights.pop(key))
             if self._conn is not None:
@@ -409,7 +433,8 @@ class EngineProcess:
             self.facts = facts
             self.state = "running"
             for flight in self._flights.values():
-                self._send_job(flight)
+                if not flight.held:
+                    self._send_job(flight)
         took = time.monotonic() - started
         self.last_restart = {"cause": cause, "seconds": round(took, 3)}
         resumed = len(self._flights)
