@@ -350,7 +350,7 @@ def _become_llmcli(args: list[str], environment: dict[str, str], terminal: bool 
         from llmcli.serve import engine_process
 
         warm.spawn_server = _fork_server  # (its warm servers forked too: llmcli and the model are loaded here)
-        engine_process.spawn_engine = _fork_engine  # (and their engines)
+        engine_process.spawn_zygote = _fork_zygote  # (and their engines' zygote)
 
         try:
             main()
@@ -417,23 +417,10 @@ def _fork_server(command: list[str], environment: dict[str, str], log_fd: int) -
     return ForkedServer(pid)
 
 
-class ForkedEngine(ForkedServer):
-    """A model's engine process forked from a forked server (`spawn_engine`'s Popen, as the supervisor uses it)."""
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(["llmcli.serve.engine_child"], timeout or 0)
-            time.sleep(0.01)
-        assert self.returncode is not None
-        return self.returncode
-
-
-def _fork_engine(command: list[str], fd: int) -> subprocess.Popen[bytes] | ForkedEngine:
-    """In a forked server: its model's engine (`python -m llmcli.serve.engine_child FD`) forked from it while it is
-    single-threaded (its first model, before it serves), as `spawn_engine` starts one: llmcli, llama.cpp and the
-    weights are loaded already (~1 s of CPU less a server). A restart, from a threaded server, is a real process."""
+def _fork_zygote(command: list[str], fd: int) -> subprocess.Popen[bytes] | ForkedServer:
+    """In a forked server: the zygote its engines are forked from (`python -m llmcli.serve.engine_child --zygote FD`),
+    forked from it while it is single-threaded (before its first model's engine), as `spawn_zygote` starts one:
+    llmcli, llama.cpp and the test models' weights are loaded already (~1 s of CPU less an engine)."""
     if threading.active_count() > 1:
         return subprocess.Popen(command, pass_fds=[fd], stdin=subprocess.DEVNULL, close_fds=True)
     pid = os.fork()
@@ -443,10 +430,10 @@ def _fork_engine(command: list[str], fd: int) -> subprocess.Popen[bytes] | Forke
             os.closerange(fd + 1, 65536)
             from llmcli.serve import engine_child
 
-            engine_child.main(fd)
+            engine_child.zygote(fd)
         finally:
             os._exit(70)
-    return ForkedEngine(pid)
+    return ForkedServer(pid)
 
 
 class Terminal(pexpect.fdpexpect.fdspawn):

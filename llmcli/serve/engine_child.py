@@ -126,5 +126,48 @@ def main(fd: int) -> None:
     os._exit(0)
 
 
+def zygote(fd: int) -> None:
+    """`--zygote FD`: llmcli's engine modules imported once, then an engine forked for each "spawn" line (its socket
+    passed along), while this process stays single-threaded; each one's exit reported. Ends with the server's socket."""
+    import select
+    import socket
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    import llmcli.pipeline.local  # noqa: F401  (what every engine imports: before the first fork)
+    import llmcli.serve.engine_process  # noqa: F401
+
+    control = socket.socket(fileno=fd)
+    children: set[int] = set()
+    while True:
+        readable, _, _ = select.select([control], [], [], 0.1)
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            control.sendall(f"exited {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
+        if not readable:
+            continue
+        message, fds, _, _ = socket.recv_fds(control, 64, 1)
+        if not message:
+            os._exit(0)  # the server is gone
+        for engine_fd in fds:
+            pid = os.fork()
+            if pid == 0:
+                control.close()
+                main(engine_fd)
+                os._exit(0)
+            os.close(engine_fd)
+            children.add(pid)
+            control.sendall(f"spawned {pid}\n".encode())
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    if sys.argv[1] == "--zygote":
+        zygote(int(sys.argv[2]))
+    else:
+        main(int(sys.argv[1]))
