@@ -134,7 +134,7 @@ class EngineProcess:
         self._proc: EngineChild | None = None
         self._conn: Connection | None = None
         self._last_heard = time.monotonic()
-        self._spawned = self._spawn()  # (its imports and its load go on while this process loads the vocabulary)
+        self._spawned = self._spawn()  # (the model loads there while this process goes on)
         self.facts: EngineFacts | None = None
 
     def ready(self) -> EngineFacts:

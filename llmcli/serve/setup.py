@@ -62,15 +62,15 @@ class ServerModels:
         request = self.request_for(name)
         resolve_settings(request, on_progress)  # (downloaded first, when it must be and may be)
         request = dataclasses.replace(request, offline=True)
-        engine = EngineProcess(EngineSpec(request, self.parallel), self.queue, self.step_timeout, self.report)
-        tokenizer = None
+        tokenizer = open_tokenizer(request)  # (a file llama.cpp would refuse is refused here, before any process starts)
+        engine = None
         try:
-            tokenizer = open_tokenizer(request)
+            engine = EngineProcess(EngineSpec(request, self.parallel), self.queue, self.step_timeout, self.report)
             return _served(tokenizer, engine.ready(), engine, request, self)
         except BaseException:
-            engine.kill()
-            if tokenizer is not None:
-                tokenizer.close()
+            if engine is not None:
+                engine.kill()
+            tokenizer.close()
             raise
 
     def loadable(self) -> list[tuple[str, Path]]:
