@@ -347,10 +347,10 @@ def _become_llmcli(args: list[str], environment: dict[str, str], terminal: bool 
         sys.argv = ["llmcli", *args]
         from llmcli.cli import main
         from llmcli.pipeline import warm
-        from llmcli.serve import engine_process
+        from llmcli.serve import engine_zygote
 
         warm.spawn_server = _fork_server  # (its warm servers forked too: llmcli and the model are loaded here)
-        engine_process.spawn_zygote = _fork_zygote  # (and their engines' zygote)
+        engine_zygote.spawn_zygote = _fork_zygote  # (and their engines' zygote)
 
         try:
             main()

@@ -138,6 +138,9 @@ def serve(
     if not _loopback(host) and api_key is None and not insecure:
         raise UsageError(f"--host {host} is reachable from other machines: give --api-key (or $LLMCLI_API_KEY)",
                          hint="Or --insecure to serve without a key on purpose.")
+    from llmcli.serve import engine_zygote
+
+    engine_zygote.start()  # (the process each model's engine is forked from: its imports go on while this one's do)
     try:
         import uvicorn
 

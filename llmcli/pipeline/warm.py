@@ -98,6 +98,11 @@ def listening_here(socket: Path) -> None:
     _LISTENING_HERE.add(Path(os.path.abspath(socket)))
 
 
+def own_sockets() -> tuple[Path, ...]:
+    """The sockets this process serves on (its engines' processes leave them out too: `listening_here`)."""
+    return tuple(sorted(_LISTENING_HERE))
+
+
 def running() -> list[tuple[Path, Health]]:
     """The warm servers of this user: each socket that answers, with its health (this process's own left out)."""
     folder = paths.warm_servers_dir()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -43,6 +42,7 @@ from llmcli.answer.events import DecodeEvent, Done, Prefill, TokenLogprob
 from llmcli.decode.serving import Delivery, Failure, Job, QueueFull, deliver_here
 from llmcli.errors import LlmcliError
 from llmcli.pipeline import Request, Shape
+from llmcli.serve import engine_zygote
 
 STEP_TIMEOUT_S = 300.0  # the default --step-timeout: no honest step (a prompt chunk, an image) of a slow machine lasts it
 POLL_S = 0.05  # how often the supervisor looks for clients that left (and stalls) while no message comes
@@ -55,6 +55,7 @@ class EngineSpec:
 
     request: Request
     parallel: int
+    own_sockets: tuple[Path, ...] = ()  # the server's (not asked by the load's memory check: nothing answers there yet)
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,11 @@ class EngineFacts:
 
 def load_engine(spec: EngineSpec) -> tuple[Any, EngineFacts]:
     """In the engine process: the model loaded with its slots (a SlotServer) and what the server needs to know."""
+    from llmcli.pipeline import warm
     from llmcli.pipeline.local import open_pipeline
 
+    for own in spec.own_sockets:
+        warm.listening_here(own)
     pipeline = open_pipeline(dataclasses.replace(spec.request, shape=Shape(spec.parallel, served=True)))
     session, engine = pipeline.session, pipeline.session.engine
     try:
@@ -477,123 +481,10 @@ def spawn_engine(command: list[str], fd: int) -> EngineChild:
     """An engine's process with the socket FD: forked by the server's zygote (llmcli's engine modules imported once,
     started with the first engine), else `command` (`python -m llmcli.serve.engine_child FD`) started. The one place
     an engine starts."""
-    zygote = _Zygote.here()
-    if zygote is not None:
-        try:
-            return zygote.fork(fd)
-        except (OSError, queue.Empty):
-            _Zygote.lost(zygote)
+    forked = engine_zygote.fork(fd)
+    if forked is not None:
+        return forked
     return subprocess.Popen(command, pass_fds=[fd], stdin=subprocess.DEVNULL, close_fds=True)
-
-
-def spawn_zygote(command: list[str], fd: int) -> Any:
-    """The zygote's process (`python -m llmcli.serve.engine_child --zygote FD`): spawned, never forked from this
-    threaded server (the test suite's forked servers fork theirs here: tests/conftest.py)."""
-    return subprocess.Popen(command, pass_fds=[fd], stdin=subprocess.DEVNULL, close_fds=True)
-
-
-class _ForkedEngine:
-    """An engine the zygote forked: its exit status comes from the zygote (it is not this process's child)."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        self.returncode: int | None = None
-        self._ended = threading.Event()
-
-    def ended(self, code: int) -> None:
-        self.returncode = code
-        self._ended.set()
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if not self._ended.wait(timeout):
-            raise subprocess.TimeoutExpired(["llmcli.serve.engine_child"], timeout or 0)
-        assert self.returncode is not None
-        return self.returncode
-
-
-class _Zygote:
-    """One per server: a single-threaded process with llmcli's engine modules imported that forks each engine (a
-    model's first, a restart, a model loaded on demand) — ~0.4 s of imports and a process start saved each time.
-    Lines on its socket: "spawn" (with the engine's socket) in; "spawned PID", "exited PID CODE" out. It ends when the
-    server does (its socket's end); an engine it forked ends by its own socket."""
-
-    _current: _Zygote | None = None
-    _starting = threading.Lock()
-
-    def __init__(self) -> None:
-        self.sock, theirs = socket.socketpair()
-        try:
-            self.proc = spawn_zygote([sys.executable, "-m", "llmcli.serve.engine_child", "--zygote",
-                                      str(theirs.fileno())], theirs.fileno())
-        finally:
-            theirs.close()
-        self._lock = threading.Lock()  # one fork at a time
-        self._forked: queue.Queue[int] = queue.Queue()
-        self._children: dict[int, _ForkedEngine] = {}
-        self._exited: dict[int, int] = {}  # (an exit reported before its fork's answer was read)
-        self._gone = False
-        threading.Thread(target=self._read, name="llmcli-zygote", daemon=True).start()
-
-    @classmethod
-    def here(cls) -> _Zygote | None:
-        with cls._starting:
-            if cls._current is None:
-                try:
-                    cls._current = _Zygote()
-                except OSError:
-                    return None
-            return cls._current
-
-    @classmethod
-    def lost(cls, zygote: _Zygote) -> None:
-        with cls._starting:
-            if cls._current is zygote:
-                cls._current = None
-        zygote.sock.close()
-
-    def fork(self, fd: int) -> _ForkedEngine:
-        with self._lock:
-            if self._gone:
-                raise OSError("the zygote is gone")
-            socket.send_fds(self.sock, [b"spawn\n"], [fd])
-            pid = self._forked.get(timeout=30)
-            if pid < 0:
-                raise OSError("the zygote is gone")
-            with self._starting:
-                child = self._children[pid] = _ForkedEngine(pid)
-                if pid in self._exited:
-                    child.ended(self._exited.pop(pid))
-            return child
-
-    def _read(self) -> None:
-        buffer = b""
-        try:
-            while chunk := self.sock.recv(4096):
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                for line in lines:
-                    kind, *numbers = line.decode().split()
-                    if kind == "spawned":
-                        self._forked.put(int(numbers[0]))
-                    elif kind == "exited":
-                        pid, code = int(numbers[0]), int(numbers[1])
-                        with self._starting:
-                            child = self._children.pop(pid, None)
-                            if child is None:
-                                self._exited[pid] = code
-                        if child is not None:
-                            child.ended(code)
-        except OSError:
-            pass
-        self._gone = True
-        self._forked.put(-1)
-        with self._starting:
-            left, self._children = list(self._children.values()), {}
-        for child in left:  # (their statuses are lost with the zygote: each ends, or has, by its own socket)
-            child.ended(-signal.SIGKILL)
 
 
 def _ended(flight: _Flight) -> Done:

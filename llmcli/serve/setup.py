@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcli.config import settings
-from llmcli.pipeline import Request, fetch_for, resolve_settings
+from llmcli.pipeline import Request, fetch_for, resolve_settings, warm
 from llmcli.pipeline.local import Tokenizer, open_tokenizer
 from llmcli.prompt.rendering import thinking_variables
 from llmcli.serve.answer_request import Limits, Prompter
@@ -65,7 +65,8 @@ class ServerModels:
         tokenizer = open_tokenizer(request)  # (a file llama.cpp would refuse is refused here, before any process starts)
         engine = None
         try:
-            engine = EngineProcess(EngineSpec(request, self.parallel), self.queue, self.step_timeout, self.report)
+            spec = EngineSpec(request, self.parallel, warm.own_sockets())
+            engine = EngineProcess(spec, self.queue, self.step_timeout, self.report)
             return _served(tokenizer, engine.ready(), engine, request, self)
         except BaseException:
             if engine is not None:
