@@ -285,7 +285,7 @@ def test_large_pictures_are_decoded_within_a_pixel_budget_and_give_their_memory_
     after: each picture was decoded at once, all of them together. Now the pixels decoded at once are bounded
     (MAX_DECODING_PIXELS: one such picture), a full queue refuses before anything is decoded, and the memory a large
     decode took is handed back: four concurrent requests peak at one decode's worth (+1.3 GB unbounded, +0.9 GB with
-    two at once) and leave nothing behind."""
+    two at once) and leave nothing behind. A request's pictures together hold at most MAX_REQUEST_PIXELS (two such)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx2
@@ -305,6 +305,14 @@ def test_large_pictures_are_decoded_within_a_pixel_budget_and_give_their_memory_
         peak, after = _memory_mib(proc.pid, "VmHWM") - before, _memory_mib(proc.pid, "VmRSS") - before
         assert peak < 750, peak  # one decode at a time (~450 MB in a server), not four
         assert after < 300, after  # the vision encoder, loaded with the first picture (~140 MB); not 3.7 GB kept
+        picture = {"type": "image_url", "image_url": {"url": uri}}  # three in one request: past its allowance
+        three = {"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": "And these?"},
+                                                                            picture, picture, picture]}]}
+        Path(f"/proc/{proc.pid}/clear_refs").write_text("5")
+        refused = httpx2.post(f"{url}/v1/chat/completions", json=three, timeout=120)
+        assert refused.status_code == 400 and "pixels in all" in refused.json()["error"]["message"], refused.text
+        assert _memory_mib(proc.pid, "VmHWM") - before < 750  # (the third was refused from its header)
+        assert httpx2.post(f"{url}/v1/chat/completions", json=body, timeout=120).status_code == 200
         full = start_server(tmp_path, "-m", str(seeing), "-P", "1", "--queue", "0")  # a queue of none: the slot only
         try:
             slow = {**body, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 100}

@@ -23,6 +23,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image file or a request's image: larger
 MAX_PIXELS = 50_000_000  # width × height read from the header: more is refused before any pixel is decoded
 DEFAULT_MAX_SIDE = 1536  # pixels on the longer side after scaling down (the projectors here see 224–896)
 MAX_DECODING_PIXELS = MAX_PIXELS  # decoded at once in one process: one picture of the largest size, or several
+MAX_REQUEST_PIXELS = 2 * MAX_PIXELS  # a server's request, its pictures together (`REQUEST_PIXELS`, set by serve)
 # smaller ones (four concurrent 7000 x 7000 PNGs peaked a server at +1.3 GB, at +0.9 GB with two at once, under 0.75
 # GB with this); the others wait for room
 DECODE_WAIT_S = 120.0  # how long an image waits for room to be decoded before it is refused (busy)
@@ -64,6 +66,8 @@ def decode_image(data: bytes, source: str, max_side: int = DEFAULT_MAX_SIDE) -> 
             if width * height > MAX_PIXELS or width < 1 or height < 1:
                 raise ImageError(f"{source}: {width} × {height} pixels is more than an image may have "
                                  f"({MAX_PIXELS:,} pixels)")
+            if (allowance := REQUEST_PIXELS.get()) is not None:  # (from the header: before any pixel is decoded)
+                allowance.take(width * height, source)
             frames = int(getattr(picture, "n_frames", 1))
             if frames > 1:
                 raise ImageError(f"{source}: an animated image ({frames} frames): give one frame as a still image")
@@ -115,6 +119,23 @@ class PixelBudget:
 
 
 DECODING = PixelBudget(MAX_DECODING_PIXELS)
+
+
+class PixelAllowance:
+    """The pixels one request's pictures may hold together (read from each header before it is decoded)."""
+
+    def __init__(self, limit: int = MAX_REQUEST_PIXELS):
+        self.limit, self.left = limit, limit
+
+    def take(self, pixels: int, source: str) -> None:
+        if pixels > self.left:
+            raise ImageError(f"{source}: the request's pictures would hold more than {self.limit:,} pixels in all; "
+                             "send fewer or smaller ones")
+        self.left -= pixels
+
+
+# The allowance of the request being read in this context (a server sets one per request; run and chat set none).
+REQUEST_PIXELS: ContextVar[PixelAllowance | None] = ContextVar("llmcli_request_pixels", default=None)
 
 
 def _give_back_memory() -> None:

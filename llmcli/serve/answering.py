@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from llmcli.answer.events import DecodeEvent, Done, Prefill
+from llmcli.answer.image_bytes import REQUEST_PIXELS, PixelAllowance
 from llmcli.answer.openai_wire import WireError
 from llmcli.answer.stats import AnswerClock, summary_line
 from llmcli.decode.serving import Failure, Job, QueueFull
@@ -174,6 +175,7 @@ async def answer(request: Request, state: ServerState, parse: Callable[[Any, Ser
             raise ApiError(429, f"busy: {exc}; retry later", code="busy") from None
         except LlmcliError as exc:  # (its engine died and could not start again: why)
             raise ApiError(500, exc.message, cause=exc) from None
+        REQUEST_PIXELS.set(PixelAllowance())  # (this request's pictures together: to_thread carries the context)
         asked = await asyncio.to_thread(parse, body, served)
         if not isinstance(asked, Asked):
             release()
