@@ -12,6 +12,7 @@ import llama_cpp
 
 from llmcli.errors import IntegrityError
 from llmcli.llama.llama_log import llama_backend
+from llmcli.llama.weights import kept_model
 from llmcli.store.gguf_header import read_header
 
 # `<start_of_image>`, `<end_of_image>`, `[multimodal]`, `<image_soft_token>`, `<|vision_start|>`, `<|audio_bos|>`, …
@@ -79,6 +80,12 @@ class VocabularyFile:
 
     def __init__(self, path: Path):
         read_header(path)  # pre-flight: llama.cpp never sees a malformed file
+        self._vision: Any = None
+        self._owned = True
+        if (kept := kept_model(path)) is not None:  # (weights this process keeps loaded hold the same vocabulary)
+            self._model, self._owned, self.load_s = kept, False, 0.0
+            self.vocab = Vocabulary(llama_cpp.llama_model_get_vocab(kept))
+            return
         log = llama_backend()
         log.errors.clear()
         started = time.perf_counter()
@@ -90,7 +97,6 @@ class VocabularyFile:
                                  hint="Check that the file is a complete GGUF model supported by this llama.cpp build.")
         self.vocab = Vocabulary(llama_cpp.llama_model_get_vocab(self._model))
         self.load_s = time.perf_counter() - started
-        self._vision: Any = None
 
     def vision(self, projector: Path) -> Any:
         """The vision projector at `projector` over this vocabulary (a `Vision`: its image tokens counted without the
@@ -106,7 +112,8 @@ class VocabularyFile:
             self._vision.close()
             self._vision = None
         if getattr(self, "_model", None):
-            llama_cpp.llama_model_free(self._model)
+            if getattr(self, "_owned", True):
+                llama_cpp.llama_model_free(self._model)
             self._model = None
 
     def __enter__(self) -> VocabularyFile:

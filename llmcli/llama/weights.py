@@ -54,6 +54,12 @@ def keep_loaded(path: Path, config: EngineConfig | None = None) -> None:
         _KEPT[key] = load_weights(path, config, Cancellation(), keep=False).pointer
 
 
+def kept_model(path: Path) -> Any | None:
+    """The model this process keeps loaded from `path` (any load mode), or None: its vocabulary is there already."""
+    resolved = path.resolve()
+    return next((pointer for (kept, _), pointer in _KEPT.items() if kept == resolved), None)
+
+
 def load_weights(path: Path, config: EngineConfig, cancel: Cancellation, keep: bool = True) -> Weights:
     """The weights of `path` (whose header was checked): the kept ones when the process keeps them (`keep`), else
     loaded now; Ctrl-C (`cancel`) aborts a load at once; IntegrityError when llama.cpp cannot load the file."""
