@@ -175,3 +175,32 @@ def test_a_request_waiting_for_a_slot_through_two_deaths_is_no_suspect(tmp_path,
         assert _health(url)["engine"]["restarts"] == 2
     finally:
         stop_server(proc)
+
+
+def test_a_request_in_flight_at_two_deaths_without_progress_fails_alone(tmp_path, smollm2):
+    """The engine dies twice while a request holds its slot and has made no progress (its long prompt is one chunk: no
+    progress until its first token): it is the likely cause, it fails (500), and the server answers the next one."""
+    proc, url = start_server(tmp_path, "-m", str(smollm2), "-P", "1", "-b", "2048", "--api-key", KEY)
+    try:
+        outcome: dict[str, httpx.Response] = {}
+        long = {"messages": [{"role": "user", "content": "word " * 1500}], "max_tokens": 4, "temperature": 0}
+
+        def ask() -> None:
+            outcome["long"] = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=120, json=long)
+
+        thread = threading.Thread(target=ask)
+        thread.start()
+        for _ in range(2):  # each time it holds the slot again, before its prompt is evaluated
+            wait_until(lambda: _health(url)["busy"] == 1 or "long" in outcome, 60)
+            assert "long" not in outcome, outcome["long"].text
+            pid = _health(url)["engine"]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda pid=pid: _health(url)["engine"]["pid"] != pid, 60)
+        thread.join(120)
+        failed = outcome["long"]
+        assert failed.status_code == 500 and "died twice" in failed.json()["error"]["message"], failed.text
+        after = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=120, json={
+            "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "temperature": 0})
+        assert after.status_code == 200 and _health(url)["engine"]["restarts"] == 2
+    finally:
+        stop_server(proc)

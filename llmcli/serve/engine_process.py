@@ -262,7 +262,7 @@ class EngineProcess:
     def status(self) -> dict[str, Any]:
         with self._lock:
             held = sum(1 for flight in self._flights.values() if not flight.job.cancelled.is_set())
-            busy = min(held, self.n_slots)
+            busy = sum(1 for flight in self._flights.values() if flight.admitted and not flight.job.cancelled.is_set())
             return {"slots": self.n_slots, "busy": busy, "waiting": held - busy, "served": self.served,
                     "steps_by_busy": self._child_status.get("steps_by_busy", {}),
                     "engine": {"pid": self.pid, "state": self.state, "restarts": self.restarts,
