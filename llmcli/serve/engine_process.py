@@ -437,6 +437,8 @@ class EngineProcess:
         with self._lock:
             self.facts = facts
             self.state = "running"
+            if self._stopping:  # (told to stop while it started again: this engine finishes and ends too)
+                self._send(("stop",))
             for flight in self._flights.values():
                 if not flight.held:
                     self._send_job(flight)
