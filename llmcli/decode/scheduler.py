@@ -81,10 +81,8 @@ class Scheduler:
         """A slot for `prompt` in sequence `seq` (free): the longest prefix of it the sequence holds is kept (when
         it has `reuse_at_least` tokens), the rest evaluated by the next steps. `shared`: the prefix sequence's
         tokens to copy in first (--batch). Raises what the sampler chain raises (a grammar llama.cpp refuses);
-        nothing is started then. `resumed` (not None: each sampled token is recorded, `Slot.record`): the tokens this
-        answer had sampled, with their logprobs, before the engine that sampled them died: they are the prompt's end,
-        fed to the answer and the sampler chain (its grammar, its penalties) as if sampled here, and decoding goes on
-        after them; their text is not given again."""
+        nothing is started then. `resumed` (not None: sampled tokens are recorded, `Slot.record`): tokens (and logprobs)
+        sampled before the engine died, at the prompt's end: fed to the answer and the sampler chain, never shown again."""
         engine = self.engine
         calls = options.tools is not None and options.tools.active  # (the call's opening is read in the vocabulary)
         sampler = engine.sampler(with_tool_grammar(options.sampling, options.tools, options.thinking_open,
@@ -109,14 +107,13 @@ class Scheduler:
         clock.prefill_started = time.perf_counter()
         drafter = Drafter.for_mode(options.speculate, prompt, self.speculation.draft_model)
         answer = Answer(options, len(prompt) - len(resumed or ()), engine.n_ctx)
-        slot = Slot(seq, prompt, options, sampler, answer, clock, drafter,
-                    cached, cached, split_at if split_at is not None and cached < split_at < len(prompt) else None, tag)
+        split = split_at if split_at is not None and cached < split_at < len(prompt) else None
+        slot = Slot(seq, prompt, options, sampler, answer, clock, drafter, cached, cached, split, tag)
         if resumed is not None:
             slot.record, slot.replayed = list(resumed), len(resumed)
-            vocab = engine.vocab
             for token, logprob in resumed:
                 sampler.accept(token)
-                answer.add(token, False, vocab.answer_piece(token, options.special), logprob)
+                answer.add(token, False, engine.vocab.answer_piece(token, options.special), logprob)
             slot.thinking_closed = answer.thinking_spent
         self.slots[seq] = slot
         return slot

@@ -101,12 +101,12 @@ def main(fd: int) -> None:
         return
     try:
         from llmcli.errors import LlmcliError
-        from llmcli.serve.engine_process import load_engine
+        from llmcli.serve.engine_spec import failed_message, load_engine
 
         try:
             slots, facts = load_engine(spec)
         except LlmcliError as exc:
-            conn.send(("failed", type(exc).__name__, exc.message, exc.hint, int(exc.exit_code)))
+            conn.send(failed_message(exc))
             return
         child = _Child(conn, slots)
         slots.deliver = child.deliver
@@ -118,7 +118,7 @@ def main(fd: int) -> None:
         slots.run()
     except Exception as exc:  # noqa: BLE001 — said to the server, which reports it as the load's failure
         try:
-            conn.send(("failed", "LlmcliError", f"the engine failed: {exc}", None, 1))
+            conn.send(failed_message(LlmcliError(f"the engine failed: {exc}")))
         except OSError:
             pass
     finally:
@@ -135,7 +135,7 @@ def zygote(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     import llmcli.pipeline.local  # noqa: F401  (what every engine imports: before the first fork)
-    import llmcli.serve.engine_process  # noqa: F401
+    import llmcli.serve.engine_spec  # noqa: F401
 
     control = socket.socket(fileno=fd)
     children: set[int] = set()

@@ -1,29 +1,23 @@
 """Each model's engine in a supervised process of its own: nothing llama.cpp does takes the server down.
 
 `EngineProcess` is what `serve` (and every warm server) answers through: the slot server's interface (`submit`,
-`admit`, `stop`, `cancel_all`, `status`, `run`), with the scheduler, the llama.cpp context, the prompt store, the
-draft model and the vision encoder in a child process (llmcli/serve/engine_child.py: started with `python -m`, never
-forked from this threaded server). The server keeps HTTP, the protocols, templates and tokenizing (the vocabulary
-alone: llmcli/pipeline/local.py's Tokenizer) and the queue's places.
+`admit`, `stop`, `cancel_all`, `status`, `run`), with the pipeline — llama.cpp, scheduler, prompt store, draft model,
+vision encoder — in a child process (llmcli/serve/engine_child.py, forked by the zygote: engine_zygote.py). The server
+keeps HTTP, the protocols, templates and tokenizing (the vocabulary alone) and the queue's places.
 
-`run` — the supervisor, on the thread a model's engine thread used to be — reads each step's events and the tokens
-each answer sampled, forwards a client's departure at once, and watches two things:
+`run`, the supervisor, reads each step's events and the tokens each answer sampled, forwards a client's departure at
+once, and watches two things:
 - the engine's death (a signal, an abort, the OOM killer): it starts the engine again and resumes every answer in
-  flight from its prompt and the tokens it had sampled (their text is not sent again; the prompt store makes the
-  prompt cheap). The client sees a pause. A request in flight at two deaths in a row without any progress between them
-  is the suspect: it ends with an error (500); the others resume. (A request that held a slot and made no progress
-  before a death is resumed alone, once the others in slots have progressed: a second death is then its own; one
-  waiting for a slot is never a suspect.)
+  flight from its prompt and the tokens it had sampled (their text is not sent again). A request that held a slot and
+  made no progress before a death is resumed alone once the others in slots have progressed; if the engine dies
+  again before it progresses, it ends with an error (500). One waiting for a slot is never a suspect.
 - a step longer than `step_timeout` (a grammar that makes llama.cpp's sampler take minutes per token): the engine is
-  asked which answer it was sampling, then killed and started again; that request ends with an error saying so (400),
-  the others resume.
+  asked which answer it was sampling, then killed and started again; that request ends with an error (400).
 While an engine restarts, `status()` says so (`/health`: degraded); each restart is one line of the server's log.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import signal
 import socket
 import subprocess
@@ -33,72 +27,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from llmcli import errors
-from llmcli.answer.constraint import Constraint
 from llmcli.answer.events import DecodeEvent, Done, Prefill, TokenLogprob
 from llmcli.decode.serving import Delivery, Failure, Job, QueueFull, deliver_here
 from llmcli.errors import LlmcliError
-from llmcli.pipeline import Request, Shape
 from llmcli.serve import engine_zygote
+from llmcli.serve.engine_spec import EngineFacts, EngineSpec, died_loading, load_failure
 
 STEP_TIMEOUT_S = 300.0  # the default --step-timeout: no honest step (a prompt chunk, an image) of a slow machine lasts it
 POLL_S = 0.05  # how often the supervisor looks for clients that left (and stalls) while no message comes
 WHO_WAIT_S = 2.0  # how long a stalled engine has to say which answer it was sampling
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What the engine process loads: the request of its model (as `serve -m` gives it) and its slots."""
-
-    request: Request
-    parallel: int
-    own_sockets: tuple[Path, ...] = ()  # the server's (not asked by the load's memory check: nothing answers there yet)
-
-
-@dataclass(frozen=True)
-class EngineFacts:
-    """What the engine process says of its model once loaded: what the server's prompter and lists need."""
-
-    names: tuple[str, ...]
-    path: Path
-    values: dict[str, Any]  # the effective settings
-    n_ctx: int
-    n_ctx_train: int
-    max_draft: int
-    logit_bias: tuple[tuple[int, float], ...]
-    constraint: Constraint
-    tool_format: str
-    split_min: int
-    notices: tuple[str, ...]
-    template_system: str | None
-    load_s: float
-    pid: int = 0
-
-
-def load_engine(spec: EngineSpec) -> tuple[Any, EngineFacts]:
-    """In the engine process: the model loaded with its slots (a SlotServer) and what the server needs to know."""
-    from llmcli.pipeline import warm
-    from llmcli.pipeline.local import open_pipeline
-
-    for own in spec.own_sockets:
-        warm.listening_here(own)
-    pipeline = open_pipeline(dataclasses.replace(spec.request, shape=Shape(spec.parallel, served=True)))
-    session, engine = pipeline.session, pipeline.session.engine
-    try:
-        template_system = session.template_system
-    except LlmcliError:  # (a template that cannot render it is refused by each request instead)
-        template_system = None
-    generation = pipeline.generation
-    facts = EngineFacts(tuple(dict.fromkeys((pipeline.model.name, engine.path.stem, engine.path.name))),
-                        engine.path.resolve(), dict(pipeline.settings.values), engine.n_ctx, engine.n_ctx_train,
-                        generation.max_draft, tuple(generation.sampling.logit_bias), generation.constraint,
-                        session.tool_format(pipeline.settings["tool_format"]),
-                        session.split_min if session.prompt_cache is not None else 0, tuple(session.notices),
-                        template_system, engine.load_s)
-    return session.slot_server(spec.parallel, 0), facts
 
 
 @dataclass
@@ -116,8 +55,7 @@ class _Flight:
 
 
 class EngineProcess:
-    """One model's engine in a child process, supervised (see the module's note). Starting it loads the model
-    (LlmcliError as a load in this process would raise it)."""
+    """One model's engine in a child process, supervised (see the module's note); `ready()` waits for its load."""
 
     def __init__(self, spec: EngineSpec, queue_size: int, step_timeout: float = STEP_TIMEOUT_S,
                  report: Callable[[str], None] | None = None):
@@ -135,7 +73,7 @@ class EngineProcess:
         self.state = "starting"
         self.last_restart: dict[str, Any] | None = None
         self.failure: LlmcliError | None = None  # why its engine could not start again (it is not tried again)
-        self._proc: EngineChild | None = None
+        self._proc: engine_zygote.EngineChild | None = None
         self._conn: Connection | None = None
         self._last_heard = time.monotonic()
         self._spawned = self._spawn()  # (the model loads there while this process goes on)
@@ -149,39 +87,32 @@ class EngineProcess:
 
     # -- the child ----------------------------------------------------------------------------------
 
-    def _start(self) -> EngineFacts:
-        """A new engine process, its model loaded (LlmcliError: why not; nothing is left running then)."""
-        return self._ready(*self._spawn())
-
-    def _spawn(self) -> tuple[EngineChild, Connection]:
+    def _spawn(self) -> tuple[engine_zygote.EngineChild, Connection]:
         ours, theirs = socket.socketpair()
         try:
-            proc = spawn_engine([sys.executable, "-m", "llmcli.serve.engine_child", str(theirs.fileno())], theirs.fileno())
+            command = [sys.executable, "-m", "llmcli.serve.engine_child", str(theirs.fileno())]
+            proc = engine_zygote.spawn_engine(command, theirs.fileno())
         finally:
             theirs.close()
         conn = Connection(ours.detach())
         return proc, conn
 
-    def _ready(self, proc: EngineChild, conn: Connection) -> EngineFacts:
+    def _ready(self, proc: engine_zygote.EngineChild, conn: Connection) -> EngineFacts:
         try:
             conn.send(self.spec)
             while not conn.poll(0.2):
                 if (ended := proc.poll()) is not None:
-                    raise _died_loading(ended)
+                    raise died_loading(ended)
             try:
                 message = conn.recv()
             except (EOFError, OSError):
-                raise _died_loading(proc.wait()) from None
+                raise died_loading(proc.wait()) from None
             if message[0] == "failed":
-                _, kind, text, hint, code = message
-                error_type = getattr(errors, kind, LlmcliError)
-                error = error_type(text, hint) if issubclass(error_type, LlmcliError) else LlmcliError(text, hint)
-                error.exit_code = errors.ExitCode(code)
-                raise error
+                raise load_failure(message)
             facts: EngineFacts = message[1]
         except BaseException:
             conn.close()
-            _kill(proc)
+            engine_zygote.kill(proc)
             raise
         self._proc, self._conn = proc, conn
         self._last_heard = time.monotonic()
@@ -231,8 +162,8 @@ class EngineProcess:
                              job.images, tuple(flight.record)))
             flight.sent = True
             self._last_heard = max(self._last_heard, time.monotonic())  # (an idle engine's silence was not a stall)
-        except OSError:
-            pass  # the engine has died: the supervisor sends it again to the next one
+        except OSError:  # the engine has died: the supervisor sends the job to the next one
+            flight.sent = False
 
     def stop(self) -> None:
         """Finish: waiting requests are cancelled; the engine ends once its answers are done."""
@@ -250,7 +181,7 @@ class EngineProcess:
         with self._lock:
             self._stopping = True
         if self._proc is not None:
-            _kill(self._proc)
+            engine_zygote.kill(self._proc)
 
     def _send(self, message: Any) -> None:
         if self._conn is not None:
@@ -271,8 +202,7 @@ class EngineProcess:
     # -- the supervisor (its own thread) ------------------------------------------------------------
 
     def run(self) -> None:
-        """Until `stop` and the engine's end: its messages in, clients' departures out, its deaths and stalls
-        mended."""
+        """Until `stop` and the engine's end: messages in, departures out, deaths and stalls mended."""
         try:
             while True:
                 conn = self._conn
@@ -298,7 +228,7 @@ class EngineProcess:
             if self._conn is not None:
                 self._conn.close()
             if self._proc is not None:
-                _kill(self._proc)
+                engine_zygote.kill(self._proc)
 
     def _handle(self, message: Any) -> None:
         self._last_heard = time.monotonic()
@@ -374,7 +304,7 @@ class EngineProcess:
                 self._handle(message)
         except (EOFError, OSError):
             pass
-        _kill(self._proc)
+        engine_zygote.kill(self._proc)
         if culprit is not None:
             with self._lock:
                 flight = self._flights.pop(culprit, None)
@@ -390,7 +320,7 @@ class EngineProcess:
         try:
             code = self._proc.wait(5)
         except subprocess.TimeoutExpired:
-            _kill(self._proc)
+            engine_zygote.kill(self._proc)
             code = self._proc.returncode or -signal.SIGKILL
         if code < 0:
             try:
@@ -423,7 +353,7 @@ class EngineProcess:
                                              f"progress ({cause}): the request is the likely cause", refused=False)
             self.deliver([(flight.job, _ended(flight))])
         try:
-            facts = self._start()
+            facts = self._ready(*self._spawn())
         except LlmcliError as exc:  # (the file changed under it, memory taken meanwhile): each request is told why
             with self._lock:
                 self.state, self.failure = "failed", exc
@@ -465,48 +395,6 @@ class _EngineGone(Exception):
     """The engine could not be started again: its supervisor ends."""
 
 
-class EngineChild(Protocol):
-    """What the supervisor needs of an engine's process (a Popen's)."""
-
-    @property
-    def pid(self) -> int: ...
-
-    @property
-    def returncode(self) -> int | None: ...
-
-    def poll(self) -> int | None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
-
-
-def spawn_engine(command: list[str], fd: int) -> EngineChild:
-    """An engine's process with the socket FD: forked by the server's zygote (llmcli's engine modules imported once,
-    started with the first engine), else `command` (`python -m llmcli.serve.engine_child FD`) started. The one place
-    an engine starts."""
-    forked = engine_zygote.fork(fd)
-    if forked is not None:
-        return forked
-    return subprocess.Popen(command, pass_fds=[fd], stdin=subprocess.DEVNULL, close_fds=True)
-
-
 def _ended(flight: _Flight) -> Done:
     """The Done of an answer the engine will not finish."""
     return Done("interrupted", flight.job.clock.stats(prompt_tokens=len(flight.job.tokens)))
-
-
-def _died_loading(code: int) -> LlmcliError:
-    what = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"status {code}"
-    return errors.IntegrityError(f"llama.cpp ended the engine process while it loaded the model ({what})",
-                                 hint="Check that the file is a complete GGUF model supported by this llama.cpp build.")
-
-
-def _kill(proc: EngineChild) -> None:
-    if proc.poll() is None:
-        try:
-            os.kill(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        pass

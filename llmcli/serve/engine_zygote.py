@@ -1,16 +1,18 @@
-"""The zygote each engine of a server is forked from: `python -m llmcli.serve.engine_child --zygote FD`, started when the
-server starts (`start`: its imports go on while the server's do), single-threaded, llmcli's engine modules imported
-once. Standard library only: `serve` starts it before importing anything heavy."""
+"""How a model's engine process starts (`spawn_engine`) and ends (`kill`), and the zygote each one is forked from:
+`python -m llmcli.serve.engine_child --zygote FD`, started when the server starts (`start`: its imports go on while
+the server's do), single-threaded, llmcli's engine modules imported once. Standard library only: `serve` starts it
+before importing anything heavy."""
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 
 def start() -> None:
@@ -140,3 +142,37 @@ class Zygote:
             child.ended(-signal.SIGKILL)
 
 
+class EngineChild(Protocol):
+    """What the supervisor needs of an engine's process (a Popen's)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def spawn_engine(command: list[str], fd: int) -> EngineChild:
+    """An engine's process with the socket FD: forked by the server's zygote (llmcli's engine modules imported once,
+    started with the first engine), else `command` (`python -m llmcli.serve.engine_child FD`) started. The one place
+    an engine starts."""
+    forked = fork(fd)
+    if forked is not None:
+        return forked
+    return subprocess.Popen(command, pass_fds=[fd], stdin=subprocess.DEVNULL, close_fds=True)
+
+
+def kill(proc: EngineChild) -> None:
+    if proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass

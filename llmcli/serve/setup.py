@@ -13,7 +13,8 @@ from llmcli.pipeline import Request, fetch_for, resolve_settings, warm
 from llmcli.pipeline.local import Tokenizer, open_tokenizer
 from llmcli.prompt.rendering import thinking_variables
 from llmcli.serve.answer_request import Limits, Prompter
-from llmcli.serve.engine_process import STEP_TIMEOUT_S, EngineFacts, EngineProcess, EngineSpec
+from llmcli.serve.engine_process import STEP_TIMEOUT_S, EngineProcess
+from llmcli.serve.engine_spec import EngineFacts, EngineSpec
 from llmcli.serve.model_facts import ModelFacts, read_facts
 from llmcli.serve.model_pool import Served
 from llmcli.store import catalog, models
