@@ -191,12 +191,12 @@ LINES = 24  # after the 6th, the rest still takes seconds to come: the keys are 
 
 
 def _numbered(lines: int) -> str:
-    """A grammar for an answer of `lines` numbered lines, each its own ("- line 01" ...)."""
-    return 'root ::= "' + "".join(f"- line {n:02d}\\n" for n in range(1, lines + 1)) + '"'
+    """A grammar for an answer of `lines` numbered lines, each its own ("- line 001" ...)."""
+    return 'root ::= "' + "".join(f"- line {n:03d}\\n" for n in range(1, lines + 1)) + '"'
 
 
 def _numbered_lines(screen: list[str]) -> list[int]:
-    return [int(line.split()[-1]) for line in screen if re.fullmatch(r" • line \d\d", line)]
+    return [int(line.split()[-1]) for line in screen if re.fullmatch(r" • line \d\d\d", line)]
 
 
 @pytest.mark.parametrize("keys", ["/exit\r", "ctrl-c"])
@@ -204,11 +204,13 @@ def test_keys_typed_while_an_answer_renders_are_not_echoed_under_it_and_each_lin
     """chat on a terminal, rendering Markdown (numbered lines): keys typed mid-answer, Enter included, are not
     echoed under it (an echoed newline moved the cursor under rich's open block, which was then drawn again) and begin
     the next prompt's line; Ctrl-C ends the answer with each line shown once. Nothing is typed but `keys`."""
-    # Ctrl-C's answer is 99 lines, seconds longer than this test takes to type it after the 6th even on a loaded
-    # machine: had the answer ended first, the ^C would be the prompt's, and a ^D sent as chat printed the next
-    # prompt was lost (the terminal drops an end-of-file typed in canonical mode when readline turns it off).
-    grammar = _numbered(99 if keys == "ctrl-c" else LINES)
-    child = spawn_terminal("chat", "--temp", "0", "-n", "2000", "--no-save", "--no-repetition-guard", "--grammar",
+    # Ctrl-C's answer is 400 lines (~3000 tokens, half a minute), far longer than this test takes to type it after
+    # the 6th even on a loaded machine, where this process may read the terminal seconds behind what chat wrote (99
+    # lines once ended first in CI): had the answer ended first, the ^C would be the prompt's, and a ^D sent as chat
+    # printed the next prompt was lost (the terminal drops an end-of-file typed in canonical mode when readline turns
+    # it off).
+    grammar = _numbered(400 if keys == "ctrl-c" else LINES)
+    child = spawn_terminal("chat", "--temp", "0", "-n", "4000", "--no-save", "--no-repetition-guard", "--grammar",
                            grammar, env={**COLOUR, "COLUMNS": "100"}, timeout=60, dimensions=(200, 100))
     child.expect_exact(">>> ")
     child.sendline("Count")
@@ -218,7 +220,9 @@ def test_keys_typed_while_an_answer_renders_are_not_echoed_under_it_and_each_lin
         shown += child.before + child.after
     if keys == "ctrl-c":
         child.sendintr()
-        child.expect_exact("[interrupted: the partial reply stays in the conversation]")  # the answer's, not the prompt's
+        if child.expect_exact(["[interrupted: the partial reply stays in the conversation]", pexpect.TIMEOUT]):
+            shown += child.before  # the answer's, not the prompt's
+            pytest.fail("no interruption line; the screen:\n" + "\n".join(screen_of(shown, 100, 200)))
         shown += child.before + child.after
         child.expect_exact(">>> ")
         shown += child.before + child.after
