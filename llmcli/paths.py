@@ -30,6 +30,16 @@ def assembled_models_dir() -> Path:
     return cache_dir() / "packages"
 
 
+def quantized_dir() -> Path:
+    """Models made by `llmcli quantize` without -o: `quantized/NAME/TYPE.gguf`, named NAME:type."""
+    return cache_dir() / "quantized"
+
+
+def quality_cache_dir() -> Path:
+    """`eval quality`'s references: a reference model's top log-probabilities over a text (a few MB each)."""
+    return cache_dir() / "quality"
+
+
 def prompt_cache_dir() -> Path:
     """Saved KV states of long prompts (the prompt cache), inside the cache dir."""
     return cache_dir() / "prompts"

@@ -61,3 +61,13 @@ def is_duration(value: Any) -> bool:
 def keeps_loaded(value: Any) -> bool:
     """A keep-alive that keeps the model loaded (in a warm server): given, and not 0."""
     return value is not None and is_duration(value) and parse_keep_alive(value) != 0
+
+
+def parse_size(text: str) -> int:
+    """`8G`, `512MiB`, `1.5 GB`, `2000000` (bytes) -> bytes (binary multiples: K, M, G, T are 1024-based)."""
+    import re
+
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if found is None:
+        raise ValueError(f"not a size: {text!r} (e.g. 8G, 512M)")
+    return int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2).upper() or " "))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 from llmcli.answer.batch_jsonl import BatchItem
 from llmcli.answer.events import Done
@@ -255,3 +256,19 @@ class Benchmark:
                 for n, target in rows.items():
                     target.samples.append(batch(n, plan.gen_tokens))
                     yield target.test
+
+
+def quick_speed(path: Path, threads: int | None = None, prompt_tokens: int = 256, gen_tokens: int = 32,
+                repetitions: int = 3, kv_type: str = "f16") -> tuple[float, float]:
+    """(prefill, decode) tokens/s of the raw loop, as `bench`'s pp/tg rows measure them, the median of `repetitions`
+    after a warm-up: a short measure for comparing files of one model (`quant advise`)."""
+    import statistics
+
+    plan = BenchPlan(prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repetitions=repetitions)
+    n_ctx = prompt_tokens + gen_tokens + 64
+    with Engine(path, EngineConfig(n_ctx=n_ctx, n_threads=threads, n_batch=plan.n_batch, kv_type=kv_type)) as engine:
+        subject = _Subject(engine, plan)
+        subject.warm_up()
+        prefill = [subject.raw_prefill(0) for _ in range(repetitions)]
+        decode = [subject.raw_decode(0) for _ in range(repetitions)]
+    return statistics.median(prefill), statistics.median(decode)

@@ -56,6 +56,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench": ("bench", "app", "typer"), "config": ("config_cmd", "app", "typer"), "cache": ("cache_cmd", "app", "typer"),
     "logs": ("logs_cmd", "app", "typer"), "templates": ("templates_cmd", "app", "typer"),
     "mcp": ("mcp_cmd", "app", "typer"), "eval": ("eval_cmd", "app", "typer"),
+    "quantize": ("quant_cmd", "quantize", "plain"), "quant": ("quant_cmd", "app", "typer"),
 }
 
 

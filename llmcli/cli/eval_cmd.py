@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from llmcli.eval.tool_eval import ItemResult, Report
     from llmcli.pipeline import Request
 
-app = typer.Typer(help="Measure how well a model does a task: `eval tools` (tool calling, BFCL's items and rules).",
+app = typer.Typer(help="Measure a model: `eval tools` (tool calling, BFCL's items and rules), `eval quality` (a quant "
+                  "against its reference: KL divergence, perplexity).",
                   no_args_is_help=True)
 
 SETTINGS_TAKEN = ("model", "system", "temp", "top_k", "top_p", "min_p", "seed", "max_tokens", "tool_format",
@@ -104,3 +105,87 @@ def _show(report: Report, where: str, choice: str, format_name: str, as_json: bo
         title=f"{where} · --tool-choice {choice} · {format_name} calls")
     if report.interrupted:
         console.print(f"interrupted after {len(report.results)} items: the rows above are what was measured")
+
+
+CandidateOpt = Annotated[str, typer.Option("--model", "-m", help="The model to measure (a quant).", show_default=False,
+                                           autocompletion=o.complete_model)]
+ReferenceOpt = Annotated[str, typer.Option(
+    "--reference", "-r", help="What it is measured against: the same model at higher precision (F16, BF16, Q8_0).",
+    show_default=False, autocompletion=o.complete_model)]
+TextOpt = Annotated[Optional[Path], typer.Option(
+    "--text", help="The text to score (UTF-8) [default: llmcli's own: prose, code, numbers and dialogue, ~4k tokens].",
+    dir_okay=False, show_default=False)]
+CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", min=16, max=32768,
+                                     help="Tokens a chunk (llama-perplexity's -c); the second half of each is scored.")]
+TopKOpt = Annotated[int, typer.Option("--top-k", min=1, max=1024, help="The reference's most likely tokens kept a "
+                                      "position, and as many drawn from the rest (an unbiased estimate of its share).")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Threads [default: the cores].",
+                                                   show_default=False)]
+
+
+@app.command("quality")
+def quality(model: CandidateOpt, reference: ReferenceOpt, text: TextOpt = None, ctx_size: CtxOpt = 512,
+            top_k: TopKOpt = 128, threads: ThreadsOpt = None, as_json: JsonOpt = False) -> None:
+    """How far a quant's predictions are from its reference's on a text, llama-perplexity's way: perplexity, and
+    against the reference KL divergence (mean, median, p99, max), top-1 agreement and RMS Δp, each mean with its
+    uncertainty. The reference's pass is kept (its top log-probabilities: a few MB), so the next candidate costs one
+    pass."""
+    from llmcli.cli import output
+    from llmcli.cli.models_cmd import _aliases
+    from llmcli.eval import quality as q
+    from llmcli.interrupt import Cancellation
+    from llmcli.store import catalog
+
+    console = output.stderr_console()
+    try:
+        words = text.read_text(encoding="utf-8") if text is not None else q.default_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--text {text}: {getattr(exc, 'strerror', None) or exc}") from None
+    candidate = catalog.local_model(model, _aliases())
+    base = catalog.local_model(reference, _aliases())
+    cancel = Cancellation()
+    with output.progress_bar("eval quality") as advance, cancel.on_signals():
+        def progress(phase: str, done: int, total: int) -> None:
+            advance(done, total, f"{phase} ({base.name if phase == 'reference' else candidate.name}) · chunks")
+
+        from llmcli.cli.quant_cmd import _threads
+
+        result = q.evaluate(candidate.path, base.path, words, ctx_size, top_k, _threads(threads), cancel, progress,
+                            candidate.name)
+    from llmcli.bench.environment import machine
+
+    result = {"model": candidate.name, "reference": base.name, "text": str(text) if text else "built-in", **result,
+              "machine": {k: v for k, v in machine().items() if k in ("cpu", "physical_cores", "llama_cpp_python")}}
+    if as_json:
+        output.print_json(result)
+    else:
+        _show_quality(result, console)
+    if result.get("interrupted"):
+        raise typer.Exit(130)
+
+
+def _show_quality(result: dict[str, Any], console: Console) -> None:
+    from llmcli.cli import output
+
+    machine = result["machine"]
+    where = f"{machine['cpu']}, {machine['physical_cores']} cores, llama-cpp-python {machine['llama_cpp_python']}"
+    if not result.get("tokens_scored"):
+        console.print("interrupted before any position was scored: nothing measured")
+        return
+    kld = result["kld"]
+    output.print_fields([
+        ("model", f"{result['model']} against {result['reference']}"),
+        ("text", f"{result['text']} · {result['tokens_scored']} tokens scored, chunks of {result['ctx']}"),
+        ("perplexity", f"{result['perplexity']:.4f} ± {result['perplexity_error']:.4f} (reference "
+                       f"{result['reference_perplexity']:.4f} ± {result['reference_perplexity_error']:.4f})"),
+        ("KL divergence", f"mean {kld['mean']:.5f} ± {kld['mean_error']:.5f} · median {kld['median']:.5f} · "
+                          f"p99 {kld['p99']:.4f} · max {kld['max']:.4f}"),
+        ("top-1 agreement", f"{100 * result['top1_agreement']:.2f} % ± {100 * result['top1_agreement_error']:.2f}"),
+        ("RMS Δp", f"{100 * result['rms_delta_p']:.3f} % ± {100 * result['rms_delta_p_error']:.3f}"),
+        ("reference", ("kept from an earlier pass" if result["reference_kept"] else "computed now, kept")
+                      + f" (a position's top {result['top_k']} and {result['top_k']} drawn from the rest)"),
+        ("machine", where),
+    ])
+    if result.get("interrupted"):
+        console.print(f"interrupted after {result['tokens_scored']} of {result['tokens_in_reference']} positions: the "
+                      "figures above are what was measured")

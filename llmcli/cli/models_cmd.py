@@ -136,7 +136,7 @@ def rm(
     reference: ReferenceArg,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
 ) -> None:
-    """Remove a cached model (OWNER/REPO removes every quant of it)."""
+    """Remove a cached model (OWNER/REPO removes every quant of it) or one `llmcli quantize` made (NAME:TYPE)."""
     from llmcli.cli import output
     from llmcli.store import cache, catalog
     from llmcli.units import human_size
@@ -145,6 +145,16 @@ def rm(
     assembled = catalog.assembled_copy(reference)
     if assembled is not None:
         _remove_assembled(reference, assembled, yes, console)
+        return
+    from llmcli.store import quantized
+
+    made = quantized.find(reference)
+    if made is not None:
+        size = made.stat().st_size
+        console.print(f"  {reference.lower()}: {made} ({human_size(size)}), made by `llmcli quantize`")
+        _confirm(f"Remove it, {human_size(size)}?", yes)
+        quantized.remove(reference)
+        console.print(f"removed 1 model, freed {human_size(size)}")
         return
     doomed = catalog.removable(reference, _aliases())
     total = sum(m.size for m in doomed)

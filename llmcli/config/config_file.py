@@ -71,3 +71,17 @@ def save_setting(key: str, value: Any) -> None:
         document[key] = value
 
     edit_document(change)
+
+
+def save_alias(name: str, target: str | None) -> None:
+    """Set (or, `target` None, remove) `[aliases] NAME = "TARGET"` (`quant advise --save`)."""
+    import tomlkit
+
+    def change(document: Any) -> None:
+        aliases = document.setdefault("aliases", tomlkit.table())
+        if target is None:
+            aliases.pop(name, None)
+        else:
+            aliases[name] = target
+
+    edit_document(change)

@@ -79,6 +79,9 @@ def entries(everywhere: bool = False) -> list[Entry]:
             entry = Entry(entry.name, entry.path, entry.source, entry.size, entry.header, entry.problem, total,
                           entry.projector)
         found.append(entry)
+    from llmcli.store import quantized
+
+    found += [_entry(reference, path, "quantize") for reference, path in quantized.made()]
     if everywhere:
         from llmcli.store import foreign_stores
 

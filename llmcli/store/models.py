@@ -22,7 +22,7 @@ from typing import Any
 from llmcli import paths
 from llmcli.config.install_hint import install_hint
 from llmcli.errors import LlmcliError, ModelNotFoundError, UsageError
-from llmcli.store import foreign_stores, references
+from llmcli.store import foreign_stores, quantized, references
 from llmcli.store.cache import Fetch, from_cache
 from llmcli.store.packages import PACKAGE_EXTRAS, PackagedModel, ensure_assembled, packaged_models
 from llmcli.store.projector import projector_beside
@@ -86,6 +86,9 @@ def resolve(reference: str | None, aliases: dict[str, str] | None = None, fetch:
     for model in packaged_models():
         if model.matches(reference):
             return _from_package(model)
+    made = quantized.find(reference)
+    if made is not None:
+        return ResolvedModel(made, reference.lower(), "quantize", projector=projector_beside(made))
     if foreign_stores.is_foreign(reference):
         return _from_elsewhere(foreign_stores.resolve(reference))
     if references.looks_like_hub(reference):
@@ -96,6 +99,10 @@ def resolve(reference: str | None, aliases: dict[str, str] | None = None, fetch:
     if extra is not None:
         raise ModelNotFoundError(f"{reference} is not installed: its package comes with the {extra!r} extra",
                                  hint=install_hint(extra))
+    not_made = quantized.parse(reference)
+    if not_made is not None:
+        raise ModelNotFoundError(f"{reference} has not been made", hint=f"`llmcli quantize {not_made[0]} --type "
+                                 f"{not_made[1]}` makes it; `llmcli list` shows what is here.")
     known = ", ".join(m.short_name for m in packaged_models()) or "none installed"
     raise ModelNotFoundError(
         f"unknown model {reference!r}",

@@ -1,0 +1,212 @@
+"""`llmcli quant advise`: which file of a model to run on this machine — speed, memory and quality measured here.
+
+The candidates are the files of one model found here (the one named, the quants `llmcli quantize` made of it, the
+same model in the Hub cache and in Ollama's and LM Studio's stores: the same architecture, parameter count and
+vocabulary) plus the types `--make` asks for, made from the highest-precision file. The reference is that
+highest-precision file (or `--reference`). Each candidate gets its size, its memory at the user's context (weights +
+KV cache), whether it fits, prefill and decode tok/s (`bench`'s raw loop, short) and `eval quality`'s KL divergence
+and top-1 agreement against the reference. The candidates no other beats on both decode speed and KL divergence form
+the front; the pick is the fastest decoder within the limits (memory, `--min-decode`, `--max-kld`), and why is said.
+Each candidate's figures are kept (keyed by its file's sha256, the reference's pass, the machine and the measure), so an
+interrupted advise resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmcli import paths
+from llmcli.bench.environment import machine
+from llmcli.bench.measure import quick_speed
+from llmcli.errors import UsageError
+from llmcli.eval import quality
+from llmcli.interrupt import Cancellation
+from llmcli.llama import quantize as quantizer
+from llmcli.store import catalog, quantized
+from llmcli.store.file_hashes import sha256_of
+from llmcli.store.gguf_header import GGUFHeader, read_header
+from llmcli.store.memory import RUNTIME_OVERHEAD, available_memory, kv_cache_bytes
+from llmcli.store.models import ResolvedModel
+
+DEFAULT_MAX_KLD = 0.05  # mean KL divergence a pick may have by default (≈ a good 4-bit quant of a small model)
+PRECISION = ("F32", "BF16", "F16", *sorted(quantizer.BITS_PER_WEIGHT, key=lambda t: -quantizer.BITS_PER_WEIGHT[t]))
+Progress = Callable[[str, int, int], None]  # (what, done, total) of the current step
+
+
+@dataclass
+class Candidate:
+    reference: str  # what -m takes to run it
+    path: Path
+    type: str
+    size_bytes: int
+    origin: str
+    header: GGUFHeader = field(repr=False)
+    measured: dict[str, Any] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        return {"name": self.reference, "type": self.type, "size_bytes": self.size_bytes, "origin": self.origin,
+                "path": str(self.path), **self.measured}
+
+
+def signature(header: GGUFHeader) -> tuple[object, ...]:
+    """What makes two files the same model in other quants."""
+    vocab = header.metadata.get("tokenizer.ggml.tokens")
+    return header.architecture, header.n_params, getattr(vocab, "length", None)
+
+
+def precision_rank(type_name: str) -> int:
+    upper = type_name.upper()
+    return PRECISION.index(upper) if upper in PRECISION else len(PRECISION)
+
+
+def candidate_of(model: ResolvedModel) -> Candidate:
+    header = read_header(model.path)
+    return Candidate(model.name, model.path, header.quant, header.file_size, model.source, header)
+
+
+def find_candidates(model: ResolvedModel, everywhere: bool = True) -> list[Candidate]:
+    """The files of this model here: it, the store's quants of it, and the same model elsewhere (deduplicated)."""
+    found = [candidate_of(model)]
+    wanted = signature(found[0].header)
+    seen = {model.path.resolve()}
+    for entry in catalog.entries(everywhere=everywhere):
+        if entry.header is None or entry.path.resolve() in seen or signature(entry.header) != wanted:
+            continue
+        seen.add(entry.path.resolve())
+        found.append(Candidate(entry.name, entry.path, entry.header.quant, entry.size, entry.source, entry.header))
+    return sorted(found, key=lambda c: (precision_rank(c.type), c.size_bytes))
+
+
+def make_types(candidates: list[Candidate], types: list[str], allow_requantize: bool, cancel: Cancellation,
+               progress: Progress) -> list[Candidate]:
+    """The `--make` types not here yet, made into the store from the highest-precision candidate."""
+    source = candidates[0]
+    have = {c.type.upper() for c in candidates}
+    missing = [quantizer.check_type(t) for t in types if t.upper() not in have]
+    if missing and quantizer.requantizes(source.header) and not allow_requantize:
+        raise UsageError(f"the highest-precision file here is {source.reference} ({source.type}): making "
+                         f"{', '.join(missing)} from it requantizes", hint="Get the model's F16/BF16 file, or pass "
+                         "--allow-requantize (each result then carries the source's error too).")
+    made = []
+    name = quantized.base_name(source.reference)
+    for type_name in missing:
+        target = quantized.target(name, type_name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        quantizer.check_space(source.header, target, type_name)
+        job = quantizer.QuantizeJob(str(source.path), str(target), type_name, allow_requantize)
+        header = quantizer.quantize(job, cancel, _reporting(progress, f"making {type_name}"))
+        made.append(Candidate(quantized.reference_of(name, type_name), target, header.quant, header.file_size,
+                              "quantize", header))
+    return sorted(candidates + made, key=lambda c: (precision_rank(c.type), c.size_bytes))
+
+
+def _reporting(progress: Progress, label: str) -> Callable[[int, int, str], None]:
+    return lambda done, total, _tensor: progress(label, done, total)
+
+
+@dataclass(frozen=True)
+class Measure:
+    """How each candidate is measured (part of the key its figures are kept under)."""
+
+    text: str
+    eval_ctx: int = quality.DEFAULT_CTX
+    top_k: int = quality.DEFAULT_TOP_K
+    prompt_tokens: int = 256
+    gen_tokens: int = 32
+    repetitions: int = 3
+    threads: int | None = None
+    kv_type: str = "f16"
+
+
+def _kept_path(candidate: Candidate, reference: Path, measure: Measure) -> Path:
+    what = {**asdict(measure), "text": hashlib.sha256(measure.text.encode()).hexdigest(),
+            "candidate": sha256_of(candidate.path), "reference": sha256_of(reference),
+            "cpu": machine()["cpu"], "cores": machine()["physical_cores"]}
+    key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
+    return paths.quality_cache_dir() / "advise" / f"{key}.json"
+
+
+def measure_candidate(candidate: Candidate, reference: Candidate, measure: Measure, cancel: Cancellation,
+                      progress: Progress) -> bool:
+    """Fill `candidate.measured` (kept figures, else measured and kept); False when Ctrl-C stopped it."""
+    kept = _kept_path(candidate, reference.path, measure)
+    try:
+        candidate.measured = {**json.loads(kept.read_text(encoding="utf-8")), "kept": True}
+        return True
+    except (OSError, ValueError):
+        pass
+    progress(f"{candidate.reference}: speed", 0, 1)
+    prefill, decode = quick_speed(candidate.path, measure.threads, measure.prompt_tokens, measure.gen_tokens,
+                                  measure.repetitions, measure.kv_type)
+    if cancel:
+        return False
+
+    def scored(phase: str, done: int, total: int) -> None:
+        progress(f"{candidate.reference}: {'reference pass' if phase == 'reference' else 'quality'}", done, total)
+
+    if candidate.path.resolve() == reference.path.resolve():
+        reference_pass, _ = quality.reference_for(reference.path, measure.text, measure.eval_ctx, measure.top_k,
+                                                  measure.threads, cancel, scored)
+        if reference_pass is None:
+            return False
+        result: dict[str, Any] = {"kld_mean": 0.0, "kld_p99": 0.0, "top1_agreement": 1.0,
+                                  "perplexity": reference_pass.perplexity()}
+    else:
+        summary = quality.evaluate(candidate.path, reference.path, measure.text, measure.eval_ctx, measure.top_k,
+                                   measure.threads, cancel, scored, candidate.reference)
+        if summary.get("interrupted"):
+            return False
+        result = {"kld_mean": summary["kld"]["mean"], "kld_p99": summary["kld"]["p99"],
+                  "top1_agreement": summary["top1_agreement"], "perplexity": summary["perplexity"]}
+    result.update(prefill_tokens_per_s=prefill, decode_tokens_per_s=decode)
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    partial = kept.with_name(f".{kept.name}.{os.getpid()}")
+    partial.write_text(json.dumps(result), encoding="utf-8")
+    os.replace(partial, kept)
+    candidate.measured = {**result, "kept": False}
+    return True
+
+
+def memory_rows(candidates: list[Candidate], ctx: int, kv_type: str, max_memory: int | None) -> None:
+    """Each candidate's memory at the user's context, and whether it fits (available memory, --max-memory)."""
+    available = available_memory()
+    limit = min(x for x in (available, max_memory) if x is not None) if (available or max_memory) else None
+    for candidate in candidates:
+        memory = candidate.size_bytes + kv_cache_bytes(candidate.header, ctx, 1, kv_type) + RUNTIME_OVERHEAD
+        candidate.measured.update(memory_bytes=memory, fits=limit is None or memory <= limit)
+
+
+def front(rows: list[dict[str, Any]]) -> None:
+    """Mark `pareto`: no other measured row is at least as fast and as close, and better in one."""
+    measured = [r for r in rows if "decode_tokens_per_s" in r]
+    for row in rows:
+        row["pareto"] = row in measured and not any(
+            other is not row and other["decode_tokens_per_s"] >= row["decode_tokens_per_s"]
+            and other["kld_mean"] <= row["kld_mean"]
+            and (other["decode_tokens_per_s"] > row["decode_tokens_per_s"] or other["kld_mean"] < row["kld_mean"])
+            for other in measured)
+
+
+def pick(rows: list[dict[str, Any]], min_decode: float | None, max_kld: float) -> tuple[dict[str, Any] | None, str]:
+    """The fastest decoder among the measured rows within every limit; else the closest that fits; and why."""
+    measured = [r for r in rows if "decode_tokens_per_s" in r]
+    fitting = [r for r in measured if r["fits"]]
+    if not fitting:
+        return None, "no candidate fits in the memory available" + (" (--max-memory)" if measured else "")
+    within = [r for r in fitting if r["kld_mean"] <= max_kld
+              and (min_decode is None or r["decode_tokens_per_s"] >= min_decode)]
+    if within:
+        best = max(within, key=lambda r: (r["decode_tokens_per_s"], -r["kld_mean"]))
+        limits = f"KL divergence ≤ {max_kld:g}" + (f", decode ≥ {min_decode:g} tok/s" if min_decode else "")
+        return best, (f"the fastest decode ({best['decode_tokens_per_s']:.1f} tok/s) of the {len(within)} "
+                      f"candidate(s) that fit and meet {limits}; its mean KL divergence is {best['kld_mean']:.4f}")
+    best = min(fitting, key=lambda r: r["kld_mean"])
+    return best, (f"no candidate that fits meets every limit (KL divergence ≤ {max_kld:g}"
+                  + (f", decode ≥ {min_decode:g} tok/s" if min_decode else "") + "): the closest to the reference "
+                  f"that fits ({best['kld_mean']:.4f})")
