@@ -38,6 +38,32 @@ def plot_tune(model: str, dimensions: Sequence[Any], environment: dict[str, Any]
     return _save(panels, _title(environment, [model]) + " · bench --tune", path)
 
 
+def plot_advice(advice: dict[str, Any], path: Path) -> int:
+    """`quant advise --plot`: each measured candidate's mean KL divergence against its decode rate (the front joined,
+    the pick ringed)."""
+    rows = [r for r in advice["candidates"] if "decode_tokens_per_s" in r]
+
+    def panel(axes: Axes) -> None:
+        for row in rows:
+            axes.scatter(row["decode_tokens_per_s"], row["kld_mean"], s=36,
+                         color="tab:blue" if row["pareto"] else "tab:gray", zorder=3)
+            axes.annotate(row["name"], (row["decode_tokens_per_s"], row["kld_mean"]), fontsize=7,
+                          xytext=(4, 4), textcoords="offset points")
+        front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["decode_tokens_per_s"])
+        axes.plot([r["decode_tokens_per_s"] for r in front], [r["kld_mean"] for r in front], color="tab:blue",
+                  alpha=0.5, label="the front")
+        picked = [r for r in rows if r["name"] == advice.get("pick")]
+        if picked:
+            axes.scatter([picked[0]["decode_tokens_per_s"]], [picked[0]["kld_mean"]], s=160, facecolors="none",
+                         edgecolors="tab:red", label=f"pick: {picked[0]['name']}", zorder=4)
+        axes.set_xlabel("decode tok/s")
+        axes.set_ylabel(f"mean KL divergence from {advice['reference']}")
+        axes.set_title(f"{advice['model']}: quality against speed")
+        axes.legend(fontsize=8)
+
+    return _save([panel], _title(advice["machine"], [advice["model"]]) + " · quant advise", path)
+
+
 def _title(environment: dict[str, Any], models: Sequence[str]) -> str:
     if environment.get("endpoint"):
         return f"{', '.join(models)} · {environment['endpoint']}"

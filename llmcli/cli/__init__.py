@@ -53,10 +53,11 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "count": ("tokens_cmd", "count", "plain"), "tokenize": ("tokens_cmd", "tokenize", "plain"),
     "embed": ("embed_cmd", "embed", "plain"), "similar": ("embed_cmd", "similar", "plain"),
     "ps": ("warm_cmd", "ps", "plain"), "stop": ("warm_cmd", "stop", "plain"), "launch": ("launch_cmd", "launch", "plain"),
+    "quantize": ("quant_cmd", "quantize", "plain"),
     "bench": ("bench", "app", "typer"), "config": ("config_cmd", "app", "typer"), "cache": ("cache_cmd", "app", "typer"),
     "logs": ("logs_cmd", "app", "typer"), "templates": ("templates_cmd", "app", "typer"),
     "mcp": ("mcp_cmd", "app", "typer"), "eval": ("eval_cmd", "app", "typer"),
-    "quantize": ("quant_cmd", "quantize", "plain"), "quant": ("quant_cmd", "app", "typer"),
+    "quant": ("quant_cmd", "app", "typer"),
 }
 
 

@@ -121,11 +121,14 @@ TopKOpt = Annotated[int, typer.Option("--top-k", min=1, max=1024, help="The refe
                                       "position, and as many drawn from the rest (an unbiased estimate of its share).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="Threads [default: the cores].",
                                                    show_default=False)]
+KvTypeOpt = Annotated[str, typer.Option("--kv-type", help="The candidate's KV cache type (f16, q8_0, q4_0): a "
+                                        "quantized cache's loss, measured the same way (the reference's is f16).")]
 
 
 @app.command("quality")
 def quality(model: CandidateOpt, reference: ReferenceOpt, text: TextOpt = None, ctx_size: CtxOpt = 512,
-            top_k: TopKOpt = 128, threads: ThreadsOpt = None, as_json: JsonOpt = False) -> None:
+            top_k: TopKOpt = 128, kv_type: KvTypeOpt = "f16", threads: ThreadsOpt = None,
+            as_json: JsonOpt = False) -> None:
     """How far a quant's predictions are from its reference's on a text, llama-perplexity's way: perplexity, and
     against the reference KL divergence (mean, median, p99, max), top-1 agreement and RMS Δp, each mean with its
     uncertainty. The reference's pass is kept (its top log-probabilities: a few MB), so the next candidate costs one
@@ -137,6 +140,8 @@ def quality(model: CandidateOpt, reference: ReferenceOpt, text: TextOpt = None, 
     from llmcli.store import catalog
 
     console = output.stderr_console()
+    if kv_type not in ("f16", "q8_0", "q4_0"):
+        raise UsageError(f"--kv-type {kv_type!r}: one of f16, q8_0, q4_0")
     try:
         words = text.read_text(encoding="utf-8") if text is not None else q.default_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -151,10 +156,11 @@ def quality(model: CandidateOpt, reference: ReferenceOpt, text: TextOpt = None, 
         from llmcli.cli.quant_cmd import _threads
 
         result = q.evaluate(candidate.path, base.path, words, ctx_size, top_k, _threads(threads), cancel, progress,
-                            candidate.name)
+                            candidate.name, kv_type)
     from llmcli.bench.environment import machine
 
-    result = {"model": candidate.name, "reference": base.name, "text": str(text) if text else "built-in", **result,
+    result = {"model": candidate.name, "reference": base.name, "kv_type": kv_type,
+              "text": str(text) if text else "built-in", **result,
               "machine": {k: v for k, v in machine().items() if k in ("cpu", "physical_cores", "llama_cpp_python")}}
     if as_json:
         output.print_json(result)
@@ -174,7 +180,8 @@ def _show_quality(result: dict[str, Any], console: Console) -> None:
         return
     kld = result["kld"]
     output.print_fields([
-        ("model", f"{result['model']} against {result['reference']}"),
+        ("model", f"{result['model']} against {result['reference']}"
+                  + (f" (its KV cache {result['kv_type']})" if result["kv_type"] != "f16" else "")),
         ("text", f"{result['text']} · {result['tokens_scored']} tokens scored, chunks of {result['ctx']}"),
         ("perplexity", f"{result['perplexity']:.4f} ± {result['perplexity_error']:.4f} (reference "
                        f"{result['reference_perplexity']:.4f} ± {result['reference_perplexity_error']:.4f})"),

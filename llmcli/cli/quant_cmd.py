@@ -118,16 +118,28 @@ MinDecodeOpt = Annotated[Optional[float], typer.Option("--min-decode", min=0, he
                                                        show_default=False)]
 MaxKldOpt = Annotated[float, typer.Option("--max-kld", min=0, help="Mean KL divergence from the reference the pick "
                                           "may have.")]
-KvTypeOpt = Annotated[str, typer.Option("--kv-type", help="The KV cache's type (f16, q8_0, q4_0): memory and speed at "
-                                        "it.")]
+KvTypeOpt = Annotated[str, typer.Option("--kv-type", help="KV cache types, comma-separated (f16,q8_0,q4_0): each file "
+                                        "at each, its memory, speed and loss measured alike (use a long --eval-ctx).")]
 TextOpt = Annotated[Optional[Path], typer.Option("--text", help="Quality's text [default: llmcli's own].",
                                                  dir_okay=False, show_default=False)]
 HereOnlyOpt = Annotated[bool, typer.Option("--here-only", help="Only llmcli's own files (not Ollama's, LM Studio's "
                                            "or the Hugging Face cache's).")]
 EvalCtxOpt = Annotated[int, typer.Option("--eval-ctx", min=16, max=32768, help="Quality's chunk length (eval "
                                          "quality's -c).")]
+PromptTokensOpt = Annotated[int, typer.Option("--n-prompt", "-p", min=16, max=8192, help="Prompt tokens of the "
+                                              "prefill measure (bench's pp).")]
+GenTokensOpt = Annotated[int, typer.Option("--n-gen", "-n", min=2, max=4096, help="Tokens of the decode measure "
+                                           "(bench's tg).")]
 RepetitionsOpt = Annotated[int, typer.Option("--repetitions", min=1, max=20, help="Speed runs a candidate (the "
                                              "median is shown).")]
+RepoOpt = Annotated[Optional[str], typer.Option(
+    "--repo", help="The model's Hugging Face repository, whose listed quants join the table (their sizes; measured "
+    "with --download) [default: the repository a Hub model came from].", show_default=False)]
+DownloadOpt = Annotated[bool, typer.Option("--download", help="Download the repository's quants that are not here, "
+                                           "and measure them.")]
+PlotOpt = Annotated[Optional[Path], typer.Option(
+    "--plot", help="Also draw KL divergence against decode tok/s, FILE.svg or FILE.png (needs the plot extra).",
+    dir_okay=False, show_default=False)]
 SaveOpt = Annotated[bool, typer.Option("--save", help="Make the pick what -m MODEL runs (an alias in the config "
                                        "file).")]
 
@@ -136,8 +148,10 @@ SaveOpt = Annotated[bool, typer.Option("--save", help="Make the pick what -m MOD
 def advise(model: ModelOpt = None, make: MakeOpt = None, reference: ReferenceOpt = None, ctx_size: CtxOpt = 4096,
            max_memory: MaxMemoryOpt = None, min_decode: MinDecodeOpt = None, max_kld: MaxKldOpt = 0.05,
            kv_type: KvTypeOpt = "f16", text: TextOpt = None, allow_requantize: RequantizeOpt = False,
-           here_only: HereOnlyOpt = False, eval_ctx: EvalCtxOpt = 512, repetitions: RepetitionsOpt = 3,
-           threads: ThreadsOpt = None, save: SaveOpt = False, as_json: JsonOpt = False) -> None:
+           here_only: HereOnlyOpt = False, repo: RepoOpt = None, download: DownloadOpt = False,
+           eval_ctx: EvalCtxOpt = 512, n_prompt: PromptTokensOpt = 256, n_gen: GenTokensOpt = 32,
+           repetitions: RepetitionsOpt = 3,
+           threads: ThreadsOpt = None, save: SaveOpt = False, plot: PlotOpt = None, as_json: JsonOpt = False) -> None:
     """Measure every file of a model found here (and the types --make makes): size, memory at your context, prefill
     and decode tok/s on this machine, KL divergence and top-1 agreement against the reference; mark the front (none
     faster and closer) and pick one under --max-memory, --min-decode and --max-kld, saying why. Figures are kept per
@@ -152,8 +166,13 @@ def advise(model: ModelOpt = None, make: MakeOpt = None, reference: ReferenceOpt
     from llmcli.units import parse_size
 
     console = out.stderr_console()
-    if kv_type not in ("f16", "q8_0", "q4_0"):
-        raise UsageError(f"--kv-type {kv_type!r}: one of f16, q8_0, q4_0")
+    if plot is not None:
+        from llmcli.cli.bench import _check_plot
+
+        _check_plot(plot)  # before anything is measured
+    kv_types = list(dict.fromkeys(t.strip().lower() for t in kv_type.split(",") if t.strip()))
+    if not kv_types or any(t not in ("f16", "q8_0", "q4_0") for t in kv_types):
+        raise UsageError(f"--kv-type {kv_type!r}: f16, q8_0 or q4_0, comma-separated")
     try:
         limit = parse_size(max_memory) if max_memory is not None else None
     except ValueError as exc:
@@ -166,13 +185,20 @@ def advise(model: ModelOpt = None, make: MakeOpt = None, reference: ReferenceOpt
     named = model or _default_model()
     resolved = catalog.local_model(named, aliases)
     cancel = Cancellation()
-    measure = qa.Measure(words, eval_ctx, repetitions=repetitions, threads=_threads(threads), kv_type=kv_type)
+    measure = qa.Measure(words, eval_ctx, prompt_tokens=n_prompt, gen_tokens=n_gen, repetitions=repetitions,
+                         threads=_threads(threads))
     interrupted = False
     with out.progress_bar("quant advise") as advance:
         def progress(what: str, done: int, total: int) -> None:
             advance(done, total, what)
 
         candidates = qa.find_candidates(resolved, everywhere=not here_only)
+        repo = repo or (resolved.source[3:].split("@", 1)[0] if resolved.source.startswith("hf:") else None)
+        if repo is not None:
+            from llmcli.config import settings
+
+            timeout = float(settings.resolve({})["hub_timeout"])
+            candidates = qa.hub_candidates(repo, candidates, download, timeout, progress)
         try:
             if make:
                 with cancel.raising():
@@ -180,24 +206,25 @@ def advise(model: ModelOpt = None, make: MakeOpt = None, reference: ReferenceOpt
                                                allow_requantize, cancel, progress)
         except KeyboardInterrupt:
             raise typer.Exit(ExitCode.INTERRUPTED) from None
-        base = candidates[0]
+        base = next(c for c in candidates if c.here)
         if reference is not None:
             chosen = catalog.local_model(reference, aliases)
             base = next((c for c in candidates if c.path.resolve() == chosen.path.resolve()), None) or \
                 qa.candidate_of(chosen)
+        candidates = qa.with_kv_types(candidates, kv_types)
         with cancel.on_signals():
             for candidate in candidates:
-                if not qa.measure_candidate(candidate, base, measure, cancel, progress):
+                if candidate.here and not qa.measure_candidate(candidate, base, measure, cancel, progress):
                     interrupted = True
                     break
-    qa.memory_rows(candidates, ctx_size, kv_type, limit)
+    qa.memory_rows(candidates, ctx_size, limit)
     rows = [c.row() for c in candidates]
     qa.front(rows)
     chosen_row, why = qa.pick(rows, min_decode, max_kld) if not interrupted else (None, "interrupted")
     from llmcli.bench.environment import machine
 
     where = machine()
-    result = {"model": resolved.name, "reference": base.reference, "ctx_size": ctx_size, "kv_type": kv_type,
+    result = {"model": resolved.name, "reference": base.reference, "ctx_size": ctx_size, "kv_types": kv_types,
               "candidates": rows, "pick": chosen_row["name"] if chosen_row else None, "why": why,
               "interrupted": interrupted,
               "machine": {k: where[k] for k in ("cpu", "physical_cores", "llama_cpp_python")}}
@@ -205,12 +232,19 @@ def advise(model: ModelOpt = None, make: MakeOpt = None, reference: ReferenceOpt
         from llmcli.config.config_file import save_alias
 
         own = named.lower()
-        save_alias(own, None if chosen_row["name"].lower() == own else chosen_row["name"])
-        result["saved"] = f"-m {own} runs {chosen_row['name']}"
+        save_alias(own, None if chosen_row["model"].lower() == own else chosen_row["model"])
+        result["saved"] = f"-m {own} runs {chosen_row['model']}" + (
+            f" (add --kv-type {chosen_row['kv_type']}, or set kv_type in the config file)"
+            if chosen_row["kv_type"] != "f16" else "")
     if as_json:
         out.print_json(result)
     else:
         _show_advice(result, console)
+    if plot is not None and not interrupted:
+        from llmcli.bench.plot import plot_advice
+        from llmcli.cli.bench import _plotted
+
+        _plotted(plot, plot_advice(result, plot))
     if interrupted:
         raise typer.Exit(ExitCode.INTERRUPTED)
 
@@ -251,12 +285,15 @@ def _show_advice(result: dict[str, Any], console: object) -> None:
              number(r, "decode_tokens_per_s", ".1f"), number(r, "kld_mean", ".5f"),
              f"{100 * r['top1_agreement']:.1f}%" if "top1_agreement" in r else "–", "front" if r["pareto"] else "")
             for r in result["candidates"]]
+    listed = [r["name"] for r in result["candidates"] if not r["here"]]
     machine = result["machine"]
     out.print_table(("CANDIDATE", "TYPE", "SIZE", f"MEMORY @{result['ctx_size']}", "FITS", "PREFILL T/S",
                      "DECODE T/S", "KLD", "TOP-1", ""), rows,
                     right=("SIZE", f"MEMORY @{result['ctx_size']}", "PREFILL T/S", "DECODE T/S", "KLD", "TOP-1"),
                     title=f"{result['model']} · against {result['reference']} · {machine['cpu']}, "
                           f"{machine['physical_cores']} cores, llama-cpp-python {machine['llama_cpp_python']}")
+    if listed:
+        print(f"listed on the Hub, not here ({len(listed)}): --download fetches and measures them")
     if result["pick"]:
         print(f"pick: {result['pick']} — {result['why']}")
     else:

@@ -35,6 +35,7 @@ from llmcli.interrupt import Cancellation
 from llmcli.llama.engine import Engine
 from llmcli.llama.engine_config import EngineConfig
 from llmcli.llama.token_scores import TextTokens, chunk_log_probs, text_tokens
+from llmcli.llama.vocab import VocabularyFile
 from llmcli.store.file_hashes import sha256_of
 from llmcli.store.gguf_header import read_header
 from llmcli.store.memory import check_memory, kv_cache_bytes
@@ -116,10 +117,10 @@ def reference_key(reference_path: Path, text: str, ctx: int, top_k: int) -> str:
     return hashlib.sha256(f"{sha256_of(reference_path)}:{text_hash}:{ctx}:{top_k}".encode()).hexdigest()[:32]
 
 
-def load_engine(path: Path, ctx: int, threads: int | None, cancel: Cancellation) -> Engine:
+def load_engine(path: Path, ctx: int, threads: int | None, cancel: Cancellation, kv_type: str = "f16") -> Engine:
     header = read_header(path)
-    check_memory(f"scoring with {path.name}", header.file_size, kv_cache_bytes(header, ctx))
-    return Engine(path, EngineConfig(n_ctx=ctx, n_batch=ctx, n_threads=threads), cancel)
+    check_memory(f"scoring with {path.name}", header.file_size, kv_cache_bytes(header, ctx, 1, kv_type))
+    return Engine(path, EngineConfig(n_ctx=ctx, n_batch=ctx, n_threads=threads, kv_type=kv_type), cancel)
 
 
 def check_length(tokens: TextTokens, ctx: int) -> None:
@@ -131,7 +132,7 @@ def check_length(tokens: TextTokens, ctx: int) -> None:
 def reference_pass(engine: Engine, text: str, ctx: int, top_k: int, cancel: Cancellation,
                    progress: Progress) -> Reference | None:
     """The reference's pass over the text (None when Ctrl-C stopped it: nothing is kept of a part)."""
-    tokens = text_tokens(engine, text)
+    tokens = text_tokens(engine.vocab, text)
     check_length(tokens, ctx)
     first = ctx // 2
     starts = chunk_starts(len(tokens.tokens), ctx)
@@ -266,7 +267,7 @@ def full_kld(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray:
 
 def candidate_pass(engine: Engine, reference: Reference, cancel: Cancellation, progress: Progress) -> Comparison:
     """The candidate's pass over the reference's text: as much as was measured when Ctrl-C came."""
-    tokens = text_tokens(engine, "")
+    tokens = text_tokens(engine.vocab, "")
     comparison = Comparison(reference)
     started = time.perf_counter()
     ctx, first = reference.ctx, reference.ctx // 2
@@ -284,11 +285,14 @@ def candidate_pass(engine: Engine, reference: Reference, cancel: Cancellation, p
     return comparison
 
 
-def check_same_tokens(engine: Engine, reference: Reference, text: str, name: str) -> None:
-    """The candidate must read the text as the reference did (the same tokenizer: quants of one model)."""
+def check_same_tokens(path: Path, reference: Reference, text: str, name: str) -> None:
+    """The candidate must read the text as the reference did (the same tokenizer: quants of one model), checked with
+    its vocabulary alone, before its weights are loaded."""
     largest = max(int(reference.top_ids.max(initial=0)), int(reference.tail_ids.max(initial=0)))
-    if engine.vocab.n_tokens <= largest or not np.array_equal(
-            np.asarray(text_tokens(engine, text).tokens, dtype=np.int32), reference.tokens):
+    with VocabularyFile(path) as vocabulary:
+        same = vocabulary.vocab.n_tokens > largest and np.array_equal(
+            np.asarray(text_tokens(vocabulary.vocab, text).tokens, dtype=np.int32), reference.tokens)
+    if not same:
         raise UsageError(f"{name} tokenizes the text differently from the reference: they are not quants of one model",
                          hint="Compare files of the same model (`llmcli quantize` makes them from one source).")
 
@@ -309,13 +313,15 @@ def reference_for(path: Path, text: str, ctx: int, top_k: int, threads: int | No
 
 def evaluate(candidate: Path, reference_path: Path, text: str, ctx: int = DEFAULT_CTX, top_k: int = DEFAULT_TOP_K,
              threads: int | None = None, cancel: Cancellation | None = None,
-             progress: Progress = lambda phase, done, total: None, name: str = "the candidate") -> dict[str, Any]:
-    """The whole measurement: the reference (kept or made), then the candidate's pass; its summary."""
+             progress: Progress = lambda phase, done, total: None, name: str = "the candidate",
+             kv_type: str = "f16") -> dict[str, Any]:
+    """The whole measurement: the reference (kept or made, its KV cache f16), then the candidate's pass (its KV cache
+    `kv_type`: a quantized cache's loss is measured the same way); its summary."""
     cancel = cancel if cancel is not None else Cancellation()
     reference, kept = reference_for(reference_path, text, ctx, top_k, threads, cancel, progress)
     if reference is None:
         return {"tokens_scored": 0, "interrupted": True, "reference_kept": False}
-    with load_engine(candidate, ctx, threads, cancel) as engine:
-        check_same_tokens(engine, reference, text, name)
+    check_same_tokens(candidate, reference, text, name)
+    with load_engine(candidate, ctx, threads, cancel, kv_type) as engine:
         comparison = candidate_pass(engine, reference, cancel, progress)
     return {**comparison.summary(), "reference_kept": kept}

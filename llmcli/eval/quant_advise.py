@@ -49,9 +49,14 @@ class Candidate:
     header: GGUFHeader = field(repr=False)
     measured: dict[str, Any] = field(default_factory=dict)
 
+    here: bool = True  # False: a file the model's Hub repository lists (its size from the listing), not downloaded
+    kv_type: str = "f16"  # the KV cache's type it runs (and is measured) with
+
     def row(self) -> dict[str, Any]:
-        return {"name": self.reference, "type": self.type, "size_bytes": self.size_bytes, "origin": self.origin,
-                "path": str(self.path), **self.measured}
+        name = self.reference if self.kv_type == "f16" else f"{self.reference} · kv {self.kv_type}"
+        return {"name": name, "model": self.reference, "type": self.type, "kv_type": self.kv_type,
+                "size_bytes": self.size_bytes, "origin": self.origin,
+                "path": str(self.path) if self.here else None, "here": self.here, **self.measured}
 
 
 def signature(header: GGUFHeader) -> tuple[object, ...]:
@@ -83,11 +88,35 @@ def find_candidates(model: ResolvedModel, everywhere: bool = True) -> list[Candi
     return sorted(found, key=lambda c: (precision_rank(c.type), c.size_bytes))
 
 
+def hub_candidates(repo_id: str, candidates: list[Candidate], download: bool, timeout: float,
+                   progress: Progress) -> list[Candidate]:
+    """The quants the model's Hub repository lists that are not here: with `download`, fetched into the cache and
+    measured like the rest; without, rows of their listed size (memory estimated with this model's shape)."""
+    from llmcli.store import hub, references
+    from llmcli.store.cache import Fetch
+    from llmcli.store.models import resolve
+
+    have = {c.type.upper() for c in candidates}
+    found = []
+    for quant, files, size in hub.listed_quants(references.parse(repo_id), timeout):
+        if quant is None or quant.upper() in have:
+            continue
+        name = f"{repo_id}:{quant}"
+        if download:
+            fetched = resolve(name, fetch=Fetch(timeout=timeout, on_progress=lambda file, done, total: progress(
+                f"downloading {file}", done, total or 0)))
+            found.append(candidate_of(fetched))
+        else:
+            found.append(Candidate(name, Path(files[0]), quant.upper(), size, f"hf:{repo_id} (listed)",
+                                   candidates[0].header, here=False))
+    return sorted(candidates + found, key=lambda c: (precision_rank(c.type), c.size_bytes))
+
+
 def make_types(candidates: list[Candidate], types: list[str], allow_requantize: bool, cancel: Cancellation,
                progress: Progress) -> list[Candidate]:
     """The `--make` types not here yet, made into the store from the highest-precision candidate."""
-    source = candidates[0]
-    have = {c.type.upper() for c in candidates}
+    source = next(c for c in candidates if c.here)
+    have = {c.type.upper() for c in candidates if c.here}
     missing = [quantizer.check_type(t) for t in types if t.upper() not in have]
     if missing and quantizer.requantizes(source.header) and not allow_requantize:
         raise UsageError(f"the highest-precision file here is {source.reference} ({source.type}): making "
@@ -121,11 +150,17 @@ class Measure:
     gen_tokens: int = 32
     repetitions: int = 3
     threads: int | None = None
-    kv_type: str = "f16"
+
+
+def with_kv_types(candidates: list[Candidate], kv_types: list[str]) -> list[Candidate]:
+    """Each candidate at each KV cache type (f16 first): a quantized cache's speed, memory and loss, measured alike."""
+    from dataclasses import replace
+
+    return [replace(c, kv_type=kv, measured={}) for c in candidates for kv in kv_types if c.here or kv == kv_types[0]]
 
 
 def _kept_path(candidate: Candidate, reference: Path, measure: Measure) -> Path:
-    what = {**asdict(measure), "text": hashlib.sha256(measure.text.encode()).hexdigest(),
+    what = {**asdict(measure), "kv_type": candidate.kv_type, "text": hashlib.sha256(measure.text.encode()).hexdigest(),
             "candidate": sha256_of(candidate.path), "reference": sha256_of(reference),
             "cpu": machine()["cpu"], "cores": machine()["physical_cores"]}
     key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
@@ -141,16 +176,17 @@ def measure_candidate(candidate: Candidate, reference: Candidate, measure: Measu
         return True
     except (OSError, ValueError):
         pass
-    progress(f"{candidate.reference}: speed", 0, 1)
+    label = candidate.row()["name"]
+    progress(f"{label}: speed", 0, 1)
     prefill, decode = quick_speed(candidate.path, measure.threads, measure.prompt_tokens, measure.gen_tokens,
-                                  measure.repetitions, measure.kv_type)
+                                  measure.repetitions, candidate.kv_type)
     if cancel:
         return False
 
     def scored(phase: str, done: int, total: int) -> None:
-        progress(f"{candidate.reference}: {'reference pass' if phase == 'reference' else 'quality'}", done, total)
+        progress(f"{label}: {'reference pass' if phase == 'reference' else 'quality'}", done, total)
 
-    if candidate.path.resolve() == reference.path.resolve():
+    if candidate.path.resolve() == reference.path.resolve() and candidate.kv_type == "f16":
         reference_pass, _ = quality.reference_for(reference.path, measure.text, measure.eval_ctx, measure.top_k,
                                                   measure.threads, cancel, scored)
         if reference_pass is None:
@@ -159,7 +195,7 @@ def measure_candidate(candidate: Candidate, reference: Candidate, measure: Measu
                                   "perplexity": reference_pass.perplexity()}
     else:
         summary = quality.evaluate(candidate.path, reference.path, measure.text, measure.eval_ctx, measure.top_k,
-                                   measure.threads, cancel, scored, candidate.reference)
+                                   measure.threads, cancel, scored, candidate.reference, candidate.kv_type)
         if summary.get("interrupted"):
             return False
         result = {"kld_mean": summary["kld"]["mean"], "kld_p99": summary["kld"]["p99"],
@@ -173,12 +209,12 @@ def measure_candidate(candidate: Candidate, reference: Candidate, measure: Measu
     return True
 
 
-def memory_rows(candidates: list[Candidate], ctx: int, kv_type: str, max_memory: int | None) -> None:
+def memory_rows(candidates: list[Candidate], ctx: int, max_memory: int | None) -> None:
     """Each candidate's memory at the user's context, and whether it fits (available memory, --max-memory)."""
     available = available_memory()
     limit = min(x for x in (available, max_memory) if x is not None) if (available or max_memory) else None
     for candidate in candidates:
-        memory = candidate.size_bytes + kv_cache_bytes(candidate.header, ctx, 1, kv_type) + RUNTIME_OVERHEAD
+        memory = candidate.size_bytes + kv_cache_bytes(candidate.header, ctx, 1, candidate.kv_type) + RUNTIME_OVERHEAD
         candidate.measured.update(memory_bytes=memory, fits=limit is None or memory <= limit)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from llmcli.llama.batch import Batch
 from llmcli.llama.engine import Engine
+from llmcli.llama.vocab import Vocabulary
 
 
 @dataclass(frozen=True)
@@ -23,11 +24,11 @@ class TextTokens:
     bos: int | None  # the token each chunk starts with, where the model adds one
 
 
-def text_tokens(engine: Engine, text: str) -> TextTokens:
-    handle = engine.vocab.handle
-    adds_bos = bool(llama_cpp.llama_vocab_get_add_bos(handle))
-    return TextTokens(engine.vocab.tokenize(text, add_special=True),
-                      int(llama_cpp.llama_vocab_bos(handle)) if adds_bos else None)
+def text_tokens(vocab: Vocabulary, text: str) -> TextTokens:
+    """A model's vocabulary (an engine's, or a vocabulary-only load's) reads the text."""
+    adds_bos = bool(llama_cpp.llama_vocab_get_add_bos(vocab.handle))
+    return TextTokens(vocab.tokenize(text, add_special=True),
+                      int(llama_cpp.llama_vocab_bos(vocab.handle)) if adds_bos else None)
 
 
 def chunk_log_probs(engine: Engine, tokens: Sequence[int], first: int, bos: int | None) -> np.ndarray | None:

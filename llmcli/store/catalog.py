@@ -95,6 +95,10 @@ def local_model(reference: str, aliases: dict[str, str] | None = None) -> models
     try:
         return models.resolve(reference, aliases, Fetch(cached_only=True))
     except ModelNotFoundError as exc:
+        from llmcli.store import quantized
+
+        if quantized.parse(reference) is not None:  # (made here, never downloaded: its own hint says how)
+            raise
         hint = f"`llmcli pull {reference}` downloads it; `llmcli list` shows what is here."
         raise ModelNotFoundError(exc.message, hint=hint) from None
 

@@ -111,6 +111,14 @@ def fetch(reference: HubReference, policy: Fetch) -> Fetched:
     return Fetched(reference, commit, downloaded[: len(choice.files)], choice.quant)
 
 
+def listed_quants(reference: HubReference, timeout: float) -> list[tuple[str | None, tuple[str, ...], int]]:
+    """The models a Hub repository offers, from its listing (nothing is downloaded): (quant, files, bytes in all)."""
+    _hf(timeout)
+    with translated(reference, timeout):
+        _, remote = _listing(reference, timeout)
+    return [(c.quant, c.files, sum(remote[f].size or 0 for f in c.files)) for c in choices(list(remote))]
+
+
 def _host() -> str:
     return endpoint().split("://", 1)[-1].split("/", 1)[0]
 
