@@ -97,7 +97,7 @@ def test_ctrl_c_and_a_full_disk_during_quantize_leave_nothing(tmp_path):
     assert proc.returncode == 130, err
     assert b"quantize interrupted: nothing was written" in err and b"Traceback" not in err
     assert list(out.iterdir()) == []
-    assert b"llmcli.llama.quantize" not in subprocess.run(["ps", "-eo", "args"], capture_output=True).stdout
+    assert str(out).encode() not in subprocess.run(["ps", "-eo", "args"], capture_output=True).stdout  # (its child)
 
     # A 40 MB file system: the check refuses before writing (F16 is ~270 MB); with --force, llama.cpp's write fails
     # when it is full, and nothing is left. (A private mount: unshare's own namespace, gone with it.)

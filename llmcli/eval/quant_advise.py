@@ -6,7 +6,8 @@ vocabulary) plus the types `--make` asks for, made from the highest-precision fi
 highest-precision file (or `--reference`). Each candidate gets its size, its memory at the user's context (weights +
 KV cache), whether it fits, prefill and decode tok/s (`bench`'s raw loop, short) and `eval quality`'s KL divergence
 and top-1 agreement against the reference. The candidates no other beats on both decode speed and KL divergence form
-the front; the pick is the fastest decoder within the limits (memory, `--min-decode`, `--max-kld`), and why is said.
+the front; the pick is the fastest decoder within the limits (memory, `--min-decode`, `--max-kld`; of rates within 5 %
+of the fastest, the closest to the reference), and why is said.
 Each candidate's figures are kept (keyed by its file's sha256, the reference's pass, the machine and the measure), so an
 interrupted advise resumes where it stopped.
 """
@@ -34,6 +35,7 @@ from llmcli.store.gguf_header import GGUFHeader, read_header
 from llmcli.store.memory import RUNTIME_OVERHEAD, available_memory, kv_cache_bytes
 from llmcli.store.models import ResolvedModel
 
+SAME_SPEED = 0.05  # decode rates this close are one speed (a short measure's noise): the closer to the reference wins
 DEFAULT_MAX_KLD = 0.05  # mean KL divergence a pick may have by default (≈ a good 4-bit quant of a small model)
 PRECISION = ("F32", "BF16", "F16", *sorted(quantizer.BITS_PER_WEIGHT, key=lambda t: -quantizer.BITS_PER_WEIGHT[t]))
 Progress = Callable[[str, int, int], None]  # (what, done, total) of the current step
@@ -238,10 +240,14 @@ def pick(rows: list[dict[str, Any]], min_decode: float | None, max_kld: float) -
     within = [r for r in fitting if r["kld_mean"] <= max_kld
               and (min_decode is None or r["decode_tokens_per_s"] >= min_decode)]
     if within:
-        best = max(within, key=lambda r: (r["decode_tokens_per_s"], -r["kld_mean"]))
+        fastest = max(r["decode_tokens_per_s"] for r in within)
+        near = [r for r in within if r["decode_tokens_per_s"] >= fastest * (1 - SAME_SPEED)]
+        best = min(near, key=lambda r: (r["kld_mean"], -r["decode_tokens_per_s"]))
         limits = f"KL divergence ≤ {max_kld:g}" + (f", decode ≥ {min_decode:g} tok/s" if min_decode else "")
-        return best, (f"the fastest decode ({best['decode_tokens_per_s']:.1f} tok/s) of the {len(within)} "
-                      f"candidate(s) that fit and meet {limits}; its mean KL divergence is {best['kld_mean']:.4f}")
+        closest = f"; the closest to the reference of the {len(near)} within {SAME_SPEED:.0%} of it" if len(near) > 1 else ""
+        return best, (f"the fastest decode ({fastest:.1f} tok/s) of the {len(within)} candidate(s) that fit and meet "
+                      f"{limits}{closest}: {best['decode_tokens_per_s']:.1f} tok/s, mean KL divergence "
+                      f"{best['kld_mean']:.4f}")
     best = min(fitting, key=lambda r: r["kld_mean"])
     return best, (f"no candidate that fits meets every limit (KL divergence ≤ {max_kld:g}"
                   + (f", decode ≥ {min_decode:g} tok/s" if min_decode else "") + "): the closest to the reference "
