@@ -210,13 +210,15 @@ def test_divergence_rises_and_agreement_falls_as_bits_fall(ladder, isolated_env,
 
 
 def test_quant_advise_measures_every_file_marks_the_front_picks_and_resumes(ladder, isolated_env, smollm2, serve_hub):
-    _into_store({t: ladder[t] for t in ("F16", "Q2_K")}, isolated_env)
     text = isolated_env / "short.txt"  # (~140 tokens: two chunks of 64)
     text.write_text(default_text()[:620], encoding="utf-8")
     args = ["quant", "advise", "-m", "smollm2", "--here-only", "--text", str(text), "--eval-ctx", "64",
             "--repetitions", "1", "-p", "32", "-n", "4", "-c", "2048"]
     kept = isolated_env / "cache" / "quality" / "advise"
-    interrupted = spawn_cli(*args, "--json")
+    refused = run_cli(*args, "--make", "Q2_K")  # (the highest precision here is the packaged Q4_1: it says so)
+    assert refused.code == 2 and "smollm2 (Q4_1): making Q2_K from it requantizes" in refused.stderr
+    _into_store({"F16": ladder["F16"]}, isolated_env)
+    interrupted = spawn_cli(*args, "--make", "q2_k", "--json")  # (made from the F16 into the store first)
     deadline = time.monotonic() + 120
     while not (kept.is_dir() and any(kept.iterdir())) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -224,6 +226,7 @@ def test_quant_advise_measures_every_file_marks_the_front_picks_and_resumes(ladd
     out, err = interrupted.communicate(timeout=120)
     assert interrupted.returncode == 130, err
     assert json.loads(out)["interrupted"] is True
+    assert (isolated_env / "cache" / "quantized" / "smollm2" / "Q2_K.gguf").is_file()
 
     result = run_cli(*args, "--json")
     assert result.code == 0, result.stderr
