@@ -131,6 +131,10 @@ def ensure(model_path: Path, effective: settings.Settings, template_file: Path |
                           f"{MAX_SOCKET_PATH} bytes); set LLMCLI_RUNTIME_DIR to a shorter one")
     state = health(socket)
     start_s = None
+    if state is None:
+        from llmcli.store.gguf_header import read_header
+
+        read_header(model_path)  # the pre-flight check here, in milliseconds: a broken file starts no server (1.2 s)
     if state is None or state.get("version") != __version__:
         with starting(socket):  # one start at a time: a second run waits for the first one's server
             state = health(socket)
