@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -29,17 +30,24 @@ def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ladder(packaged_smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """SmolLM2 requantized by `llmcli quantize` to F16 (the reference: the packaged Q4_1's values, exactly), Q8_0
-    and Q2_K, once for this module (each test links them into its own store)."""
-    cache = tmp_path_factory.mktemp("ladder-cache")
+    """SmolLM2 requantized by `llmcli quantize` to F16 (the reference: the packaged Q4_1's values), Q8_0 and Q2_K, once
+    a session (the first worker makes them, the others wait: each test links them into its own store)."""
+    base = tmp_path_factory.getbasetemp()
+    cache = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "ladder-cache"  # (the workers' root)
+    cache.mkdir(exist_ok=True)
     made = {}
-    for type_name in ("F16", "Q8_0", "Q2_K"):
-        result = run_cli("quantize", "smollm2", "--type", type_name, "--allow-requantize", "--json",
-                         env={"LLMCLI_CACHE_DIR": str(cache)})
-        assert result.code == 0, result.stderr
-        made[type_name] = Path(json.loads(result.stdout)["path"])
+    with (cache / "lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for type_name in ("F16", "Q8_0", "Q2_K"):
+            path = cache / "quantized" / "smollm2" / f"{type_name}.gguf"
+            if not path.exists():
+                result = run_cli("quantize", "smollm2", "--type", type_name, "--allow-requantize", "--json",
+                                 env={"LLMCLI_CACHE_DIR": str(cache)})
+                assert result.code == 0, result.stderr
+                assert Path(json.loads(result.stdout)["path"]) == path
+            made[type_name] = path
     return made
 
 

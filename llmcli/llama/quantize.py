@@ -25,6 +25,7 @@ from pathlib import Path
 
 from llmcli.errors import IntegrityError, LlmcliError, ResourceError, UsageError
 from llmcli.interrupt import Cancellation
+from llmcli.reaper import alive
 from llmcli.store.gguf_header import FILE_TYPES, TENSOR_TYPES, GGUFHeader, read_header
 from llmcli.units import human_size
 
@@ -109,18 +110,8 @@ def remove_stale_partials(folder: Path) -> None:
     """Hidden files that a quantize killed with -9 left: their writer is gone."""
     for path in folder.glob(f".*{PARTIAL}*"):
         pid = path.name.rsplit(PARTIAL, 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def quantize(job: QuantizeJob, cancel: Cancellation, on_progress: Callable[[int, int, str], None]) -> GGUFHeader:
