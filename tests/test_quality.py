@@ -225,6 +225,8 @@ def test_quant_advise_measures_every_file_marks_the_front_picks_and_resumes(ladd
     kept = isolated_env / "cache" / "quality" / "advise"
     refused = run_cli(*args, "--make", "Q2_K")  # (the highest precision here is the packaged Q4_1: it says so)
     assert refused.code == 2 and "smollm2 (Q4_1): making Q2_K from it requantizes" in refused.stderr
+    a_file = run_cli("quant", "advise", "-m", str(smollm2), "--save")  # (an alias is a name: a path runs as itself)
+    assert a_file.code == 2 and "--save makes the pick what a model's name runs" in a_file.stderr
     _into_store({"F16": ladder["F16"]}, isolated_env)
     interrupted = spawn_cli(*args, "--make", "q2_k", "--json")  # (made from the F16 into the store first)
     deadline = time.monotonic() + 120

@@ -183,6 +183,10 @@ def advise(model: ModelOpt = None, make: MakeOpt = None, reference: ReferenceOpt
         raise UsageError(f"--text {text}: {getattr(exc, 'strerror', None) or exc}") from None
     aliases = _aliases()
     named = model or _default_model()
+    if save and (named.startswith(("/", "./", "../", "~")) or named.lower().endswith(".gguf")):
+        raise UsageError(f"--save makes the pick what a model's name runs; {named} is a file",
+                         hint="Name the model (an alias in the config file, an installed or cached model), or run "
+                              "the pick with -m.")
     resolved = catalog.local_model(named, aliases)
     cancel = Cancellation()
     measure = qa.Measure(words, eval_ctx, prompt_tokens=n_prompt, gen_tokens=n_gen, repetitions=repetitions,
