@@ -37,7 +37,8 @@ BITS_PER_WEIGHT = {
     "IQ4_XS": 4.25, "Q3_K_L": 4.27, "Q3_K_M": 3.91, "Q3_K_S": 3.5, "IQ3_M": 3.7, "IQ3_S": 3.44, "IQ3_XS": 3.3,
     "IQ3_XXS": 3.06, "Q2_K": 3.35,
 }
-# The types whose quantizer needs an importance matrix (llama.cpp aborts, or makes a broken model, without one).
+# The types whose quantizer needs an importance matrix: llama.cpp refuses each without one ("this quantization
+# requires an imatrix!"). IQ3_* and IQ4_* are made without one (SmolLM2: 11-17 s each).
 NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "Q2_K_S")
 UNQUANTIZED = ("F32", "F16", "BF16")
 FTYPES = {name: number for number, name in FILE_TYPES.items()}
@@ -65,8 +66,8 @@ def check_type(name: str) -> str:
     if upper in BITS_PER_WEIGHT:
         return upper
     if upper in NEEDS_IMATRIX:
-        raise UsageError(f"{upper} needs an importance matrix (llama.cpp's quantizer aborts or makes an unusable "
-                         "model without one), which llmcli does not compute",
+        raise UsageError(f"{upper} needs an importance matrix (llama.cpp's quantizer refuses it without one), which "
+                         "llmcli does not compute",
                          hint=f"Choose one of {', '.join(BITS_PER_WEIGHT)}; Q2_K and Q3_K_S are the smallest.")
     raise UsageError(f"unknown quantization type {name!r}", hint=f"Choose one of {', '.join(BITS_PER_WEIGHT)}.")
 
