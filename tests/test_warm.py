@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -156,6 +157,23 @@ def test_a_killed_server_is_replaced_and_an_idle_one_exits_leaving_nothing(runti
     assert servers(runtime)[0]["models"][0]["expires_in_s"] <= 2
     assert gone(revived["pid"], 30) and not Path(revived["socket"]).exists()  # idle 2 s: it exits, its socket too
     assert list(Path(revived["socket"]).parent.iterdir()) == []
+
+
+def test_a_model_file_rewritten_under_its_warm_server_gets_a_server_of_its_own(runtime, tmp_path, smollm2,
+                                                                              packaged_smollm2):
+    """A file rewritten in place (`quantize --force`, a new download to the same path) was answered by the server
+    started for its old content, with the old weights (and one whose mapped file was cut short held each run 4 s on
+    its /health). The file as it is now has its own server; `stop` ends both."""
+    model = tmp_path / "model.gguf"
+    shutil.copy(smollm2, model)
+    answer(runtime, "-m", str(model), "--keep-alive", "5m")
+    (old,) = servers(runtime)
+    shutil.copy(packaged_smollm2, model)  # the same path and inode, another quant (Q4_1 over Q4_0)
+    answer(runtime, "-m", str(model), "--keep-alive", "5m")
+    new = [server for server in servers(runtime) if server["pid"] != old["pid"]]
+    assert len(new) == 1 and new[0]["socket"] != old["socket"]
+    stopped = run_cli("stop", str(model), env=runtime)
+    assert stopped.code == 0 and gone(old["pid"], 30) and gone(new[0]["pid"], 30)
 
 
 def test_ctrl_c_cancels_the_answer_on_the_server(runtime):

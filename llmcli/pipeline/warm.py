@@ -59,9 +59,17 @@ class WarmServer:
 
 def socket_for(model_path: Path, effective: settings.Settings, template_file: Path | None,
                projector: Path | None = None) -> Path:
-    """The socket of the server for this model, its projector (found beside the name it was given: a link in a folder
-    with one sees, its target may not) and these load settings (and this llmcli)."""
-    identity = json.dumps([__version__, str(model_path.resolve()), str(projector or ""), str(template_file or ""),
+    """The socket of the server for this model file as it is now (replaced or rewritten — `quantize --force`, a new
+    download — it is another server's: one started before serves the old weights), its projector (found beside the
+    name it was given: a link in a folder with one sees, its target may not) and these load settings (and this
+    llmcli)."""
+    resolved = model_path.resolve()
+    try:
+        found = resolved.stat()
+        version = [found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns]
+    except OSError:
+        version = []
+    identity = json.dumps([__version__, str(resolved), version, str(projector or ""), str(template_file or ""),
                            {name: effective[name] for name in LOAD_SETTINGS}], sort_keys=True, default=str)
     return paths.warm_servers_dir() / f"{hashlib.sha256(identity.encode()).hexdigest()[:20]}.sock"
 
