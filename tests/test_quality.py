@@ -275,3 +275,16 @@ def test_quant_advise_measures_every_file_marks_the_front_picks_and_resumes(ladd
     shown = run_cli("show", "smollm2", "--json")  # (the alias --save wrote)
     assert json.loads(shown.stdout)["quant"] == "F16"
     shutil.rmtree(kept)
+
+
+def test_a_text_too_large_or_not_utf8_is_refused_before_any_model_loads(tmp_path):
+    """--text reaches llama.cpp's tokenizer: bounded (16 MiB) and UTF-8, refused in one line before anything loads."""
+    large = tmp_path / "large.txt"
+    with large.open("wb") as handle:
+        handle.truncate(16 * 2**20 + 1)
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("café".encode("latin-1"))
+    for path, words in ((large, "larger than 16 MiB"), (latin, "not UTF-8")):
+        for args in (("eval", "quality", "-m", "smollm2", "-r", "smollm2"), ("quant", "advise", "-m", "smollm2")):
+            refused = run_cli(*args, "--text", str(path))
+            assert refused.code == 2 and f"--text {path}: {words}" in refused.stderr, refused.stderr

@@ -142,10 +142,7 @@ def quality(model: CandidateOpt, reference: ReferenceOpt, text: TextOpt = None, 
     console = output.stderr_console()
     if kv_type not in ("f16", "q8_0", "q4_0"):
         raise UsageError(f"--kv-type {kv_type!r}: one of f16, q8_0, q4_0")
-    try:
-        words = text.read_text(encoding="utf-8") if text is not None else q.default_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--text {text}: {getattr(exc, 'strerror', None) or exc}") from None
+    words = q.read_text(text)
     candidate = catalog.local_model(model, _aliases())
     base = catalog.local_model(reference, _aliases())
     cancel = Cancellation()

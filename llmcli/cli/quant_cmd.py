@@ -177,10 +177,7 @@ def advise(model: ModelOpt = None, make: MakeOpt = None, reference: ReferenceOpt
         limit = parse_size(max_memory) if max_memory is not None else None
     except ValueError as exc:
         raise UsageError(f"--max-memory: {exc}") from None
-    try:
-        words = text.read_text(encoding="utf-8") if text is not None else quality.default_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--text {text}: {getattr(exc, 'strerror', None) or exc}") from None
+    words = quality.read_text(text)
     aliases = _aliases()
     named = model or _default_model()
     if save and (named.startswith(("/", "./", "../", "~")) or named.lower().endswith(".gguf")):

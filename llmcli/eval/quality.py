@@ -48,9 +48,29 @@ SEED = 20261205  # the tail draws' (the same reference file for the same inputs)
 Progress = Callable[[str, int, int], None]  # (phase, chunks done, chunks in all)
 
 
+MAX_TEXT_BYTES = 16 * 2**20  # a --text file's size at most (wikitext-2's test set is 1.3 MB): llama.cpp tokenizes it
+
+
 def default_text() -> str:
     """The text shipped with llmcli for this (prose, code, numbers and dialogue, written for it)."""
     return (Path(__file__).parent / "quality_text.txt").read_text(encoding="utf-8")
+
+
+def read_text(path: Path | None) -> str:
+    """`--text FILE` (UTF-8, at most MAX_TEXT_BYTES), or the default text; UsageError saying what is wrong."""
+    if path is None:
+        return default_text()
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_TEXT_BYTES + 1)
+        if len(data) > MAX_TEXT_BYTES:
+            raise UsageError(f"--text {path}: larger than {MAX_TEXT_BYTES // 2**20} MiB",
+                             hint="A few thousand tokens measure a quant well; cut the file.")
+        return data.decode("utf-8")
+    except OSError as exc:
+        raise UsageError(f"--text {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--text {path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
 @dataclass

@@ -162,9 +162,10 @@ def with_kv_types(candidates: list[Candidate], kv_types: list[str]) -> list[Cand
 
 
 def _kept_path(candidate: Candidate, reference: Path, measure: Measure) -> Path:
+    here = machine()
     what = {**asdict(measure), "kv_type": candidate.kv_type, "text": hashlib.sha256(measure.text.encode()).hexdigest(),
             "candidate": sha256_of(candidate.path), "reference": sha256_of(reference),
-            "cpu": machine()["cpu"], "cores": machine()["physical_cores"]}
+            "cpu": here["cpu"], "cores": here["physical_cores"]}
     key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
     return paths.quality_cache_dir() / "advise" / f"{key}.json"
 
