@@ -63,6 +63,7 @@ class Done:
     tool_results: tuple[ToolResult, ...] = ()  # what running them gave (run and chat's tool loop)
     logprobs: tuple[TokenLogprob, ...] = ()  # of the answer's tokens (every Token's), when they were asked for
     dropped: int = 0  # the conversation's oldest exchanges a server dropped to fit its context (chat through one)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # of the prompt's tokens after the first, when asked for (echo)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ class GenerationOptions:
     special: bool = default("special")  # control tokens' text is answer text (--special)
     tools: ToolSpec | None = None  # what the answer may call, and how (tool calls are parsed out of its text)
     logprobs: int | None = None  # each answer token's logprob and this many most likely alternatives (None: none)
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (a completion's echo: the
+    # whole prompt evaluated again, none of it reused)
     think_budget: int | None = None  # tokens of thinking before the think block is closed (None: no limit)
     call_preference: float = default("call_preference")  # tool_choice auto: the call's opening favoured this much
     fit_history: bool = False  # a conversation's oldest exchanges may be dropped to fit (chat; a server does it)

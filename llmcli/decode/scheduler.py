@@ -21,6 +21,7 @@ Built on the engine's public API; it never prints.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ class Scheduler:
         self.cells = self.cells or self.engine.kv.n_ctx
         self._batch = Batch(max(self.engine.config.n_batch, self.n_slots))
         self._closing: list[int] | None = None
+        self._scored: list[tuple[Chunk, int]] = []  # the pass's chunks whose tokens are scored, and their first row
         self.sampling: Slot | None = None  # the slot whose token llama.cpp is sampling now
 
     def close(self) -> None:
@@ -92,6 +94,9 @@ class Scheduler:
             kv.remove(seq)
             kv.copy(self.prefix_seq, seq)
             cached = shared
+        elif options.prompt_logprobs is not None:  # (every prompt position's logits are needed: none reused)
+            kv.remove(seq)
+            cached = 0
         else:
             cached = kv.keep_prefix(prompt, seq, reuse_at_least)
         clock = clock or AnswerClock()
@@ -109,6 +114,8 @@ class Scheduler:
         answer = Answer(options, len(prompt) - len(resumed or ()), engine.n_ctx)
         split = split_at if split_at is not None and cached < split_at < len(prompt) else None
         slot = Slot(seq, prompt, options, sampler, answer, clock, drafter, cached, cached, split, tag)
+        if options.prompt_logprobs is not None:
+            slot.scores = []
         if resumed is not None:
             slot.record, slot.replayed = list(resumed), len(resumed)
             for token, logprob in resumed:
@@ -135,7 +142,10 @@ class Scheduler:
             prefill_threads=slot.prefill_threads,
             draft_tokens=slot.drafted, accepted_tokens=slot.accepted, reasoning_tokens=slot.answer.thought_tokens,
             kv_cells=self.engine.kv.n_ctx)
-        events.append((slot, slot.answer.done(reason, stats)))
+        done = slot.answer.done(reason, stats)
+        if slot.scores is not None:  # (of the request's prompt: not of answer tokens a restart put after it)
+            done = dataclasses.replace(done, prompt_logprobs=tuple(slot.scores[:len(slot.prompt) - slot.replayed - 1]))
+        events.append((slot, done))
         slot.sampler.close()
         if not self.keep_cells:
             self.engine.kv.remove(slot.seq)
@@ -182,6 +192,8 @@ class Scheduler:
             begin, end = slot.prefilled, len(slot.prompt)
             if slot.split_at is not None and begin < slot.split_at:
                 end = slot.split_at
+            if slot.scores is not None:  # (each token's logits kept: a chunk's rows bounded to SCORED_FLOATS)
+                end = min(end, begin + max(8, SCORED_FLOATS // self.engine.vocab.n_tokens))
             end = text_before_image(slot.prompt, begin, min(end, begin + capacity - used))
             chunks.append(Chunk(slot, begin, end))
             used += end - begin
@@ -204,10 +216,14 @@ class Scheduler:
             to_sample.append((slot, batch.add(slot.pending or 0, pos, seq, True), planned.draft))
             for i, token in enumerate(planned.draft):
                 batch.add(token, pos + 1 + i, seq, True)
+        self._scored.clear()
         for chunk in plan.chunks:
             prompt, seq, last = chunk.slot.prompt, chunk.slot.seq, len(chunk.slot.prompt) - 1
+            scored = chunk.slot.scores is not None
+            if scored:
+                self._scored.append((chunk, batch.n))
             for pos in range(chunk.begin, chunk.end):
-                batch.add(prompt[pos], pos, seq, pos == last)
+                batch.add(prompt[pos], pos, seq, scored or pos == last)
             if chunk.end == len(prompt):
                 to_sample.append((chunk.slot, batch.n - 1, _NO_DRAFT))
         what = "evaluating the prompt" if plan.chunks else "decoding"
@@ -241,6 +257,8 @@ class Scheduler:
                 slot.clock.prefill_done = now
             elif slot.prefilled == slot.split_at and not kv.checkpoint_here(slot.seq):
                 slot.prefilled = slot.cached = 0  # llama.cpp refused its own state: evaluate the prompt again
+        for chunk, row in self._scored:
+            self._score(chunk, row)
         n_passed = plan.n_tokens
         if not plan.prompt_chunks:
             self.speculation.cost.observe_pass(n_passed, elapsed)
@@ -257,6 +275,14 @@ class Scheduler:
             if slot.answer.finish is not None:
                 events += self.finish(slot, slot.answer.finish)
         return events
+
+    def _score(self, chunk: Chunk, row: int) -> None:
+        """Each evaluated prompt token's logits score the prompt token after it (a completion's echo)."""
+        slot, vocab = chunk.slot, self.engine.vocab
+        assert slot.scores is not None and slot.options.prompt_logprobs is not None
+        n_top, ctx = slot.options.prompt_logprobs, self.engine.llama_context
+        for pos in range(chunk.begin, min(chunk.end, len(slot.prompt) - 1)):
+            slot.scores.append(token_logprob(ctx, vocab, row + pos - chunk.begin, slot.prompt[pos + 1], n_top))
 
     def _drafts(self, decoding: list[Slot]) -> dict[int, tuple[list[int], int]]:
         candidates = []
@@ -277,6 +303,9 @@ class Scheduler:
         """Sample the slot's logits at `first`, then at each drafted position while the draft was right; the rest of
         the draft leaves the slot's cells. The number of tokens sampled."""
         sampler, answer, vocab, drafter = slot.sampler, slot.answer, self.engine.vocab, slot.drafter
+        if answer.limit == 0:  # (a prompt scored, no answer asked for: echo with max_tokens 0)
+            answer.finish = "length"
+            return 0
         was_pending, before = slot.pending is not None, slot.pos
         i = 0
         while True:
@@ -397,4 +426,5 @@ class Scheduler:
 
 
 _NO_DRAFT: list[int] = []
+SCORED_FLOATS = 1 << 24  # a scored prompt's logits kept at once (64 MiB: 341 rows of SmolLM2's, 64 of Gemma 3's)
 

@@ -42,6 +42,7 @@ class Slot:
     prefill_threads: int | None = None  # llama.cpp threads its first prompt chunk was evaluated on
     record: list[tuple[int, Any]] | None = None  # each sampled token and its logprob (an answer a restart resumes)
     replayed: int = 0  # the prompt ends with this many tokens of the answer, sampled before a restart (resumed)
+    scores: list[Any] | None = None  # each prompt token's logprob after the first, as its chunks are evaluated (echo)
 
     @property
     def pos(self) -> int:

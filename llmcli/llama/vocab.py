@@ -45,6 +45,18 @@ class Vocabulary:
             n = llama_cpp.llama_token_to_piece(self.handle, token, self._piece_buf, -n, 0, special)
         return ctypes.string_at(self._piece_buf, n)
 
+    def detokenize(self, tokens: list[int], special: bool = True) -> str:
+        """Tokens to text (llama.cpp's own detokenizer: a leading space the tokenizer added is removed), control
+        tokens written as their text with `special`; safe from any thread (a buffer of its own)."""
+        array = (llama_cpp.llama_token * len(tokens))(*tokens)
+        capacity = 16 * len(tokens) + 16
+        while True:
+            buf = ctypes.create_string_buffer(capacity)
+            n = llama_cpp.llama_detokenize(self.handle, array, len(tokens), buf, capacity, False, special)
+            if n >= 0:
+                return buf.raw[:n].decode("utf-8", "replace")
+            capacity = -n
+
     def answer_piece(self, token: int, special: bool = False) -> bytes:
         """The bytes a token adds to an answer: control tokens and the markers of images, audio or video (which a
         text answer never holds: Gemma 3's `<start_of_image>` is a "user-defined" token, shown by llama.cpp) give
@@ -64,6 +76,13 @@ class Vocabulary:
         if token < 0:
             return ""
         return (llama_cpp.llama_vocab_get_text(self.handle, token) or b"").decode("utf-8", "replace")
+
+    def special_tokens(self) -> dict[str, Any]:
+        """The text of the BOS and EOS tokens (None: the model has none), and whether a prompt starts with the BOS."""
+        bos, eos = llama_cpp.llama_vocab_bos(self.handle), llama_cpp.llama_vocab_eos(self.handle)
+        return {"bos_token": self.token_text(bos) if bos >= 0 else None,
+                "eos_token": self.token_text(eos) if eos >= 0 else None,
+                "add_bos_token": bool(llama_cpp.llama_vocab_get_add_bos(self.handle))}
 
     @property
     def bos_text(self) -> str:

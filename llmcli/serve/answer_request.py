@@ -81,6 +81,9 @@ class Prompter:
     constraint: Constraint = field(default_factory=Constraint)  # serve's --grammar, --json-schema, --format: the
     # constraint of a request that sets none (nor tools) of its own
     render_raw: Callable[[str, tuple[ImageInput, ...]], RenderedPrompt] | None = None  # a raw prompt with pictures
+    detokenize: Callable[[list[int], bool], str] = lambda tokens, special: ""  # tokens -> text (control tokens' text
+    # with `special`): an echoed prompt given as ids, /detokenize
+    special_tokens: Mapping[str, Any] = field(default_factory=dict)  # bos_token, eos_token (their text), add_bos_token
 
     def check_model(self, model: Any, message: Callable[[str], str] | None = None) -> None:
         """404 unless `model` (when given) names this server's model."""
@@ -103,6 +106,8 @@ class AnswerRequest:
     think: bool | None = None  # None: as the server's --think
     logit_bias: tuple[tuple[int | str, float], ...] = ()  # (token id or a token's text, bias; -inf bans)
     logprobs: int | None = None  # how many alternatives beside each token's logprob (None: no logprobs)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (a completion's echo; None: not scored)
+    echo: bool = False  # a completion's text begins with its prompt (OpenAI's legacy `echo`)
     stream: bool = False
     include_usage: bool = False  # OpenAI's stream_options
     prompt_param: str = "messages"  # how this protocol names the prompt and the limit, for errors
@@ -157,6 +162,8 @@ def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
     max_tokens: int | None = min(asked or limits.max_tokens, room, limits.max_tokens)
     if asked is None and room <= limits.max_tokens:
         max_tokens = None  # (no -n: until the context is full, which the answer's end says: context_full, as run's)
+    if request.max_tokens == 0:  # (a completion's echo that only scores its prompt)
+        max_tokens = 0
     stops = tuple(request.stops if request.stops is not None else values["stop"])
     constraint = request.constraint
     if not (constraint.grammar or constraint.json) and not (request.tools is not None and request.tools.active):
@@ -178,7 +185,7 @@ def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
         raise ApiError(400, exc.message, cause=exc) from None
     generation = GenerationOptions.from_settings(values, sampling, constraint, max_tokens=max_tokens, stops=stops,
                                                  max_draft=limits.max_draft, tools=request.tools,
-                                                 logprobs=request.logprobs)
+                                                 logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
     if not request.split_reasoning:
         generation = dataclasses.replace(generation, reasoning=False)
     generation = generation.for_prompt(rendered.text, prompter.template_source)

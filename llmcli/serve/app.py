@@ -8,6 +8,7 @@
                 /api/embeddings  /api/pull (--allow-pull)                                         (ollama_routes.py)
     llmcli      GET  /health (no key needed)   GET / the chat page (llmcli/serve/chat_page.py; --no-webui: off)
                 POST /llmcli/embed (the warm servers' embeddings)                                         (here)
+    Tokenizer   POST /tokenize  /detokenize   GET /tokenizer_info   (vLLM's and llama-server's: tokenizer_api.py)
                 CORS for the origins of --cors only
 
 Each app answers its own errors in its protocol's shape — a refused Host, an unknown route, a method not allowed, a
@@ -18,10 +19,11 @@ its own thread; each request waits on an asyncio queue that the engine's thread 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -34,12 +36,12 @@ from starlette.routing import Route
 
 from llmcli import __version__
 from llmcli.answer.reasoning import reads_thinking_switch
-from llmcli.serve import anthropic_routes, chat_page, ollama_routes, openai_api, openai_routes
-from llmcli.serve.answer_request import ApiError
+from llmcli.serve import anthropic_routes, chat_page, ollama_routes, openai_api, openai_routes, tokenizer_api
+from llmcli.serve.answer_request import ApiError, Prompter
 from llmcli.serve.answering import ServerState, check_key, requested_model
 from llmcli.serve.model_facts import ModelFacts
 from llmcli.serve.model_pool import Served
-from llmcli.serve.route_kit import ModelLists, PrefixMount, embedded, posted, protocol_app
+from llmcli.serve.route_kit import ModelLists, PrefixMount, embedded, guarded, posted, protocol_app
 
 __all__ = ["ServerState", "create_app"]
 
@@ -122,9 +124,31 @@ def _own_app(state: ServerState, hosts: tuple[str, ...] | None, webui: bool) -> 
         finally:
             release()
 
+    def with_tokenizer(make: Callable[[Any, Prompter], dict[str, Any]]) -> Callable[[Any], Awaitable[Any]]:
+        async def route(body: Any) -> Any:
+            served, release = await requested_model(state, body)
+            try:
+                return await asyncio.to_thread(make, body, served.prompter)
+            finally:
+                release()
+
+        return route
+
+    async def tokenizer_facts(request: Request) -> Response:
+        check_key(request, state)
+        served, release = await requested_model(state, {"model": request.query_params.get("model")})
+        release()
+        return JSONResponse(tokenizer_api.tokenizer_info(served.prompter))
+
     return protocol_app([
         Route("/health", health, methods=["GET"]),
         Route("/llmcli/embed", posted(state, openai_api.error_body, llmcli_embed), methods=["POST"]),
+        # (the model's tokenizer, as vLLM and llama-server serve it: lm-evaluation-harness's remote tokenizer)
+        Route("/tokenize", posted(state, openai_api.error_body, with_tokenizer(tokenizer_api.tokenized)),
+              methods=["POST"]),
+        Route("/detokenize", posted(state, openai_api.error_body, with_tokenizer(tokenizer_api.detokenized)),
+              methods=["POST"]),
+        Route("/tokenizer_info", guarded(tokenizer_facts, openai_api.error_body), methods=["GET"]),
         *chat_page.routes(webui),  # `/`: the chat page for a browser, one line for anything else
     ], openai_api.error_body, hosts)
 

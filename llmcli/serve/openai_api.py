@@ -109,15 +109,26 @@ def parse_completion(body: Any, prompter: Prompter) -> list[AnswerRequest]:
                        param="prompt")
     if len(prompts) > MAX_PROMPTS:
         raise ApiError(400, f"prompt holds at most {MAX_PROMPTS} prompts", param="prompt")
-    if body.get("echo"):
-        raise ApiError(400, "echo is not supported", param="echo")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise ApiError(400, "echo must be true or false", param="echo")
     if body.get("suffix") is not None:
         raise ApiError(400, "suffix is not supported (no fill-in-the-middle)", param="suffix")
     logprobs = body.get("logprobs")
     n_top = None if logprobs is None else count_of(logprobs, "logprobs")
-    fields = _answer_fields(body)
+    scoring = echo and n_top is not None  # (the prompt's own logprobs: each position of it evaluated again)
+    only_scored = echo and body.get("max_tokens") == 0 and body.get("max_completion_tokens") is None
+    fields = _answer_fields({**body, "max_tokens": None} if only_scored else body)
+    if only_scored:
+        fields["max_tokens"] = 0
+    if scoring and fields["stream"]:
+        raise ApiError(400, "echo with logprobs is answered whole (stream false): the prompt's logprobs come with it",
+                       param="echo")
     images = _raw_images(body.get("images"), prompts)
-    return [AnswerRequest(prompt=p, logprobs=n_top, prompt_param="prompt", images=images, **fields) for p in prompts]
+    if echo and images:
+        raise ApiError(400, "echo takes a prompt without images", param="echo")
+    return [AnswerRequest(prompt=p, logprobs=n_top, prompt_logprobs=n_top if scoring else None, prompt_param="prompt",
+                          images=images, echo=echo, **fields) for p in prompts]
 
 
 def _raw_images(given: Any, prompts: list[Any]) -> tuple[ImageInput, ...]:
@@ -194,13 +205,18 @@ class Reply:
     announced: set[int] = field(default_factory=set)  # choices whose first chunk said its prompt's tokens
     started: set[int] = field(default_factory=set)  # choices whose first chunk (with the role) went out
     offsets: dict[int, int] = field(default_factory=dict)  # completions' logprobs: text offset per choice
+    echoes: list[Echo] = field(default_factory=list)  # completions' `echo`: each choice's prompt (empty: none)
+    echoed: set[int] = field(default_factory=set)  # choices whose echoed prompt went out (a stream's first chunk)
 
     @staticmethod
-    def new(chat: bool, model: str, requests: list[AnswerRequest], prepared: list[Parsed] | None = None) -> Reply:
+    def new(chat: bool, model: str, requests: list[AnswerRequest], prepared: list[Parsed] | None = None,
+            prompter: Prompter | None = None) -> Reply:
         prefix = "chatcmpl-" if chat else "cmpl-"
+        echoes = [Echo.of(request, parsed, prompter) for request, parsed in zip(requests, prepared, strict=True)] \
+            if prompter is not None and prepared and any(request.echo for request in requests) else []
         return Reply(chat, model, requests, prefix + uuid.uuid4().hex[:24], int(time.time()),
                      notices=[p.notices for p in prepared or ()], prompt_tokens=[len(p.tokens) for p in prepared or ()],
-                     dropped=[p.dropped for p in prepared or ()])
+                     dropped=[p.dropped for p in prepared or ()], echoes=echoes)
 
     def _timings(self, index: int, done: Done) -> dict[str, Any]:
         notices = self.notices[index] if index < len(self.notices) else ()
@@ -238,12 +254,20 @@ class Reply:
         line): `prefill EVALUATED/TOTAL PROMPT`."""
         return [(COMMENT, f"prefill {event.evaluated}/{event.total} {event.prompt}")]
 
+    def _echoed(self, index: int) -> list[Item]:
+        """A streamed completion's echoed prompt: its own chunk, before the answer's first (echo with logprobs is
+        answered whole)."""
+        if index in self.echoed or index >= len(self.echoes) or not self.echoes[index].text:
+            return []
+        self.echoed.add(index)
+        return [self._chunk({"index": index, "text": self.echoes[index].text, "logprobs": None, "finish_reason": None})]
+
     def on_event(self, index: int, event: DecodeEvent) -> list[Item]:
         wants_logprobs = self.requests[index].logprobs is not None
         if isinstance(event, Token):
             if not self.chat:
                 logprobs = self._completion_logprobs(index, event.logprobs) if wants_logprobs else None
-                return [*self._announced(index),
+                return [*self._announced(index), *self._echoed(index),
                         self._chunk({"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": None})]
             delta = self._delta(index)
             delta["reasoning_content" if event.reasoning else "content"] = event.text
@@ -260,7 +284,7 @@ class Reply:
             last["delta"] = {}
         else:
             last.update(text="", logprobs=None)
-        return [(None, {**self._head(True), "choices": [last], "timings": self._timings(index, event)})]
+        return [*self._echoed(index), (None, {**self._head(True), "choices": [last], "timings": self._timings(index, event)})]
 
     def _delta(self, index: int) -> dict[str, Any]:
         """The role comes with a choice's first chunk, as OpenAI sends it."""
@@ -290,8 +314,13 @@ class Reply:
                 logprobs = {"content": [lp.to_dict() for lp in done.logprobs]} if wants_logprobs else None
                 choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
+                echo = self.echoes[index] if index < len(self.echoes) else Echo()
+                self.offsets[index] = len(echo.text)
                 logprobs = self._completion_logprobs(index, done.logprobs) if wants_logprobs else None
-                choices.append({"index": index, "text": done.text, "logprobs": logprobs, "finish_reason": finish})
+                if logprobs is not None and echo.first_piece is not None:
+                    logprobs = _joined(echo.logprobs(done.prompt_logprobs), logprobs)
+                choices.append({"index": index, "text": echo.text + done.text, "logprobs": logprobs,
+                                "finish_reason": finish})
         return {**self._head(False), "choices": choices, "usage": usage(dones), "timings": self._timings(0, dones[0])}
 
     def _completion_logprobs(self, index: int, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
@@ -303,6 +332,40 @@ class Reply:
         return {"tokens": [lp.text for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
                 "top_logprobs": [{piece.decode("utf-8", "replace"): value for _, piece, value in lp.top}
                                  for lp in logprobs], "text_offset": offsets}
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's echoed prompt (OpenAI's legacy `echo`): its text — the prompt as given, or its token ids as
+    text — and, when its tokens were scored, the first token's piece (it has no logprob: nothing comes before it)."""
+
+    text: str = ""
+    first_piece: str | None = None
+
+    @staticmethod
+    def of(request: AnswerRequest, parsed: Parsed, prompter: Prompter) -> Echo:
+        if not request.echo:
+            return Echo()
+        prompt = request.prompt
+        text = prompt if isinstance(prompt, str) else prompter.detokenize(list(prompt or ()), True)
+        first = prompter.detokenize(parsed.tokens[:1], False) if request.prompt_logprobs is not None else None
+        return Echo(text, first)
+
+    def logprobs(self, scored: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        """The prompt's part of the legacy logprobs: its first token (no logprob), then each scored one; offsets
+        into the echoed text (a piece written nowhere in it, a BOS the tokenizer added, takes no room)."""
+        pieces = [self.first_piece or "", *(lp.text for lp in scored)]
+        offsets, at = [], 0
+        for piece in pieces:
+            offsets.append(min(at, len(self.text)))
+            at += len(piece)
+        return {"tokens": pieces, "token_logprobs": [None, *(lp.logprob for lp in scored)],
+                "top_logprobs": [None, *({p.decode("utf-8", "replace"): v for _, p, v in lp.top} for lp in scored)],
+                "text_offset": offsets}
+
+
+def _joined(first: dict[str, list[Any]], then: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    return {key: first[key] + then[key] for key in first}
 
 
 # -- embeddings ------------------------------------------------------------------------------------------

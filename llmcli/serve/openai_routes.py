@@ -40,7 +40,8 @@ def app(state: ServerState, models: ModelLists, hosts: tuple[str, ...] | None) -
 
         def asked(body: Any, served: Served) -> Asked:
             requests = parse(body, served.prompter)
-            return Asked(requests, lambda prepared: openai_api.Reply.new(chat, served.name, requests, prepared))
+            return Asked(requests, lambda prepared: openai_api.Reply.new(chat, served.name, requests, prepared,
+                                                                          served.prompter))
 
         return asked
 

@@ -101,7 +101,8 @@ def _served(tokenizer: Tokenizer, facts: EngineFacts, engine: EngineProcess, req
                         lambda gbnf, origin: tokenizer.check_grammar(gbnf, origin, facts.n_ctx),
                         tokenizer.template_source or "", split_min=facts.split_min,
                         tokenize_piece=lambda text: vocab.tokenize(text, add_special=False),
-                        logit_bias=facts.logit_bias, constraint=facts.constraint, render_raw=tokenizer.render_raw)
+                        logit_bias=facts.logit_bias, constraint=facts.constraint, render_raw=tokenizer.render_raw,
+                        detokenize=vocab.detokenize, special_tokens=vocab.special_tokens())
     template = tokenizer.template_source or ""
     model_facts = read_facts(names[0], facts.path, facts.n_ctx, template, _capabilities(template))
     embeddings = Embeddings(request)
