@@ -6,7 +6,7 @@ on SmolLM2:
     python tests/data/lm_eval/capture.py http://127.0.0.1:8911
 
 It runs the harness's `local-completions` model with `tokenizer_backend=remote` on the two tasks here (a multiple-
-choice one and a generation one, as YAML + JSONL) and writes requests.json: every body the harness posted to
+choice one and a generation one, as YAML + JSONL: README's example runs them) and writes requests.json: every body the harness posted to
 /v1/completions, each loglikelihood request with its context length and its document and choice, and the harness's
 own scores."""
 
@@ -14,46 +14,13 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
-TASKS = {
-    "llmcli_mc": f"""task: llmcli_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {HERE / "multiple_choice.jsonl"}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: answer
-target_delimiter: " "
-metric_list:
-  - metric: acc
-""",
-    "llmcli_gen": f"""task: llmcli_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {HERE / "generation.jsonl"}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{question}}}}"
-doc_to_target: "{{{{answer}}}}"
-generation_kwargs:
-  until: ["\\n", "."]
-  max_gen_toks: 8
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-    ignore_case: true
-    ignore_punctuation: true
-""",
-}
+ROOT = HERE.parents[2]  # (the tasks name their JSONL files from the checkout's root)
+TASKS = ("llmcli_mc", "llmcli_gen")  # llmcli_mc.yaml, llmcli_gen.yaml here
 
 
 def main(url: str) -> None:
@@ -78,12 +45,10 @@ def main(url: str) -> None:
 
     LocalCompletionsAPI.model_call = recording_call
     LocalCompletionsAPI._loglikelihood_tokens = recording_tokens
-    with tempfile.TemporaryDirectory() as folder:
-        for name, text in TASKS.items():
-            (Path(folder) / f"{name}.yaml").write_text(text)
-        results = lm_eval.simple_evaluate(
-            model="local-completions", tasks=list(TASKS), task_manager=TaskManager(include_path=folder),
-            model_args=f"model=smollm2,base_url={url}/v1/completions,tokenizer_backend=remote", log_samples=True)
+    os.chdir(ROOT)
+    results = lm_eval.simple_evaluate(
+        model="local-completions", tasks=list(TASKS), task_manager=TaskManager(include_path=str(HERE)),
+        model_args=f"model=smollm2,base_url={url}/v1/completions,tokenizer_backend=remote", log_samples=True)
     loglikelihood = []
     for sample in results["samples"]["llmcli_mc"]:
         for choice, (context, continuation) in enumerate(sample["arguments"]):
@@ -95,7 +60,7 @@ def main(url: str) -> None:
     generation = [b for b in sent if not b.get("echo")]
     out = {"lm_eval": lm_eval.__version__, "loglikelihood": loglikelihood, "generation": generation,
            "accuracy": results["results"]["llmcli_mc"]["acc,none"],
-           "exact_match": results["results"]["llmcli_gen"]["exact_match,none"]}
+           "exact_match": results["results"]["llmcli_gen"]["exact_match,strip"]}
     (HERE / "requests.json").write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({k: out[k] for k in ("lm_eval", "accuracy", "exact_match")}))
 
