@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -265,6 +266,85 @@ def test_anthropic_tool_use_round_trip_streamed_and_not(server):
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "Sunny, 21 C"}]}])
     same = openai.chat.completions.create(model="smollm2", max_tokens=24, tools=openai_tools, messages=as_openai)
     assert "".join(b.text for b in answer.content if b.type == "text") == same.choices[0].message.content
+
+
+LA = "la " * 70  # (a call's argument forced by its schema: any CPU writes it, and it loops for the repetition guard)
+WRITE = {"name": "write", "description": "Write a text.", "parameters": {
+    "type": "object", "properties": {"text": {"const": LA}}, "required": ["text"], "additionalProperties": False}}
+
+
+def test_a_forced_call_that_repeats_itself_parses_or_is_marked_cut_on_every_route(server):
+    """Issue 60: Claude Code's forced `Write` arrived as invalid JSON under an ordinary stop reason (`end_turn`,
+    `stop`): the repetition guard cut the call, whose text loops. A call a grammar holds is never cut by a stop llmcli
+    adds: it parses, whole and streamed, on /v1/messages and /v1/chat/completions; one the limit cuts is marked so
+    in every protocol (`length`, `max_tokens`, an `incomplete` item; Ollama, which cannot force a call, in the test
+    below). The requests of each limit go at once (the server's slots decode them together)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    anthropic, openai = anthropic_client(server), openai_client(server)
+    question = [{"role": "user", "content": "Write la 70 times."}]
+    tool = {"name": "write", "description": WRITE["description"], "input_schema": WRITE["parameters"]}
+    functions = [{"type": "function", "function": WRITE}]
+
+    def messages(max_tokens: int, stream: bool) -> Any:
+        asked = dict(model="smollm2", max_tokens=max_tokens, messages=question, tools=[tool],
+                     tool_choice={"type": "tool", "name": "write"})
+        if not stream:
+            return anthropic.messages.create(**asked)
+        with anthropic.messages.stream(**asked) as streamed:
+            return streamed.get_final_message()
+
+    def chat(max_tokens: int, stream: bool) -> tuple[str | None, str]:
+        asked = dict(model="smollm2", max_tokens=max_tokens, messages=question, tools=functions, tool_choice="required")
+        if not stream:
+            choice = openai.chat.completions.create(**asked).choices[0]
+            return choice.finish_reason, choice.message.tool_calls[0].function.arguments
+        pieces = list(openai.chat.completions.create(**asked, stream=True))
+        return next(c.choices[0].finish_reason for c in pieces if c.choices and c.choices[0].finish_reason), "".join(
+            c.choices[0].delta.tool_calls[0].function.arguments or "" for c in pieces
+            if c.choices and c.choices[0].delta.tool_calls)
+
+    def responses(max_tokens: int) -> Any:
+        return openai.responses.create(model="smollm2", input=question[0]["content"], max_output_tokens=max_tokens,
+                                       tools=[{"type": "function", **WRITE}], tool_choice="required")
+
+    with ThreadPoolExecutor(5) as pool:
+        whole = [pool.submit(messages, 300, False), pool.submit(messages, 300, True), pool.submit(chat, 300, False),
+                 pool.submit(chat, 300, True)]
+        cut = [pool.submit(messages, 30, False), pool.submit(messages, 30, True), pool.submit(chat, 30, False),
+               pool.submit(chat, 30, True), pool.submit(responses, 30)]
+        whole_found, cut_found = [f.result() for f in whole], [f.result() for f in cut]
+    for answer in whole_found[:2]:
+        assert answer.stop_reason == "tool_use" and answer.content[-1].input == {"text": LA}, answer.model_dump_json()
+    for finish, arguments in whole_found[2:]:
+        assert finish == "tool_calls" and json.loads(arguments) == {"text": LA}
+    assert [answer.stop_reason for answer in cut_found[:2]] == ["max_tokens", "max_tokens"]
+    for finish, arguments in cut_found[2:4]:
+        assert finish == "length" and not arguments.endswith("}")  # (what was written, and the limit said as the end)
+    assert cut_found[4].status == "incomplete" and cut_found[4].output[-1].status == "incomplete"
+
+
+def test_ollama_lists_no_call_the_limit_cut_whole_or_streamed():
+    """Ollama's clients run every call in `message.tool_calls`: one the limit cut (its arguments no object) is left
+    out, whole and streamed, and `done_reason: "length"` says the answer was cut; a whole call is listed."""
+    from llmcli.answer.events import Done
+    from llmcli.answer.stats import Stats
+    from llmcli.answer.tool_calls import ToolCall
+    from llmcli.serve.answer_request import AnswerRequest
+    from llmcli.serve.ollama_api import OllamaReply
+
+    stats = Stats(0.0, 0.0, 10, 4, 6, 0.1, 0.2, 30, 30, 0.3, 0.5)
+    whole = ToolCall("call_1", "write", json.dumps({"text": LA}))
+    cut = ToolCall("call_2", "write", '{"text": "la la', "the call was cut off before it ended")
+    reply = OllamaReply(True, "smollm2", [AnswerRequest()])
+    for calls, finish, listed in (((whole,), "tool_calls", [{"text": LA}]), ((cut,), "length", []),
+                                  ((whole, cut), "length", [{"text": LA}])):
+        done = Done(finish, stats, tool_calls=calls)
+        found = reply.whole([done])
+        streamed = [line for _, line in reply.on_event(0, done)]
+        assert [c["function"]["arguments"] for c in found["message"].get("tool_calls", [])] == listed
+        assert [c["function"]["arguments"] for line in streamed for c in line["message"].get("tool_calls", [])] == listed
+        assert found["done_reason"] == streamed[-1]["done_reason"] == ("stop" if finish == "tool_calls" else "length")
 
 
 # -- OpenAI: Responses, logprobs, completions lists --------------------------------------------------------------------

@@ -248,9 +248,9 @@ class OllamaReply:
         if not isinstance(event, Done):
             return []  # a call is sent whole, once the answer is done (as Ollama sends it)
         lines: list[Item] = []
-        if event.tool_calls and self.chat:
+        if _whole_calls(event) and self.chat:
             line = self._line()
-            line["message"]["tool_calls"] = [_call_object(call, i) for i, call in enumerate(event.tool_calls)]
+            line["message"]["tool_calls"] = [_call_object(call, i) for i, call in enumerate(_whole_calls(event))]
             lines.append((None, line))
         return [*lines, (None, {**self._line(), "done": True, **durations(event)})]
 
@@ -263,11 +263,18 @@ class OllamaReply:
     def whole(self, dones: list[Done]) -> dict[str, Any]:
         done = dones[0]
         reply = self._line(done.text, done.reasoning, done=True, **durations(done))
-        if done.tool_calls and self.chat:
-            reply["message"]["tool_calls"] = [_call_object(call, i) for i, call in enumerate(done.tool_calls)]
+        if _whole_calls(done) and self.chat:
+            reply["message"]["tool_calls"] = [_call_object(call, i) for i, call in enumerate(_whole_calls(done))]
         if self.requests[0].logprobs is not None:
             reply["logprobs"] = [lp.to_dict() for lp in done.logprobs]
         return reply
+
+
+def _whole_calls(done: Done) -> tuple[ToolCall, ...]:
+    """The calls a client may run: one cut off by the limit (or otherwise broken) has no object for its arguments
+    in Ollama's shape, and Ollama's clients run every call listed — it is left out, and `done_reason: "length"` says
+    the answer was cut (Ollama's own server lists only the calls it parsed whole)."""
+    return tuple(call for call in done.tool_calls if call.error is None)
 
 
 def _call_object(call: ToolCall, index: int) -> dict[str, Any]:
