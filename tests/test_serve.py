@@ -126,10 +126,12 @@ def test_faults_get_the_right_status_and_the_server_keeps_serving(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     chat = f"{url}/v1/chat/completions"
     baseline = rss_kib(proc)
+    left = []
     for _ in range(10):  # clients that go away mid-stream
         with HTTP.stream("POST", chat, headers=auth, timeout=60, json={
                 "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 400, "stream": True}) as r:
             assert r.status_code == 200
+            left.append(r.headers["x-request-id"])
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data:"))
     deadline = time.monotonic() + 30
@@ -137,9 +139,12 @@ def test_faults_get_the_right_status_and_the_server_keeps_serving(server):
         time.sleep(0.1)
     assert HTTP.get(f"{url}/health").json()["busy"] == 0  # their slots were freed
 
+    ids = {}
+
     def status(body: bytes | dict, headers: dict[str, str] = auth) -> tuple[int, dict]:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         response = HTTP.post(chat, content=content, headers={**headers, "Content-Type": "application/json"}, timeout=60)
+        ids[response.headers["x-request-id"]] = response.status_code
         return response.status_code, response.json()
 
     message = [{"role": "user", "content": "hi"}]
@@ -164,6 +169,15 @@ def test_faults_get_the_right_status_and_the_server_keeps_serving(server):
     good, answer = status({"messages": message, "max_tokens": 4, "temperature": 0})
     assert good == 200 and answer["choices"][0]["message"]["content"]
     assert rss_kib(proc) - baseline < 100 * 1024  # back near its baseline (the KV cache was allocated at start)
+    # Every request left a line in the server's log, with the id its client was told (issue 60: two stalled agent
+    # requests left none): refused ones their status, answered ones the stats line, the clients that left saying so.
+    log = LOGS[proc.pid].read_text()
+    lines = {request_id: line for line in log.splitlines() for request_id in (*ids, *left) if f" {request_id} · " in line}
+    assert set(lines) == {*ids, *left}, log[-3000:]
+    for request_id, code in ids.items():
+        assert lines[request_id].startswith("POST /v1/chat/completions req_")
+        assert (f"· {code} " in lines[request_id]) if code != 200 else "tok/s" in lines[request_id], lines[request_id]
+    assert all("the client left: 0 of 1 answers done" in lines[request_id] for request_id in left)
 
 
 def test_a_full_queue_is_429_with_retry_after_and_sigterm_ends_the_streams_cleanly(tmp_path):

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import re
 import secrets
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -160,11 +161,49 @@ async def requested_model(state: ServerState, body: Any) -> tuple[Served, Callab
     return served, release
 
 
+class RequestLog:
+    """The server's log lines of one request (`x-request-id` tells its client the id): one per finished answer (its
+    route, id and the stats line `llmcli run` prints), and one for a request that ended otherwise — refused (its status
+    and why), failed, or left by its client (how many of its answers were done) — so that no request leaves no trace."""
+
+    def __init__(self, request: Request, state: ServerState):
+        self.id = "req_" + uuid.uuid4().hex[:16]
+        self.route, self.say = f"{request.method} {request.url.path} {self.id}", state.report
+        self.answered = self.expected = 0
+        self.ended = False
+
+    def answer(self, done: Done) -> None:
+        self.answered += 1
+        self._line(summary_line(done.stats, done.finish_reason, done.stop_sequence))
+
+    def refused(self, error: WireError) -> None:
+        self._line(f"{error.status} {' '.join(error.message.split())[:300]}")
+        self.ended = True
+
+    def left(self) -> None:
+        """The client went away (or the stream was cut) before every answer was done."""
+        if not self.ended and self.answered < self.expected:
+            self._line(f"the client left: {self.answered} of {self.expected} answers done")
+        self.ended = True
+
+    def _line(self, text: str) -> None:
+        if self.say is not None:
+            self.say(f"{self.route} · {text}")
+
+
 async def answer(request: Request, state: ServerState, parse: Callable[[Any, Served], Asked | Any],
                  shape: ErrorShape, ndjson: bool = False) -> Response:
     """Answer one request: `parse` turns its body into what it asks of its model (or into a whole response object,
     when it asks nothing of the slots); its answers are prepared (templates, tokenizing: off the event loop) and
-    submitted to that model's slots."""
+    submitted to that model's slots. Each request leaves its lines in the server's log (RequestLog)."""
+    log = RequestLog(request, state)
+    response = await _answer(request, state, parse, shape, ndjson, log)
+    response.headers["x-request-id"] = log.id
+    return response
+
+
+async def _answer(request: Request, state: ServerState, parse: Callable[[Any, Served], Asked | Any],
+                  shape: ErrorShape, ndjson: bool, log: RequestLog) -> Response:
     release: Callable[[], None] = lambda: None  # noqa: E731
     try:
         body = await read_body(request, state)
@@ -181,16 +220,20 @@ async def answer(request: Request, state: ServerState, parse: Callable[[Any, Ser
             release()
             return JSONResponse(asked)
         prepared = await asyncio.to_thread(lambda: [prepare(a, served.prompter) for a in asked.requests])
-        return await respond(request, state, served.slots, prepared, asked.reply(prepared), ndjson, release)
+        return await respond(request, state, served.slots, prepared, asked.reply(prepared), ndjson, release, log)
     except WireError as error:  # (an ApiError, or a body not in its protocol's shape: 400)
         release()
+        log.refused(error)
         return error_response(error, shape)
 
 
 async def respond(request: Request, state: ServerState, slots: EngineProcess, prepared: list[Parsed], exchange: Exchange,
-                  ndjson: bool = False, release: Callable[[], None] = lambda: None) -> Response:
+                  ndjson: bool = False, release: Callable[[], None] = lambda: None,
+                  log: RequestLog | None = None) -> Response:
     """Submit prepared answers; the whole response, or a stream of the exchange's items (SSE, or NDJSON);
     `release` once every answer is over."""
+    log = log or RequestLog(request, state)
+    log.expected = len(prepared)
     events: asyncio.Queue[tuple[int, DecodeEvent | Prefill]] = asyncio.Queue()
 
     def emitter(index: int) -> Callable[[DecodeEvent | Prefill], None]:  # called on this loop (deliver)
@@ -208,10 +251,10 @@ async def respond(request: Request, state: ServerState, slots: EngineProcess, pr
         raise ApiError(429, f"busy: {exc}; retry later", code="busy") from None
     if not prepared[0].stream:
         try:
-            return await _whole(request, events, jobs, exchange, _reporter(request, state))
+            return await _whole(request, events, jobs, exchange, log)
         finally:
             release()
-    items = _stream(events, jobs, exchange, release, state.keepalive_s, _reporter(request, state))
+    items = _stream(events, jobs, exchange, release, state.keepalive_s, log)
     if ndjson:
         return StreamingResponse(_ndjson(items), media_type="application/x-ndjson")
     # On SIGTERM sse-starlette waits `shutdown_grace_period` for the stream to end by itself before it cuts it: the
@@ -221,8 +264,7 @@ async def respond(request: Request, state: ServerState, slots: EngineProcess, pr
 
 
 async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent | Prefill]], jobs: list[Job], exchange: Exchange,
-                  release: Callable[[], None], keepalive_s: float,
-                  report: Callable[[Done], None]) -> AsyncGenerator[Item, None]:
+                  release: Callable[[], None], keepalive_s: float, log: RequestLog) -> AsyncGenerator[Item, None]:
     """The exchange's items as the engine produces the events; the client gone (the task cancelled): the jobs are
     cancelled."""
     dones: list[Done | None] = [None] * len(jobs)
@@ -243,6 +285,7 @@ async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent | Prefill]], jobs
                 continue
             failure = jobs[index].failure
             if failure is not None:
+                log.refused(_api_error(failure))
                 for item in exchange.failed(_api_error(failure)):
                     yield item
                 return
@@ -250,12 +293,13 @@ async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent | Prefill]], jobs
                 yield item
             if isinstance(event, Done):
                 dones[index] = event
-                report(event)
+                log.answer(event)
         for item in exchange.closing([d for d in dones if d is not None]):
             yield item
     finally:
         for job in jobs:
             job.cancelled.set()  # a no-op once the answer is done
+        log.left()
         release()
 
 
@@ -280,7 +324,7 @@ async def _ndjson(items: AsyncGenerator[Item, None]) -> AsyncIterator[bytes]:
 
 
 async def _whole(request: Request, events: asyncio.Queue[tuple[int, DecodeEvent | Prefill]], jobs: list[Job],
-                 exchange: Exchange, report: Callable[[Done], None]) -> Response:
+                 exchange: Exchange, log: RequestLog) -> Response:
     """Wait for every answer, watching for the client going away meanwhile."""
     dones: list[Done | None] = [None] * len(jobs)
     try:
@@ -296,26 +340,17 @@ async def _whole(request: Request, events: asyncio.Queue[tuple[int, DecodeEvent 
             failure = jobs[index].failure
             if failure is not None:
                 error = _api_error(failure)
+                log.refused(error)
                 return JSONResponse(exchange.error_body(error), status_code=error.status)
             dones[index] = event
-            report(event)
+            log.answer(event)
         return JSONResponse(exchange.whole([d for d in dones if d is not None]))
     finally:
         for job in jobs:
             job.cancelled.set()
+        log.left()
 
 
 def _api_error(failure: Failure) -> ApiError:
     """A job's failure as HTTP says it: the request's fault is a 400, the engine's a 500."""
     return ApiError(400 if failure.refused else 500, failure.message, cause=failure.cause)
-
-
-def _reporter(request: Request, state: ServerState) -> Callable[[Done], None]:
-    """What says each finished answer of this request: its route and the stats line `llmcli run` prints (prompt tokens
-    cached and evaluated, TTFT, tokens, rate, why it ended)."""
-    def report(done: Done) -> None:
-        if state.report is not None:
-            state.report(f"{request.method} {request.url.path} · "
-                         + summary_line(done.stats, done.finish_reason, done.stop_sequence))
-
-    return report
