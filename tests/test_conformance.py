@@ -38,6 +38,7 @@ WHERE = {
     "xtc_probability": "answer", "xtc_threshold": "answer", "seed": "answer", "max_tokens": "answer", "stop": "answer",
     "repetition_guard": "answer", "on_overflow": "answer", "keep_alive": "client", "max_models": "client",
     "endpoint": "client", "endpoint_timeout": "client", "hub_timeout": "client", "call_preference": "answer",
+    "call_gain": "answer",
     "tool_format": "load", "ctx_size": "load", "threads": "load", "batch_size": "load", "mlock": "load", "mmap": "load",
     "speculate": "load", "draft_model": "load", "draft_max": "load", "flash_attn": "load", "kv_type": "load",
     "markdown": "client", "answer_color": "client", "special": "load", "logprobs": "answer", "log": "client",
@@ -67,8 +68,8 @@ ROWS = [
     ("--logit-bias ID", ("--logit-bias",), ["--grammar", YES_NO, "--logit-bias", "{yes}=-inf"]),
     ("--logprobs", ("logprobs",), ["--logprobs", "2"]),
     ("--raw", ("--raw",), ["--raw"]),
-    ("--no-think, guard", ("think", "think_budget", "repetition_guard", "call_preference"),
-     ["--no-think", "--think-budget", "8", "--no-repetition-guard", "--call-preference", "1"]),
+    ("--no-think, guard", ("think", "think_budget", "repetition_guard", "call_preference", "call_gain"),
+     ["--no-think", "--think-budget", "8", "--no-repetition-guard", "--call-preference", "1", "--call-gain", "2"]),
     ("-n past the context", ("max_tokens",), ["-n", "5000"]),
 ]
 PATHS = ("in-process", "warm", "chat", "--batch", "--endpoint serve")

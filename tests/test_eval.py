@@ -5,6 +5,7 @@ offers nothing but `auto`)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -102,7 +103,8 @@ def test_ctrl_c_reports_what_was_measured(tmp_path):
 
 def test_auto_calls_when_the_preference_says_so_in_run_and_through_ollama_s_api(tmp_path):
     """Under `auto` a small model rarely opens a call by itself; --call-preference favours the call's opening at the
-    answer's first token (30: always). The same scheduler answers serve's requests: Ollama's API has only `auto`."""
+    answer's first token (30: always). The same scheduler answers serve's requests: Ollama's API has only `auto`, and
+    the preference comes from the model's own table in serve's config file."""
     functions = tmp_path / "tools.py"
     functions.write_text("def forecast(city: str) -> str:\n    \"\"\"The weather forecast for a city.\"\"\"\n"
                          "    return 'rain'\n")
@@ -113,7 +115,11 @@ def test_auto_calls_when_the_preference_says_so_in_run_and_through_ollama_s_api(
     plain = json.loads(run_cli(*args, "--call-preference", "0").stdout)  # the model's own choice (none expected)
     assert plain["finish_reason"] in ("stop", "length", "tool_calls")
     ollama = pytest.importorskip("ollama")
-    proc, url = start_server(tmp_path, "--temp", "0", "--call-preference", "30")
+    name = json.loads(run_cli("config", "show", "--json").stdout)["model_path"]  # (the model's table: what
+    config = tmp_path / "config" / "llmcli" / "config.toml"  # `eval tools --calibrate --save` writes; serve reads it)
+    config.parent.mkdir(parents=True)
+    config.write_text(f'[models."{Path(name).stem}"]\ncall_preference = 30.0\n')
+    proc, url = start_server(tmp_path, "--temp", "0")
     try:
         reply = ollama.Client(host=url).chat(model="smollm2", messages=[{"role": "user", "content": "Rain in Lisbon?"}],
                                              tools=[{"type": "function", "function": {
@@ -133,9 +139,9 @@ def test_auto_calls_when_the_preference_says_so_in_run_and_through_ollama_s_api(
     ("", 0.0),
 ])
 def test_the_relevance_prior_counts_the_question_s_words_the_tools_use(question, expected):
-    """--call-preference adds CALL_RELEVANCE times the share of the question's content words the tools' names,
+    """--call-preference adds --call-gain times the share of the question's content words the tools' names,
     descriptions and parameters use: a question about what a tool does is led further toward a call."""
-    from llmcli.answer.generation import CALL_RELEVANCE, GenerationOptions
+    from llmcli.answer.generation import GenerationOptions
     from llmcli.answer.sampling_config import SamplingConfig
     from llmcli.answer.tool_calls import Tool, ToolSpec, relevance
 
@@ -144,7 +150,39 @@ def test_the_relevance_prior_counts_the_question_s_words_the_tools_use(question,
     score = relevance(question, tools)
     assert score == pytest.approx(expected)
     options = GenerationOptions(SamplingConfig(), call_preference=4.0, tools=ToolSpec(tools))
-    assert options.for_turn(question).call_preference == pytest.approx(4.0 + CALL_RELEVANCE * score)
+    assert options.for_turn(question).call_preference == pytest.approx(4.0 + 3.0 * score)
     assert options.for_turn(None).call_preference == 0.0  # after tool results: the model's own choice
+    gained = GenerationOptions(SamplingConfig(), call_preference=4.0, call_gain=1.5, tools=ToolSpec(tools))
+    assert gained.for_turn(question).call_preference == pytest.approx(4.0 + 1.5 * score)  # (--call-gain)
     assert GenerationOptions(SamplingConfig(), call_preference=0.0, tools=ToolSpec(tools)).for_turn(
         question).call_preference == 0.0  # 0: the model's own choice, whatever the question
+
+
+def test_calibrate_chooses_auto_s_numbers_reports_them_on_unseen_items_and_keeps_them_for_the_model(tmp_path):
+    """Issue 60, item 4: `eval tools --calibrate` measures half the items (each one's threshold: the lead at which the
+    model opens a call; the forced call's verdict where a tool fits), chooses --call-preference and --call-gain on
+    them, asks the other half for real (forced, auto as it was, auto calibrated), and --save keeps the pair in the
+    model's own table of the config file, which every path then uses for that model (`config show` names it)."""
+    from llmcli.eval.calibration import BASES, GAINS, Probe, predicted
+
+    report = _eval("--calibrate", "--save", "-n", "40", "--items", str(DATA / "calibrate.json"), "--answers",
+                   str(DATA / "calibrate-answers.json"), "--items", str(DATA / "calibrate-irrelevance.json"))
+    chosen, probes = report["chosen"], report["probes"]
+    assert chosen["call_preference"] in BASES and chosen["call_gain"] in GAINS and report["choosing_items"] == 4
+    assert sorted(p["irrelevant"] for p in probes) == [False, False, True, True]  # (half of each category)
+    assert all(isinstance(p["threshold"], float) or p["threshold"] in ("unled", "never") for p in probes)
+    measured = [Probe(p["item"], p["irrelevant"], p["relevance"], {"unled": -math.inf, "never": math.inf}.get(
+        p["threshold"], p["threshold"]), p["forced_correct"]) for p in probes]
+    again = predicted(measured, chosen["call_preference"], chosen["call_gain"])
+    assert (round(again.accuracy, 4), round(again.no_call, 4)) == (chosen["predicted_accuracy"], chosen["predicted_no_call"])
+    rows = report["report"]
+    assert set(rows) == {"forced", "auto (default)", "auto (calibrated)"} and set(rows["forced"]) == {"calibrate"}
+    assert {category: row["items"] for category, row in rows["auto (calibrated)"].items()} == {
+        "calibrate": 2, "calibrate-irrelevance": 2}  # (the items the choice never saw)
+    assert report["saved"] == f"[models.{report['model']}]"
+    shown = json.loads(run_cli("config", "show", "--json").stdout)["settings"]
+    for name in ("call_preference", "call_gain"):
+        assert shown[name] == {"value": chosen[name], "source": f"[models.{report['model']}] (config.toml)"}, shown[name]
+    assert run_cli("config", "show", "--json", "--call-gain", "1").code == 0  # (a flag still wins)
+    refused = run_cli("eval", "tools", "--calibrate", "--items", str(DATA / "irrelevance.json"))
+    assert refused.code == 2 and "items a tool fits and items no tool fits" in refused.stderr

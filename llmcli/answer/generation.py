@@ -24,7 +24,6 @@ from llmcli.answer.tool_calls import ToolSpec, relevance
 from llmcli.config.settings import default
 
 SPECULATE_MODES = ("auto", "lookup", "draft", "off")
-CALL_RELEVANCE = 3.0  # added to --call-preference for a question wholly about what the tools do (relevance 1)
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,7 @@ class GenerationOptions:
     # whole prompt evaluated again, none of it reused)
     think_budget: int | None = None  # tokens of thinking before the think block is closed (None: no limit)
     call_preference: float = default("call_preference")  # tool_choice auto: the call's opening favoured this much
+    call_gain: float = default("call_gain")  # and this much more for a question wholly about what the tools do
     fit_history: bool = False  # a conversation's oldest exchanges may be dropped to fit (chat; a server does it)
 
     @classmethod
@@ -57,18 +57,18 @@ class GenerationOptions:
         found = cls(sampling, values["max_tokens"], tuple(values["stop"]), constraint or Constraint(),
                     values["repetition_guard"], values["speculate"], reasoning=values["reasoning"] != "stdout",
                     special=values["special"], logprobs=values["logprobs"], think_budget=values["think_budget"],
-                    call_preference=values["call_preference"])
+                    call_preference=values["call_preference"], call_gain=values["call_gain"])
         return dataclasses.replace(found, **given) if given else found
 
     def for_turn(self, question: str | None) -> GenerationOptions:
         """--call-preference favours a call in the answer to the user's message (`question`), the more the more of it
-        is about what the tools do (CALL_RELEVANCE × `relevance`); after tool results (None) the model reads them, and
+        is about what the tools do (--call-gain × `relevance`); after tool results (None) the model reads them, and
         its own choice decides whether it calls again (favoured, a small model calls until its limit)."""
         if not self.call_preference:
             return self
         if question is None or self.tools is None:
             return dataclasses.replace(self, call_preference=0.0)
-        bonus = CALL_RELEVANCE * relevance(question, self.tools.offered)
+        bonus = self.call_gain * relevance(question, self.tools.offered)
         return dataclasses.replace(self, call_preference=self.call_preference + bonus)
 
     def for_prompt(self, prompt_text: str, template_source: str | None) -> GenerationOptions:

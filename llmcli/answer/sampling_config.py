@@ -76,9 +76,9 @@ SETTING_FIELDS = tuple(f.name for f in fields(SamplingConfig) if f.name in SETTI
 # The request fields that carry the sampling settings (and the repetition guard) to a server: OpenAI's names
 # where it has one, llama-server's for the rest (its names are llmcli's). `llmcli serve` reads every one of them;
 # llama-server and vLLM read most; OpenAI itself refuses what it does not know, which says so rather than dropping it.
-WIRE_FIELDS: dict[str, str] = {name: "temperature" if name == "temp" else name
-                               for name in (*SETTING_FIELDS, "repetition_guard", "think_budget")}
-ANSWER_FIELDS = ("repetition_guard", "think_budget")  # of those, the answer's options (GenerationOptions), not sampling
+ANSWER_FIELDS = ("repetition_guard", "think_budget", "call_preference", "call_gain")  # the answer's options
+# (GenerationOptions), not sampling's: llmcli's own fields, sent only when not the default
+WIRE_FIELDS: dict[str, str] = {name: "temperature" if name == "temp" else name for name in (*SETTING_FIELDS, *ANSWER_FIELDS)}
 
 
 def check_grammar(gbnf: str, origin: str) -> None:

@@ -252,7 +252,7 @@ _WORD = re.compile(r"[^\W\d_]{3,}")
 def relevance(question: str, tools: tuple[Tool, ...]) -> float:
     """How much of a question is about what the tools do: the share of its content words found in their names,
     descriptions and parameter names (0: none of it, 1: all of it). A cheap prior for `auto` (--call-preference adds
-    CALL_RELEVANCE times it): on BFCL's items a question a tool answers scores 0.18–1 (most ≥ 0.5), one no tool fits
+    --call-gain times it): on BFCL's items a question a tool answers scores 0.18–1 (most ≥ 0.5), one no tool fits
     scores 0 for more than half of them."""
     asked = {w for w in _WORD.findall(question.lower()) if w not in _COMMON}
     if not asked:

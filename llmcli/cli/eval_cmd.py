@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
@@ -14,6 +16,7 @@ from llmcli.errors import UsageError
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from llmcli.eval.bfcl import Item
     from llmcli.eval.tool_eval import ItemResult, Report
     from llmcli.pipeline import Request
 
@@ -22,7 +25,7 @@ app = typer.Typer(help="Measure a model: `eval tools` (tool calling, BFCL's item
                   no_args_is_help=True)
 
 SETTINGS_TAKEN = ("model", "system", "temp", "top_k", "top_p", "min_p", "seed", "max_tokens", "tool_format",
-                  "call_preference", "ctx_size", "threads", "endpoint", "endpoint_timeout", "keep_alive", "think")
+                  "call_preference", "call_gain", "ctx_size", "threads", "endpoint", "endpoint_timeout", "keep_alive", "think")
 EXCLUDED = ("raw", "grammar", "grammar_file", "json_schema", "output_format", "logit_bias")
 CategoriesArg = Annotated[Optional[list[str]], typer.Argument(
     help="BFCL categories (simple, multiple, parallel, parallel_multiple, irrelevance, live_simple, live_multiple, "
@@ -31,42 +34,64 @@ ChoiceOpt = Annotated[str, typer.Option(
     "--tool-choice", help="auto (the model decides), required (a call), one (the function by name when an item offers "
     "one, else required), none.", autocompletion=o.complete_choices(("auto", "required", "one", "none")))]
 LimitOpt = Annotated[int, typer.Option("--limit", "-l", min=0, help="Items a category (0: all).")]
-ItemsOpt = Annotated[Optional[Path], typer.Option(
-    "--items", help="Your own items, BFCL's format (JSON lines), instead of BFCL's data: one category, named after "
-    "the file.", dir_okay=False, show_default=False)]
-AnswersOpt = Annotated[Optional[Path], typer.Option(
-    "--answers", help="Their possible answers (BFCL's format); none: no call is right for any item (irrelevance).",
-    dir_okay=False, show_default=False)]
+ItemsOpt = Annotated[Optional[list[Path]], typer.Option(
+    "--items", help="Your own items, BFCL's format (JSON lines), instead of BFCL's data: a category each, named after "
+    "the file (repeatable).", dir_okay=False, show_default=False)]
+AnswersOpt = Annotated[Optional[list[Path]], typer.Option(
+    "--answers", help="Their possible answers (BFCL's format), the Nth for the Nth --items; an --items without one: no "
+    "call is right for any of its items (irrelevance).", dir_okay=False, show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object: per category and per item.")]
+CalibrateOpt = Annotated[bool, typer.Option(
+    "--calibrate", help="Choose --call-preference and --call-gain (tool choice auto) for this model on half the items "
+    "(categories a tool fits and irrelevance ones) and report the choice on the other half, asked for real: forced, "
+    "auto with the defaults, auto calibrated. [default categories: live_simple live_multiple live_irrelevance]")]
+SaveOpt = Annotated[bool, typer.Option(
+    "--save", help="With --calibrate: write the choice to the model's own table of the config file ([models.NAME]), "
+    "which run, chat, --batch and serve use for it.")]
 
 
 @app.command("tools")
 @o.with_settings(only=SETTINGS_TAKEN, exclude=EXCLUDED)
 def tools(categories: CategoriesArg = None, *, tool_choice: ChoiceOpt = "auto", limit: LimitOpt = 30,
-          items: ItemsOpt = None, answers: AnswersOpt = None, as_json: JsonOpt = False, request: Request) -> None:
+          items: ItemsOpt = None, answers: AnswersOpt = None, calibrate: CalibrateOpt = False, save: SaveOpt = False,
+          as_json: JsonOpt = False, request: Request) -> None:
     """Ask a model BFCL-format tool-calling items (BFCL's own from `pip install --no-deps bfcl-eval`, or yours) through
     the path `run --functions` and `serve` take, greedy unless --temp; per category: accuracy by BFCL's AST rules,
-    the valid-call rate, answers with no call, seconds an item."""
+    the valid-call rate, answers with no call, seconds an item. --calibrate chooses auto's two numbers for the
+    model (and --save keeps them for it)."""
     from llmcli.cli import output
     from llmcli.eval import bfcl
     from llmcli.eval.tool_eval import CHOICES, evaluate
 
     if tool_choice not in CHOICES:
         raise UsageError(f"--tool-choice {tool_choice!r}: one of {', '.join(CHOICES)}")
-    if items is not None:
+    if save and not calibrate:
+        raise UsageError("--save keeps what --calibrate chose", hint="llmcli eval tools --calibrate --save -m MODEL")
+    if items:
         if categories:
             raise UsageError("give categories or --items, not both")
-        sources = [(items.stem.removeprefix("BFCL_v4_"), items, answers)]
+        if len(answers or ()) > len(items):
+            raise UsageError("each --answers goes with an --items (the Nth with the Nth)")
+        paired = list(answers or ()) + [None] * (len(items) - len(answers or ()))
+        sources = [(path.stem.removeprefix("BFCL_v4_"), path, answer) for path, answer in zip(items, paired, strict=True)]
     else:
-        if answers is not None:
+        if answers:
             raise UsageError("--answers goes with --items")
-        sources = bfcl.category_files(categories or bfcl.DEFAULT_CATEGORIES)
+        sources = bfcl.category_files(categories or (bfcl.CALIBRATION_CATEGORIES if calibrate else
+                                                     bfcl.DEFAULT_CATEGORIES))
     loaded = [item for category, path, answer_path in sources
               for item in bfcl.load(category, path, answer_path, limit or None)]
     # Greedy unless --temp (the figures repeat: BFCL's own runs are greedy too), and a call or a short answer at most
     # (an item never runs to the end of the context).
     request = replace(request, settings={"temp": 0.0, "max_tokens": 400, **request.settings})
     console = output.stderr_console()
+    if calibrate:
+        if tool_choice != "auto":
+            raise UsageError("--calibrate chooses what --tool-choice auto does: leave --tool-choice out")
+        if not any(item.irrelevant for item in loaded) or all(item.irrelevant for item in loaded):
+            raise UsageError("--calibrate needs items a tool fits and items no tool fits (an irrelevance category)")
+        _calibrate(request, loaded, save, as_json, console)
+        return
     with output.open_pipeline(request, console) as pipeline:
         from llmcli.answer.answerer import tool_format
 
@@ -84,6 +109,66 @@ def tools(categories: CategoriesArg = None, *, tool_choice: ChoiceOpt = "auto", 
     _show(report, where, tool_choice, format_name, as_json, console)
     if report.interrupted:
         raise typer.Exit(130)
+
+
+def _calibrate(request: Request, loaded: list[Item], save: bool, as_json: bool, console: Console) -> None:
+    from llmcli.answer.answerer import tool_format
+    from llmcli.cli import output
+    from llmcli.eval.calibration import NO_CALL_GOAL, calibrate
+
+    with output.open_pipeline(request, console) as pipeline:
+        format_name = tool_format(pipeline.session, pipeline.settings["tool_format"])
+        with output.progress_bar("eval tools --calibrate") as advance, pipeline.cancel.on_signals():
+            found = calibrate(pipeline.session, pipeline.generation, loaded, format_name, pipeline.cancel,
+                              lambda phase, done, total: advance(done, total, f"calibrate · {phase}"))
+        model = pipeline.model.name
+        before = (pipeline.settings["call_preference"], pipeline.settings["call_gain"])
+    rows = {name: {score.category: score.row() for score in report.scores()} for name, report in found.reported.items()}
+    choice = found.choice
+    result = {"model": model, "tool_format": format_name, "interrupted": found.interrupted,
+              "no_call_goal": NO_CALL_GOAL, "before": {"call_preference": before[0], "call_gain": before[1]},
+              "chosen": None if choice is None else {"call_preference": choice.base, "call_gain": choice.gain,
+                                                     "predicted_accuracy": round(choice.accuracy, 4),
+                                                     "predicted_no_call": round(choice.no_call, 4)},
+              "choosing_items": len(found.probes), "report": rows,
+              "probes": [{**dataclasses.asdict(p), "threshold": p.threshold if math.isfinite(p.threshold) else
+                          "unled" if p.threshold < 0 else "never"} for p in found.probes]}
+    if save and choice is not None and not found.interrupted:
+        from llmcli.config.config_file import save_model_settings
+
+        save_model_settings(model, {"call_preference": choice.base, "call_gain": choice.gain},
+                            f"llmcli eval tools --calibrate on {len(found.probes)} items: auto's lead toward a call")
+        result["saved"] = f"[models.{model}]"
+    if as_json:
+        output.print_json(result)
+    else:
+        _show_calibration(result, console)
+    if found.interrupted:
+        raise typer.Exit(130)
+
+
+def _show_calibration(result: dict[str, Any], console: Console) -> None:
+    from llmcli.cli import output
+
+    chosen = result["chosen"]
+    if chosen is None:
+        console.print(f"interrupted after {result['choosing_items']} items: nothing was chosen")
+        return
+    rows = []
+    for name, categories in result["report"].items():
+        for category, row in categories.items():
+            rows.append((name, category, row["items"], f"{row['correct']}/{row['items']} ({100 * row['accuracy']:.0f}%)",
+                         f"{100 * row['no_call_rate']:.0f}%"))
+    output.print_table(("ASKED", "CATEGORY", "ITEMS", "ACCURACY", "NO CALL"), rows, right=("ITEMS", "ACCURACY", "NO CALL"),
+                       title=f"{result['model']} · the report half (items the choice never saw) · {result['tool_format']} calls")
+    console.print(f"chosen on {result['choosing_items']} items: --call-preference {chosen['call_preference']:g} "
+                  f"--call-gain {chosen['call_gain']:g} (predicted there: {100 * chosen['predicted_accuracy']:.0f}% of "
+                  f"the items a tool fits answered, {100 * chosen['predicted_no_call']:.0f}% of the others uncalled; "
+                  f"goal ≥ {100 * result['no_call_goal']:.0f}%); was {result['before']['call_preference']:g} and "
+                  f"{result['before']['call_gain']:g}")
+    if result.get("saved"):
+        console.print(f"saved in {result['saved']} of the config file: run, chat, --batch and serve use it for "
+                      f"{result['model']}")
 
 
 def _show(report: Report, where: str, choice: str, format_name: str, as_json: bool, console: Console) -> None:

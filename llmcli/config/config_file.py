@@ -1,6 +1,6 @@
-"""Writing the config file — a profile (`bench --tune --save NAME`), a template (`run --save NAME`), one setting
-(`logs off`) — keeping the rest of the file as the user wrote it: tomlkit edits the document in place (comments,
-order and layout survive). Reading stays in settings.py, beside it."""
+"""Writing the config file — a profile (`bench --tune --save NAME`), a model's settings (`eval tools --calibrate
+--save`), a template (`run --save NAME`), one setting (`logs off`) — keeping the rest of the file as the user wrote it:
+tomlkit edits the document in place (comments, order and layout survive). Reading stays in settings.py, beside it."""
 
 from __future__ import annotations
 
@@ -59,6 +59,24 @@ def save_profile(name: str, values: Mapping[str, Any], comment: str) -> None:
 
     def change(document: Any) -> None:
         document.setdefault("profiles", tomlkit.table(is_super_table=True))[name] = table
+
+    edit_document(change)
+
+
+def save_model_settings(model: str, values: Mapping[str, Any], comment: str) -> None:
+    """Replace (or add) `[models.MODEL]` with `values`: settings that apply whenever MODEL is the model (`eval tools
+    --calibrate --save`)."""
+    import tomlkit
+
+    for key, value in values.items():
+        settings.check_value(settings.SETTINGS[key], value, f"[models.{model}]")
+    table = tomlkit.table()
+    table.add(tomlkit.comment(comment))
+    for key, value in values.items():
+        table.add(key, value)
+
+    def change(document: Any) -> None:
+        document.setdefault("models", tomlkit.table(is_super_table=True))[model] = table
 
     edit_document(change)
 

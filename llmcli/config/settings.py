@@ -4,7 +4,8 @@ The table `SETTINGS` is the single source. The CLI generates its options from it
 (llmcli/cli/options.py), the config file and the environment are validated against it,
 `llmcli config show` and chat's `/set` list it. One precedence rule:
 
-    flag > environment (LLMCLI_<NAME>) > profile in the config file > config file > model defaults > built-in
+    flag > environment (LLMCLI_<NAME>) > profile in the config file > the model's own table in the config file
+    ([models.NAME]: what `eval tools --calibrate --save` found for it) > config file > model defaults > built-in
 
 The config file is TOML at $LLMCLI_CONFIG or `<user config dir>/llmcli/config.toml`:
 
@@ -185,10 +186,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _s("hub_timeout", float, 10.0, "Seconds to wait for the Hub to connect or to send the next bytes before giving up.",
        panel=DOWNLOADS, check=lambda v: v > 0, rule="must be > 0"),
     _s("call_preference", float, 3.0, "With --tool-choice auto: how strongly the answer is led to begin with a call "
-       "(added to the logit of the call's opening at the answer's first token, plus up to 3 more the more of the "
-       "question is about what the tools do; 0: the model's own choice). A small model rarely opens a call by itself; "
+       "(added to the logit of the call's opening at the answer's first token, plus up to --call-gain more the more "
+       "of the question is about what the tools do; 0: the model's own choice). A small model rarely opens a call by itself; "
        "too much and it calls where no tool fits (`llmcli eval tools` measures both).", panel=TOOLS,
        check=lambda v: 0 <= v <= 30, rule="must be between 0 and 30"),
+    _s("call_gain", float, 3.0, "With --tool-choice auto: what --call-preference gains for a question wholly about "
+       "what the tools do (times the share of its words the tools' names, descriptions and parameters use). `llmcli "
+       "eval tools --calibrate` finds both for a model.", panel=TOOLS, check=lambda v: 0 <= v <= 30,
+       rule="must be between 0 and 30"),
     _s("tool_format", str, "auto", "How the model writes a tool call: auto (recognised from its chat template, as "
        "llama-server does; generic when the template knows no tools), hermes (<tool_call>), mistral ([TOOL_CALLS]), "
        "llama3, or generic (llmcli describes the tools in the system prompt).",
@@ -234,7 +239,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        panel=CACHE, check=lambda v: v > 0, rule="must be > 0"),
 ]}
 
-RESERVED_TABLES = ("profiles", "aliases", "templates")
+RESERVED_TABLES = ("profiles", "aliases", "templates", "models")
 
 
 def unknown_hint(name: str, known: Collection[str], label: str = "Known") -> str:
@@ -274,6 +279,7 @@ class ConfigFile:
     profiles: dict[str, dict[str, Any]]
     aliases: dict[str, str]
     templates: dict[str, Any] = field(default_factory=dict)  # [templates.NAME], checked by llmcli/config/saved_templates.py
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)  # [models.NAME]: settings of one model, by its name
 
 
 def load_config_file() -> ConfigFile:
@@ -299,8 +305,12 @@ def load_config_file() -> ConfigFile:
     aliases = data.get("aliases", {})
     if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
         raise UsageError(f"config file {path}: [aliases] maps names to model references (strings)")
+    models = data.get("models", {})
+    if not isinstance(models, dict) or not all(isinstance(m, dict) for m in models.values()):
+        raise UsageError(f"config file {path}: [models.NAME] must be tables")
     top = {k: v for k, v in data.items() if k not in RESERVED_TABLES}
-    tables = [("", top)] + [(f"[profiles.{name}] ", table) for name, table in profiles.items()]
+    tables = [("", top)] + [(f"[profiles.{name}] ", table) for name, table in profiles.items()] + [
+        (f"[models.{name}] ", table) for name, table in models.items()]
     for where, table in tables:
         for key, value in table.items():
             if key not in SETTINGS:
@@ -313,7 +323,7 @@ def load_config_file() -> ConfigFile:
                 raise UsageError(f"config file {path}: [templates.{name}] unknown key {key!r}",
                                  hint="system, prompt, or a setting (temp, model, …)")
     return ConfigFile(top, profiles, {name.lower(): ref for name, ref in aliases.items()},
-                      templates if isinstance(templates, dict) else {})
+                      templates if isinstance(templates, dict) else {}, models)
 
 
 def resolve(
@@ -321,8 +331,10 @@ def resolve(
     profile: str | None = None,
     model_defaults: Mapping[str, Any] | None = None,
     config: ConfigFile | None = None,
+    model_name: str | None = None,
 ) -> Settings:
-    """Merge the layers. `flags` holds only what was given on the command line."""
+    """Merge the layers. `flags` holds only what was given on the command line; `model_name` the resolved model's
+    name, whose [models.NAME] table applies."""
     config = load_config_file() if config is None else config
     profile = profile or os.environ.get("LLMCLI_PROFILE") or None
     if profile is not None and profile not in config.profiles:
@@ -334,6 +346,7 @@ def resolve(
         ("flag", {k: _typed(SETTINGS[k], v) if k in SETTINGS else v for k, v in flags.items() if v is not None}),
         ("env", _from_env()),
         (f"profile {profile} ({file_name})", config.profiles.get(profile, {}) if profile else {}),
+        (f"[models.{model_name}] ({file_name})", config.models.get(model_name, {}) if model_name else {}),
         (file_name, config.settings),
         ("model", model_defaults or {}),
     ]

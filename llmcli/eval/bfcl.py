@@ -36,6 +36,7 @@ CATEGORIES = {
     "live_parallel": "BFCL_v4_live_parallel.json", "live_irrelevance": "BFCL_v4_live_irrelevance.json",
 }
 DEFAULT_CATEGORIES = ("simple", "multiple", "parallel", "irrelevance")
+CALIBRATION_CATEGORIES = ("live_simple", "live_multiple", "live_irrelevance")  # real users' questions
 # BFCL's parameter types as JSON Schema's (its own OpenAI handler maps them the same way).
 _TYPES = {"dict": "object", "float": "number", "double": "number", "tuple": "array", "list": "array", "bool": "boolean",
           "any": "string", "Any": "string", "String": "string", "char": "string", "byte": "integer",

@@ -14,7 +14,7 @@ from llmcli.answer.answerer import Answerer
 from llmcli.answer.events import Done
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.message import Message
-from llmcli.answer.tool_calls import tool_spec
+from llmcli.answer.tool_calls import ToolSpec, tool_spec
 from llmcli.errors import LlmcliError
 from llmcli.eval.bfcl import Call, Item, Verdict, judge
 from llmcli.interrupt import Cancellation
@@ -90,20 +90,27 @@ def evaluate(answerer: Answerer, generation: GenerationOptions, items: Iterable[
     return report
 
 
-def ask(answerer: Answerer, generation: GenerationOptions, item: Item, choice: str, format_name: str) -> ItemResult | None:
-    """One item: its conversation, its tools offered as `choice` says; None when Ctrl-C cut the answer."""
-    started = time.perf_counter()
+def offer(answerer: Answerer, item: Item, choice: str, format_name: str) -> ToolSpec:
+    """The item's tools as `choice` offers them, and its conversation before the question in the answerer's history;
+    LlmcliError for a function llmcli cannot offer (its schema)."""
     tools = item.tools()
     forced: Any = choice
     if choice == "one":
         forced = {"type": "function", "function": {"name": tools[0]["function"]["name"]}} if len(tools) == 1 else "required"
-    try:
-        spec = dataclasses.replace(tool_spec(tools, forced, format_name), parallel=True)
-    except LlmcliError as exc:  # a function llmcli cannot offer (its schema): the item is counted wrong, and why
-        return ItemResult(item.id, item.category, False, f"not offered: {exc.message}", [], False, "",
-                          time.perf_counter() - started)
+    spec = dataclasses.replace(tool_spec(tools, forced, format_name), parallel=True)
     answerer.history.clear()
     answerer.history.extend(Message(m["role"], m["content"]) for m in item.messages[:-1])
+    return spec
+
+
+def ask(answerer: Answerer, generation: GenerationOptions, item: Item, choice: str, format_name: str) -> ItemResult | None:
+    """One item: its conversation, its tools offered as `choice` says; None when Ctrl-C cut the answer."""
+    started = time.perf_counter()
+    try:
+        spec = offer(answerer, item, choice, format_name)
+    except LlmcliError as exc:  # the item is counted wrong, and why
+        return ItemResult(item.id, item.category, False, f"not offered: {exc.message}", [], False, "",
+                          time.perf_counter() - started)
     done = None
     for event in answerer.ask(item.messages[-1]["content"], dataclasses.replace(generation, tools=spec)):
         if isinstance(event, Done):

@@ -120,7 +120,7 @@ def resolve_settings(request: Request, on_progress: ProgressCallback | None = No
     first = settings.resolve(request.settings, request.profile, config=config)
     model = models.resolve(first["model"], config.aliases, fetch_for(request, first, on_progress, on_waiting))
     defaults = {**settings.model_defaults(read_metadata(model.path)), **model.defaults}
-    return settings.resolve(request.settings, request.profile, defaults, config), model
+    return settings.resolve(request.settings, request.profile, defaults, config, model.name), model
 
 
 def open_answering(request: Request, on_progress: ProgressCallback | None = None, cancel: Cancellation | None = None,
