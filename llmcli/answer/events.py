@@ -85,12 +85,57 @@ class Notice:
     advisory: bool = False
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One token a step considered: the model's log-probability and probability for it (before any sampler), and
+    its probability once the sampler chain had done its work (0: removed or masked)."""
+
+    token: int
+    piece: bytes
+    logprob: float
+    p_model: float
+    p_sampler: float
+
+
+@dataclass(frozen=True)
+class PrefillTrace:
+    """How the prompt became a KV cache before the first token: tokens evaluated now, tokens reused, seconds, and
+    the cache's size after it (its cells of this sequence, in bytes)."""
+
+    evaluated: int
+    cached: int
+    seconds: float
+    kv_bytes: int
+
+
+@dataclass(frozen=True)
+class TokenTrace:
+    """One sampled token, traced (`run --trace`): its index in the answer, its id and bytes, how it was chosen
+    (`argmax`, or `drawn` with probability `p`), the candidates (the model's most likely and the sampler's), each
+    sampler stage with the candidates it left (`stages`: name, kept; `changed`: the ones that changed the
+    distribution), and the seconds since the previous token (the first: since the answer began; it carries the
+    prefill). Yielded before the text the token completes."""
+
+    index: int
+    token: int
+    piece: bytes
+    special: bool
+    how: str
+    p: float
+    candidates: tuple[Candidate, ...]
+    stages: tuple[tuple[str, int], ...]
+    changed: tuple[str, ...]
+    seconds: float
+    note: str = ""  # what else happened (the grammar refused the first choice: sampled again under it)
+    prefill: PrefillTrace | None = None
+
+
 # What decoding one answer yields (a slot's events): text, the calls' events, then its Done.
 DecodeEvent = Token | Done | CallStarted | CallArguments
 
-# Everything answering yields, in order: Prefill while the prompt is evaluated, Notices, Tokens and the calls' events,
-# then one Done.
-AnswerEvent = Token | Done | Notice | Prefill | CallStarted | CallArguments
+# Everything answering yields, in order: Prefill while the prompt is evaluated, Notices, Tokens and the calls' events
+# (a traced answer's TokenTrace before the text of its token: run and chat only), then one Done.
+AnswerEvent = Token | Done | Notice | Prefill | CallStarted | CallArguments | TokenTrace
 
 
 def answer_record(done: Done, notices: Sequence[str] = ()) -> dict[str, Any]:

@@ -46,6 +46,7 @@ class GenerationOptions:
     call_preference: float = default("call_preference")  # tool_choice auto: the call's opening favoured this much
     call_gain: float = default("call_gain")  # and this much more for a question wholly about what the tools do
     fit_history: bool = False  # a conversation's oldest exchanges may be dropped to fit (chat; a server does it)
+    trace: int | None = None  # each sampled token traced with this many candidates (run --trace; None: off)
 
     @classmethod
     def from_settings(cls, values: Mapping[str, Any], sampling: SamplingConfig, constraint: Constraint | None = None,

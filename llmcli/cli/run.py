@@ -6,7 +6,7 @@ import contextlib
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -73,6 +73,16 @@ ResumeOpt = Annotated[Optional[Path], typer.Option(
     "--resume", help="With --batch: skip the records this earlier output (JSONL) already answers; append the rest "
     "to it: llmcli run --batch in.jsonl --resume out.jsonl >> out.jsonl", dir_okay=False, show_default=False,
     rich_help_panel="Batch")]
+TraceOpt = Annotated[bool, typer.Option(
+    "--trace", help="Show each step of the answer on stderr as it happens: the prompt as tokens (and where each part "
+    "came from), the prefill, every token with its candidates as the model scored them and as the sampler left them "
+    "(the stages that changed them), the stop and the summary. The model answers in this process.",
+    rich_help_panel=o.OUTPUT)]
+TraceTopOpt = Annotated[int, typer.Option("--trace-top", min=1, max=50, help="With --trace: candidates shown a token.",
+                                          rich_help_panel=o.OUTPUT)]
+TraceJsonOpt = Annotated[Optional[Path], typer.Option(
+    "--trace-json", help="Write the trace to this file as JSON lines, one event a step (prompt, prefill, token…, stop, "
+    "summary); implies --trace.", dir_okay=False, show_default=False, rich_help_panel=o.OUTPUT)]
 DEFAULT_PARALLEL = 4
 
 
@@ -101,6 +111,8 @@ class RunOptions:
     quiet: bool = False
     continue_conversation: bool = False
     cid: str | None = None
+    trace: int | None = None  # --trace: candidates shown a token (None: no trace)
+    trace_json: Path | None = None
 
 
 def _variables(specs: list[str] | None) -> dict[str, str]:
@@ -145,6 +157,9 @@ def run(
     ray_address: RayAddressOpt = None,
     ray_workers: RayWorkersOpt = None,
     resume: ResumeOpt = None,
+    trace: TraceOpt = False,
+    trace_top: TraceTopOpt = 5,
+    trace_json: TraceJsonOpt = None,
     request: Request,
     tools: ToolOptions,
 ) -> None:
@@ -165,7 +180,8 @@ def run(
             raise UsageError('--batch reads each record\'s images from the file: {"prompt": "...", "images": ["a.png"]}')
         one_prompt = [flag for flag, given_here in (
             ("--show-prompt", show_prompt), ("--continue", continue_conversation), ("--cid", cid), ("--template", template),
-            ("--save", save), ("--var", var), ("--prompt-first", prompt_first), ("--stdin", wait_stdin)) if given_here]
+            ("--save", save), ("--var", var), ("--prompt-first", prompt_first), ("--stdin", wait_stdin),
+            ("--trace", trace or trace_json is not None)) if given_here]
         if one_prompt:  # (they shape one prompt of run's: a batch would answer without them)
             raise UsageError(f"--batch answers each record of its file on its own: drop {', '.join(one_prompt)}")
         n_parallel = parallel or DEFAULT_PARALLEL
@@ -209,12 +225,30 @@ def run(
                           prompt_first, images)
     if tools.used and (request.grammar or request.grammar_file or request.json_schema or request.output_format):
         raise UsageError("tools constrain the answer themselves: drop --grammar, --json-schema, --format")
-    options = RunOptions(show_prompt, as_json, quiet, continue_conversation, cid)
+    tracing = trace or trace_json is not None
+    if tracing:
+        request = _traced(request, tools, console, quiet)
+    options = RunOptions(show_prompt, as_json, quiet, continue_conversation, cid, trace_top if tracing else None,
+                         trace_json)
     runner = tools.runner(console)
     with contextlib.ExitStack() as stack:
         if runner is not None:
             stack.enter_context(runner)  # MCP servers stop when the run ends, however it ends
         _answer(message, options, request, runner, console)
+
+
+def _traced(request: Request, tools: ToolOptions, console: Console, quiet: bool) -> Request:
+    """--trace: the model answers in this process (its sampler's stages are read here); refused where it cannot."""
+    from llmcli.cli import output
+    from llmcli.config import settings
+
+    if tools.used:
+        raise UsageError("--trace traces one answer: drop --functions and --mcp")
+    if settings.resolve(request.settings, request.profile)["endpoint"]:
+        raise UsageError("--trace reads the sampler in this process: --endpoint's server samples on its own")
+    if not quiet:
+        output.print_notice(console, "--trace: the model answers in this process (a warm server does not trace)")
+    return replace(request, settings={**request.settings, "keep_alive": "0"})
 
 
 def _show_prompt(pipeline: Pipeline[Answerer], request: Request, message: Message, runner: ToolRunner | None,
@@ -260,6 +294,10 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
                           reasoning=pipeline.settings["reasoning"], markdown=pipeline.settings["markdown"],
                           color=pipeline.settings["answer_color"])
         start = len(session.history)
+        view = None
+        if options.trace is not None:
+            view = _trace_view(pipeline, request, message, options, console)
+            generation = replace(generation, trace=options.trace)
 
         def logged(done: Done) -> None:  # in the answer log, and in the conversation's record for run -C
             warning = conversation.record_exchange(message.text, done, start)
@@ -277,7 +315,11 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
                                            message.images)
             else:
                 events = session.ask(message.text, generation, stable_text=message.stable, images=message.images)
-            done = show_answer(events, sink, console, options.quiet, logged)
+            try:
+                done = show_answer(events, sink, console, options.quiet, logged, view)
+            finally:
+                if view is not None and view.json_out is not None:
+                    view.json_out.close()
         format_error = done.format_error if done is not None else None
         call_cut = runner is not None and done is not None and tool_call_cut_off(done)
         signum = pipeline.cancel.signum
@@ -288,3 +330,31 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
     if format_error is not None:
         raise InvalidAnswer(format_error, hint="Raise -n, or simplify the schema; --json records the reason.")
     raise typer.Exit(ExitCode.OK)
+
+
+def _trace_view(pipeline: Pipeline[Answerer], request: Request, message: Message, options: RunOptions,
+                console: Console) -> Any:
+    """The trace's view, its prompt stage shown: the prompt as the model will read it, token by token."""
+    from llmcli.cli.trace_view import TraceView, prompt_parts
+    from llmcli.pipeline import shown_prompt
+    from llmcli.pipeline.local import open_tokenizer
+
+    out = None
+    if options.trace_json is not None:
+        try:
+            out = options.trace_json.open("w", encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"--trace-json {options.trace_json}: {exc.strerror or exc}") from None
+    assert options.trace is not None
+    shown = shown_prompt(pipeline, request, message.text, None, message.images)
+    view = TraceView(console, options.trace, out, shown.n_ctx)
+    with open_tokenizer(request) as tokenizer:
+        vocab = tokenizer.vocabulary.vocab
+        tokens = [(t, vocab.piece(t, special=True).decode("utf-8", "replace") if t >= 0 else "<image>",
+                   t >= 0 and vocab.is_control(t)) for t in shown.rendered.tokens]
+    text = "".join(piece for _, piece, _ in tokens)
+    system = pipeline.settings["system"] or (pipeline.session.local.template_system
+                                             if pipeline.session.local is not None else None)
+    history = [m.content for m in pipeline.session.history if isinstance(m.content, str)]
+    view.prompt(tokens, text, prompt_parts(text, system, history, message.text))
+    return view

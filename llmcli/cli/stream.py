@@ -14,7 +14,7 @@ from typing import IO, TYPE_CHECKING
 from rich.console import COLOR_SYSTEMS, Console
 from rich.style import Style
 
-from llmcli.answer.events import AnswerEvent, Done, Notice, Prefill, Token, answer_record
+from llmcli.answer.events import AnswerEvent, Done, Notice, Prefill, Token, TokenTrace, answer_record
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.cli.keyboard import echo_off
 from llmcli.errors import StdoutClosed, UsageError
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from llmcli.cli.markdown_stream import MarkdownStream
     from llmcli.cli.output import PrefillStatus
+    from llmcli.cli.trace_view import TraceView
 
 REASONING_STYLE = Style(dim=True, italic=True)
 
@@ -168,24 +169,37 @@ def _write_to(stream: IO[str], text: str) -> None:
 
 
 def show_answer(events: Iterable[AnswerEvent], sink: AnswerSink, console: Console, quiet: bool,
-                on_done: Callable[[Done], None] | None = None) -> Done | None:
+                on_done: Callable[[Done], None] | None = None, trace: TraceView | None = None) -> Done | None:
     """The one event loop of `run` and `chat`: the answer to the sink (stdout), notices to stderr (and into the
-    --json record), then `on_done` and the stats line. The Done, or None when the events stopped before it."""
+    --json record), then `on_done` and the stats line; a traced answer's steps to `trace` (and its text, when stdout
+    is the terminal the trace is drawn on, once it is done). The Done, or None when the events stopped before it."""
     from llmcli.cli.output import PrefillStatus
 
-    status = PrefillStatus(console) if console.is_terminal and not quiet else None  # (nothing when piped)
-    typing = echo_off() if sink.terminal or console.is_terminal else contextlib.nullcontext()
+    status = PrefillStatus(console) if console.is_terminal and not quiet and trace is None else None  # (nothing when
+    typing = echo_off() if sink.terminal or console.is_terminal else contextlib.nullcontext()  # piped)
     with typing:  # (keys typed meanwhile are not echoed under the answer: they wait for the next prompt)
-        return _show(events, sink, console, quiet, status, on_done)
+        return _show(events, sink, console, quiet, status, on_done, trace)
 
 
 def _show(events: Iterable[AnswerEvent], sink: AnswerSink, console: Console, quiet: bool, status: PrefillStatus | None,
-          on_done: Callable[[Done], None] | None) -> Done | None:
+          on_done: Callable[[Done], None] | None, trace: TraceView | None = None) -> Done | None:
     from llmcli.cli.output import print_notice, print_stats
 
     done = None
+    held: list[Token] = []  # (a trace drawn where the answer is: its text after it)
     try:
         for event in events:
+            if isinstance(event, TokenTrace):
+                if trace is not None:
+                    trace.token(event)
+                continue
+            if isinstance(event, Token) and trace is not None and sink.terminal:
+                held.append(event)
+                continue
+            if isinstance(event, Done) and trace is not None:
+                trace.done(event)
+                for token in held:
+                    sink.handle(token)
             if isinstance(event, Prefill):
                 if status is not None:
                     status.update(event.evaluated, event.total, event.prompt)

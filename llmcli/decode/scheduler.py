@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcli.answer.events import DecodeEvent, Prefill, TokenLogprob
+from llmcli.answer.events import DecodeEvent, Prefill, PrefillTrace, TokenLogprob, TokenTrace
 from llmcli.answer.generation import Answer, GenerationOptions
 from llmcli.answer.images import has_images, image_start, text_before_image
 from llmcli.answer.reasoning import CLOSE as THINK_CLOSE
@@ -38,6 +38,7 @@ from llmcli.errors import LlmcliError
 from llmcli.llama.batch import Batch
 from llmcli.llama.engine import Engine
 from llmcli.llama.logprobs import token_logprob
+from llmcli.llama.sampler_trace import Traced, sample_traced
 from llmcli.llama.schema_grammar import with_tool_grammar
 
 
@@ -314,8 +315,12 @@ class Scheduler:
                 sampler.accept(token)
             else:
                 self.sampling = slot  # (what a stalled step was doing: a server's watchdog asks)
-                token = sampler.sample(first + i)
+                traced = None if slot.options.trace is None else sample_traced(sampler, vocab, first + i,
+                                                                                slot.options.trace)
+                token = sampler.sample(first + i) if traced is None else traced.token
                 self.sampling = None
+                if traced is not None:
+                    self._trace(slot, token, traced)
             slot.sampled += 1
             n_top = slot.options.logprobs
             logprob = None if n_top is None else token_logprob(sampler.ctx, vocab, first + i, token, n_top)
@@ -348,6 +353,20 @@ class Scheduler:
             share_s = elapsed * (1 + len(draft)) / n_batch
             drafter.account(slot.draft_source, share_s, plain_s, i + 1, bool(draft), i == len(draft))
         return i + 1
+
+    def _trace(self, slot: Slot, token: int, traced: Traced) -> None:
+        """A traced token's event (the first carries the prefill), for `answer` to yield before its text."""
+        now, clock, vocab = time.perf_counter(), slot.clock, self.engine.vocab
+        since = clock.last_token or clock.prefill_done or clock.prefill_started or now
+        prefill = None
+        if not slot.sampled:
+            started = clock.prefill_started or now
+            prefill = PrefillTrace(slot.prefilled - slot.cached, slot.cached, (clock.prefill_done or now) - started,
+                                   self.engine.kv.seq_bytes(slot.seq))
+            since = clock.submitted
+        slot.traces.append(TokenTrace(slot.sampled, token, vocab.piece(token, special=True), vocab.is_control(token),
+                                      traced.how, traced.p, traced.candidates, traced.stages, traced.changed,
+                                      now - since, traced.note, prefill))
 
     def _close_thinking(self) -> list[int]:
         """The tokens that close a think block and begin the answer (--think-budget), as this vocabulary writes them."""
@@ -404,7 +423,7 @@ class Scheduler:
     # -- one answer: run, chat ------------------------------------------------------------------
 
     def answer(self, prompt: list[int], options: GenerationOptions, seed: int, clock: AnswerClock,
-               split_at: int | None = None) -> Iterator[DecodeEvent | Prefill]:
+               split_at: int | None = None) -> Iterator[DecodeEvent | Prefill | TokenTrace]:
         """Answer one prompt in sequence 0 (reusing what it holds of it), alone: its events as they come. Ctrl-C
         (the engine's cancellation) ends it between steps, or inside a prompt chunk, as `interrupted`."""
         engine = self.engine
@@ -416,7 +435,11 @@ class Scheduler:
                 if total > 0:
                     yield Prefill(0, total, len(prompt))
                 while not slot.finished:
-                    for _, event in self.step() if not engine.cancel else self.finish(slot, "interrupted"):
+                    events = self.step() if not engine.cancel else self.finish(slot, "interrupted")
+                    if slot.traces:  # (a traced answer: each token's trace before the text it completes)
+                        yield from slot.traces
+                        slot.traces.clear()
+                    for _, event in events:
                         yield event
                     if slot.cached < slot.prefilled < len(prompt):  # a chunk is done, more are to come
                         yield Prefill(slot.prefilled - slot.cached, total, len(prompt))

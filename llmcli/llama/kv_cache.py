@@ -124,6 +124,10 @@ class KVCache:
 
     # -- saved states ----------------------------------------------------------------------------
 
+    def seq_bytes(self, seq: int) -> int:
+        """The size of sequence `seq`'s cells (keys, values, positions), as llama.cpp would save them."""
+        return int(llama_cpp.llama_state_seq_get_size(self._ctx, seq))
+
     def state_of(self, seq: int) -> memoryview:
         """llama.cpp's state of sequence `seq` (its cells' keys and values, and positions), as bytes."""
         size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)

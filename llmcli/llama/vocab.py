@@ -66,6 +66,10 @@ class Vocabulary:
             return b""
         return piece
 
+    def is_control(self, token: int) -> bool:
+        """A control token (`<|im_end|>`, `<bos>`): its text is not text the model writes."""
+        return bool(llama_cpp.llama_vocab_is_control(self.handle, token))
+
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.handle, token))
 

@@ -1,0 +1,140 @@
+"""`run --trace`: each step of one answer, shown as it happens — the prompt as tokens (and which part of it came from
+where), the prefill, every sampled token with the candidates as the model scored them and as the sampler chain left
+them, the stop, the summary — on stderr (a line a step: compact), and `--trace-json FILE` the same as JSON lines, one
+event a step. The events come from the answer itself (TokenTrace, Done); this module only shows them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from rich.console import Console
+from rich.text import Text
+
+from llmcli.answer.events import Done, TokenTrace
+from llmcli.answer.finish import described
+
+PIECE_STYLES = ("black on grey82", "black on light_sky_blue1")  # alternating: where one token ends and the next begins
+SPECIAL_STYLE = "bold magenta"
+MAX_SHOWN_PROMPT = 4000  # characters of the prompt drawn (its token count and parts are always whole)
+
+
+@dataclass(frozen=True)
+class PromptPart:
+    """A span of the rendered prompt and where it came from: the template, the system message, the history, the
+    message."""
+
+    source: str
+    start: int
+    end: int
+
+
+@dataclass
+class TraceView:
+    console: Console
+    top: int  # candidates shown a token
+    json_out: IO[str] | None = None
+    n_ctx: int = 0
+    shown: list[TokenTrace] = field(default_factory=list)
+
+    def prompt(self, tokens: list[tuple[int, str, bool]], text: str, parts: list[PromptPart]) -> None:
+        """The prompt stage: its tokens as pieces (id, text, control), and the parts of the text."""
+        counts = {source: 0 for source in ("template", "system", "history", "message")}
+        at = 0
+        for _, piece, _ in tokens:
+            owner = next((p.source for p in parts if p.start <= at < p.end), "template")
+            counts[owner] += 1
+            at += len(piece)
+        self._json({"stage": "prompt", "count": len(tokens), "parts": counts,
+                    "tokens": [{"id": t, "piece": piece, "special": special} for t, piece, special in tokens]})
+        said = " · ".join(f"{source} {n}" for source, n in counts.items())
+        self.console.rule(f"prompt · {len(tokens)} tokens ({said})", style="dim")
+        drawn = Text()
+        for i, (_token, piece, special) in enumerate(tokens):
+            if len(drawn) > MAX_SHOWN_PROMPT:
+                drawn.append(f" … {len(tokens) - i} tokens more", style="dim")
+                break
+            shown = piece.replace("\n", "⏎\n") if not special else piece
+            drawn.append(shown, style=SPECIAL_STYLE if special else PIECE_STYLES[i % 2])
+        self.console.print(drawn, highlight=False, markup=False)
+
+    def token(self, trace: TokenTrace) -> None:
+        """One sampled token: a line (the first also the prefill's)."""
+        if trace.prefill is not None:
+            prefill = trace.prefill
+            self._json({"stage": "prefill", "evaluated": prefill.evaluated, "cached": prefill.cached,
+                        "seconds": round(prefill.seconds, 6), "kv_bytes": prefill.kv_bytes})
+            self.console.rule(f"prefill · {prefill.evaluated} evaluated · {prefill.cached} reused · "
+                              f"{prefill.seconds:.3f} s · KV {prefill.kv_bytes / 2**20:.2f} MiB", style="dim")
+        self.shown.append(trace)
+        piece = _text(trace.piece)
+        self._json({"stage": "token", "index": trace.index, "first": trace.index == 0,
+                    "chosen": {"id": trace.token, "piece": piece, "p": trace.p, "special": trace.special},
+                    "how": trace.how, "seconds": round(trace.seconds, 6), "stages": [list(s) for s in trace.stages],
+                    "changed": list(trace.changed), **({"note": trace.note} if trace.note else {}),
+                    "candidates": [{"id": c.token, "piece": _text(c.piece), "logprob": c.logprob,
+                                    "p_model": c.p_model, "p_sampler": c.p_sampler} for c in trace.candidates]})
+        when = f"TTFT {trace.seconds:.3f} s" if trace.index == 0 else f"{1000 * trace.seconds:5.1f} ms"
+        line = Text(f"#{trace.index:<3} {when}  ")
+        line.append(repr(piece), style=SPECIAL_STYLE if trace.special else "bold")
+        line.append(f" {trace.how}" + (f" p={trace.p:.3f}" if trace.how != "argmax" else ""))
+        if trace.changed:  # (before the candidates: a narrow terminal cuts the line's end)
+            line.append(f"  │ {' › '.join(trace.changed)}", style="cyan")
+        if trace.note:
+            line.append(f"  │ {trace.note}", style="yellow")
+        shown = "  ".join(f"{_text(c.piece)!r} {c.p_model:.2f}→{c.p_sampler:.2f}" for c in trace.candidates[:self.top])
+        line.append(f"  │ {shown}", style="dim")
+        self.console.print(line, highlight=False, markup=False, overflow="ellipsis", no_wrap=True)
+
+    def done(self, done: Done) -> None:
+        """The stop and the summary."""
+        stats = done.stats
+        last = self.shown[-1] if self.shown else None
+        stop: dict[str, Any] = {"stage": "stop", "reason": done.finish_reason, "shown": done.text}
+        said = described(done.finish_reason)
+        if done.finish_reason == "stop" and last is not None and last.special:
+            stop["token"] = {"id": last.token, "piece": _text(last.piece)}
+            said = f"the end token {_text(last.piece)!r} (id {last.token})"
+        if done.stop_sequence is not None:
+            stop["stop_sequence"] = done.stop_sequence
+            said = f"the stop sequence {done.stop_sequence!r} (held back, never shown)"
+        self._json(stop)
+        self.console.rule(f"stop · {said} · shown {len(done.text)} characters", style="dim")
+        tpot = 1000 * stats.decode_s / stats.decode_steps if stats.decode_steps and stats.decode_s else None
+        rate = stats.decode_steps / stats.decode_s if stats.decode_steps and stats.decode_s else None  # (decoding)
+        used = stats.prompt_tokens + stats.completion_tokens
+        self._json({"stage": "summary", "ttft_s": round(stats.ttft_s, 6), "tpot_ms": None if tpot is None else
+                    round(tpot, 3), "tokens_per_s": None if rate is None else round(rate, 2), "kv_used": used,
+                    "n_ctx": self.n_ctx})
+        self.console.rule(f"summary · TTFT {stats.ttft_s:.3f} s · "
+                          + (f"{tpot:.1f} ms/token · " if tpot is not None else "")
+                          + (f"{rate:.1f} tok/s · " if rate is not None else "")
+                          + f"KV {used} of {self.n_ctx} cells", style="dim")
+
+    def _json(self, event: dict[str, Any]) -> None:
+        if self.json_out is not None:
+            self.json_out.write(json.dumps(event, ensure_ascii=False) + "\n")
+            self.json_out.flush()
+
+
+def _text(piece: bytes) -> str:
+    return piece.decode("utf-8", "replace")
+
+
+def prompt_parts(text: str, system: str | None, history: list[str], message: str | None) -> list[PromptPart]:
+    """Where each part of a rendered prompt came from: the system message's text, each earlier message's, the
+    message's (its last occurrence); the rest is the template's."""
+    parts: list[PromptPart] = []
+    at = 0
+    for source, content in (("system", system), *(("history", h) for h in history)):
+        if content:
+            found = text.find(content, at)
+            if found >= 0:
+                parts.append(PromptPart(source, found, found + len(content)))
+                at = found + len(content)
+    if message:
+        found = text.rfind(message)
+        if found >= at:
+            parts.append(PromptPart("message", found, found + len(message)))
+    return parts

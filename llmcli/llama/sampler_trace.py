@@ -1,0 +1,113 @@
+"""One token sampled with every stage seen (`run --trace`): llama.cpp's `llama_sampler_sample` done by hand — the
+logits into a candidate array, each sampler of the chain applied in turn (a snapshot after each), the selected token
+accepted by the chain — so the token is the one the plain call would give, and each stage's effect is visible: which
+candidates it left and whether it changed the distribution. Only a traced answer comes here (it costs a copy of the
+vocabulary's logits and a softmax a stage); the plain path is Sampler.sample."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+import llama_cpp
+import numpy as np
+
+from llmcli.answer.events import Candidate
+from llmcli.llama.sampler_chain import Sampler
+from llmcli.llama.vocab import Vocabulary
+
+SELECTORS = ("greedy", "dist", "mirostat", "mirostat-v2")  # the last stage: picks the token, changes no probability
+
+
+@dataclass(frozen=True)
+class Traced:
+    token: int
+    how: str  # argmax, or drawn
+    p: float  # the chosen token's probability under the sampler's final distribution
+    candidates: tuple[Candidate, ...]
+    stages: tuple[tuple[str, int], ...]  # each stage's name and the candidates it left
+    changed: tuple[str, ...]
+    note: str = ""
+
+
+def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Traced:
+    """The next token from the logits at batch `index`, as `sampler.sample` would choose it, with its trace."""
+    n_vocab = vocab.n_tokens
+    pointer = llama_cpp.llama_get_logits_ith(sampler.ctx, index)
+    if sampler.first_bias:  # (as Sampler.sample applies it: into llama.cpp's logits, then dropped)
+        for token_id, bias in sampler.first_bias:
+            pointer[token_id] += bias
+        sampler.first_bias = ()
+    logits = np.ctypeslib.as_array(pointer, shape=(n_vocab,)).astype(np.float64)
+    model = logits - logits.max()
+    model -= math.log(float(np.exp(model).sum()))  # the model's log-probabilities (the first token's lead included)
+    stages, changed, final, token, note = _through(sampler.chain, logits)
+    if sampler.grammar is not None:  # (the lazy check: the grammar alone on the chosen token; rejected, sampled again)
+        one = llama_cpp.llama_token_data(token, 1.0, 0.0)
+        array = llama_cpp.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
+        llama_cpp.llama_sampler_apply(sampler.grammar, ctypes.byref(array))
+        if one.logit != -math.inf:
+            llama_cpp.llama_sampler_accept(sampler.constrained, token)
+        else:
+            refused = vocab.piece(token, special=True).decode("utf-8", "replace")
+            stages, changed, final, token, _ = _through(sampler.constrained, logits)
+            note = f"the grammar refused {refused!r}: sampled again under it"
+        llama_cpp.llama_sampler_accept(sampler.grammar, token)
+    greedy = any(name == "greedy" for name, _ in stages)
+    chosen = {token}
+    if n_top:
+        k = min(n_top, n_vocab) - 1
+        kept = np.flatnonzero(final)  # (those the chain left: the most likely of them, never a masked one)
+        if len(kept) > n_top:
+            kept = kept[np.argpartition(-final[kept], n_top - 1)[:n_top]]
+        chosen.update(np.argpartition(-model, k)[:n_top].tolist(), kept.tolist())
+    candidates = sorted((Candidate(t, vocab.piece(t, special=True), float(model[t]), math.exp(float(model[t])),
+                                   float(final[t])) for t in chosen), key=lambda c: (-c.p_sampler, -c.p_model))
+    return Traced(token, "argmax" if greedy else "drawn", float(final[token]), tuple(candidates), stages, changed,
+                  note)
+
+
+def _through(chain: object, logits: np.ndarray) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...],
+                                                         np.ndarray, int, str]:
+    """Apply each sampler of `chain` in turn to the candidates (all of the vocabulary): each stage and the candidates
+    it left, the stages that changed the distribution, the final distribution (before the selecting stage: a
+    probability per token id, 0 for those removed or masked), the token selected (accepted by the chain, as
+    llama_sampler_sample does)."""
+    n_vocab = len(logits)
+    data = (llama_cpp.llama_token_data * n_vocab)()
+    view = np.ctypeslib.as_array(data)
+    view["id"] = np.arange(n_vocab)
+    view["logit"] = logits
+    view["p"] = 0.0
+    array = llama_cpp.llama_token_data_array(data, n_vocab, -1, False)
+    stages: list[tuple[str, int]] = []
+    changed: list[str] = []
+    before = final = _distribution(view, n_vocab, n_vocab)
+    for i in range(llama_cpp.llama_sampler_chain_n(chain)):
+        stage = llama_cpp.llama_sampler_chain_get(chain, i)
+        name = (llama_cpp.llama_sampler_name(stage) or b"?").decode()
+        llama_cpp.llama_sampler_apply(stage, ctypes.byref(array))
+        size = int(array.size)
+        stages.append((name, size))
+        if name in SELECTORS:
+            break
+        after = _distribution(np.ctypeslib.as_array(array.data, shape=(size,)), size, n_vocab)
+        if float(np.abs(after - before).max()) > 1e-9:
+            changed.append(name)
+        before = final = after
+    selected = int(array.selected)
+    token = int(np.ctypeslib.as_array(array.data, shape=(int(array.size),))["id"][selected])
+    llama_cpp.llama_sampler_accept(chain, token)
+    return tuple(stages), tuple(changed), final, token, ""
+
+
+def _distribution(view: np.ndarray, size: int, n_vocab: int) -> np.ndarray:
+    """The probabilities the candidates' logits make, one per token id (0: removed, or masked with -inf)."""
+    found = np.zeros(n_vocab)
+    ids, values = view["id"][:size], view["logit"][:size].astype(np.float64)
+    alive = np.isfinite(values)
+    if alive.any():
+        p = np.exp(values[alive] - values[alive].max())
+        found[ids[alive]] = p / p.sum()
+    return found

@@ -1,0 +1,88 @@
+"""`llmcli run --trace` (issue 61): each step of one answer — the prompt as tokens, the prefill, every token with its
+candidates as the model scored them and as the sampler chain left them, the stop, the summary — on stderr, and as
+JSON lines with --trace-json. Asserted on the JSON events: properties of llama.cpp's own sampler chain, never
+particular words (greedy text differs between CPUs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+PROMPT = "Say hi."
+
+
+def traced(tmp_path: Path, *args: str) -> tuple[dict, list[dict], str]:
+    """The answer's --json record, the trace's events, and stderr."""
+    events_file = tmp_path / "trace.jsonl"
+    result = run_cli("run", "--json", "--trace-json", str(events_file), *args)
+    assert result.code == 0, result.stderr
+    return json.loads(result.stdout), [json.loads(line) for line in events_file.read_text().splitlines()], result.stderr
+
+
+def test_a_greedy_trace_shows_the_prompt_the_prefill_each_token_as_its_argmax_the_stop_and_the_summary(tmp_path):
+    record, events, stderr = traced(tmp_path, "--temp", "0", "-n", "12", PROMPT)
+    stages = [event["stage"] for event in events]
+    assert stages[:2] == ["prompt", "prefill"] and stages[-2:] == ["stop", "summary"]
+    assert set(stages[2:-2]) == {"token"}
+    prompt = events[0]
+    count = json.loads(run_cli("count", "--chat", "--json", PROMPT).stdout)["total"]
+    assert prompt["count"] == len(prompt["tokens"]) == count  # (the tokens `llmcli count --chat` counts)
+    assert prompt["parts"]["message"] == 3 and sum(prompt["parts"].values()) == count
+    assert events[1]["evaluated"] + events[1]["cached"] == count and events[1]["kv_bytes"] > 0
+    tokens = [event for event in events if event["stage"] == "token"]
+    assert [t["index"] for t in tokens] == list(range(len(tokens))) and tokens[0]["first"]
+    assert "".join(t["chosen"]["piece"] for t in tokens if not t["chosen"]["special"]) == record["text"]
+    for token in tokens:  # greedy: each chosen token is the argmax of what the sampler left (and of the model's)
+        best = max(token["candidates"], key=lambda c: c["p_sampler"])
+        assert token["how"] == "argmax" and best["id"] == token["chosen"]["id"] and token["chosen"]["p"] == best["p_sampler"]
+        assert token["changed"] == [] and token["stages"][-1][0] == "greedy"
+    assert events[-2]["reason"] == record["finish_reason"] and events[-2]["shown"] == record["text"]
+    assert events[-1]["ttft_s"] > 0 and events[-1]["kv_used"] == count + record["usage"]["completion_tokens"]
+    assert "prompt · " in stderr and "TTFT" in stderr and "summary · " in stderr  # (the terminal view, on stderr)
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_p_and_its_probabilities_sum_to_one(tmp_path):
+    _, events, _ = traced(tmp_path, "--temp", "1", "--top-p", "0.5", "--min-p", "0", "--seed", "3", "-n", "6",
+                          "--trace-top", "50", PROMPT)
+    for token in (event for event in events if event["stage"] == "token"):
+        names = [name for name, _ in token["stages"]]
+        assert names[:2] == ["top-k", "top-p"] and token["how"] == "drawn" and "top-p" in token["changed"]
+        ranked = sorted(token["candidates"], key=lambda c: -c["p_model"])[:40]  # (what top-k 40 left, by the model)
+        total = sum(c["p_model"] for c in ranked)
+        reached, needed = 0.0, 0
+        for candidate in ranked:
+            reached += candidate["p_model"] / total
+            needed += 1
+            if reached >= 0.5:
+                break
+        kept = [c for c in token["candidates"] if c["p_sampler"] > 0]
+        assert token["stages"][1][1] == needed == len(kept)  # the smallest set that reaches 0.5
+        assert {c["id"] for c in kept} == {c["id"] for c in ranked[:needed]}
+        assert sum(c["p_sampler"] for c in kept) == pytest.approx(1.0)
+        assert token["chosen"]["id"] in {c["id"] for c in kept}
+
+
+def test_a_grammar_masks_what_it_forbids_and_a_stop_sequence_is_named_with_what_it_held_back(tmp_path):
+    record, events, _ = traced(tmp_path, "--temp", "0", "--grammar", 'root ::= "yes" | "no"', "Is the sky blue?")
+    first = next(event for event in events if event["stage"] == "token")
+    allowed = {"y", "ye", "yes", "n", "no"}
+    for candidate in first["candidates"]:
+        assert candidate["p_sampler"] == 0.0 or candidate["piece"] in allowed, candidate
+    assert any(c["p_sampler"] == 0.0 and c["p_model"] > 0 for c in first["candidates"])  # (the model's own choices, masked)
+    assert "grammar" in first["changed"] or "grammar" in first.get("note", "")
+    assert record["text"] in ("yes", "no")
+    record, events, stderr = traced(tmp_path, "--temp", "0", "--grammar", 'root ::= "alpha beta gamma"', "--stop",
+                                    " beta", PROMPT)
+    stop = next(event for event in events if event["stage"] == "stop")
+    assert stop["reason"] == "stop_sequence" and stop["stop_sequence"] == " beta" and stop["shown"] == "alpha"
+    assert record["text"] == "alpha" and "the stop sequence ' beta' (held back, never shown)" in stderr
+
+
+def test_trace_is_refused_where_it_cannot_see_the_sampler():
+    for args, words in ((["--endpoint", "http://127.0.0.1:9/v1"], "--endpoint's server samples"),
+                        (["--batch", "-"], "drop --trace")):
+        result = run_cli("run", "--trace", *args, *([] if "--batch" in args else [PROMPT]), input="hi\n")
+        assert result.code == 2 and words in result.stderr, result.stderr
