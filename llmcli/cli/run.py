@@ -338,6 +338,7 @@ def _trace_view(pipeline: Pipeline[Answerer], request: Request, message: Message
     from llmcli.cli.trace_view import TraceView, prompt_parts
     from llmcli.pipeline import shown_prompt
     from llmcli.pipeline.local import open_tokenizer
+    from llmcli.prompt.chat_template import default_system
 
     out = None
     if options.trace_json is not None:
@@ -352,9 +353,9 @@ def _trace_view(pipeline: Pipeline[Answerer], request: Request, message: Message
         vocab = tokenizer.vocabulary.vocab
         tokens = [(t, vocab.piece(t, special=True).decode("utf-8", "replace") if t >= 0 else "<image>",
                    t >= 0 and vocab.is_control(t)) for t in shown.rendered.tokens]
+        system = pipeline.settings["system"] or (default_system(tokenizer.template, vocab.bos_text, vocab.eos_text)
+                                                 if tokenizer.template is not None else None)
     text = "".join(piece for _, piece, _ in tokens)
-    system = pipeline.settings["system"] or (pipeline.session.local.template_system
-                                             if pipeline.session.local is not None else None)
     history = [m.content for m in pipeline.session.history if isinstance(m.content, str)]
     view.prompt(tokens, text, prompt_parts(text, system, history, message.text))
     return view
