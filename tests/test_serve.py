@@ -313,8 +313,9 @@ def test_what_a_fault_trial_sent_is_a_400_naming_the_field_and_the_connection_st
             error = reply.json()["error"]
             assert words in error["message"] and error["param"] == param, error
             assert "--" not in error["message"], error  # no CLI flag named to an HTTP client
-        completion = http.post(f"{url}/v1/completions", json={"prompt": "hi", "echo": True, "max_tokens": 2})
-        assert completion.status_code == 400 and completion.json()["error"]["param"] == "echo"
+        completion = http.post(f"{url}/v1/completions", json={"prompt": "hi", "echo": True, "logprobs": 1,
+                                                                "stream": True, "max_tokens": 2})  # (echo is answered,
+        assert completion.status_code == 400 and completion.json()["error"]["param"] == "echo"  # streamed: no logprobs)
         assert http.post(f"{url}/v1/chat/completions", json={"messages": hi, "max_tokens": 2}).status_code == 200
 
 
@@ -394,3 +395,28 @@ def test_slow_and_idle_connections_are_closed_and_their_number_is_capped(tmp_pat
         assert HTTP.get(f"{url}/health", timeout=10).json()["status"] == "ok"  # and the server serves on
     finally:
         stop_server(proc)
+
+
+def test_a_new_session_leaves_the_slot_of_the_last_one_whole(server):
+    """Issue 60: a new agent session (the same system prompt, a new conversation) was put in the slot that shared most
+    with it — the previous session's — and cut it back to their shared prefix, so the previous session's next turn
+    evaluated its whole conversation again. A free slot is given a copy of the shared prefix instead: both reuse all
+    they can."""
+    url, _ = server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    system = {"role": "system", "content": "You are a coding agent. " + " ".join(
+        f"Rule {i}: keep file number {i} tidy and the diff small." for i in range(12))}
+
+    def chat(messages: list[dict]) -> dict:
+        response = HTTP.post(f"{url}/v1/chat/completions", headers=auth, timeout=120, json={
+            "messages": messages, "max_tokens": 4, "temperature": 0})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    session = [system, {"role": "user", "content": "Fix the loop in main.py: " + "it skips the last file; " * 6}]
+    first = chat(session)
+    other = chat([system, {"role": "user", "content": "Write a README with the install steps."}])
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64  # (the system prompt, shared)
+    turn = chat([*session, first["choices"][0]["message"], {"role": "user", "content": "Now add a test."}])
+    assert turn["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 1, (
+        first["usage"], turn["usage"])

@@ -214,6 +214,8 @@ class SlotServer:
                     kv.remove(free[0])
                     kv.copy(source.seq, free[0])
                     kv.remove(free[0], shared, -1)
+                else:
+                    free[0] = self._spared(free, job.tokens)
             if self.prompt_cache is not None and job.stable is not None:  # (when the slot holds less of it)
                 self.prompt_cache.restore(job.tokens, job.stable, free[0])
             try:
@@ -231,6 +233,25 @@ class SlotServer:
                 job.failure = Failure(str(exc), refused=True)
                 self._events.append((job, _cancelled(job)))
         self.waiting.extendleft(reversed(held))
+
+    def _spared(self, free: list[int], prompt: list[int]) -> int:
+        """The free sequence a prompt takes, `free` sorted by the prefix each shares with it: the one sharing most —
+        unless its cells go on past what they share (another conversation: an agent's earlier session, whose next
+        turn would evaluate them all again) and another free sequence would lose fewer: that one is given a copy of
+        the shared prefix, and the conversation stays whole where it is."""
+        kv = self.engine.kv
+        best = free[0]
+        shared = shared_prefix(kv.tokens_of(best), prompt)
+        lost = kv.n_held(best) - shared
+        if shared < MIN_COPY or lost < MIN_REUSE or len(free) < 2:
+            return best
+        spare = min(free[1:], key=lambda seq: kv.n_held(seq) - shared_prefix(kv.tokens_of(seq), prompt))
+        if kv.n_held(spare) - shared_prefix(kv.tokens_of(spare), prompt) >= lost:
+            return best
+        kv.remove(spare)
+        kv.copy(best, spare)
+        kv.remove(spare, shared, -1)
+        return spare
 
     def _answering_with(self, prompt: list[int]) -> tuple[Slot | None, int]:
         """The answer in progress whose prompt shares the most of `prompt` (all but its last token at most: its
