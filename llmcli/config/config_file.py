@@ -47,36 +47,29 @@ def check_name(name: str, what: str) -> None:
 
 def save_profile(name: str, values: Mapping[str, Any], comment: str) -> None:
     """Replace (or add) `[profiles.NAME]` with `values`."""
-    import tomlkit
-
     check_name(name, "profile")
-    for key, value in values.items():
-        settings.check_value(settings.SETTINGS[key], value, "bench --tune")
-    table = tomlkit.table()
-    table.add(tomlkit.comment(comment))
-    for key, value in values.items():
-        table.add(key, value)
-
-    def change(document: Any) -> None:
-        document.setdefault("profiles", tomlkit.table(is_super_table=True))[name] = table
-
-    edit_document(change)
+    _save_table("profiles", name, values, comment, "bench --tune")
 
 
 def save_model_settings(model: str, values: Mapping[str, Any], comment: str) -> None:
     """Replace (or add) `[models.MODEL]` with `values`: settings that apply whenever MODEL is the model (`eval tools
     --calibrate --save`)."""
+    _save_table("models", model, values, comment, f"[models.{model}]")
+
+
+def _save_table(kind: str, name: str, values: Mapping[str, Any], comment: str, origin: str) -> None:
+    """`[KIND.NAME]` replaced (or added) with `values` (checked as settings, named by `origin`), `comment` first."""
     import tomlkit
 
     for key, value in values.items():
-        settings.check_value(settings.SETTINGS[key], value, f"[models.{model}]")
+        settings.check_value(settings.SETTINGS[key], value, origin)
     table = tomlkit.table()
     table.add(tomlkit.comment(comment))
     for key, value in values.items():
         table.add(key, value)
 
     def change(document: Any) -> None:
-        document.setdefault("models", tomlkit.table(is_super_table=True))[model] = table
+        document.setdefault(kind, tomlkit.table(is_super_table=True))[name] = table
 
     edit_document(change)
 
