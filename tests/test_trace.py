@@ -81,6 +81,23 @@ def test_a_grammar_masks_what_it_forbids_and_a_stop_sequence_is_named_with_what_
     assert record["text"] == "alpha" and "the stop sequence ' beta' (held back, never shown)" in stderr
 
 
+def test_a_warm_answer_s_trace_is_the_in_process_one(tmp_path):
+    """The default path (a warm server: its engine traces, the steps come back in SSE comments) and an answer made in
+    this process trace the same steps: the same tokens, chosen the same way, from the same candidates (a grammar holds
+    the text: a server's slot and one sequence round differently)."""
+    args = ["--temp", "0", "--grammar", 'root ::= "The sky is blue because of Rayleigh scattering."', PROMPT]
+    warm, warm_events, _ = traced(tmp_path, *args)
+    here, here_events, _ = traced(tmp_path, "--keep-alive", "0", *args)
+    assert here["text"] == warm["text"] and "smollm2" in run_cli("ps").stdout.lower()  # (the first: a warm server's)
+    tokens = [[e for e in events if e["stage"] == "token"] for events in (warm_events, here_events)]
+    assert [t["chosen"]["id"] for t in tokens[0]] == [t["chosen"]["id"] for t in tokens[1]]
+    for mine, theirs in zip(*tokens, strict=True):
+        assert mine["how"] == theirs["how"] and mine["stages"] == theirs["stages"]
+        assert mine["chosen"]["p"] == pytest.approx(theirs["chosen"]["p"], abs=0.02)
+    assert [e["stage"] for e in warm_events] == [e["stage"] for e in here_events]
+    assert warm_events[0] == here_events[0]  # (the prompt: the same tokens, rendered here with the vocabulary)
+
+
 def test_trace_is_refused_where_it_cannot_see_the_sampler():
     for args, words in ((["--endpoint", "http://127.0.0.1:9/v1"], "--endpoint's server samples"),
                         (["--batch", "-"], "drop --trace")):

@@ -12,7 +12,16 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from llmcli.answer.answer_text import StopMatcher
-from llmcli.answer.events import MAX_TOP_LOGPROBS, Done, Prefill, Token, TokenLogprob
+from llmcli.answer.events import (
+    MAX_TOP_LOGPROBS,
+    Candidate,
+    Done,
+    Prefill,
+    PrefillTrace,
+    Token,
+    TokenLogprob,
+    TokenTrace,
+)
 from llmcli.answer.finish import from_openai
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.image_bytes import ImageError, decode_data
@@ -188,6 +197,40 @@ def timings(done: Done) -> dict[str, Any]:
 # -- an answer, read -------------------------------------------------------------------------------------
 
 
+MAX_TRACE_TOP = 50  # candidates a traced token may carry (run --trace-top's limit)
+
+
+def trace_wire(trace: TokenTrace) -> dict[str, Any]:
+    """A traced token as llmcli serve sends it (an SSE comment `trace {…}`: other clients skip it); pieces in hex
+    (a piece may be part of a character)."""
+    found: dict[str, Any] = {
+        "index": trace.index, "token": trace.token, "piece": trace.piece.hex(), "special": trace.special,
+        "how": trace.how, "p": trace.p, "stages": [list(stage) for stage in trace.stages], "changed": list(trace.changed),
+        "seconds": trace.seconds, "note": trace.note,
+        "candidates": [[c.token, c.piece.hex(), c.logprob, c.p_model, c.p_sampler] for c in trace.candidates]}
+    if trace.prefill is not None:
+        found["prefill"] = [trace.prefill.evaluated, trace.prefill.cached, trace.prefill.seconds, trace.prefill.kv_bytes]
+    return found
+
+
+def trace_of(wire: Any) -> TokenTrace | None:
+    """A traced token read back (None: not the shape `trace_wire` writes)."""
+    try:
+        prefill = wire.get("prefill")
+        candidates = wire["candidates"]
+        if not isinstance(candidates, list) or len(candidates) > 2 * MAX_TRACE_TOP + 1:
+            return None
+        return TokenTrace(
+            int(wire["index"]), int(wire["token"]), bytes.fromhex(wire["piece"]), bool(wire["special"]), str(wire["how"]),
+            float(wire["p"]), tuple(Candidate(int(t), bytes.fromhex(piece), float(lp), float(pm), float(ps))
+                                    for t, piece, lp, pm, ps in candidates),
+            tuple((str(name), int(kept)) for name, kept in wire["stages"]), tuple(str(n) for n in wire["changed"]),
+            float(wire["seconds"]), str(wire.get("note") or ""),
+            PrefillTrace(int(prefill[0]), int(prefill[1]), float(prefill[2]), int(prefill[3])) if prefill else None)
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+        return None
+
+
 class ChunkReader:
     """Chunks in (chat's `delta`s or completions' `text`), the events of a local answer out: text (never a stop
     sequence), reasoning, tool calls, then Done with timings measured here (TTFT, decode rate) and the server's token
@@ -211,8 +254,15 @@ class ChunkReader:
         self.prompt_tokens = 0  # as llmcli serve announced them (an answer cut short gets no usage)
         self.dropped = 0  # the conversation's oldest exchanges llmcli serve dropped to fit (fit_history)
 
-    def events(self, chunk: dict[str, Any], chat: bool) -> Iterator[Token | CallStarted | CallArguments | Prefill]:
-        announced = chunk.get("llmcli_prompt_tokens")  # (the client's reading of llmcli serve's comments)
+    def events(self, chunk: dict[str, Any], chat: bool) -> Iterator[Token | CallStarted | CallArguments | Prefill |
+                                                                     TokenTrace]:
+        traced = chunk.get("llmcli_trace")  # (the client's reading of llmcli serve's comments)
+        if traced is not None:
+            found = trace_of(traced)
+            if found is not None:
+                yield found
+            return
+        announced = chunk.get("llmcli_prompt_tokens")
         if type(announced) is int:
             self.prompt_tokens = announced
             return

@@ -227,7 +227,7 @@ def run(
         raise UsageError("tools constrain the answer themselves: drop --grammar, --json-schema, --format")
     tracing = trace or trace_json is not None
     if tracing:
-        request = _traced(request, tools, console, quiet)
+        _traced(request, tools)
     options = RunOptions(show_prompt, as_json, quiet, continue_conversation, cid, trace_top if tracing else None,
                          trace_json)
     runner = tools.runner(console)
@@ -237,18 +237,14 @@ def run(
         _answer(message, options, request, runner, console)
 
 
-def _traced(request: Request, tools: ToolOptions, console: Console, quiet: bool) -> Request:
-    """--trace: the model answers in this process (its sampler's stages are read here); refused where it cannot."""
-    from llmcli.cli import output
+def _traced(request: Request, tools: ToolOptions) -> None:
+    """--trace: refused where no sampler llmcli runs can be read (in this process, or a warm server's)."""
     from llmcli.config import settings
 
     if tools.used:
         raise UsageError("--trace traces one answer: drop --functions and --mcp")
     if settings.resolve(request.settings, request.profile)["endpoint"]:
-        raise UsageError("--trace reads the sampler in this process: --endpoint's server samples on its own")
-    if not quiet:
-        output.print_notice(console, "--trace: the model answers in this process (a warm server does not trace)")
-    return replace(request, settings={**request.settings, "keep_alive": "0"})
+        raise UsageError("--trace reads llmcli's own sampler: --endpoint's server samples on its own")
 
 
 def _show_prompt(pipeline: Pipeline[Answerer], request: Request, message: Message, runner: ToolRunner | None,

@@ -64,6 +64,7 @@ class Scheduler:
         self._batch = Batch(max(self.engine.config.n_batch, self.n_slots))
         self._closing: list[int] | None = None
         self._scored: list[tuple[Chunk, int]] = []  # the pass's chunks whose tokens are scored, and their first row
+        self.traced: list[tuple[Slot, TokenTrace]] = []  # traced answers' tokens since the client last took them
         self.sampling: Slot | None = None  # the slot whose token llama.cpp is sampling now
 
     def close(self) -> None:
@@ -355,7 +356,7 @@ class Scheduler:
         return i + 1
 
     def _trace(self, slot: Slot, token: int, traced: Traced) -> None:
-        """A traced token's event (the first carries the prefill), for `answer` to yield before its text."""
+        """A traced token's event (the first carries the prefill), for the client to take before its text."""
         now, clock, vocab = time.perf_counter(), slot.clock, self.engine.vocab
         since = clock.last_token or clock.prefill_done or clock.prefill_started or now
         prefill = None
@@ -364,9 +365,9 @@ class Scheduler:
             prefill = PrefillTrace(slot.prefilled - slot.cached, slot.cached, (clock.prefill_done or now) - started,
                                    self.engine.kv.seq_bytes(slot.seq))
             since = clock.submitted
-        slot.traces.append(TokenTrace(slot.sampled, token, vocab.piece(token, special=True), vocab.is_control(token),
-                                      traced.how, traced.p, traced.candidates, traced.stages, traced.changed,
-                                      now - since, traced.note, prefill))
+        self.traced.append((slot, TokenTrace(slot.sampled, token, vocab.piece(token, special=True),
+                                             vocab.is_control(token), traced.how, traced.p, traced.candidates,
+                                             traced.stages, traced.changed, now - since, traced.note, prefill)))
 
     def _close_thinking(self) -> list[int]:
         """The tokens that close a think block and begin the answer (--think-budget), as this vocabulary writes them."""
@@ -436,9 +437,9 @@ class Scheduler:
                     yield Prefill(0, total, len(prompt))
                 while not slot.finished:
                     events = self.step() if not engine.cancel else self.finish(slot, "interrupted")
-                    if slot.traces:  # (a traced answer: each token's trace before the text it completes)
-                        yield from slot.traces
-                        slot.traces.clear()
+                    if self.traced:  # (a traced answer: each token's trace before the text it completes)
+                        yield from (trace for _, trace in self.traced)
+                        self.traced.clear()
                     for _, event in events:
                         yield event
                     if slot.cached < slot.prefilled < len(prompt):  # a chunk is done, more are to come

@@ -26,7 +26,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcli.answer.events import DecodeEvent, Done, Prefill, TokenLogprob
+from llmcli.answer.events import DecodeEvent, Done, Prefill, TokenLogprob, TokenTrace
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.images import ImageInput
 from llmcli.answer.shared_prefix import shared_prefix
@@ -55,6 +55,10 @@ class QueueFull(Exception):
     """Every slot is busy and the queue is full."""
 
 
+JobEvent = DecodeEvent | Prefill | TokenTrace  # what a job's answer says: its events, a long prompt's progress, a
+# traced answer's tokens
+
+
 @dataclass
 class Job:
     """One request: its prompt tokens, how to answer, and where its events go (`emit`, called by `deliver`)."""
@@ -62,7 +66,7 @@ class Job:
     tokens: list[int]
     generation: GenerationOptions
     seed: int
-    emit: Callable[[DecodeEvent | Prefill], None]
+    emit: Callable[[JobEvent], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     clock: AnswerClock = field(default_factory=AnswerClock)  # stamped from its arrival
     failure: Failure | None = None  # set before its Done when it failed
@@ -72,7 +76,7 @@ class Job:
     key: int = 0  # the client's number for it (a supervised engine's)
 
 
-Delivery = Callable[[list[tuple["Job", DecodeEvent | Prefill]]], None]
+Delivery = Callable[[list[tuple["Job", JobEvent]]], None]
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ class Failure:
     cause: LlmcliError | None = None  # llmcli's own error behind it (its hint and exit code go out with it)
 
 
-def deliver_here(events: list[tuple[Job, DecodeEvent | Prefill]]) -> None:
+def deliver_here(events: list[tuple[Job, JobEvent]]) -> None:
     for job, event in events:
         job.emit(event)
 
@@ -102,7 +106,7 @@ class SlotServer:
         self.on_admit: Callable[[Job], None] | None = None  # a job took a slot (before its first step)
         self.prompt_cache = prompt_cache  # long prompts' standing parts, kept across slots, unloads and restarts
         self.scheduler = Scheduler(engine, n_slots, speculation or Speculation())
-        self._events: list[tuple[Job, DecodeEvent | Prefill]] = []
+        self._events: list[tuple[Job, JobEvent]] = []
         self.waiting: deque[Job] = deque()
         self._wake = threading.Condition()
         self._stopping = False
@@ -179,7 +183,10 @@ class SlotServer:
                         busy = True
                     self._drop_cancelled()
                     try:
-                        self._take(scheduler.step())
+                        stepped = scheduler.step()
+                        self._events += [(slot.tag, trace) for slot, trace in scheduler.traced]  # (before their text)
+                        scheduler.traced.clear()
+                        self._take(stepped)
                     except Exception as exc:  # llama.cpp failed a step: those answers fail, the server goes on
                         self._fail_all(str(exc))
                     self._progress()

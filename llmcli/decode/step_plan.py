@@ -43,7 +43,6 @@ class Slot:
     record: list[tuple[int, Any]] | None = None  # each sampled token and its logprob (an answer a restart resumes)
     replayed: int = 0  # the prompt ends with this many tokens of the answer, sampled before a restart (resumed)
     scores: list[Any] | None = None  # each prompt token's logprob after the first, as its chunks are evaluated (echo)
-    traces: list[Any] = field(default_factory=list)  # a traced answer's TokenTraces not yet yielded (run --trace)
 
     @property
     def pos(self) -> int:

@@ -8,6 +8,7 @@ with backoff (only before any of the answer arrived), then 4.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -24,6 +25,7 @@ BACKOFF_S = 0.5  # doubled each retry; a Retry-After the server sends is honoure
 PREFILL_COMMENT = re.compile(r":\s?prefill (\d{1,9})/(\d{1,9}) (\d{1,9})")  # llmcli serve's progress (an SSE comment)
 PROMPT_COMMENT = re.compile(r":\s?prompt_tokens (\d{1,9})")  # and a choice's prompt, before its first chunk
 DROPPED_COMMENT = re.compile(r":\s?dropped (\d{1,6})")  # and the oldest exchanges it dropped to fit (fit_history)
+TRACE_COMMENT = re.compile(r":\s?trace (\{.{1,65536}\})")  # and a traced answer's tokens (a request's `trace`)
 
 
 class NetworkError(LlmcliError):
@@ -105,6 +107,10 @@ class Client:
                             dropped = DROPPED_COMMENT.fullmatch(line.strip())  # (and what it dropped to fit)
                             if dropped is not None:
                                 yield {"llmcli_dropped": int(dropped.group(1))}
+                            traced = TRACE_COMMENT.fullmatch(line.strip())  # (and a traced token)
+                            if traced is not None:
+                                with contextlib.suppress(ValueError):
+                                    yield {"llmcli_trace": json.loads(traced.group(1))}
                             continue
                         data = line[5:].strip()
                         if data == "[DONE]":

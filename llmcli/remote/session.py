@@ -14,7 +14,7 @@ from typing import Any
 from llmcli.answer.answerer import ProgressCallback, PromptOptions, ResultCallback, oldest_exchange_end, with_system
 from llmcli.answer.batch_jsonl import BatchItem, Summary
 from llmcli.answer.constraint import GRAMMAR_FLAGS
-from llmcli.answer.events import AnswerEvent, DecodeEvent, Done, Notice, Prefill, Token, answer_record
+from llmcli.answer.events import AnswerEvent, DecodeEvent, Done, Notice, Prefill, Token, TokenTrace, answer_record
 from llmcli.answer.finish import REPETITION_NOTICE
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.image_bytes import read_image
@@ -56,6 +56,8 @@ class RemoteRequest:
             body["on_overflow"] = on_overflow
         if generation.fit_history and chat and self.own_server:  # (chat: the oldest exchanges go, as in this process)
             body["fit_history"] = True
+        if generation.trace is not None and self.own_server:  # --trace: each token's steps, in SSE comments
+            body["trace"] = generation.trace
         if not generation.reasoning and self.own_server:  # --reasoning stdout: the think block stays in the text
             body["reasoning_format"] = "none"  # (llama-server's field, which llmcli serve takes)
         if self.logit_bias:
@@ -161,7 +163,8 @@ class RemoteSession:
 
 
 def exchange(session: RemoteSession, user_text: str | None, options: GenerationOptions,
-             history: list[Message], images: tuple[ImageInput, ...] = ()) -> Iterator[DecodeEvent | Notice | Prefill]:
+             history: list[Message], images: tuple[ImageInput, ...] = ()) -> Iterator[DecodeEvent | Notice | Prefill |
+                                                                                        TokenTrace]:
     """One request and its streamed answer, as events; the Done carries the whole answer."""
     started = time.perf_counter()
     chat = not session.options.raw

@@ -108,6 +108,7 @@ class AnswerRequest:
     logprobs: int | None = None  # how many alternatives beside each token's logprob (None: no logprobs)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (a completion's echo; None: not scored)
     echo: bool = False  # a completion's text begins with its prompt (OpenAI's legacy `echo`)
+    trace: int | None = None  # llmcli's own field: each token traced with this many candidates (a streamed answer)
     stream: bool = False
     include_usage: bool = False  # OpenAI's stream_options
     prompt_param: str = "messages"  # how this protocol names the prompt and the limit, for errors
@@ -185,7 +186,8 @@ def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
         raise ApiError(400, exc.message, cause=exc) from None
     generation = GenerationOptions.from_settings(values, sampling, constraint, max_tokens=max_tokens, stops=stops,
                                                  max_draft=limits.max_draft, tools=request.tools,
-                                                 logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
+                                                 logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs,
+                                                 trace=request.trace if request.stream else None)
     if not request.split_reasoning:
         generation = dataclasses.replace(generation, reasoning=False)
     generation = generation.for_prompt(rendered.text, prompter.template_source)

@@ -20,11 +20,11 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from llmcli.answer.events import DecodeEvent, Done, Prefill
+from llmcli.answer.events import Done, Prefill, TokenTrace
 from llmcli.answer.image_bytes import REQUEST_PIXELS, PixelAllowance
 from llmcli.answer.openai_wire import WireError
 from llmcli.answer.stats import AnswerClock, summary_line
-from llmcli.decode.serving import Failure, Job, QueueFull
+from llmcli.decode.serving import Failure, Job, JobEvent, QueueFull
 from llmcli.errors import LlmcliError
 from llmcli.serve.answer_request import AnswerRequest, ApiError, Parsed, prepare
 from llmcli.serve.engine_process import EngineProcess
@@ -234,9 +234,9 @@ async def respond(request: Request, state: ServerState, slots: EngineProcess, pr
     `release` once every answer is over."""
     log = log or RequestLog(request, state)
     log.expected = len(prepared)
-    events: asyncio.Queue[tuple[int, DecodeEvent | Prefill]] = asyncio.Queue()
+    events: asyncio.Queue[tuple[int, JobEvent]] = asyncio.Queue()
 
-    def emitter(index: int) -> Callable[[DecodeEvent | Prefill], None]:  # called on this loop (deliver)
+    def emitter(index: int) -> Callable[[JobEvent], None]:  # called on this loop (deliver)
         return lambda event: events.put_nowait((index, event))
 
     jobs = [Job(p.tokens, p.generation, p.seed, emitter(i), stable=p.stable, images=p.images,
@@ -263,7 +263,7 @@ async def respond(request: Request, state: ServerState, slots: EngineProcess, pr
                                shutdown_grace_period=state.shutdown_grace + SHUTDOWN_GRACE_S)
 
 
-async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent | Prefill]], jobs: list[Job], exchange: Exchange,
+async def _stream(events: asyncio.Queue[tuple[int, JobEvent]], jobs: list[Job], exchange: Exchange,
                   release: Callable[[], None], keepalive_s: float, log: RequestLog) -> AsyncGenerator[Item, None]:
     """The exchange's items as the engine produces the events; the client gone (the task cancelled): the jobs are
     cancelled."""
@@ -281,6 +281,11 @@ async def _stream(events: asyncio.Queue[tuple[int, DecodeEvent | Prefill]], jobs
             if isinstance(event, Prefill):  # a long prompt's progress: said where the protocol has a way
                 progress = getattr(exchange, "progress", None)
                 for item in progress(event) if progress is not None else ():
+                    yield item
+                continue
+            if isinstance(event, TokenTrace):  # a traced answer's token (llmcli's own `trace` field): the same
+                traced = getattr(exchange, "trace", None)
+                for item in traced(index, event) if traced is not None else ():
                     yield item
                 continue
             failure = jobs[index].failure
@@ -323,7 +328,7 @@ async def _ndjson(items: AsyncGenerator[Item, None]) -> AsyncIterator[bytes]:
         await items.aclose()
 
 
-async def _whole(request: Request, events: asyncio.Queue[tuple[int, DecodeEvent | Prefill]], jobs: list[Job],
+async def _whole(request: Request, events: asyncio.Queue[tuple[int, JobEvent]], jobs: list[Job],
                  exchange: Exchange, log: RequestLog) -> Response:
     """Wait for every answer, watching for the client going away meanwhile."""
     dones: list[Done | None] = [None] * len(jobs)

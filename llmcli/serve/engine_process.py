@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from llmcli.answer.events import DecodeEvent, Done, Prefill, TokenLogprob
-from llmcli.decode.serving import Delivery, Failure, Job, QueueFull, deliver_here
+from llmcli.answer.events import Done, TokenLogprob
+from llmcli.decode.serving import Delivery, Failure, Job, JobEvent, QueueFull, deliver_here
 from llmcli.errors import LlmcliError
 from llmcli.serve import engine_zygote
 from llmcli.serve.engine_spec import EngineFacts, EngineSpec, died_loading, load_failure
@@ -240,7 +240,7 @@ class EngineProcess:
         if message[0] != "events":
             return
         _, events, records, status = message
-        out: list[tuple[Job, DecodeEvent | Prefill]] = []
+        out: list[tuple[Job, JobEvent]] = []
         with self._lock:
             for key, tokens in records.items():
                 flight = self._flights.get(key)

@@ -4,6 +4,7 @@ timings — is llmcli/answer/openai_wire.py's, which the --endpoint client reads
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -11,11 +12,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmcli.answer.constraint import GRAMMAR_FLAGS
-from llmcli.answer.events import DecodeEvent, Done, Prefill, Token, TokenLogprob
+from llmcli.answer.events import DecodeEvent, Done, Prefill, Token, TokenLogprob, TokenTrace
 from llmcli.answer.finish import finish_reason
 from llmcli.answer.image_bytes import ImageError, decode_data
 from llmcli.answer.images import MAX_IMAGES, ImageInput
-from llmcli.answer.openai_wire import SAMPLING_FIELDS, WireError, call_delta, message_of, timings, usage
+from llmcli.answer.openai_wire import (
+    MAX_TRACE_TOP,
+    SAMPLING_FIELDS,
+    WireError,
+    call_delta,
+    message_of,
+    timings,
+    trace_wire,
+    usage,
+)
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.serve.answer_request import AnswerRequest, ApiError, Parsed, Prompter
 from llmcli.serve.request_fields import (
@@ -42,9 +52,10 @@ LEFT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key
 # `grammar_origin` (llmcli's: the flag a warm run's grammar came from, for its errors' words)
 # `reasoning_format` (llama-server's: "none" leaves a think block in the text, as run's --reasoning stdout)
 # `fit_history` (llmcli's: a chat's oldest exchanges are dropped until it fits, as chat drops them; said in a comment)
+# `trace` (llmcli's: N, a streamed answer's tokens traced with N candidates each, in SSE comments: run --trace)
 SHARED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "stop", "logit_bias", "logprobs", "seed",
                     "grammar", "response_format", "keep_alive", "on_overflow", "grammar_origin", "reasoning_format",
-                    "fit_history", *SAMPLING_FIELDS}) | LEFT
+                    "fit_history", "trace", *SAMPLING_FIELDS}) | LEFT
 CHAT_FIELDS = SHARED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                         "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "modalities"}
 COMPLETION_FIELDS = SHARED | {"prompt", "echo", "suffix", "best_of", "images"}  # images: llmcli's (a raw prompt's)
@@ -180,7 +191,11 @@ def _answer_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     reasoning_format = body.get("reasoning_format")  # (llama-server's: "none" leaves a think block in the text)
     if reasoning_format not in (None, "none", "auto", "deepseek"):
         raise ApiError(400, "reasoning_format must be none, auto or deepseek", param="reasoning_format")
+    trace = body.get("trace")
+    if trace is not None and (not isinstance(trace, int) or isinstance(trace, bool) or not 1 <= trace <= MAX_TRACE_TOP):
+        raise ApiError(400, f"trace must be an integer in [1, {MAX_TRACE_TOP}]", param="trace")
     return dict(settings=settings_of(body, SAMPLING_FIELDS), on_overflow=on_overflow, grammar_origin=grammar_origin,
+                trace=trace,
                 split_reasoning=reasoning_format != "none", fit_history=body.get("fit_history") is True,
                 max_tokens=max_tokens_of(body.get("max_completion_tokens", body.get("max_tokens")), "max_tokens"),
                 stops=stops_of(body.get("stop")), constraint=constraint, logit_bias=logit_bias_of(body.get("logit_bias")),
@@ -248,6 +263,10 @@ class Reply:
 
     def keepalive(self) -> list[Item]:
         return [(COMMENT, "keep-alive")]  # OpenAI's clients skip SSE comments
+
+    def trace(self, index: int, event: TokenTrace) -> list[Item]:
+        """A traced token (llmcli's own `trace` field), as an SSE comment: `trace {…}` (openai_wire.trace_wire)."""
+        return [(COMMENT, "trace " + json.dumps(trace_wire(event), separators=(",", ":")))]
 
     def progress(self, event: Prefill) -> list[Item]:
         """A long prompt's progress, as an SSE comment (clients skip it; llmcli's reads it: a warm run's progress
