@@ -5,6 +5,7 @@ they send them; schemas as clients write them; max_tokens clamped to what fits; 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -123,7 +124,8 @@ def test_codex_s_responses_request_and_a_chat_client_s_new_fields_are_answered(s
     assert card["max_model_len"] == 2048  # the real limit, which a larger max_tokens is clamped to
     assert "num_ctx 2048" in HTTP.post(f"{server}/api/show", json={"model": "smollm2"}, timeout=30).json()["parameters"]
     said = SERVER_LOG[0].read_text()  # one line per answer on the server's stderr, as run's stats line
-    assert "POST /v1/responses · prompt " in said and "POST /v1/chat/completions · prompt " in said
+    assert re.search(r"POST /v1/responses req_\w+ · prompt ", said) and re.search(
+        r"POST /v1/chat/completions req_\w+ · prompt ", said)  # (each request's line, with its id)
     assert " · TTFT " in said and "stop: max tokens" in said
 
 
