@@ -276,8 +276,8 @@ WRITE = {"name": "write", "description": "Write a text.", "parameters": {
 def test_a_forced_call_that_repeats_itself_parses_or_is_marked_cut_on_every_route(server):
     """Issue 60: Claude Code's forced `Write` arrived as invalid JSON under an ordinary stop reason (`end_turn`,
     `stop`): the repetition guard cut the call, whose text loops. A call a grammar holds is never cut by a stop llmcli
-    adds: it parses, whole and streamed, on /v1/messages and /v1/chat/completions; one the limit cuts is marked so
-    in every protocol (`length`, `max_tokens`, an `incomplete` item; Ollama, which cannot force a call, in the test
+    adds: it parses on /v1/messages (streamed) and /v1/chat/completions (whole); one the limit cuts is marked so
+    in every protocol, whole and streamed (`length`, `max_tokens`, an `incomplete` item; Ollama, which cannot force a call, in the test
     below). The requests of each limit go at once (the server's slots decode them together)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -308,16 +308,15 @@ def test_a_forced_call_that_repeats_itself_parses_or_is_marked_cut_on_every_rout
         return openai.responses.create(model="smollm2", input=question[0]["content"], max_output_tokens=max_tokens,
                                        tools=[{"type": "function", **WRITE}], tool_choice="required")
 
-    with ThreadPoolExecutor(5) as pool:
-        whole = [pool.submit(messages, 300, False), pool.submit(messages, 300, True), pool.submit(chat, 300, False),
-                 pool.submit(chat, 300, True)]
+    with ThreadPoolExecutor(5) as pool:  # (the long calls once a route, streamed on one and whole on the other)
+        whole = [pool.submit(messages, 300, True), pool.submit(chat, 300, False)]
         cut = [pool.submit(messages, 30, False), pool.submit(messages, 30, True), pool.submit(chat, 30, False),
                pool.submit(chat, 30, True), pool.submit(responses, 30)]
         whole_found, cut_found = [f.result() for f in whole], [f.result() for f in cut]
-    for answer in whole_found[:2]:
-        assert answer.stop_reason == "tool_use" and answer.content[-1].input == {"text": LA}, answer.model_dump_json()
-    for finish, arguments in whole_found[2:]:
-        assert finish == "tool_calls" and json.loads(arguments) == {"text": LA}
+    answer = whole_found[0]
+    assert answer.stop_reason == "tool_use" and answer.content[-1].input == {"text": LA}, answer.model_dump_json()
+    finish, arguments = whole_found[1]
+    assert finish == "tool_calls" and json.loads(arguments) == {"text": LA}
     assert [answer.stop_reason for answer in cut_found[:2]] == ["max_tokens", "max_tokens"]
     for finish, arguments in cut_found[2:4]:
         assert finish == "length" and not arguments.endswith("}")  # (what was written, and the limit said as the end)
