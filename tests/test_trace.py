@@ -98,6 +98,45 @@ def test_a_warm_answer_s_trace_is_the_in_process_one(tmp_path):
     assert warm_events[0] == here_events[0]  # (the prompt: the same tokens, rendered here with the vocabulary)
 
 
+def test_chat_s_trace_command_traces_the_next_replies_until_it_is_turned_off():
+    """chat's `/trace on [N]` (through its warm server, the default): the next replies' steps on stderr, as run's;
+    `/trace off` ends it; a bad argument is one usage line."""
+    result = run_cli("chat", "--no-save", "--temp", "0", "-n", "4",
+                     input="/trace on 3\nSay hi.\n/trace off\nSay hi.\n/trace maybe\n")
+    assert result.code == 0, result.stderr
+    assert result.stderr.count("prefill · ") == 1 and result.stderr.count("summary · ") == 1, result.stderr
+    assert "#3 " in result.stderr and "#4 " not in result.stderr  # (-n 4: tokens 0 to 3)
+    assert "usage: /trace on [N]" in result.stderr
+
+
+def test_the_terminal_view_is_drawn_in_colour(monkeypatch):
+    """The view as a terminal shows it (FORCE_COLOR: the pieces' alternating backgrounds, the candidates dimmed, the
+    stages that changed in cyan), redrawn from its escape codes by rich into a picture:
+    LLMCLI_TRACE_SCREENSHOT=PATH writes the README's (an SVG)."""
+    import io
+    import os
+
+    from rich.console import Console
+    from rich.text import Text
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    result = run_cli("run", "--trace", "--temp", "0.7", "--top-k", "20", "--top-p", "0.9", "--seed", "4", "-n", "6",
+                     "Name a colour.", env={"COLUMNS": "112"})
+    assert result.code == 0, result.stderr
+    drawn = Text.from_ansi(result.stderr)
+    assert "\x1b[" in result.stderr and "top-k › top-p › temp" in drawn.plain and "summary · " in drawn.plain
+    styles = {str(span.style) for span in drawn.spans}
+    assert "color(6)" in styles and "dim" in styles and any("on " in style for style in styles)  # (cyan, dimmed,
+    # the pieces' backgrounds)
+    console = Console(record=True, width=112, force_terminal=True, color_system="truecolor", file=io.StringIO())
+    console.print(drawn, highlight=False)
+    svg = console.export_svg(title="llmcli run --trace")
+    assert svg.startswith("<svg") and "summary" in svg
+    if os.environ.get("LLMCLI_TRACE_SCREENSHOT"):
+        Path(os.environ["LLMCLI_TRACE_SCREENSHOT"]).write_text(svg)
+
+
 def test_trace_is_refused_where_it_cannot_see_the_sampler():
     for args, words in ((["--endpoint", "http://127.0.0.1:9/v1"], "--endpoint's server samples"),
                         (["--batch", "-"], "drop --trace")):

@@ -45,6 +45,7 @@ def help_text() -> str:
   /tools                the tools the model may call (--functions, --mcp)
   /image PATH           ask the next message about this picture (or drop an image file's path into a message)
   /stats                timings of the last reply and of the whole conversation
+  /trace on [N] | off   show each step of the next replies (prefill, every token with N candidates, the stop)
   /exit                 leave (or Ctrl-D)
 A line with only \"\"\" starts and ends a multi-line message; a line ending in \\ continues."""
 
@@ -61,6 +62,7 @@ class Repl:
         self.console = console
         self.quiet = quiet
         self.as_json = as_json
+        self.trace: int | None = None  # /trace on: candidates shown a token (run --trace's view, on stderr)
         self.images: list[ImageInput] = []  # /image: pictures the next message asks about
 
     # -- input -----------------------------------------------------------------------------
@@ -158,8 +160,13 @@ class Repl:
 
         sink = AnswerSink(as_json=self.as_json, extra={"model": self.conversation.model_name}, reasoning=self.reasoning,
                           markdown=self.markdown, color=self.color)
+        view = None
+        if self.trace is not None:
+            from llmcli.cli.trace_view import TraceView
+
+            view = TraceView(self.console, self.trace)
         with self.cancel.on_signals():
-            done = show_answer(events, sink, self.console, self.quiet, told)
+            done = show_answer(events, sink, self.console, self.quiet, told, view)
         self.cancel.signum = None  # Ctrl-C ended this reply, not the session
         if done is not None and done.finish_reason == "interrupted" and not (done.text or done.tool_calls):
             self.conversation.undo()  # stopped before the reply began: the question is not left unanswered in it
@@ -334,10 +341,27 @@ def _stats(repl: Repl, argument: str) -> None:
                        f"mean TTFT {ttft:.2f} s · mean decode {rate}")
 
 
+def _trace(repl: Repl, argument: str) -> None:
+    """/trace on [N] | off: run --trace's view for the next replies (their prompt is the conversation: its size in
+    the prefill line)."""
+    import dataclasses
+
+    words = argument.split()
+    if words[:1] == ["off"] and len(words) == 1:
+        repl.trace = None
+    elif words[:1] == ["on"] and len(words) <= 2 and (len(words) == 1 or words[1].isdigit() and 1 <= int(words[1]) <= 50):
+        repl.trace = int(words[1]) if len(words) == 2 else 5
+    else:
+        raise UsageError("usage: /trace on [N] (N candidates a token, 1-50; 5) | /trace off")
+    conversation = repl.conversation
+    conversation.generation = dataclasses.replace(conversation.generation, trace=repl.trace)
+    repl.console.print(f"trace {'on: ' + str(repl.trace) + ' candidates a token' if repl.trace else 'off'}")
+
+
 COMMANDS = {
     "help": _help, "?": _help, "system": _system, "set": _set, "show": _show, "clear": _clear,
     "undo": _undo, "retry": _retry, "save": _save, "load": _load, "stats": _stats, "history": _history, "tools": _tools,
-    "image": _image,
+    "image": _image, "trace": _trace,
 }
 
 

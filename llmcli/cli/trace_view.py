@@ -110,7 +110,7 @@ class TraceView:
         self.console.rule(f"summary · TTFT {stats.ttft_s:.3f} s · "
                           + (f"{tpot:.1f} ms/token · " if tpot is not None else "")
                           + (f"{rate:.1f} tok/s · " if rate is not None else "")
-                          + f"KV {used} of {self.n_ctx} cells", style="dim")
+                          + f"KV {used}" + (f" of {self.n_ctx} cells" if self.n_ctx else " cells"), style="dim")
 
     def _json(self, event: dict[str, Any]) -> None:
         if self.json_out is not None:
