@@ -183,6 +183,30 @@ def test_a_phone_sized_screen_keeps_the_conversation_usable_and_headings_render(
     page.context.close()
 
 
+def test_a_finished_answer_s_tokens_show_their_candidates_when_clicked(browser, server):
+    """Settings → Token candidates (issue 61): the page asks with llmcli's `trace` and reads the SSE comments every
+    other client skips; a finished answer's tokens are buttons, and one clicked shows its candidates as the model
+    scored them and as the sampler left them — text, never HTML — and the conversation keeps them."""
+    page = open_page(browser, server)
+    page.wait_for_selector("#model option", state="attached")
+    page.click("#settings summary")
+    page.check("#trace")
+    page.fill("#max_tokens", "6")
+    page.click("#settings summary")
+    send(page, "Say hi.")
+    answer = last_answer(page)
+    answer.locator(".stats").wait_for()
+    tokens = answer.locator("button.token")
+    assert tokens.count() == 6
+    assert "".join(tokens.all_text_contents()).strip() == answer.locator(".body").inner_text().strip()
+    tokens.nth(1).click()
+    detail = answer.locator(".token-detail")
+    assert detail.is_visible() and detail.locator("li").count() >= 1 and detail.locator("li.chosen").count() == 1
+    assert "model" in detail.inner_text() and "→ sampler" in detail.inner_text()
+    assert len(kept(page)[0]["messages"][-1]["tokens"]) == 6 and page.evaluate("window.violations") == []
+    page.context.close()
+
+
 def test_a_model_answer_with_html_runs_nothing(browser, server):
     page = open_page(browser, server)
     page.wait_for_selector("#model option", state="attached")

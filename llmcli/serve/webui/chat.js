@@ -7,6 +7,7 @@ const STORE = "llmcli.conversations";
 const SETTINGS = "llmcli.settings";
 const KEY = "llmcli.key";
 const NUMBERS = ["temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "seed"];
+const TRACE_TOP = 5; // candidates kept a token when the page asks for them
 
 const MAX_SIDE = 1024; // pictures are scaled down to this many pixels on their longer side before they are kept and sent
 
@@ -146,6 +147,7 @@ function messageView(message, index) {
   view.append(body);
   if (message.error) view.append(el("p", "error", message.error));
   if (message.stats) view.append(el("div", "stats", message.stats));
+  if (message.tokens && !(page.controller && index === page.current.messages.length - 1)) view.append(tokensView(message.tokens));
   const actions = el("div", "actions");
   const conv = page.current;
   if (message.role === "user") actions.append(button("Edit", "edit", () => edit(view, index)));
@@ -153,6 +155,51 @@ function messageView(message, index) {
     actions.append(button("Regenerate", "regenerate", regenerate));
   }
   view.append(actions);
+  return view;
+}
+
+// ---- token candidates (llmcli's `trace`) -------------------------------------------------------------------
+
+function pieceText(hex) {
+  const bytes = new Uint8Array(hex.length / 2);
+  for (let i = 0; i < bytes.length; i++) bytes[i] = parseInt(hex.slice(2 * i, 2 * i + 2), 16);
+  return new TextDecoder("utf-8").decode(bytes);  // (a piece that is part of a character shows U+FFFD)
+}
+
+function traced(wire) {
+  // The server's trace of one token (openai_wire.trace_wire), kept small: its text, how it was chosen, candidates.
+  return { piece: pieceText(wire.piece), special: wire.special, how: wire.how, p: wire.p, changed: wire.changed,
+    candidates: wire.candidates.slice(0, 2 * TRACE_TOP).map(([, piece, , pModel, pSampler]) =>
+      ({ piece: pieceText(piece), pModel, pSampler })) };
+}
+
+function tokensView(tokens) {
+  const view = el("div", "tokens");
+  view.append(el("div", "tokens-title", "tokens (click one)"));
+  const line = el("div", "token-line");
+  const detail = el("div", "token-detail");
+  detail.hidden = true;
+  tokens.forEach((token, i) => {
+    const span = el("button", "token" + (token.special ? " special" : "") + (i % 2 ? " odd" : ""),
+      token.piece.replace(/\n/g, "⏎"));
+    span.type = "button";
+    span.title = token.how + (token.how === "argmax" ? "" : " p=" + token.p.toFixed(3));
+    span.addEventListener("click", () => {
+      detail.hidden = false;
+      const rows = token.candidates.map((c) =>
+        el("li", c.piece === token.piece ? "chosen" : "",
+          JSON.stringify(c.piece) + "  model " + c.pModel.toFixed(3) + " → sampler " + c.pSampler.toFixed(3)));
+      const list = el("ol", "candidates");
+      list.append(...rows);
+      detail.replaceChildren(
+        el("div", "", "#" + i + " " + JSON.stringify(token.piece) + " · " + token.how +
+          (token.how === "argmax" ? "" : " p=" + token.p.toFixed(3)) +
+          (token.changed.length ? " · changed by " + token.changed.join(" › ") : "")),
+        list);
+    });
+    line.append(span);
+  });
+  view.append(line, detail);
   return view;
 }
 
@@ -220,11 +267,13 @@ function settings() {
   }
   const grammar = $("grammar").value;
   if (grammar.trim()) chosen.grammar = grammar;
+  if ($("trace").checked) chosen.trace = TRACE_TOP;  // (llmcli's own field: each token's candidates, in SSE comments)
   return chosen;
 }
 
 function keepSettings() {
-  const kept = { system: $("system").value, grammar: $("grammar").value, model: $("model").value };
+  const kept = { system: $("system").value, grammar: $("grammar").value, model: $("model").value,
+    trace: $("trace").checked };
   for (const name of NUMBERS) kept[name] = $(name).value;
   localStorage.setItem(SETTINGS, JSON.stringify(kept));
 }
@@ -289,6 +338,7 @@ async function answer() {
   const sent = conv.messages.map(wire);
   if (system) sent.unshift({ role: "system", content: system });
   const reply = { role: "assistant", content: "", reasoning: "" };
+  if ($("trace").checked) reply.tokens = [];
   conv.messages.push(reply);
   keepSettings();
   page.controller = new AbortController();
@@ -330,6 +380,10 @@ async function answer() {
         const event = buffer.slice(0, cut);
         buffer = buffer.slice(cut + 2);
         for (const line of event.split("\n")) {
+          if (line.startsWith(": trace {") && reply.tokens) {  // (a traced token: what the model and sampler made of it)
+            reply.tokens.push(traced(JSON.parse(line.slice(8))));
+            continue;
+          }
           if (!line.startsWith("data:")) continue;
           const data = line.slice(5).trim();
           if (data === "[DONE]") continue;
@@ -355,6 +409,7 @@ async function answer() {
   } finally {
     reply.stats = reply.error ? "" : statsLine(timings, finish, started, firstAt, pieces);
     if (!reply.reasoning) delete reply.reasoning;
+    if (reply.tokens && !reply.tokens.length) delete reply.tokens;
     page.controller = null;
     busy(false);
     save();
@@ -367,6 +422,7 @@ async function answer() {
 function start() {
   const kept = load(SETTINGS, {});
   for (const name of [...NUMBERS, "system", "grammar"]) if (kept[name] !== undefined) $(name).value = kept[name];
+  $("trace").checked = Boolean(kept.trace);
   page.current = page.conversations[0] || null;
   $("composer").addEventListener("submit", (event) => {
     event.preventDefault();
