@@ -32,6 +32,7 @@ def test_a_greedy_trace_shows_the_prompt_the_prefill_each_token_as_its_argmax_th
     assert prompt["count"] == len(prompt["tokens"]) == count  # (the tokens `llmcli count --chat` counts)
     assert prompt["parts"]["message"] == 3 and sum(prompt["parts"].values()) == count
     assert events[1]["evaluated"] + events[1]["cached"] == count and events[1]["kv_bytes"] > 0
+    assert events[1]["batches"] >= 1 and "evaluated in " in stderr
     tokens = [event for event in events if event["stage"] == "token"]
     assert [t["index"] for t in tokens] == list(range(len(tokens))) and tokens[0]["first"]
     assert "".join(t["chosen"]["piece"] for t in tokens if not t["chosen"]["special"]) == record["text"]
@@ -42,6 +43,8 @@ def test_a_greedy_trace_shows_the_prompt_the_prefill_each_token_as_its_argmax_th
     assert events[-2]["reason"] == record["finish_reason"] and events[-2]["shown"] == record["text"]
     assert events[-1]["ttft_s"] > 0 and events[-1]["kv_used"] == count + record["usage"]["completion_tokens"]
     assert "prompt · " in stderr and "TTFT" in stderr and "summary · " in stderr  # (the terminal view, on stderr)
+    ids = run_cli("run", "--trace", "--trace-ids", "--temp", "0", "-n", "1", PROMPT)
+    assert f"[{prompt['tokens'][0]['id']}]" in ids.stderr  # (--trace-ids: each prompt piece followed by its id)
 
 
 def test_top_p_keeps_the_smallest_set_that_reaches_p_and_its_probabilities_sum_to_one(tmp_path):

@@ -99,13 +99,14 @@ class Candidate:
 
 @dataclass(frozen=True)
 class PrefillTrace:
-    """How the prompt became a KV cache before the first token: tokens evaluated now, tokens reused, seconds, and
-    the cache's size after it (its cells of this sequence, in bytes)."""
+    """How the prompt became a KV cache before the first token: tokens evaluated now (in `batches` passes), tokens
+    reused, seconds, and the cache's size after it (its cells of this sequence, in bytes)."""
 
     evaluated: int
     cached: int
     seconds: float
     kv_bytes: int
+    batches: int = 0  # the passes (llama_decode calls) the evaluated tokens took
 
 
 @dataclass(frozen=True)

@@ -209,7 +209,8 @@ def trace_wire(trace: TokenTrace) -> dict[str, Any]:
         "seconds": trace.seconds, "note": trace.note,
         "candidates": [[c.token, c.piece.hex(), c.logprob, c.p_model, c.p_sampler] for c in trace.candidates]}
     if trace.prefill is not None:
-        found["prefill"] = [trace.prefill.evaluated, trace.prefill.cached, trace.prefill.seconds, trace.prefill.kv_bytes]
+        found["prefill"] = [trace.prefill.evaluated, trace.prefill.cached, trace.prefill.seconds, trace.prefill.kv_bytes,
+                            trace.prefill.batches]
     return found
 
 
@@ -226,7 +227,8 @@ def trace_of(wire: Any) -> TokenTrace | None:
                                     for t, piece, lp, pm, ps in candidates),
             tuple((str(name), int(kept)) for name, kept in wire["stages"]), tuple(str(n) for n in wire["changed"]),
             float(wire["seconds"]), str(wire.get("note") or ""),
-            PrefillTrace(int(prefill[0]), int(prefill[1]), float(prefill[2]), int(prefill[3])) if prefill else None)
+            PrefillTrace(int(prefill[0]), int(prefill[1]), float(prefill[2]), int(prefill[3]), int(prefill[4]))
+            if prefill else None)
     except (AttributeError, KeyError, TypeError, ValueError, IndexError):
         return None
 

@@ -80,6 +80,8 @@ TraceOpt = Annotated[bool, typer.Option(
     rich_help_panel=o.OUTPUT)]
 TraceTopOpt = Annotated[int, typer.Option("--trace-top", min=1, max=50, help="With --trace: candidates shown a token.",
                                           rich_help_panel=o.OUTPUT)]
+TraceIdsOpt = Annotated[bool, typer.Option("--trace-ids", help="With --trace: each prompt token's id after its piece.",
+                                           rich_help_panel=o.OUTPUT)]
 TraceJsonOpt = Annotated[Optional[Path], typer.Option(
     "--trace-json", help="Write the trace to this file as JSON lines, one event a step (prompt, prefill, token…, stop, "
     "summary); implies --trace.", dir_okay=False, show_default=False, rich_help_panel=o.OUTPUT)]
@@ -113,6 +115,7 @@ class RunOptions:
     cid: str | None = None
     trace: int | None = None  # --trace: candidates shown a token (None: no trace)
     trace_json: Path | None = None
+    trace_ids: bool = False
 
 
 def _variables(specs: list[str] | None) -> dict[str, str]:
@@ -159,6 +162,7 @@ def run(
     resume: ResumeOpt = None,
     trace: TraceOpt = False,
     trace_top: TraceTopOpt = 5,
+    trace_ids: TraceIdsOpt = False,
     trace_json: TraceJsonOpt = None,
     request: Request,
     tools: ToolOptions,
@@ -229,7 +233,7 @@ def run(
     if tracing:
         _traced(request, tools)
     options = RunOptions(show_prompt, as_json, quiet, continue_conversation, cid, trace_top if tracing else None,
-                         trace_json)
+                         trace_json, trace_ids)
     runner = tools.runner(console)
     with contextlib.ExitStack() as stack:
         if runner is not None:
@@ -353,5 +357,5 @@ def _trace_view(pipeline: Pipeline[Answerer], request: Request, message: Message
                                                  if tokenizer.template is not None else None)
     text = "".join(piece for _, piece, _ in tokens)
     history = [m.content for m in pipeline.session.history if isinstance(m.content, str)]
-    view.prompt(tokens, text, prompt_parts(text, system, history, message.text))
+    view.prompt(tokens, text, prompt_parts(text, system, history, message.text), options.trace_ids)
     return view

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from llmcli.answer.events import Done, TokenTrace
 from llmcli.answer.finish import described
+from llmcli.units import counted
 
 PIECE_STYLES = ("black on grey82", "black on light_sky_blue1")  # alternating: where one token ends and the next begins
 SPECIAL_STYLE = "bold magenta"
@@ -38,8 +39,9 @@ class TraceView:
     n_ctx: int = 0
     shown: list[TokenTrace] = field(default_factory=list)
 
-    def prompt(self, tokens: list[tuple[int, str, bool]], text: str, parts: list[PromptPart]) -> None:
-        """The prompt stage: its tokens as pieces (id, text, control), and the parts of the text."""
+    def prompt(self, tokens: list[tuple[int, str, bool]], text: str, parts: list[PromptPart], ids: bool = False) -> None:
+        """The prompt stage: its tokens as pieces (id, text, control), and the parts of the text; `ids`: each piece
+        followed by its id."""
         counts = {source: 0 for source in ("template", "system", "history", "message")}
         at = 0
         for _, piece, _ in tokens:
@@ -51,11 +53,13 @@ class TraceView:
         said = " · ".join(f"{source} {n}" for source, n in counts.items())
         self.console.rule(f"prompt · {len(tokens)} tokens ({said})", style="dim")
         drawn = Text()
-        for i, (_token, piece, special) in enumerate(tokens):
+        for i, (token, piece, special) in enumerate(tokens):
             if len(drawn) > MAX_SHOWN_PROMPT:
                 drawn.append(f" … {len(tokens) - i} tokens more", style="dim")
                 break
             shown = piece.replace("\n", "⏎\n") if not special else piece
+            if ids:
+                shown = shown.replace("\n", "") + f"[{token}]" + ("\n" if shown.endswith("\n") else "")
             drawn.append(shown, style=SPECIAL_STYLE if special else PIECE_STYLES[i % 2])
         self.console.print(drawn, highlight=False, markup=False)
 
@@ -64,9 +68,10 @@ class TraceView:
         if trace.prefill is not None:
             prefill = trace.prefill
             self._json({"stage": "prefill", "evaluated": prefill.evaluated, "cached": prefill.cached,
-                        "seconds": round(prefill.seconds, 6), "kv_bytes": prefill.kv_bytes})
-            self.console.rule(f"prefill · {prefill.evaluated} evaluated · {prefill.cached} reused · "
-                              f"{prefill.seconds:.3f} s · KV {prefill.kv_bytes / 2**20:.2f} MiB", style="dim")
+                        "batches": prefill.batches, "seconds": round(prefill.seconds, 6), "kv_bytes": prefill.kv_bytes})
+            self.console.rule(f"prefill · {prefill.evaluated} evaluated in {counted(prefill.batches, 'batch', 'batches')} · "
+                              f"{prefill.cached} reused · {prefill.seconds:.3f} s · KV {prefill.kv_bytes / 2**20:.2f} MiB",
+                              style="dim")
         self.shown.append(trace)
         piece = _text(trace.piece)
         self._json({"stage": "token", "index": trace.index, "first": trace.index == 0,

@@ -252,6 +252,7 @@ class Scheduler:
         for chunk in plan.prompt_chunks:
             slot = chunk.slot
             slot.prefilled = chunk.end
+            slot.prefill_passes += 1
             if slot.prefill_threads is None:
                 slot.prefill_threads = engine.n_threads  # (the pass's: adapt_threads comes after it)
             self.totals.prefill_tokens += chunk.end - chunk.begin
@@ -363,7 +364,7 @@ class Scheduler:
         if not slot.sampled:
             started = clock.prefill_started or now
             prefill = PrefillTrace(slot.prefilled - slot.cached, slot.cached, (clock.prefill_done or now) - started,
-                                   self.engine.kv.seq_bytes(slot.seq))
+                                   self.engine.kv.seq_bytes(slot.seq), slot.prefill_passes)
             since = clock.submitted
         self.traced.append((slot, TokenTrace(slot.sampled, token, vocab.piece(token, special=True),
                                              vocab.is_control(token), traced.how, traced.p, traced.candidates,

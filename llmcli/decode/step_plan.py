@@ -40,6 +40,7 @@ class Slot:
     forced: list[int] = field(default_factory=list)  # tokens the loop writes next, unsampled (a think block's close)
     thinking_closed: bool = False  # its think block was closed at --think-budget
     prefill_threads: int | None = None  # llama.cpp threads its first prompt chunk was evaluated on
+    prefill_passes: int = 0  # the passes its prompt's chunks were evaluated in
     record: list[tuple[int, Any]] | None = None  # each sampled token and its logprob (an answer a restart resumes)
     replayed: int = 0  # the prompt ends with this many tokens of the answer, sampled before a restart (resumed)
     scores: list[Any] | None = None  # each prompt token's logprob after the first, as its chunks are evaluated (echo)
