@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -41,8 +42,12 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
         sampler.first_bias = ()
     logits = np.ctypeslib.as_array(pointer, shape=(n_vocab,)).astype(np.float64)
     model = logits - logits.max()
-    model -= math.log(float(np.exp(model).sum()))  # the model's log-probabilities (the first token's lead included)
-    stages, changed, final, token, note = _through(sampler.chain, logits)
+    exp = np.exp(model)
+    total = float(exp.sum())
+    model -= math.log(total)  # the model's log-probabilities (the first token's lead included)
+    p_model = exp / total  # (the distribution before any stage: no softmax of the whole vocabulary again)
+    buffer = _candidates(sampler, n_vocab)
+    stages, changed, final, token, note = _through(sampler.chain, logits, p_model, buffer)
     if sampler.grammar is not None:  # (the lazy check: the grammar alone on the chosen token; rejected, sampled again)
         one = llama_cpp.llama_token_data(token, 1.0, 0.0)
         array = llama_cpp.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
@@ -51,39 +56,51 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
             llama_cpp.llama_sampler_accept(sampler.constrained, token)
         else:
             refused = vocab.piece(token, special=True).decode("utf-8", "replace")
-            stages, changed, final, token, _ = _through(sampler.constrained, logits)
+            stages, changed, final, token, _ = _through(sampler.constrained, logits, p_model, buffer)
             note = f"the grammar refused {refused!r}: sampled again under it"
         llama_cpp.llama_sampler_accept(sampler.grammar, token)
     greedy = any(name == "greedy" for name, _ in stages)
     chosen = {token}
     if n_top:
         k = min(n_top, n_vocab) - 1
-        kept = np.flatnonzero(final)  # (those the chain left: the most likely of them, never a masked one)
-        if len(kept) > n_top:
-            kept = kept[np.argpartition(-final[kept], n_top - 1)[:n_top]]
-        chosen.update(np.argpartition(-model, k)[:n_top].tolist(), kept.tolist())
+        chosen.update(np.argpartition(-model, k)[:n_top].tolist())
+        if final is not p_model:  # (no stage changed anything: the sampler's most likely are the model's)
+            kept = np.flatnonzero(final)  # (those the chain left: the most likely of them, never a masked one)
+            if len(kept) > n_top:
+                kept = kept[np.argpartition(-final[kept], n_top - 1)[:n_top]]
+            chosen.update(kept.tolist())
     candidates = sorted((Candidate(t, vocab.piece(t, special=True), float(model[t]), math.exp(float(model[t])),
                                    float(final[t])) for t in chosen), key=lambda c: (-c.p_sampler, -c.p_model))
     return Traced(token, "argmax" if greedy else "drawn", float(final[token]), tuple(candidates), stages, changed,
                   note)
 
 
-def _through(chain: object, logits: np.ndarray) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...],
-                                                         np.ndarray, int, str]:
+def _candidates(sampler: Sampler, n_vocab: int) -> tuple[Any, np.ndarray]:
+    """The candidate array a traced sampler fills each token, and its numpy view (made once for it: 12 bytes a
+    vocabulary entry)."""
+    found = getattr(sampler, "_traced_candidates", None)
+    if found is None or len(found[0]) != n_vocab:
+        data = (llama_cpp.llama_token_data * n_vocab)()
+        found = (data, np.ctypeslib.as_array(data))
+        sampler._traced_candidates = found  # type: ignore[attr-defined]
+    return found
+
+
+def _through(chain: object, logits: np.ndarray, p_model: np.ndarray, buffer: tuple[Any, np.ndarray]) -> tuple[
+        tuple[tuple[str, int], ...], tuple[str, ...], np.ndarray, int, str]:
     """Apply each sampler of `chain` in turn to the candidates (all of the vocabulary): each stage and the candidates
     it left, the stages that changed the distribution, the final distribution (before the selecting stage: a
     probability per token id, 0 for those removed or masked), the token selected (accepted by the chain, as
     llama_sampler_sample does)."""
     n_vocab = len(logits)
-    data = (llama_cpp.llama_token_data * n_vocab)()
-    view = np.ctypeslib.as_array(data)
+    data, view = buffer
     view["id"] = np.arange(n_vocab)
     view["logit"] = logits
     view["p"] = 0.0
     array = llama_cpp.llama_token_data_array(data, n_vocab, -1, False)
     stages: list[tuple[str, int]] = []
     changed: list[str] = []
-    before = final = _distribution(view, n_vocab, n_vocab)
+    before = final = p_model
     for i in range(llama_cpp.llama_sampler_chain_n(chain)):
         stage = llama_cpp.llama_sampler_chain_get(chain, i)
         name = (llama_cpp.llama_sampler_name(stage) or b"?").decode()
