@@ -81,6 +81,9 @@ class TraceView:
                     "candidates": [{"id": c.token, "piece": _text(c.piece), "logprob": c.logprob,
                                     "p_model": c.p_model, "p_sampler": c.p_sampler} for c in trace.candidates]})
         when = f"TTFT {trace.seconds:.3f} s" if trace.index == 0 else f"{1000 * trace.seconds:5.1f} ms"
+        if not self.console.is_terminal:  # (piped: the same line as plain text, without rich's rendering a token)
+            self.console.file.write(self._plain(trace, piece, when) + "\n")
+            return
         line = Text(f"#{trace.index:<3} {when}  ")
         line.append(repr(piece), style=SPECIAL_STYLE if trace.special else "bold")
         line.append(f" {trace.how}" + (f" p={trace.p:.3f}" if trace.how != "argmax" else ""))
@@ -91,6 +94,15 @@ class TraceView:
         shown = "  ".join(f"{_text(c.piece)!r} {c.p_model:.2f}→{c.p_sampler:.2f}" for c in trace.candidates[:self.top])
         line.append(f"  │ {shown}", style="dim")
         self.console.print(line, highlight=False, markup=False, overflow="ellipsis", no_wrap=True)
+
+    def _plain(self, trace: TokenTrace, piece: str, when: str) -> str:
+        parts = [f"#{trace.index:<3} {when}  {piece!r} {trace.how}" + (f" p={trace.p:.3f}" if trace.how != "argmax" else "")]
+        if trace.changed:
+            parts.append(" › ".join(trace.changed))
+        if trace.note:
+            parts.append(trace.note)
+        parts.append("  ".join(f"{_text(c.piece)!r} {c.p_model:.2f}→{c.p_sampler:.2f}" for c in trace.candidates[:self.top]))
+        return "  │ ".join(parts)
 
     def done(self, done: Done) -> None:
         """The stop and the summary."""

@@ -40,12 +40,12 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
         for token_id, bias in sampler.first_bias:
             pointer[token_id] += bias
         sampler.first_bias = ()
-    logits = np.ctypeslib.as_array(pointer, shape=(n_vocab,)).astype(np.float64)
+    logits = np.ctypeslib.as_array(pointer, shape=(n_vocab,)).copy()  # (float32, as llama.cpp's: the chain reads it)
     model = logits - logits.max()
     exp = np.exp(model)
-    total = float(exp.sum())
-    model -= math.log(total)  # the model's log-probabilities (the first token's lead included)
-    p_model = exp / total  # (the distribution before any stage: no softmax of the whole vocabulary again)
+    total = float(exp.sum(dtype=np.float64))
+    model -= np.float32(math.log(total))  # the model's log-probabilities (the first token's lead included)
+    p_model = exp / np.float32(total)  # (the distribution before any stage: no softmax of the whole vocabulary again)
     buffer = _candidates(sampler, n_vocab)
     stages, changed, final, token, note = _through(sampler.chain, logits, p_model, buffer)
     if sampler.grammar is not None:  # (the lazy check: the grammar alone on the chosen token; rejected, sampled again)
