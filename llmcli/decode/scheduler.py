@@ -27,18 +27,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcli.answer.events import DecodeEvent, Prefill, PrefillTrace, TokenLogprob, TokenTrace
+from llmcli.answer.events import DecodeEvent, Prefill, TokenLogprob, TokenTrace
 from llmcli.answer.generation import Answer, GenerationOptions
 from llmcli.answer.images import has_images, image_start, text_before_image
 from llmcli.answer.reasoning import CLOSE as THINK_CLOSE
 from llmcli.answer.stats import AnswerClock
+from llmcli.decode.observed import score_chunk, token_trace
 from llmcli.decode.speculative import Candidate, Drafter, Speculation, choose_drafts
 from llmcli.decode.step_plan import Chunk, Event, Planned, Slot, StepPlan, StepTotals
 from llmcli.errors import LlmcliError
 from llmcli.llama.batch import Batch
 from llmcli.llama.engine import Engine
 from llmcli.llama.logprobs import token_logprob
-from llmcli.llama.sampler_trace import Traced, sample_traced
+from llmcli.llama.sampler_trace import sample_traced
 from llmcli.llama.schema_grammar import with_tool_grammar
 
 
@@ -261,7 +262,7 @@ class Scheduler:
             elif slot.prefilled == slot.split_at and not kv.checkpoint_here(slot.seq):
                 slot.prefilled = slot.cached = 0  # llama.cpp refused its own state: evaluate the prompt again
         for chunk, row in self._scored:
-            self._score(chunk, row)
+            score_chunk(engine, chunk, row)
         n_passed = plan.n_tokens
         if not plan.prompt_chunks:
             self.speculation.cost.observe_pass(n_passed, elapsed)
@@ -278,14 +279,6 @@ class Scheduler:
             if slot.answer.finish is not None:
                 events += self.finish(slot, slot.answer.finish)
         return events
-
-    def _score(self, chunk: Chunk, row: int) -> None:
-        """Each evaluated prompt token's logits score the prompt token after it (a completion's echo)."""
-        slot, vocab = chunk.slot, self.engine.vocab
-        assert slot.scores is not None and slot.options.prompt_logprobs is not None
-        n_top, ctx = slot.options.prompt_logprobs, self.engine.llama_context
-        for pos in range(chunk.begin, min(chunk.end, len(slot.prompt) - 1)):
-            slot.scores.append(token_logprob(ctx, vocab, row + pos - chunk.begin, slot.prompt[pos + 1], n_top))
 
     def _drafts(self, decoding: list[Slot]) -> dict[int, tuple[list[int], int]]:
         candidates = []
@@ -321,8 +314,8 @@ class Scheduler:
                                                                                 slot.options.trace)
                 token = sampler.sample(first + i) if traced is None else traced.token
                 self.sampling = None
-                if traced is not None:
-                    self._trace(slot, token, traced)
+                if traced is not None:  # (its event, for the client to take before the text)
+                    self.traced.append((slot, token_trace(self.engine, slot, token, traced)))
             slot.sampled += 1
             n_top = slot.options.logprobs
             logprob = None if n_top is None else token_logprob(sampler.ctx, vocab, first + i, token, n_top)
@@ -355,20 +348,6 @@ class Scheduler:
             share_s = elapsed * (1 + len(draft)) / n_batch
             drafter.account(slot.draft_source, share_s, plain_s, i + 1, bool(draft), i == len(draft))
         return i + 1
-
-    def _trace(self, slot: Slot, token: int, traced: Traced) -> None:
-        """A traced token's event (the first carries the prefill), for the client to take before its text."""
-        now, clock, vocab = time.perf_counter(), slot.clock, self.engine.vocab
-        since = clock.last_token or clock.prefill_done or clock.prefill_started or now
-        prefill = None
-        if not slot.sampled:
-            started = clock.prefill_started or now
-            prefill = PrefillTrace(slot.prefilled - slot.cached, slot.cached, (clock.prefill_done or now) - started,
-                                   self.engine.kv.seq_bytes(slot.seq), slot.prefill_passes)
-            since = clock.submitted
-        self.traced.append((slot, TokenTrace(slot.sampled, token, vocab.piece(token, special=True),
-                                             vocab.is_control(token), traced.how, traced.p, traced.candidates,
-                                             traced.stages, traced.changed, now - since, traced.note, prefill)))
 
     def _close_thinking(self) -> list[int]:
         """The tokens that close a think block and begin the answer (--think-budget), as this vocabulary writes them."""
