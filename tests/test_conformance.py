@@ -71,7 +71,11 @@ ROWS = [
     ("--no-think, guard", ("think", "think_budget", "repetition_guard", "call_preference", "call_gain"),
      ["--no-think", "--think-budget", "8", "--no-repetition-guard", "--call-preference", "1", "--call-gain", "2"]),
     ("-n past the context", ("max_tokens",), ["-n", "5000"]),
+    ("tools, auto's lead", ("--functions", "call_preference", "call_gain"),  # (a warm run dropped the lead)
+     ["--functions", "{functions}", "--tool-choice", "auto", "--call-preference", "30", "--call-gain", "0",
+      "--chain-limit", "0", "-n", "160"]),  # (the call: ~50 tokens on AVX2, its room on any CPU)
 ]
+FUNCTIONS = 'def lookup(word: str) -> str:\n    """Look a word up."""\n    return word\n'
 PATHS = ("in-process", "warm", "chat", "--batch", "--endpoint serve")
 
 
@@ -112,8 +116,12 @@ def _same_answer(record: dict, reference: dict, named_by_server: bool = False) -
         return [f"error: {record['error']}"]
     differences = [key for key in ("text", "finish_reason", "stop_sequence", "format_error", "model")
                    if record.get(key) != reference.get(key) and (key != "model" or "model" in record and not named_by_server)]
-    differences += [f"usage.{key}" for key in ("prompt_tokens", "completion_tokens")
-                    if record["usage"][key] != reference["usage"][key]]
+    calls = [[(c["name"], json.loads(c["arguments"])) for c in r.get("tool_calls") or ()] for r in (record, reference)]
+    if calls[0] != calls[1]:
+        differences.append(f"tool_calls {calls[0]} != {calls[1]}")
+    counted = ("prompt_tokens",) if calls[1] else ("prompt_tokens", "completion_tokens")  # (a call's JSON is held by
+    differences += [f"usage.{key}" for key in counted  # its grammar, which any tokenization spells: slots and one
+                    if record["usage"][key] != reference["usage"][key]]  # sequence round differently)
     if record["timings"].get("seed") != reference["timings"].get("seed"):
         differences.append("timings.seed")
     notices = [[n for n in r.get("notices", []) if not n.startswith(WARM_NOTICES)] for r in (record, reference)]
@@ -134,13 +142,15 @@ def test_every_setting_has_a_row():
     assert answer_settings - {"on_overflow"} <= covered, sorted(answer_settings - covered)  # (on_overflow: its own test)
 
 
-def test_every_path_gives_the_in_process_answer(paths, capsys):
+def test_every_path_gives_the_in_process_answer(paths, capsys, tmp_path):
     yes = json.loads(run_cli("tokenize", "--json", "yes").stdout)["ids"]
     assert len(yes) == 1
+    functions = tmp_path / "functions.py"
+    functions.write_text(FUNCTIONS)
     cells: dict[tuple[str, str], str] = {}
     wrong = []
     for name, _, template in ROWS:
-        args = [a.replace("{yes}", str(yes[0])) for a in template]
+        args = [a.replace("{yes}", str(yes[0])).replace("{functions}", str(functions)) for a in template]
         code, reference, err = _answer(paths["in-process"], args, "in-process")
         assert code == 0, f"{name}: {err}"
         cells[name, "in-process"] = "same"
