@@ -140,7 +140,9 @@ def test_the_terminal_view_is_drawn_in_colour(monkeypatch):
         Path(os.environ["LLMCLI_TRACE_SCREENSHOT"]).write_text(svg)
 
 
-def test_trace_is_refused_where_it_cannot_see_the_sampler():
+def test_trace_is_refused_where_it_cannot_see_the_sampler(tmp_path):
+    unwritable = run_cli("run", "--trace-json", str(tmp_path / "no" / "such" / "t.jsonl"), PROMPT)
+    assert unwritable.code == 2 and unwritable.stderr.startswith("Error: --trace-json") and "Traceback" not in unwritable.stderr
     for args, words in ((["--endpoint", "http://127.0.0.1:9/v1"], "--endpoint's server samples"),
                         (["--batch", "-"], "drop --trace")):
         result = run_cli("run", "--trace", *args, *([] if "--batch" in args else [PROMPT]), input="hi\n")

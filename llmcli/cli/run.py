@@ -340,14 +340,14 @@ def _trace_view(pipeline: Pipeline[Answerer], request: Request, message: Message
     from llmcli.pipeline.local import open_tokenizer
     from llmcli.prompt.chat_template import default_system
 
+    assert options.trace is not None
+    shown = shown_prompt(pipeline, request, message.text, None, message.images)
     out = None
-    if options.trace_json is not None:
+    if options.trace_json is not None:  # (opened once the prompt is known: a prompt refused leaves no file)
         try:
             out = options.trace_json.open("w", encoding="utf-8")
         except OSError as exc:
             raise UsageError(f"--trace-json {options.trace_json}: {exc.strerror or exc}") from None
-    assert options.trace is not None
-    shown = shown_prompt(pipeline, request, message.text, None, message.images)
     view = TraceView(console, options.trace, out, shown.n_ctx)
     with open_tokenizer(request) as tokenizer:
         vocab = tokenizer.vocabulary.vocab
