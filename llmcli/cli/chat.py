@@ -83,6 +83,9 @@ def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, requ
 
         repl = Repl(conversation, pipeline.cancel, console, quiet, as_json, pipeline.settings["reasoning"],
                     pipeline.settings["markdown"], pipeline.settings["answer_color"])
+        from llmcli.cli.trace_view import open_trace
+
+        repl.open_trace = lambda text, images, top: open_trace(pipeline, request, text, images, top, console)
         interactive = sys.stdin is not None and sys.stdin.isatty()
         repl.interactive() if interactive else repl.lines()
         if not no_save:

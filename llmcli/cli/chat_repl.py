@@ -13,13 +13,14 @@ from llmcli.errors import UsageError
 from llmcli.units import counted
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from rich.console import Console
 
     from llmcli.answer.events import AnswerEvent, Done
     from llmcli.answer.images import ImageInput
     from llmcli.chat.conversation import Conversation
+    from llmcli.cli.trace_view import TraceView
     from llmcli.interrupt import Cancellation
 
 
@@ -45,7 +46,7 @@ def help_text() -> str:
   /tools                the tools the model may call (--functions, --mcp)
   /image PATH           ask the next message about this picture (or drop an image file's path into a message)
   /stats                timings of the last reply and of the whole conversation
-  /trace on [N] | off   show each step of the next replies (prefill, every token with N candidates, the stop)
+  /trace on [N] | off   show each step of the next replies (the prompt, every token with N candidates, the stop)
   /exit                 leave (or Ctrl-D)
 A line with only \"\"\" starts and ends a multi-line message; a line ending in \\ continues."""
 
@@ -63,6 +64,8 @@ class Repl:
         self.quiet = quiet
         self.as_json = as_json
         self.trace: int | None = None  # /trace on: candidates shown a token (run --trace's view, on stderr)
+        # the trace's view of a message, its prompt stage shown (chat sets it: the prompt after the conversation)
+        self.open_trace: Callable[[str, tuple[ImageInput, ...], int], TraceView] | None = None
         self.images: list[ImageInput] = []  # /image: pictures the next message asks about
 
     # -- input -----------------------------------------------------------------------------
@@ -148,7 +151,8 @@ class Repl:
             print_notice(self.console, failure)
         return True
 
-    def reply(self, events: Iterable[AnswerEvent]) -> None:
+    def reply(self, events: Iterable[AnswerEvent], view: TraceView | None = None) -> None:
+        """Show a reply (with /trace on, through `view`, or a view without the prompt stage)."""
         from llmcli.cli.output import print_error
         from llmcli.cli.stream import AnswerSink, show_answer
 
@@ -160,8 +164,7 @@ class Repl:
 
         sink = AnswerSink(as_json=self.as_json, extra={"model": self.conversation.model_name}, reasoning=self.reasoning,
                           markdown=self.markdown, color=self.color)
-        view = None
-        if self.trace is not None:
+        if view is None and self.trace is not None:
             from llmcli.cli.trace_view import TraceView
 
             view = TraceView(self.console, self.trace)
@@ -181,7 +184,8 @@ def _message(repl: Repl, text: str) -> None:
     repl.images = []
     if paths:
         repl.console.print(f"[{', '.join(image.source for image in images)}: asked about with this message]")
-    repl.reply(repl.conversation.ask(text, images))
+    view = repl.open_trace(text, images, repl.trace) if repl.trace is not None and repl.open_trace else None
+    repl.reply(repl.conversation.ask(text, images), view)
 
 
 def _image(repl: Repl, argument: str) -> None:
@@ -342,8 +346,8 @@ def _stats(repl: Repl, argument: str) -> None:
 
 
 def _trace(repl: Repl, argument: str) -> None:
-    """/trace on [N] | off: run --trace's view for the next replies (their prompt is the conversation: its size in
-    the prefill line)."""
+    """/trace on [N] | off: run --trace's view for the next replies (a message's prompt after the conversation first;
+    /retry's reply from its prefill)."""
     import dataclasses
 
     words = argument.split()

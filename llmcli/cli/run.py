@@ -6,7 +6,7 @@ import contextlib
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -296,7 +296,10 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
         start = len(session.history)
         view = None
         if options.trace is not None:
-            view = _trace_view(pipeline, request, message, options, console)
+            from llmcli.cli.trace_view import open_trace
+
+            view = open_trace(pipeline, request, message.text, message.images, options.trace, console,
+                              options.trace_json, options.trace_ids)
             generation = replace(generation, trace=options.trace)
 
         def logged(done: Done) -> None:  # in the answer log, and in the conversation's record for run -C
@@ -331,31 +334,3 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
         raise InvalidAnswer(format_error, hint="Raise -n, or simplify the schema; --json records the reason.")
     raise typer.Exit(ExitCode.OK)
 
-
-def _trace_view(pipeline: Pipeline[Answerer], request: Request, message: Message, options: RunOptions,
-                console: Console) -> Any:
-    """The trace's view, its prompt stage shown: the prompt as the model will read it, token by token."""
-    from llmcli.cli.trace_view import TraceView, prompt_parts
-    from llmcli.pipeline import shown_prompt
-    from llmcli.pipeline.local import open_tokenizer
-    from llmcli.prompt.chat_template import default_system
-
-    assert options.trace is not None
-    shown = shown_prompt(pipeline, request, message.text, None, message.images)
-    out = None
-    if options.trace_json is not None:  # (opened once the prompt is known: a prompt refused leaves no file)
-        try:
-            out = options.trace_json.open("w", encoding="utf-8")
-        except OSError as exc:
-            raise UsageError(f"--trace-json {options.trace_json}: {exc.strerror or exc}") from None
-    view = TraceView(console, options.trace, out, shown.n_ctx)
-    with open_tokenizer(request) as tokenizer:
-        vocab = tokenizer.vocabulary.vocab
-        tokens = [(t, vocab.piece(t, special=True).decode("utf-8", "replace") if t >= 0 else "<image>",
-                   t >= 0 and vocab.is_control(t)) for t in shown.rendered.tokens]
-        system = pipeline.settings["system"] or (default_system(tokenizer.template, vocab.bos_text, vocab.eos_text)
-                                                 if tokenizer.template is not None else None)
-    text = "".join(piece for _, piece, _ in tokens)
-    history = [m.content for m in pipeline.session.history if isinstance(m.content, str)]
-    view.prompt(tokens, text, prompt_parts(text, system, history, message.text), options.trace_ids)
-    return view

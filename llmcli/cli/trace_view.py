@@ -7,14 +7,21 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import IO, Any
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.text import Text
 
 from llmcli.answer.events import Done, TokenTrace
 from llmcli.answer.finish import described
+from llmcli.errors import UsageError
 from llmcli.units import counted
+
+if TYPE_CHECKING:
+    from llmcli.answer.answerer import Answerer
+    from llmcli.answer.images import ImageInput
+    from llmcli.pipeline import Pipeline, Request
 
 PIECE_STYLES = ("black on grey82", "black on light_sky_blue1")  # alternating: where one token ends and the next begins
 SPECIAL_STYLE = "bold magenta"
@@ -155,3 +162,32 @@ def prompt_parts(text: str, system: str | None, history: list[str], message: str
         if found >= at:
             parts.append(PromptPart("message", found, found + len(message)))
     return parts
+
+
+def open_trace(pipeline: Pipeline[Answerer], request: Request, text: str | None, images: tuple[ImageInput, ...],
+               top: int, console: Console, json_path: Path | None = None, ids: bool = False) -> TraceView:
+    """A trace's view with its prompt stage shown: the prompt of `text` after the conversation, as the model will
+    read it, token by token (run --trace, chat's /trace on). The JSON file is opened once the prompt is known (a
+    prompt refused leaves no file)."""
+    from llmcli.pipeline import shown_prompt
+    from llmcli.pipeline.local import open_tokenizer
+    from llmcli.prompt.chat_template import default_system
+
+    shown = shown_prompt(pipeline, request, text, None, images)
+    out = None
+    if json_path is not None:
+        try:
+            out = json_path.open("w", encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"--trace-json {json_path}: {exc.strerror or exc}") from None
+    view = TraceView(console, top, out, shown.n_ctx)
+    with open_tokenizer(request) as tokenizer:
+        vocab = tokenizer.vocabulary.vocab
+        tokens = [(t, vocab.piece(t, special=True).decode("utf-8", "replace") if t >= 0 else "<image>",
+                   t >= 0 and vocab.is_control(t)) for t in shown.rendered.tokens]
+        system = pipeline.settings["system"] or (default_system(tokenizer.template, vocab.bos_text, vocab.eos_text)
+                                                 if tokenizer.template is not None else None)
+    whole = "".join(piece for _, piece, _ in tokens)
+    history = [m.content for m in pipeline.session.history if isinstance(m.content, str)]
+    view.prompt(tokens, whole, prompt_parts(whole, system, history, text), ids)
+    return view
