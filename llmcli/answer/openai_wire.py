@@ -12,16 +12,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from llmcli.answer.answer_text import StopMatcher
-from llmcli.answer.events import (
-    MAX_TOP_LOGPROBS,
-    Candidate,
-    Done,
-    Prefill,
-    PrefillTrace,
-    Token,
-    TokenLogprob,
-    TokenTrace,
-)
+from llmcli.answer.events import MAX_TOP_LOGPROBS, Done, Prefill, Token, TokenLogprob, TokenTrace
 from llmcli.answer.finish import from_openai
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.image_bytes import ImageError, decode_data
@@ -31,6 +22,7 @@ from llmcli.answer.sampling_config import ANSWER_FIELDS, WIRE_FIELDS
 from llmcli.answer.stats import AnswerClock
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
 from llmcli.answer.tool_calls import ToolCall, ToolSpec, new_call_id
+from llmcli.answer.trace_wire import trace_of
 
 # request fields -> llmcli settings: OpenAI's names, and llama-server's (llmcli's) for the rest
 SAMPLING_FIELDS = {wire: name for name, wire in WIRE_FIELDS.items()}
@@ -195,42 +187,6 @@ def timings(done: Done) -> dict[str, Any]:
 
 
 # -- an answer, read -------------------------------------------------------------------------------------
-
-
-MAX_TRACE_TOP = 50  # candidates a traced token may carry (run --trace-top's limit)
-
-
-def trace_wire(trace: TokenTrace) -> dict[str, Any]:
-    """A traced token as llmcli serve sends it (an SSE comment `trace {…}`: other clients skip it); pieces in hex
-    (a piece may be part of a character)."""
-    found: dict[str, Any] = {
-        "index": trace.index, "token": trace.token, "piece": trace.piece.hex(), "special": trace.special,
-        "how": trace.how, "p": trace.p, "stages": [list(stage) for stage in trace.stages], "changed": list(trace.changed),
-        "seconds": trace.seconds, "note": trace.note,
-        "candidates": [[c.token, c.piece.hex(), c.logprob, c.p_model, c.p_sampler] for c in trace.candidates]}
-    if trace.prefill is not None:
-        found["prefill"] = [trace.prefill.evaluated, trace.prefill.cached, trace.prefill.seconds, trace.prefill.kv_bytes,
-                            trace.prefill.batches]
-    return found
-
-
-def trace_of(wire: Any) -> TokenTrace | None:
-    """A traced token read back (None: not the shape `trace_wire` writes)."""
-    try:
-        prefill = wire.get("prefill")
-        candidates = wire["candidates"]
-        if not isinstance(candidates, list) or len(candidates) > 2 * MAX_TRACE_TOP + 1:
-            return None
-        return TokenTrace(
-            int(wire["index"]), int(wire["token"]), bytes.fromhex(wire["piece"]), bool(wire["special"]), str(wire["how"]),
-            float(wire["p"]), tuple(Candidate(int(t), bytes.fromhex(piece), float(lp), float(pm), float(ps))
-                                    for t, piece, lp, pm, ps in candidates),
-            tuple((str(name), int(kept)) for name, kept in wire["stages"]), tuple(str(n) for n in wire["changed"]),
-            float(wire["seconds"]), str(wire.get("note") or ""),
-            PrefillTrace(int(prefill[0]), int(prefill[1]), float(prefill[2]), int(prefill[3]), int(prefill[4]))
-            if prefill else None)
-    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
-        return None
 
 
 class ChunkReader:

@@ -35,8 +35,9 @@ from llmcli.answer.images import ImageInput
 from llmcli.answer.message import Message
 from llmcli.answer.sampling_config import SETTING_FIELDS
 from llmcli.chat.saved import HISTORY_RECORDS, apply_to_history
+from llmcli.config.setting import show_value
 from llmcli.config.setting_values import parse_text
-from llmcli.config.settings import SETTINGS, check_value, show_value, unknown_hint
+from llmcli.config.settings import SETTINGS, check_value, unknown_hint
 from llmcli.errors import UsageError
 from llmcli.interrupt import Cancellation
 from llmcli.store import answer_log

@@ -42,7 +42,7 @@ from llmcli.answer.shared_prefix import shared_prefix
 from llmcli.answer.stats import AnswerClock
 from llmcli.answer.tool_calls import ToolSpec, detect_format
 from llmcli.config.settings import default
-from llmcli.decode import batch_run
+from llmcli.decode import batch_run, one_answer
 from llmcli.decode.prompt_cache import PromptCache
 from llmcli.decode.scheduler import Scheduler
 from llmcli.decode.serving import SlotServer
@@ -265,7 +265,7 @@ class Session:
         seed = options.sampling.effective_seed()
         done: Done | None = None
         clock = AnswerClock(started, load_s, prompt_s)
-        for event in self.scheduler.answer(prompt.tokens, options, seed, clock, split_at=stable):
+        for event in one_answer.answer(self.scheduler, prompt.tokens, options, seed, clock, split_at=stable):
             if isinstance(event, Done):
                 event = dataclasses.replace(event, text=answer_prefix + event.text) if answer_prefix else event
                 self.history += [*([user_message(user_text, images)] if user_text is not None else []),

@@ -255,7 +255,9 @@ def _tune(model: list[str] | None, budget_s: float, save: str | None, output_for
         chosen = tuner.profile()
         save_profile(save, chosen, f"llmcli bench --tune on {resolved.name}: the settings that beat the default "
                      "beyond the noise" + ("" if chosen else " (none did)"))
-        shown = ", ".join(f"{k} = {settings.show_value(v)}" for k, v in chosen.items()) or "no setting (the defaults won)"
+        from llmcli.config.setting import show_value
+
+        shown = ", ".join(f"{k} = {show_value(v)}" for k, v in chosen.items()) or "no setting (the defaults won)"
         output.stderr_console().print(f"saved [profiles.{save}] in {paths.config_file()}: {shown}; use it with -p {save}")
 
 
@@ -269,7 +271,7 @@ def _dimension_record(dimension: Dimension) -> dict[str, object]:
 def _tune_table(name: str, tuner: Tuner) -> str:
     from statistics import fmean
 
-    from llmcli.config.settings import show_value
+    from llmcli.config.setting import show_value
 
     lines = [f"{name}: a {tuner.prompt_tokens}-token prompt and a {tuner.answer_tokens}-token answer per sample "
              f"({tuner.elapsed_s:.0f} s of a {tuner.budget_s:.0f} s budget)", "",

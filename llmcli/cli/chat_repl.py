@@ -262,7 +262,7 @@ def _settings_lines(record: dict[str, object]) -> str:
 
 def _shown(name: str, value: object) -> str:
     """A setting's value as a person reads it (no Python reprs); an unset seed is a random one."""
-    from llmcli.config.settings import show_value
+    from llmcli.config.setting import show_value
 
     return "random" if name == "seed" and value is None else show_value(value)
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from llmcli.config.settings import DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SETTINGS, Setting
+from llmcli.config.setting import Setting
+from llmcli.config.settings import DOWNLOADS, ENGINE, MODEL, OUTPUT, REMOTE, SETTINGS
 
 if TYPE_CHECKING:
     from llmcli.pipeline import Request

@@ -35,7 +35,7 @@ def list_templates() -> None:
 def show(name: NameArg) -> None:
     """One template as it is saved."""
     from llmcli.config.saved_templates import load
-    from llmcli.config.settings import show_value
+    from llmcli.config.setting import show_value
 
     template = load(name)
     for key in ("system", "prompt"):

@@ -40,6 +40,7 @@ from llmcli.decode.scheduler import Scheduler
 from llmcli.decode.speculative import Speculation
 from llmcli.errors import LlmcliError
 from llmcli.interrupt import Cancellation
+from llmcli.llama.batch import Batch
 from llmcli.llama.engine import Engine
 
 DEFAULT_ANSWER_ROOM = 256  # cells for an answer without -n at first (the cache grows for longer ones)
@@ -123,7 +124,7 @@ class BatchRun:
         with self.engine.sharing_cores():
             try:
                 if self.plan.shared:
-                    scheduler.prefill_prefix(next(iter(self.plan.tokens.values()))[: self.plan.shared])
+                    _prefill_prefix(scheduler, next(iter(self.plan.tokens.values()))[: self.plan.shared])
                 while (self.queue or scheduler.busy) and not self.cancel:
                     self._fill_slots()
                     self._results(scheduler.step())
@@ -187,3 +188,19 @@ class BatchRun:
             item = self.queue.popleft()
             self.summary.not_started += 1
             self.on_result(item.index, item.error_record("interrupted before it started"))
+
+
+def _prefill_prefix(scheduler: Scheduler, tokens: list[int]) -> None:
+    """Evaluate `tokens` into the scheduler's prefix sequence, once (the prompts that start with them copy it)."""
+    assert scheduler.prefix_seq is not None
+    with Batch(max(scheduler.engine.config.n_batch, scheduler.n_slots)) as batch:
+        for start in range(0, len(tokens), batch.capacity):
+            batch.clear()
+            for pos in range(start, min(len(tokens), start + batch.capacity)):
+                batch.add(tokens[pos], pos, scheduler.prefix_seq, False)
+            outcome = scheduler.engine.decode(batch, "evaluating the shared prefix", abortable=True)
+            if outcome == "full":
+                raise LlmcliError("the KV cache is too small for the prompts' shared prefix", hint="Use a larger --ctx-size.")
+            if outcome == "aborted":
+                return
+    scheduler.totals.prefill_tokens += len(tokens)

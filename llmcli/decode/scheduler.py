@@ -10,7 +10,8 @@ verified position by position: kept while the sampled token is the drafted one, 
 — and returns what each answer gained as events. A slot whose answer is over gets its `Done` (its stats built in
 one place, `AnswerClock`) and frees its sequence.
 
-Its three clients differ only in where the prompts come from: `answer` (run, chat: one slot, sequence 0),
+Its three clients differ only in where the prompts come from: llmcli/decode/one_answer.py (run, chat: one slot,
+sequence 0),
 llmcli/decode/batch_run.py (--batch: a finite queue, a shared prefix evaluated once and copied into each slot,
 cells grown when an answer outgrows them) and llmcli/decode/serving.py (serve: a thread-safe queue, each slot
 keeping its cells for the next request that shares their prefix). A prompt chunk can be stopped by Ctrl-C inside
@@ -23,11 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcli.answer.events import DecodeEvent, Prefill, TokenLogprob, TokenTrace
+from llmcli.answer.events import TokenLogprob, TokenTrace
 from llmcli.answer.generation import Answer, GenerationOptions
 from llmcli.answer.images import has_images, image_start, text_before_image
 from llmcli.answer.reasoning import CLOSE as THINK_CLOSE
@@ -385,48 +386,6 @@ class Scheduler:
         long prompt and its answer's room, not pass by pass)."""
         if n_tokens > self.cells and self.cells < self.engine.n_ctx:
             self.grow(n_tokens)
-
-    def prefill_prefix(self, tokens: list[int]) -> None:
-        """Evaluate `tokens` into the prefix sequence, once (prompts that start with them copy it)."""
-        assert self.prefix_seq is not None
-        batch = self._batch
-        for start in range(0, len(tokens), batch.capacity):
-            batch.clear()
-            for pos in range(start, min(len(tokens), start + batch.capacity)):
-                batch.add(tokens[pos], pos, self.prefix_seq, False)
-            outcome = self.engine.decode(batch, "evaluating the shared prefix", abortable=True)
-            if outcome == "full":
-                raise LlmcliError("the KV cache is too small for the prompts' shared prefix", hint="Use a larger --ctx-size.")
-            if outcome == "aborted":
-                return
-        self.totals.prefill_tokens += len(tokens)
-
-    # -- one answer: run, chat ------------------------------------------------------------------
-
-    def answer(self, prompt: list[int], options: GenerationOptions, seed: int, clock: AnswerClock,
-               split_at: int | None = None) -> Iterator[DecodeEvent | Prefill | TokenTrace]:
-        """Answer one prompt in sequence 0 (reusing what it holds of it), alone: its events as they come. Ctrl-C
-        (the engine's cancellation) ends it between steps, or inside a prompt chunk, as `interrupted`."""
-        engine = self.engine
-        engine.check_budget(len(prompt), options.max_tokens)
-        with engine.sharing_cores():
-            slot = self.start(0, prompt, options, seed, clock, split_at=split_at)
-            try:
-                total = len(prompt) - slot.cached
-                if total > 0:
-                    yield Prefill(0, total, len(prompt))
-                while not slot.finished:
-                    events = self.step() if not engine.cancel else self.finish(slot, "interrupted")
-                    if self.traced:  # (a traced answer: each token's trace before the text it completes)
-                        yield from (trace for _, trace in self.traced)
-                        self.traced.clear()
-                    for _, event in events:
-                        yield event
-                    if slot.cached < slot.prefilled < len(prompt):  # a chunk is done, more are to come
-                        yield Prefill(slot.prefilled - slot.cached, total, len(prompt))
-            finally:
-                if not slot.finished:  # the consumer stopped early: the answer ends here
-                    self.finish(slot, "interrupted")
 
 
 _NO_DRAFT: list[int] = []

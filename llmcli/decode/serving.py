@@ -184,8 +184,9 @@ class SlotServer:
                     self._drop_cancelled()
                     try:
                         stepped = scheduler.step()
-                        self._events += [(slot.tag, trace) for slot, trace in scheduler.traced]  # (before their text)
-                        scheduler.traced.clear()
+                        if scheduler.traced:  # (traced answers' tokens, before their text)
+                            self._events += [(slot.tag, trace) for slot, trace in scheduler.traced]
+                            scheduler.traced.clear()
                         self._take(stepped)
                     except Exception as exc:  # llama.cpp failed a step: those answers fail, the server goes on
                         self._fail_all(str(exc))

@@ -291,6 +291,12 @@ def _render(request: AnswerRequest, prompter: Prompter) -> RenderedPrompt:
         raise ApiError(400, exc.message, param=request.prompt_param, cause=exc) from None  # (a warm run's: run's words)
 
 
+def prompt_tokens(request: AnswerRequest, prompter: Prompter) -> list[int]:
+    """The tokens of the request's prompt, as the model will read it (Anthropic's count_tokens, vLLM's /tokenize):
+    rendered as an answer's is, with its limits and errors."""
+    return _render(request, prompter).tokens
+
+
 def count_tokens(request: AnswerRequest, prompter: Prompter) -> int:
-    """The tokens the request's prompt has, as the model will read it (Anthropic's count_tokens)."""
-    return len(_render(request, prompter).tokens)
+    """How many tokens the request's prompt has (Anthropic's count_tokens)."""
+    return len(prompt_tokens(request, prompter))

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llmcli.answer.message import Message
-from llmcli.serve import openai_api, responses_api
+from llmcli.serve import embeddings_api, openai_api, responses_api
 from llmcli.serve.answering import Asked, ServerState, check_key, requested_model
 from llmcli.serve.model_facts import ModelFacts
 from llmcli.serve.model_pool import Served
@@ -52,9 +52,9 @@ def app(state: ServerState, models: ModelLists, hosts: tuple[str, ...] | None) -
     async def embeddings(body: Any) -> Any:
         served, release = await requested_model(state, body)
         try:
-            asked = openai_api.parse_embeddings(body, served.prompter)
+            asked = embeddings_api.parse_embeddings(body, served.prompter)
             results = await embedded(served, asked.texts)
-            return openai_api.embeddings_reply(asked, results, served.name, served.embeddings.dimensions)
+            return embeddings_api.embeddings_reply(asked, results, served.name, served.embeddings.dimensions)
         finally:
             release()
 

@@ -9,8 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmcli.answer.openai_wire import WireError, message_of
-from llmcli.errors import LlmcliError
-from llmcli.serve.answer_request import ApiError, Prompter
+from llmcli.serve.answer_request import MAX_MESSAGES, AnswerRequest, ApiError, Prompter, prompt_tokens
 
 MAX_IDS = 1 << 20  # token ids one /detokenize may hold
 
@@ -29,15 +28,13 @@ def tokenized(body: Mapping[str, Any], prompter: Prompter) -> dict[str, Any]:
         return {"tokens": tokens}
     if "messages" in body:
         messages = body["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages must be a non-empty list", param="messages")
+        if not isinstance(messages, list) or len(messages) > MAX_MESSAGES:  # (before any is read, as chat's are)
+            raise ApiError(400, f"messages must be a list of at most {MAX_MESSAGES}", param="messages")
         try:
             chat = [message_of(message, index) for index, message in enumerate(messages)]
-            tokens = prompter.render_chat(chat, None, None).tokens
         except WireError as exc:
             raise ApiError(400, exc.message, param="messages") from None
-        except LlmcliError as exc:  # the template refused the conversation
-            raise ApiError(400, exc.message, param="messages", cause=exc) from None
+        tokens = prompt_tokens(AnswerRequest(messages=chat), prompter)  # (rendered as an answer's prompt is)
         if not _flag(body, "add_generation_prompt", True):
             raise ApiError(400, "add_generation_prompt false is not supported (the model's template adds it)",
                            param="add_generation_prompt")
