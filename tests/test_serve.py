@@ -156,6 +156,7 @@ def test_faults_get_the_right_status_and_the_server_keeps_serving(server):
         ({"messages": message, "top_p": 2}, auth, 400, None),
         ({"messages": message, "max_tokens": 0}, auth, 400, None),
         ({"messages": message, "n": 2}, auth, 400, None),
+        ({"messages": message, "trace": 3}, auth, 400, None),  # (llmcli's trace comes in a stream's comments)
         ({"messages": message, "grammar": "root ::= ("}, auth, 400, None),  # llama.cpp refuses it in the slot
         ({"messages": [{"role": "wizard", "content": "hi"}]}, auth, 400, None),
         ({"messages": message, "model": "gpt-4"}, auth, 404, "model_not_found"),

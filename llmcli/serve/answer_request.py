@@ -187,7 +187,7 @@ def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
     generation = GenerationOptions.from_settings(values, sampling, constraint, max_tokens=max_tokens, stops=stops,
                                                  max_draft=limits.max_draft, tools=request.tools,
                                                  logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs,
-                                                 trace=request.trace if request.stream else None)
+                                                 trace=request.trace)
     if not request.split_reasoning:
         generation = dataclasses.replace(generation, reasoning=False)
     generation = generation.for_prompt(rendered.text, prompter.template_source)

@@ -186,6 +186,8 @@ def _answer_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     trace = body.get("trace")
     if trace is not None and (not isinstance(trace, int) or isinstance(trace, bool) or not 1 <= trace <= MAX_TRACE_TOP):
         raise ApiError(400, f"trace must be an integer in [1, {MAX_TRACE_TOP}]", param="trace")
+    if trace is not None and not body.get("stream"):
+        raise ApiError(400, "trace comes in a stream's comments: stream true", param="trace")
     return dict(settings=settings_of(body, SAMPLING_FIELDS), on_overflow=on_overflow, grammar_origin=grammar_origin,
                 trace=trace,
                 split_reasoning=reasoning_format != "none", fit_history=body.get("fit_history") is True,
