@@ -188,3 +188,51 @@ def test_logs_rm_removes_an_exchange_from_everything_that_replays_it_and_leaves_
     assert os.stat(data).st_mode & 0o777 == 0o700 and os.stat(data / "logs.db").st_mode & 0o777 == 0o600
     assert run_cli("logs", "rm", "--before", "0m").code == 0 and logged() == []
     assert "What was the secret word?" not in run_cli("chat", "--list", "--json").stdout
+
+
+def test_an_exchange_is_recorded_once_and_logs_rm_removes_exactly_it(isolated_env):
+    """Issue 57: each exchange was recorded twice (the answers and the conversation's record, its text in both), and
+    `logs rm` found the record's copy by its text: two exchanges alike (the same question, the same forced answer)
+    both left the conversation when one was removed."""
+    import sqlite3
+
+    forced = ("--temp", "0", "-q", "--grammar", 'root ::= "Noted."')
+    assert run_cli("run", *forced, "Remember KIWI.").code == 0
+    assert run_cli("run", "-C", *forced, "Remember KIWI.").code == 0
+    assert run_cli("run", "-C", *forced, "Anything else?").code == 0
+    first, second = sorted((r for r in logged() if r["prompt"] == "Remember KIWI."), key=lambda r: r["id"])
+    with sqlite3.connect(isolated_env / "data" / "logs.db") as db:  # the texts are the answers' alone
+        events = [json.loads(row[0]) for row in db.execute("SELECT record FROM conversation_events")]
+    assert [e["type"] for e in events] == ["session", "exchange", "exchange", "exchange"]
+    assert not [e for e in events if "KIWI" in json.dumps(e) or "Noted." in json.dumps(e)]
+    shown = run_cli("run", "-C", "--show-prompt", "And now?").stdout
+    assert shown.count("Remember KIWI.") == 2 and shown.count("Noted.") == 3
+    assert run_cli("logs", "rm", str(first["id"])).code == 0
+    shown = run_cli("run", "-C", "--show-prompt", "And now?").stdout  # the other exchange alike stays
+    assert shown.count("Remember KIWI.") == 1 and shown.count("Noted.") == 2 and "Anything else?" in shown
+    assert [r["id"] for r in logged("-q", "KIWI")] == [second["id"]]
+    listed = json.loads(run_cli("chat", "--list", "--json").stdout)
+    assert [c["exchanges"] for c in listed] == [2]
+
+
+def test_a_log_written_before_exchanges_were_recorded_once_is_read_and_removed_as_before(tmp_path):
+    """A schema-3 log (each exchange's texts in its conversation's record too) is brought up to date: its exchanges
+    replay as they were, and `logs rm` still removes one from the conversation."""
+    import sqlite3
+
+    from llmcli.store.answer_log import MIGRATIONS, AnswerLog
+
+    path = tmp_path / "logs.db"
+    with sqlite3.connect(path) as db:
+        for step in MIGRATIONS[:3]:
+            db.executescript(step)
+        db.execute("PRAGMA user_version = 3")
+        db.execute("INSERT INTO answers (time, kind, model, prompt, answer, conversation_id) "
+                   "VALUES (1, 'run', 'm', 'Remember FIG.', 'Noted.', 'c1')")
+        for record in ({"type": "session", "id": "c1"}, {"type": "exchange", "user": "Remember FIG.", "text": "Noted."}):
+            db.execute("INSERT INTO conversation_events (conversation_id, time, type, record) VALUES ('c1', 1, ?, ?)",
+                       (record["type"], json.dumps(record)))
+    with AnswerLog(path) as log:
+        assert [(e["type"], e.get("user")) for e in log.events("c1")] == [("session", None), ("exchange", "Remember FIG.")]
+        assert log.remove(log.find()[0]["id"]) == 1
+        assert [e["type"] for e in log.events("c1")] == ["session"]

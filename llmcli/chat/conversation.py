@@ -52,7 +52,7 @@ class Conversation:
     def __init__(self, session: Answerer, generation: GenerationOptions, model_name: str,
                  model_path: Path | None,
                  save: bool = True, conversation_id: str | None = None, pinned: frozenset[str] = frozenset(),
-                 log: Callable[[str, dict[str, Any], list[Message]], str | None] | None = None,
+                 log: Callable[[str, dict[str, Any], list[Message]], answer_log.Entry] | None = None,
                  tools: ToolRunner | None = None,
                  cancel: Cancellation | None = None, served: ServedFacts | None = None):
         self.session = session
@@ -65,8 +65,9 @@ class Conversation:
         self.turn_stats: list[Done] = []
         self.pinned = pinned  # settings given now: a resumed conversation's saved values do not replace them
         self.save_failure: str | None = None  # why the record could not be written, until it is reported
-        self.log = log  # each exchange to the answer log: (user text, its --json record, the messages it added) -> a
-        # warning or None
+        self.log = log  # an exchange as the answer log keeps it: (user text, its --json record, the messages it
+        # added) -> its entry (None: answers are not logged)
+        self.answer_id: int | None = None  # the last exchange's id in the answer log (`llmcli logs`, --json's log_id)
         self._started = False
         self.tools = tools  # --functions: the calls run between a message and its reply
         self.cancel = cancel or Cancellation()
@@ -78,21 +79,24 @@ class Conversation:
         """Append to the record (its header first); a failure turns saving off and is reported once."""
         if not self.saved:
             return
-        records = [record]
-        if not self._started:
-            self._started = True
-            template = template_source(self.session) or ""
-            template_sha256 = hashlib.sha256(template.encode()).hexdigest() if template else \
-                self.served.template_sha256 if self.served is not None else None
-            records.insert(0, {
-                "type": "session", "id": self.id, "model": self.model_name, "model_path": str(self.model_path),
-                "model_sha256": remembered_sha256(self.model_path) if self.model_path else None,
-                "template_sha256": template_sha256,
-                "system": self.system, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            })
-        failure = answer_log.record_conversation(self.id, records)
+        failure = answer_log.record_conversation(self.id, [*self._header(), record])
         if failure is not None:  # one notice, then the session goes on unsaved
             self.saved, self.save_failure = False, failure
+
+    def _header(self) -> list[dict[str, Any]]:
+        """The record's first entry, when nothing is recorded yet (then it is taken as written)."""
+        if self._started:
+            return []
+        self._started = True
+        template = template_source(self.session) or ""
+        template_sha256 = hashlib.sha256(template.encode()).hexdigest() if template else \
+            self.served.template_sha256 if self.served is not None else None
+        return [{
+            "type": "session", "id": self.id, "model": self.model_name, "model_path": str(self.model_path),
+            "model_sha256": remembered_sha256(self.model_path) if self.model_path else None,
+            "template_sha256": template_sha256,
+            "system": self.system, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }]
 
     def settings_record(self) -> dict[str, Any]:
         """The settings that shape the next answer, as the record and /show list them."""
@@ -134,17 +138,31 @@ class Conversation:
             yield Notice(self.take_save_failure() or "")
 
     def record_exchange(self, text: str, done: Done, start: int) -> str | None:
-        """The exchange that began at history[start] and ended with `done`: in the answer log (a warning if it could
-        not be) and in the conversation's record, with every message it added (tool calls and results too)."""
+        """The exchange that began at history[start] and ended with `done`, with every message it added (tool calls
+        and results too), recorded once: in the answer log (its texts) and the conversation's record (its place,
+        naming the answer) together; an answer not logged (interrupted, or the log off) in the record alone. A warning
+        when the answer could not be logged."""
         interrupted = done.finish_reason == "interrupted"
         if interrupted and len(self.history) > start:
             self.history[-1] = dataclasses.replace(self.history[-1], interrupted=True)
         record = answer_record(done)
-        warning = self.log(text, record, self.history[start:]) if self.log is not None and not interrupted else None
-        self._write({"type": "exchange", "user": text, **record, "interrupted": interrupted,
-                     "sampling": self.settings_record(),
-                     "messages": [m.record() for m in self.history[start:]]})
-        return warning
+        added = self.history[start:]
+        exchange = {"type": "exchange", "user": text, **record, "interrupted": interrupted,
+                    "sampling": self.settings_record(), "messages": [m.record() for m in added]}
+        entry = self.log(text, record, added) if self.log is not None and not interrupted else None
+        self.answer_id = None
+        if entry is None:
+            self._write(exchange)
+            return None
+        if not self.saved:  # (chat --no-save: the answer is logged, no conversation is recorded)
+            ids: list[int] = []
+            warning = answer_log.record([entry], ids)
+            self.answer_id = ids[-1] if ids else None
+            return warning
+        self.answer_id, failure = answer_log.record_exchange(entry, self._header(), exchange)
+        if failure is not None:
+            self.saved, self.save_failure = False, failure
+        return None
 
     def take_save_failure(self) -> str | None:
         """Why the record could not be written (once)."""

@@ -59,7 +59,6 @@ def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, requ
     from llmcli.chat.saved import find_conversation
     from llmcli.cli import output
     from llmcli.pipeline import log_entry, prompt_text
-    from llmcli.store.answer_log import record
 
     resumed = find_conversation(resume) if resume else None
     with output.open_pipeline(request, console, runner) as pipeline:
@@ -69,8 +68,8 @@ def _session(resume: str | None, no_save: bool, as_json: bool, quiet: bool, requ
             pipeline.session, pipeline.generation, pipeline.model.name, pipeline.model.path,
             save=not no_save, conversation_id=resumed.id if resumed else None,
             pinned=pipeline.settings.chosen_now(),
-            log=(lambda text, answer, added: record([log_entry(pipeline, "chat", text, answer, conversation.generation,
-                                                               conversation.id, added)]))
+            log=(lambda text, answer, added: log_entry(pipeline, "chat", text, answer, conversation.generation,
+                                                       conversation.id, added))
             if pipeline.settings["log"] else None, tools=runner, cancel=pipeline.cancel, served=pipeline.served,
         )
         if resumed is not None:

@@ -269,7 +269,6 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
     from llmcli.cli import output
     from llmcli.cli.stream import AnswerSink, show_answer
     from llmcli.pipeline import continued, log_entry, prompt_text
-    from llmcli.store.answer_log import record
     from llmcli.tools.tool_loop import cut_off as tool_call_cut_off
 
     with output.open_pipeline(request, console, runner) as pipeline:
@@ -279,10 +278,9 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
         conversation = Conversation(session, pipeline.generation, pipeline.model.name, pipeline.model.path,
                                     save=pipeline.settings["log"], pinned=pipeline.settings.chosen_now(),
                                     served=pipeline.served)
-        log_ids: list[int] = []
         if pipeline.settings["log"]:
-            conversation.log = lambda text, answer, added: record([log_entry(
-                pipeline, "run", text, answer, conversation.generation, conversation.id, added)], log_ids)
+            conversation.log = lambda text, answer, added: log_entry(
+                pipeline, "run", text, answer, conversation.generation, conversation.id, added)
         if options.continue_conversation or options.cid:  # its exchanges (tool calls too), system prompt, /set changes
             conversation.id, records = continued(options.cid)
             conversation.replay(records)
@@ -307,8 +305,8 @@ def _answer(message: Message, options: RunOptions, request: Request, runner: Too
             failure = conversation.take_save_failure()  # (the same database: one warning says it)
             if warning or failure:
                 output.print_notice(console, warning or failure or "")
-            if log_ids:  # --json says where the answer is: `llmcli logs`' id, and the id `run --cid` continues
-                sink.extra.update(log_id=log_ids[-1], conversation_id=conversation.id)
+            if conversation.answer_id is not None:  # --json says where the answer is: `llmcli logs`' id, and the id
+                sink.extra.update(log_id=conversation.answer_id, conversation_id=conversation.id)  # run --cid continues
 
         with pipeline.cancel.on_signals():
             if runner is not None:

@@ -215,15 +215,21 @@ def log_entry(pipeline: Pipeline[Answerer], kind: str, prompt: str, record: Mapp
               messages: Sequence[Message] | None = None) -> answer_log.Entry:
     """One answer (its `--json` record) as the log keeps it: model (and its sha256 when already known: nothing is
     hashed for the log), system prompt, prompt, answer, reasoning, the settings that shaped it, why it ended, its
-    timings; and, for an exchange that called tools, the messages it added to its conversation (calls and results).
-    `generation`: the options the answer was given with (chat's /set changes them)."""
+    timings; and the messages it added to its conversation, unless they are the prompt and the answer alone (tool
+    calls and results, pictures: what the conversation's record replays). `generation`: the options the answer was
+    given with (chat's /set changes them)."""
     path = pipeline.model.path
     used = {**generation.sampling.record(), "max_tokens": generation.max_tokens, "stop": list(generation.stops)}
     return answer_log.Entry(kind, pipeline.model.name, known_sha256(path) if path else None,
                             pipeline.session.options.system, prompt, record.get("text") or "", record.get("reasoning"),
                             used, record.get("finish_reason") or "", record.get("timings") or {}, conversation_id,
-                            [m.record() for m in messages] if messages and any(
-                                m.tool_calls or m.role == "tool" for m in messages) else None)
+                            None if not messages or _plain(prompt, record.get("text") or "", messages)
+                            else [m.record() for m in messages])
+
+
+def _plain(prompt: str, answer: str, messages: Sequence[Message]) -> bool:
+    """Whether an exchange's messages are its prompt and its answer alone (its record replays them from those)."""
+    return list(messages) == [Message("user", prompt), Message("assistant", answer)]
 
 
 def continued(conversation_id: str | None) -> tuple[str, list[dict[str, Any]]]:

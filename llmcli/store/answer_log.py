@@ -7,6 +7,7 @@ one warning. The schema carries its version (`PRAGMA user_version`) and `MIGRATI
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,7 +15,7 @@ import sqlite3
 import stat
 import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,14 @@ MIGRATIONS = (  # MIGRATIONS[n] takes a database from version n to n + 1 (idempo
     );
     CREATE INDEX IF NOT EXISTS conversation_events_by_conversation ON conversation_events(conversation_id, id);
     """,
+    # 4: an exchange that was logged is recorded once: its texts (prompt, answer, reasoning, messages) in `answers`, its
+    # place in the conversation an event naming that row (`answer_id`): `logs rm` removes exactly it, everywhere
+    "ALTER TABLE conversation_events ADD COLUMN answer_id INTEGER;",
+    "CREATE INDEX IF NOT EXISTS conversation_events_by_answer ON conversation_events(answer_id);",
 )
+# What a logged exchange's event leaves to its `answers` row — the texts: the prompt, the answer, its reasoning, the
+# messages it added (whose calls and results are its tool_calls), its tokens (logprobs). It keeps the rest (timings, sampling).
+TEXT_KEYS = frozenset({"user", "text", "reasoning", "messages", "tool_calls", "logprobs"})
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -140,20 +148,37 @@ class AnswerLog:
 
     def add(self, entries: Sequence[Entry]) -> list[int]:
         """Insert `entries` in one transaction; their ids (what `llmcli logs` shows, and --json's log_id)."""
-        rows = [(time.time(), e.kind, e.model, e.model_sha256, e.system, e.prompt, e.answer, e.reasoning,
-                 json.dumps(dict(e.settings), default=str), e.finish_reason, json.dumps(dict(e.timings)), e.conversation_id,
-                 None if e.messages is None else json.dumps([dict(m) for m in e.messages], default=str))
-                for e in entries]
+        with self._transaction():
+            return [self._insert(entry) for entry in entries]
+
+    def add_exchange(self, entry: Entry, records: Sequence[Mapping[str, Any]], exchange: Mapping[str, Any]) -> int:
+        """A conversation's logged exchange, recorded once, in one transaction: `entry` in the answers (its texts), then
+        `records` (the conversation's header, when it is new) and the `exchange` event without those texts, naming its
+        answer; the answer's id."""
+        assert entry.conversation_id is not None
+        with self._transaction():
+            answer_id = self._insert(entry)
+            self._append(entry.conversation_id, [*records, {k: v for k, v in exchange.items() if k not in TEXT_KEYS}],
+                         answer_id)
+        return answer_id
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
         self.db.execute("BEGIN IMMEDIATE")
         try:
-            ids = [int(self.db.execute("INSERT INTO answers (time, kind, model, model_sha256, system, prompt, answer, "
-                                       "reasoning, settings, finish_reason, timings, conversation_id, messages) "
-                                       "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", row).lastrowid or 0) for row in rows]
+            yield
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
-        return ids
+
+    def _insert(self, e: Entry) -> int:
+        row = (time.time(), e.kind, e.model, e.model_sha256, e.system, e.prompt, e.answer, e.reasoning,
+               json.dumps(dict(e.settings), default=str), e.finish_reason, json.dumps(dict(e.timings)), e.conversation_id,
+               None if e.messages is None else json.dumps([dict(m) for m in e.messages], default=str))
+        return int(self.db.execute("INSERT INTO answers (time, kind, model, model_sha256, system, prompt, answer, "
+                                   "reasoning, settings, finish_reason, timings, conversation_id, messages) "
+                                   "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", row).lastrowid or 0)
 
     def find(self, limit: int = 10, text: str | None = None, model: str | None = None, since: float | None = None,
              conversation_id: str | None = None) -> list[dict[str, Any]]:
@@ -192,22 +217,35 @@ class AnswerLog:
 
     def append(self, conversation_id: str, records: Sequence[Mapping[str, Any]]) -> None:
         """Add `records` (each with its "type") to the end of a conversation's record, at once."""
-        rows = [(conversation_id, time.time(), str(r.get("type")), json.dumps(dict(r), ensure_ascii=False, default=str))
-                for r in records]
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
-            self.db.executemany("INSERT INTO conversation_events (conversation_id, time, type, record) VALUES (?,?,?,?)",
-                                rows)
-            self.db.execute("COMMIT")
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
+        with self._transaction():
+            self._append(conversation_id, records)
+
+    def _append(self, conversation_id: str, records: Sequence[Mapping[str, Any]], answer_id: int | None = None) -> None:
+        """`records`, the last naming `answer_id` (an exchange whose texts are that answer's)."""
+        rows = [(conversation_id, time.time(), str(r.get("type")), json.dumps(dict(r), ensure_ascii=False, default=str),
+                 answer_id if index == len(records) - 1 else None) for index, r in enumerate(records)]
+        self.db.executemany("INSERT INTO conversation_events (conversation_id, time, type, record, answer_id) "
+                            "VALUES (?,?,?,?,?)", rows)
 
     def events(self, conversation_id: str) -> list[dict[str, Any]]:
-        """A conversation's record, oldest first (each record's "time" as it was written)."""
-        rows = self.db.execute("SELECT time, record FROM conversation_events WHERE conversation_id = ? ORDER BY id",
-                               (conversation_id,)).fetchall()
-        return [{**json.loads(row["record"]), "time": row["time"]} for row in rows]
+        """A conversation's record, oldest first (each record's "time" as it was written); a logged exchange with the
+        texts its answer holds, as it was written."""
+        rows = self.db.execute("SELECT e.time, e.record, e.answer_id, a.prompt, a.answer, a.reasoning, a.messages "
+                               "FROM conversation_events e LEFT JOIN answers a ON a.id = e.answer_id "
+                               "WHERE e.conversation_id = ? ORDER BY e.id", (conversation_id,)).fetchall()
+        found = []
+        for row in rows:
+            record = {**json.loads(row["record"]), "time": row["time"]}
+            if row["answer_id"] is not None:
+                if row["prompt"] is None:  # (its answer was removed: so is the exchange)
+                    continue
+                record.update(user=row["prompt"], text=row["answer"])
+                if row["reasoning"] is not None:
+                    record["reasoning"] = row["reasoning"]
+                if row["messages"]:
+                    record["messages"] = json.loads(row["messages"])
+            found.append(record)
+        return found
 
     def conversations(self) -> list[tuple[str, float]]:
         """Every recorded conversation's id and when it last changed, the most recent last."""
@@ -235,13 +273,16 @@ class AnswerLog:
                                         (record_id,)).fetchone()
                 prompts = [found["prompt"]] if found is not None else []
                 removed = self.db.execute("DELETE FROM answers WHERE id = ?", (record_id,)).rowcount
-                if found is not None and found["conversation_id"]:
+                self.db.execute("DELETE FROM conversation_events WHERE answer_id = ?", (record_id,))
+                if found is not None and found["conversation_id"]:  # (an exchange recorded before schema 4: its texts)
                     self.db.execute("DELETE FROM conversation_events WHERE conversation_id = ? AND type = 'exchange' "
-                                    "AND json_extract(record, '$.user') = ? AND json_extract(record, '$.text') = ?",
+                                    "AND answer_id IS NULL AND json_extract(record, '$.user') = ? "
+                                    "AND json_extract(record, '$.text') = ?",
                                     (found["conversation_id"], found["prompt"], found["answer"]))
             else:
+                self.db.execute("DELETE FROM conversation_events WHERE answer_id IN (SELECT id FROM answers "
+                                "WHERE time < ?) OR type = 'exchange' AND time < ?", (before, before))
                 removed = self.db.execute("DELETE FROM answers WHERE time < ?", (before,)).rowcount
-                self.db.execute("DELETE FROM conversation_events WHERE type = 'exchange' AND time < ?", (before,))
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
@@ -326,6 +367,19 @@ def record_conversation(conversation_id: str, records: Sequence[Mapping[str, Any
     except (sqlite3.Error, OSError) as exc:
         return f"cannot save the conversation to {path}: {exc}; it is not saved from now on"
     return None
+
+
+def record_exchange(entry: Entry, records: Sequence[Mapping[str, Any]],
+                    exchange: Mapping[str, Any]) -> tuple[int | None, str | None]:
+    """A conversation's logged exchange (`AnswerLog.add_exchange`): its answer's id, or why it could not be recorded
+    (for one notice)."""
+    path = paths.answer_log_file()
+    try:
+        with AnswerLog(path) as log:
+            return log.add_exchange(entry, records, exchange), None
+    except (sqlite3.Error, OSError) as exc:
+        return None, (f"the answer is not in the log ({path}: {exc}); the conversation is not saved from now on "
+                      "(--no-log stops trying)")
 
 
 def new_conversation_id() -> str:
