@@ -712,7 +712,8 @@ def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
     env = {**os.environ, "LLMCLI_THREADS": "1", "LLMCLI_DATA_DIR": str(tmp_path / "data"),
            "LLMCLI_CACHE_DIR": str(tmp_path / "cache"), "XDG_CONFIG_HOME": str(tmp_path / "config"), **(env or {})}
     path = tmp_path / f"serve-{time.monotonic_ns()}.log"
-    log = path.open("w+b")
+    log = path.open("ab")  # (appended: the server's stderr; read below through a description of its own — a seek on
+    # this one would move where the server writes next, and its next line would overwrite the start of the log)
     proc: subprocess.Popen[bytes] | Forked
     if os.environ.get("LLMCLI_TEST_SUBPROCESS") or threading.active_count() > 1:
         proc = subprocess.Popen([sys.executable, "-m", "llmcli", "serve", "--port", "0", *args],
@@ -721,19 +722,18 @@ def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
         quiet = os.open(os.devnull, os.O_RDWR)
         proc = Forked(_fork_llmcli(["serve", "--port", "0", *args], env, quiet, quiet, log.fileno()), ["serve", *args])
         os.close(quiet)
+    log.close()  # (the server holds its own copy)
     LOGS[proc.pid] = path
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        log.seek(0)
-        found = re.search(rb"http://127\.0\.0\.1:(\d+)/v1", log.read())
+        found = re.search(rb"http://127\.0\.0\.1:(\d+)/v1", path.read_bytes())
         if found:
             return proc, f"http://127.0.0.1:{found.group(1).decode()}"
         if proc.poll() is not None:
             break
         time.sleep(0.1)
     proc.kill()
-    log.seek(0)
-    pytest.fail(f"llmcli serve did not start: {log.read().decode(errors='replace')}")
+    pytest.fail(f"llmcli serve did not start: {path.read_text(errors='replace')}")
 
 
 def stop_server(proc: subprocess.Popen[bytes] | Forked) -> None:

@@ -94,6 +94,18 @@ def test_llama_decode_is_called_from_the_engine_and_the_bench_baseline_only():
     assert callers == ["bench/baseline_loop.py", "llama/engine.py"]
 
 
+def test_one_preparation_serves_every_path():
+    """Issue 57: an answer was prepared in three places (run's and chat's session, --batch, serve — and so every warm
+    run), each fitting the prompt and capping -n its own way. The rules are called in llmcli/answer/preparation.py
+    alone, and its `prepare` by the session (run, chat, --batch) and serve."""
+    rules = re.compile(r"\b(capped|truncated|truncation_notice)\(|\.for_(turn|prompt)\(")
+    users = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if rules.search(p.read_text())
+                   and p.name != "context_budget.py")
+    assert users == ["answer/preparation.py"]
+    callers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if "preparation.prepare(" in p.read_text())
+    assert callers == ["chat/session.py", "serve/answer_request.py"]
+
+
 def test_every_setting_is_an_option_of_run_chat_and_config_show_with_its_default():
     for command in ("run", "chat", "config show"):
         result = run_cli(*command.split(), "--help")

@@ -228,14 +228,23 @@ def test_on_overflow_truncate_and_a_capped_n_say_the_same_on_every_path(paths):
     so in the same words; a too-large -n is capped with the same notice."""
     long = " ".join(f"word{i}" for i in range(700))
     records = {}
+    options = ["--json", "--temp", "0", "-n", "4", "-c", "256", "--on-overflow", "truncate"]
     for path in ("in-process", "warm"):
-        result = run_cli("run", "--json", "--temp", "0", "-n", "4", "-c", "256", "--on-overflow", "truncate", long,
-                         env=paths[path])
+        result = run_cli("run", *options, long, env=paths[path])
         assert result.code == 0, result.stderr
         records[path] = json.loads(result.stdout)
+    for path in ("in-process", "warm"):  # --batch (its items were refused: "the prompt is 1410 tokens"), and through
+        keep = ["--keep-alive", "5m"] if path == "warm" else []  # a warm server (their notices were dropped)
+        result = run_cli("run", *options, *keep, "--batch", "-", input=json.dumps({"prompt": long}) + "\n",
+                         env=paths[path])
+        assert result.code == 0, result.stderr
+        records["--batch", path] = json.loads(result.stdout.splitlines()[0])
     assert _same_answer(records["warm"], records["in-process"]) == []
-    assert any(n.startswith("input truncated to fit the context of 256 tokens") for n in records["warm"]["notices"])
-    assert records["warm"]["usage"]["prompt_tokens"] <= 256 - 4
+    assert _same_answer(records["--batch", "in-process"], records["in-process"]) == []
+    for record in (records["warm"], records["--batch", "in-process"], records["--batch", "warm"]):
+        assert [n for n in record["notices"] if n.startswith("input truncated")] == \
+            [n for n in records["in-process"]["notices"] if n.startswith("input truncated")]
+        assert record["usage"]["prompt_tokens"] <= 256 - 4
 
 
 def test_a_warm_answer_is_logged_under_the_model_s_name_and_the_log_is_private(paths):

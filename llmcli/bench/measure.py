@@ -245,7 +245,8 @@ class Benchmark:
             def batch(n: int, gen_tokens: int) -> float:
                 items = [BatchItem(i, f"{TTFT_PROMPT} ({i})") for i in range(n)]
                 generation = GenerationOptions(sampling, gen_tokens, speculate="off")
-                batch_plan = batch_planned(items, lambda item: session.render(item.prompt).tokens, engine, generation, n)
+                batch_plan = batch_planned(items, lambda item: session.prepare_alone(item.prompt or "", generation), engine,
+                                           generation, n)
                 engine.resize(batch_plan.cells, batch_plan.n_sequences)
                 run = BatchRun(engine, batch_plan, generation, Cancellation(), lambda index, record: None)
                 return run.run().decode_tps

@@ -11,6 +11,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
+from llmcli.answer import preparation
 from llmcli.answer.answerer import (
     ContextInfo,
     ProgressCallback,
@@ -23,21 +24,14 @@ from llmcli.answer.answerer import (
     with_system,
 )
 from llmcli.answer.batch_jsonl import BatchItem, Summary
-from llmcli.answer.context_budget import (
-    MAX_CHARS_PER_TOKEN,
-    answer_room,
-    capped,
-    overflow,
-    truncated,
-    truncation_notice,
-)
+from llmcli.answer.context_budget import answer_room, overflow
 from llmcli.answer.events import AnswerEvent, Done, Notice
 from llmcli.answer.finish import REPETITION_NOTICE
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.image_bytes import read_image
 from llmcli.answer.images import ImageInput
 from llmcli.answer.message import Message, user_message
-from llmcli.answer.reasoning import opens_thinking
+from llmcli.answer.preparation import Context, Prepared
 from llmcli.answer.shared_prefix import shared_prefix
 from llmcli.answer.stats import AnswerClock
 from llmcli.answer.tool_calls import ToolSpec, detect_format
@@ -47,7 +41,7 @@ from llmcli.decode.prompt_cache import PromptCache
 from llmcli.decode.scheduler import Scheduler
 from llmcli.decode.serving import SlotServer
 from llmcli.decode.speculative import Speculation
-from llmcli.errors import ResourceError, UsageError
+from llmcli.errors import UsageError
 from llmcli.interrupt import Cancellation
 from llmcli.llama.engine import Engine
 from llmcli.prompt import chat_template as templates
@@ -145,20 +139,18 @@ class Session:
         if self.speculation.draft_model is not None:
             raise UsageError("--batch drafts from each prompt and its answer (prompt lookup), not with --draft-model",
                              hint="Use --speculate auto or lookup with --batch; a draft model drafts for run and chat.")
-        if generation.reasoning and opens_thinking(self.render("").text):  # the same template for every prompt
-            generation = dataclasses.replace(generation, thinking_open=True)
-        def render(item: BatchItem) -> list[int]:
+        def prepare(item: BatchItem) -> Prepared:  # (as run prepares its prompt: -n capped, --on-overflow truncate)
             images = tuple(read_image(reference) for reference in item.images)
-            return self.render(item.prompt or "", [], images=images).tokens
+            return self.prepare_alone(item.prompt or "", generation, images)
 
-        plan = batch_run.plan(items, render, self.engine, generation, parallel)
+        plan = batch_run.plan(items, prepare, self.engine, generation, parallel)
         if self.check_kv is not None:
             self.check_kv(plan.cells)
         self.scheduler.close()
         self.engine.resize(plan.cells, plan.n_sequences)
         try:
             summary = batch_run.BatchRun(self.engine, plan, generation, cancel, on_result, self.speculation,
-                                         render).run(on_progress)
+                                         prepare).run(on_progress)
         finally:
             self.scheduler = Scheduler(self.engine, 1, self.speculation)
         summary.parallel = parallel
@@ -175,6 +167,18 @@ class Session:
         """The exact text and tokens the model will see for this new message (after `history`, else the session's)."""
         return render_prompt(self.template, self.engine.vocab, self.messages_with(user_text, history, images),
                              self.options, tools, self.engine.load_vision)
+
+    def prepare_alone(self, text: str, generation: GenerationOptions, images: tuple[ImageInput, ...] = ()) -> Prepared:
+        """A prompt asked on its own (no history; a --batch item): rendered and fitted as every answer's is."""
+        return preparation.prepare(lambda kept: self.render(kept, [], images=images), text, generation,
+                                   self._context(), truncate=self.options.on_overflow == "truncate",
+                                   template_source=self.template_source, count=self._count)
+
+    def _context(self) -> Context:
+        return Context(self.engine.n_ctx, self.engine.n_ctx_train)
+
+    def _count(self, text: str) -> int:
+        return len(self.engine.vocab.tokenize(text, add_special=False))
 
     def render_conversation(self, messages: list[Message], think: bool | None = None,
                             tools: ToolSpec | None = None) -> RenderedPrompt:
@@ -198,24 +202,6 @@ class Session:
         """Tokens kept free for the answer: -n, else a quarter of the context (at most 256)."""
         return answer_room(max_tokens, self.engine.n_ctx)
 
-    def _fits(self, prompt: RenderedPrompt, max_tokens: int | None) -> bool:
-        return len(prompt.tokens) + (max_tokens or 1) <= self.engine.n_ctx
-
-    def _truncate(self, user_text: str, max_tokens: int | None, tools: ToolSpec | None = None,
-                  images: tuple[ImageInput, ...] = ()) -> tuple[str, RenderedPrompt]:
-        """Keep the system prompt and the end of the message: the fewest leading characters dropped that fit."""
-        budget = self.engine.n_ctx - self.answer_room(max_tokens)
-        best = truncated(user_text, lambda kept: self.render(kept, tools=tools, images=images),
-                         lambda prompt: len(prompt.tokens), budget)
-        if best is None:
-            empty = len(self.render("").tokens)
-            if max_tokens and empty < self.engine.n_ctx:  # -n leaves no room for the message
-                raise overflow(empty, max_tokens, self.engine.n_ctx, self.engine.n_ctx_train, can_truncate=False)
-            raise ResourceError(
-                f"the system prompt and history take {empty} tokens: no room is left for the message in the context "
-                f"of {self.engine.n_ctx} tokens", hint="Use a shorter --system, /clear in a chat, or a larger --ctx-size.")
-        return best
-
     def ask(self, user_text: str | None, options: GenerationOptions,
             stable_text: str | None = None, images: tuple[ImageInput, ...] = (),
             answer_prefix: str = "") -> Iterator[AnswerEvent]:
@@ -229,32 +215,19 @@ class Session:
         without the prompt cache: a state saved there and a later prompt evaluated from it give the same
         numbers (and greedy answers) as evaluating everything."""
         started = time.perf_counter()
-        n_ctx, truncate = self.engine.n_ctx, self.options.on_overflow == "truncate"
-        tools = options.tools
-        too_long = user_text is not None and len(user_text) > n_ctx * MAX_CHARS_PER_TOKEN  # cannot fit: cut first
-        if user_text is not None and too_long and not truncate:
-            raise overflow(len(self.engine.vocab.tokenize(user_text, add_special=False)), options.max_tokens, n_ctx,
-                           self.engine.n_ctx_train)
-        kept = user_text[-n_ctx * MAX_CHARS_PER_TOKEN :] if user_text is not None and too_long else user_text
-        prompt = self.render(kept, tools=tools, images=images)
-        if kept is not None and truncate and (too_long or not self._fits(prompt, options.max_tokens)):
-            whole = user_text or ""
-            user_text, prompt = self._truncate(kept, options.max_tokens, tools, images)
-            stable_text = None  # the document's start is gone: the next question cuts it elsewhere
-            left = user_text or ""  # (counted in characters: a huge input is cut before it is tokenized at all)
-            yield Notice(truncation_notice(self.engine.n_ctx, whole, left, len(prompt.tokens)))
-        self._last_prompt_tokens = len(prompt.tokens)
-        options = options.for_turn(kept)  # (None: the history ends with tool results)
-        max_tokens, notice = capped(options.max_tokens, len(prompt.tokens), n_ctx)
-        if notice is not None and not truncate:  # -n past the context: capped
-            yield Notice(notice)
-            options = dataclasses.replace(options, max_tokens=max_tokens)
+        begun = None
         if answer_prefix:  # (its tokens after the prompt, as the server had sampled them, near enough)
-            begun = self.engine.vocab.tokenize(answer_prefix, add_special=False)
-            prompt = RenderedPrompt(prompt.text + answer_prefix, [*prompt.tokens, *begun])
-            if options.max_tokens:
-                options = dataclasses.replace(options, max_tokens=max(1, options.max_tokens - len(begun)))
-        options = options.for_prompt(prompt.text, self.template_source)
+            begun = RenderedPrompt(answer_prefix, self.engine.vocab.tokenize(answer_prefix, add_special=False))
+        prepared = preparation.prepare(
+            lambda text: self.render(text, tools=options.tools, images=images), user_text, options,
+            self._context(), truncate=self.options.on_overflow == "truncate", template_source=self.template_source,
+            begun=begun, count=self._count)
+        for notice in prepared.notices:
+            yield Notice(notice)
+        user_text, prompt, options = prepared.text, prepared.prompt, prepared.generation
+        if prepared.truncated:
+            stable_text = None  # the document's start is gone: the next question cuts it elsewhere
+        self._last_prompt_tokens = len(prompt.tokens) - (len(begun.tokens) if begun is not None else 0)
         stable = None if stable_text is None or len(prompt.tokens) < self.split_min else (
             len(prompt.tokens) - 1 if stable_text == user_text else self._stable_tokens(prompt.tokens, stable_text))
         prompt_s = time.perf_counter() - started

@@ -22,7 +22,6 @@ It never prints.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -30,10 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmcli.answer.batch_jsonl import BatchItem, Record, Summary
-from llmcli.answer.context_budget import capped
 from llmcli.answer.events import Done, answer_record
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.images import text_before_image
+from llmcli.answer.preparation import Prepared
 from llmcli.answer.shared_prefix import shared_prefix
 from llmcli.answer.stats import AnswerClock
 from llmcli.decode.scheduler import Scheduler
@@ -48,10 +47,10 @@ DEFAULT_ANSWER_ROOM = 256  # cells for an answer without -n at first (the cache 
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """What the batch needs before its context is made: every prompt's tokens, the prefix they all share,
-    and the KV cells of each sequence."""
+    """What the batch needs before its context is made: every prompt prepared (its tokens, its options, its notices),
+    the prefix they all share, and the KV cells of each sequence."""
 
-    tokens: dict[int, list[int]]  # item index -> prompt tokens (items whose prompt failed are error items)
+    prepared: dict[int, Prepared]  # item index -> its prompt and options (items whose prompt failed are error items)
     items: list[BatchItem]
     shared: int  # leading tokens every prompt has (evaluated once); at most the shortest prompt - 1
     cells_per_sequence: int
@@ -67,23 +66,21 @@ class BatchPlan:
         return self.cells_per_sequence * self.n_sequences
 
 
-def plan(items: list[BatchItem], render: Callable[[BatchItem], list[int]], engine: Engine, generation: GenerationOptions,
-         n_parallel: int, answer_room: int = DEFAULT_ANSWER_ROOM) -> BatchPlan:
-    """Render every prompt, find their shared prefix and size the KV cache: each sequence holds the longest
-    prompt plus -n (else `answer_room`: it grows when an answer needs more), at most the context."""
-    tokens: dict[int, list[int]] = {}
+def plan(items: list[BatchItem], prepare: Callable[[BatchItem], Prepared], engine: Engine,
+         generation: GenerationOptions, n_parallel: int, answer_room: int = DEFAULT_ANSWER_ROOM) -> BatchPlan:
+    """Prepare every prompt (as every path prepares one: llmcli/answer/preparation.py), find their shared prefix and
+    size the KV cache: each sequence holds the longest prompt plus -n (else `answer_room`: it grows when an answer
+    needs more), at most the context."""
+    found: dict[int, Prepared] = {}
     planned = []
     for item in items:
         if item.error is None:
             try:
-                prompt = render(item)
-                engine.check_budget(len(prompt), capped(generation.max_tokens, len(prompt), engine.n_ctx)[0])
+                found[item.index] = prepare(item)
             except LlmcliError as exc:
                 item = BatchItem(item.index, item.prompt, item.extra, exc.message, item.images)
-            else:
-                tokens[item.index] = prompt
         planned.append(item)
-    prompts = list(tokens.values())
+    prompts = [prepared.prompt.tokens for prepared in found.values()]
     shared = 0
     if len(prompts) > 1:  # each prompt keeps at least one token of its own: its logits give the first answer token
         shared = min(min(shared_prefix(prompts[0], p) for p in prompts), min(len(p) for p in prompts) - 1)
@@ -91,7 +88,7 @@ def plan(items: list[BatchItem], render: Callable[[BatchItem], list[int]], engin
     n_slots = max(1, min(n_parallel, len(prompts)))
     longest_rest = max((len(p) - shared for p in prompts), default=1)
     room = generation.max_tokens or answer_room
-    return BatchPlan(tokens, planned, shared, min(shared + longest_rest + room, engine.n_ctx), n_slots)
+    return BatchPlan(found, planned, shared, min(shared + longest_rest + room, engine.n_ctx), n_slots)
 
 
 class BatchRun:
@@ -99,18 +96,18 @@ class BatchRun:
 
     def __init__(self, engine: Engine, batch_plan: BatchPlan, generation: GenerationOptions,
                  cancel: Cancellation, on_result: Callable[[int, Record], None], speculation: Speculation | None = None,
-                 render: Callable[[BatchItem], list[int]] | None = None):
+                 prepare: Callable[[BatchItem], Prepared] | None = None):
         """`engine` has been resized for the plan: `batch_plan.cells` cells, `batch_plan.n_sequences` sequences.
-        `render`: an item's prompt rendered again as its slot starts (one with images: the plan kept only its tokens,
+        `prepare`: an item's prompt prepared again as its slot starts (one with images: the plan kept only its tokens,
         and the projector keeps only the latest images prepared, so thousands of pictures are never held at once)."""
-        self.engine, self.plan, self.generation, self.render = engine, batch_plan, generation, render
+        self.engine, self.plan, self.generation, self.prepare = engine, batch_plan, generation, prepare
         self.cancel, self.on_result = cancel, on_result
         self.scheduler = Scheduler(engine, batch_plan.n_slots, speculation or Speculation(), batch_plan.cells_per_sequence,
                                    prefix_seq=batch_plan.n_slots if batch_plan.shared else None, keep_cells=False)
         self.queue: deque[BatchItem] = deque()
         self.summary = Summary(shared_prefix_tokens=batch_plan.shared)
         self.done = 0
-        self.notices: dict[int, str] = {}  # an item's notice for its record (-n capped to its context)
+        self.notices: dict[int, tuple[str, ...]] = {}  # an item's notices for its record (-n capped, input truncated)
 
     def run(self, on_progress: Callable[[int, int, float], None] | None = None) -> Summary:
         started = time.perf_counter()
@@ -124,7 +121,7 @@ class BatchRun:
         with self.engine.sharing_cores():
             try:
                 if self.plan.shared:
-                    _prefill_prefix(scheduler, next(iter(self.plan.tokens.values()))[: self.plan.shared])
+                    _prefill_prefix(scheduler, next(iter(self.plan.prepared.values())).prompt.tokens[: self.plan.shared])
                 while (self.queue or scheduler.busy) and not self.cancel:
                     self._fill_slots()
                     self._results(scheduler.step())
@@ -149,22 +146,20 @@ class BatchRun:
             if not self.queue:
                 return
             item = self.queue.popleft()
-            tokens = self.plan.tokens[item.index]
-            if item.images and self.render is not None:
+            prepared = self.plan.prepared[item.index]
+            if item.images and self.prepare is not None:
                 try:
-                    tokens = self.render(item)
+                    prepared = self.prepare(item)
                 except LlmcliError as exc:  # (its image changed or went away since the plan)
                     self._error(item, exc.message)
                     continue
+            tokens, generation = prepared.prompt.tokens, prepared.generation
             self.summary.prompt_tokens += len(tokens)
             seed = item.extra.get("seed")  # a JSONL line may carry its own seed
             if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32 - 1:
-                seed = self.generation.sampling.effective_seed()
-            generation = self.generation
-            max_tokens, notice = capped(generation.max_tokens, len(tokens), self.engine.n_ctx)
-            if notice is not None:  # (-n past this prompt's context: as run caps it, said in its record)
-                generation = dataclasses.replace(generation, max_tokens=max_tokens)
-                self.notices[item.index] = notice
+                seed = generation.sampling.effective_seed()
+            if prepared.notices:  # (-n past this prompt's context, its input truncated: said in its record)
+                self.notices[item.index] = prepared.notices
             self.scheduler.start(seq, tokens, generation, seed, AnswerClock(), tag=item, shared=self.plan.shared)
 
     def _results(self, events: list[tuple[Any, Any]]) -> None:
@@ -172,7 +167,7 @@ class BatchRun:
             if isinstance(event, Done):
                 item: BatchItem = slot.tag
                 self.summary.completion_tokens += event.stats.completion_tokens
-                notices = [self.notices.pop(item.index)] if item.index in self.notices else []
+                notices = self.notices.pop(item.index, ())
                 self.on_result(item.index, {**item.extra, "index": item.index, **answer_record(event, notices)})
                 self.done += 1
 

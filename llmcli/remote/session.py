@@ -136,13 +136,14 @@ class RemoteSession:
                 return item.error_record(item.error)
             try:
                 images = tuple(read_image(reference) for reference in item.images)
-                *_, done = exchange(self, item.prompt or "", generation, [], images)
+                *events, done = exchange(self, item.prompt or "", generation, [], images)
             except NetworkError:
                 raise
             except LlmcliError as exc:
                 return item.error_record(exc.message)
             assert isinstance(done, Done)
-            return {**item.extra, "index": item.index, **answer_record(done)}
+            notices = [event.text for event in events if isinstance(event, Notice)]  # (the input truncated, -n capped)
+            return {**item.extra, "index": item.index, **answer_record(done, notices)}
 
         finished = 0
         with ThreadPoolExecutor(max_workers=parallel) as pool:

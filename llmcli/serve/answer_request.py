@@ -13,21 +13,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmcli.answer import preparation
 from llmcli.answer.answerer import RenderedPrompt, exchange_starts, oldest_exchange_end
 from llmcli.answer.constraint import Constraint
-from llmcli.answer.context_budget import (
-    MAX_CHARS_PER_TOKEN,
-    answer_room,
-    capped,
-    dropped_notice,
-    overflow,
-    truncated,
-    truncation_notice,
-)
+from llmcli.answer.context_budget import answer_room, dropped_notice
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.images import ImageInput
 from llmcli.answer.message import Message
 from llmcli.answer.openai_wire import WireError
+from llmcli.answer.preparation import Context
 from llmcli.answer.sampling_config import SamplingConfig, resolve_logit_bias
 from llmcli.answer.shared_prefix import shared_prefix
 from llmcli.answer.tool_calls import ToolSpec
@@ -136,35 +130,54 @@ class Parsed:
 
 
 def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
-    """The request rendered, tokenized and checked against the context: what a slot needs; ApiError otherwise."""
+    """The request as a slot needs it — its options from its fields over the server's settings, its prompt rendered
+    and fitted as every path fits one (llmcli/answer/preparation.py) — or ApiError."""
     started = time.perf_counter()
-    rendered = _render(request, prompter)
     values = {**prompter.defaults, **request.settings}
     limits = prompter.limits
-    notices: list[str] = []
     asked = request.max_tokens or values["max_tokens"]
+    generation = _options(request, prompter, values, asked)
+    rendered = _render(request, prompter)
+    notices: list[str] = []
     dropped = 0
     if request.fit_history and request.messages is not None:
         request, rendered, dropped = _fitted(request, prompter, rendered, asked)
         if dropped:
             notices.append(dropped_notice(dropped))
-    if request.on_overflow == "truncate" and len(rendered.tokens) + (asked or 1) > limits.n_ctx:
-        request, rendered, cut = _truncated(request, prompter, asked)
-        notices.append(cut)
-    room = limits.n_ctx - len(rendered.tokens)
-    if room < 1:  # (in run's words, with its hint: a warm run's error is an in-process run's)
-        problem = overflow(len(rendered.tokens), request.max_tokens, limits.n_ctx, limits.n_ctx_train)
-        raise ApiError(400, problem.message, param=request.prompt_param, code="context_length_exceeded", cause=problem)
+    text, render, cuttable = _message(request, prompter)
+    truncate = request.on_overflow == "truncate"
+    try:
+        prepared = preparation.prepare(render, text, generation, Context(limits.n_ctx, limits.n_ctx_train),
+                                       truncate=truncate and cuttable, template_source=prompter.template_source,
+                                       count=lambda whole: len(prompter.tokenize_piece(whole)))
+    except LlmcliError as exc:
+        if truncate and not cuttable:
+            raise ApiError(400, "on_overflow truncate cuts the text of a last user message (without images) or of a "
+                           "prompt", param="on_overflow") from None
+        raise ApiError(400, exc.message, param=request.prompt_param, code="context_length_exceeded", cause=exc) from None
+    if prepared.truncated:
+        request = _with_message(request, prepared.text or "")
+    room = limits.n_ctx - len(prepared.prompt.tokens)
     # As llama-server and Ollama do, an answer asked to be longer than fits is as long as fits (it ends `length`):
     # agents ask for 32,000 tokens whatever the model (Claude Code does); as run says, so does the answer's notices.
-    cap = capped(asked, len(rendered.tokens), limits.n_ctx)[1]
-    if cap is not None and request.on_overflow != "truncate":
-        notices.append(cap)
     max_tokens: int | None = min(asked or limits.max_tokens, room, limits.max_tokens)
     if asked is None and room <= limits.max_tokens:
         max_tokens = None  # (no -n: until the context is full, which the answer's end says: context_full, as run's)
     if request.max_tokens == 0:  # (a completion's echo that only scores its prompt)
         max_tokens = 0
+    generation = dataclasses.replace(prepared.generation, max_tokens=max_tokens)
+    tokens = prepared.prompt.tokens
+    stable = _stable(request, prompter, tokens)
+    images = (*request.images, *(image for message in request.messages or () for image in message.images))
+    return Parsed(tokens, generation, generation.sampling.effective_seed(), request.stream, request.include_usage,
+                  stable, (*notices, *prepared.notices), started, time.perf_counter() - started, dropped,
+                  images if any(token < 0 for token in tokens) else ())
+
+
+def _options(request: AnswerRequest, prompter: Prompter, values: Mapping[str, Any],
+             max_tokens: int | None) -> GenerationOptions:
+    """What the request's fields over the server's settings ask of the answer (its sampler, constraint, stops,
+    tools...): a run's flags over its config are the same settings (GenerationOptions.from_settings)."""
     stops = tuple(request.stops if request.stops is not None else values["stop"])
     constraint = request.constraint
     if not (constraint.grammar or constraint.json) and not (request.tools is not None and request.tools.active):
@@ -185,20 +198,37 @@ def prepare(request: AnswerRequest, prompter: Prompter) -> Parsed:
     except LlmcliError as exc:
         raise ApiError(400, exc.message, cause=exc) from None
     generation = GenerationOptions.from_settings(values, sampling, constraint, max_tokens=max_tokens, stops=stops,
-                                                 max_draft=limits.max_draft, tools=request.tools,
+                                                 max_draft=prompter.limits.max_draft, tools=request.tools,
                                                  logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs,
                                                  trace=request.trace)
-    if not request.split_reasoning:
-        generation = dataclasses.replace(generation, reasoning=False)
-    generation = generation.for_prompt(rendered.text, prompter.template_source)
-    last = request.messages[-1] if request.messages else None
-    generation = generation.for_turn(last.content if last is not None and last.role == "user" else None if last is not None
-                                     else request.prompt if isinstance(request.prompt, str) else "")
-    stable = _stable(request, prompter, rendered.tokens)
-    images = (*request.images, *(image for message in request.messages or () for image in message.images))
-    return Parsed(rendered.tokens, generation, sampling.effective_seed(), request.stream, request.include_usage,
-                  stable, tuple(notices), started, time.perf_counter() - started, dropped,
-                  images if any(token < 0 for token in rendered.tokens) else ())
+    return generation if request.split_reasoning else dataclasses.replace(generation, reasoning=False)
+
+
+def _message(request: AnswerRequest, prompter: Prompter) -> tuple[str | None, preparation.Render, bool]:
+    """The text of the request's new message (the last user message, or a text prompt; None: it has none), the
+    request rendered with that text in its place, and whether the text may be cut (--on-overflow truncate: not a
+    message with pictures, whose markers sit in it)."""
+    messages = request.messages or []
+    last = messages[-1] if messages else None
+    if request.messages is None and isinstance(request.prompt, str):
+        text, cuttable = request.prompt, not request.images
+    elif last is not None and last.role == "user":
+        text, cuttable = last.content, not last.images
+    else:
+        return None, lambda _: _render(request, prompter), False
+
+    def render(kept: str | None) -> RenderedPrompt:
+        return _render(request if kept is None or kept == text else _with_message(request, kept), prompter)
+
+    return text, render, cuttable
+
+
+def _with_message(request: AnswerRequest, text: str) -> AnswerRequest:
+    """The request with `text` as its new message's (the last user message's, or the prompt)."""
+    if request.messages is None:
+        return dataclasses.replace(request, prompt=text)
+    *earlier, last = request.messages
+    return dataclasses.replace(request, messages=[*earlier, dataclasses.replace(last, content=text)])
 
 
 def _fitted(request: AnswerRequest, prompter: Prompter, rendered: RenderedPrompt, max_tokens: int | None) -> tuple[
@@ -216,38 +246,6 @@ def _fitted(request: AnswerRequest, prompter: Prompter, rendered: RenderedPrompt
         request = dataclasses.replace(request, messages=messages)
         rendered = _render(request, prompter)
     return request, rendered, dropped
-
-
-def _truncated(request: AnswerRequest, prompter: Prompter, max_tokens: int | None) -> tuple[
-        AnswerRequest, RenderedPrompt, str]:
-    """`on_overflow: truncate` (run's --on-overflow truncate, through a warm server): the start of the last message
-    (or of the prompt) dropped until the prompt and room for the answer fit, as run drops it; the request as cut,
-    its prompt, and run's notice."""
-    n_ctx = prompter.limits.n_ctx
-    budget = n_ctx - answer_room(max_tokens, n_ctx)
-    messages = request.messages or []
-    last = messages[-1] if messages else None
-    if last is not None and last.role == "user" and not last.images:
-        whole = last.content
-
-        def cut(kept: str) -> AnswerRequest:
-            return dataclasses.replace(request, messages=[*messages[:-1], dataclasses.replace(last, content=kept)])
-    elif request.messages is None and isinstance(request.prompt, str):
-        whole = request.prompt
-
-        def cut(kept: str) -> AnswerRequest:
-            return dataclasses.replace(request, prompt=kept)
-    else:
-        raise ApiError(400, "on_overflow truncate cuts the text of a last user message (without images) or of a prompt",
-                       param="on_overflow")
-    best = truncated(whole[-n_ctx * MAX_CHARS_PER_TOKEN:], lambda kept: _render(cut(kept), prompter),
-                     lambda prompt: len(prompt.tokens), budget)
-    if best is None:
-        empty = len(_render(cut(""), prompter).tokens)
-        problem = overflow(empty, max_tokens, n_ctx, prompter.limits.n_ctx_train, can_truncate=False)
-        raise ApiError(400, problem.message, param=request.prompt_param, code="context_length_exceeded", cause=problem)
-    kept, rendered = best
-    return cut(kept), rendered, truncation_notice(n_ctx, whole, kept, len(rendered.tokens))
 
 
 def _stable(request: AnswerRequest, prompter: Prompter, tokens: list[int]) -> int | None:
