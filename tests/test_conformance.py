@@ -2,7 +2,9 @@
 and every option of `run` that shapes an answer has a row; each row that can be asked of an answer is run on every
 path — in-process `run`, the warm `run` (the default), `chat` (warm), `run --batch`, and `--endpoint` to `llmcli serve` — and gives
 the in-process answer (the same greedy text, tokens, logprobs, finish reason, notices, seed, rendered prompt), or a
-refusal that names the option (exit 2), or, where a server decides, a notice naming it: never silence.
+refusal that names the option (exit 2), or, where a server decides, a notice naming it: never silence. `llmcli serve`
+is asked each row through Anthropic's and Ollama's official clients too, where the protocol can say all of its options
+(the same text, finish reason, token counts and logprobs; neither protocol has a field for a notice or the seed).
 
 A new setting fails `test_every_setting_has_a_row` until it is given a row. `pytest -s -n0 tests/test_conformance.py`
 prints the matrix and its counts."""
@@ -77,6 +79,22 @@ ROWS = [
 ]
 FUNCTIONS = 'def lookup(word: str) -> str:\n    """Look a word up."""\n    return word\n'
 PATHS = ("in-process", "warm", "chat", "--batch", "--endpoint serve")
+PROTOCOLS = ("Anthropic", "Ollama")  # `llmcli serve` asked through the official clients, where a row can be said
+
+# Each protocol's words for run's options (a row that uses any other is not expressible in it): the field, and how
+# the flag's text becomes its value. Anthropic's SDK 2.x has no `temperature` argument: it goes in the body as
+# the API takes it.
+FLAG = {"--temp": float, "--seed": int, "--top-k": int, "--top-p": float, "--min-p": float, "--typical-p": float,
+        "--repeat-penalty": float, "--repeat-last-n": int, "--presence-penalty": float, "--frequency-penalty": float,
+        "--mirostat": int, "--mirostat-tau": float, "--mirostat-eta": float, "-n": int}
+OLLAMA_OPTIONS = {"--temp": "temperature", "--seed": "seed", "--top-k": "top_k", "--top-p": "top_p", "--min-p": "min_p",
+                  "--typical-p": "typical_p", "--repeat-penalty": "repeat_penalty", "--repeat-last-n": "repeat_last_n",
+                  "--presence-penalty": "presence_penalty", "--frequency-penalty": "frequency_penalty",
+                  "--mirostat": "mirostat", "--mirostat-tau": "mirostat_tau", "--mirostat-eta": "mirostat_eta",
+                  "-n": "num_predict"}
+ANTHROPIC_FIELDS = {"--temp": "temperature", "--top-k": "top_k", "--top-p": "top_p", "-n": "max_tokens"}
+SWITCHES = ("--raw", "--no-think", "--no-repetition-guard")
+FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "stop": "stop", "length": "length"}
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +140,10 @@ def _same_answer(record: dict, reference: dict, named_by_server: bool = False) -
     counted = ("prompt_tokens",) if calls[1] else ("prompt_tokens", "completion_tokens")  # (a call's JSON is held by
     differences += [f"usage.{key}" for key in counted  # its grammar, which any tokenization spells: slots and one
                     if record["usage"][key] != reference["usage"][key]]  # sequence round differently)
-    if record["timings"].get("seed") != reference["timings"].get("seed"):
-        differences.append("timings.seed")
+    if "seed" in record["timings"] and record["timings"]["seed"] != reference["timings"].get("seed"):
+        differences.append("timings.seed")  # (a record without the key: a protocol's reply, which says no seed)
     notices = [[n for n in r.get("notices", []) if not n.startswith(WARM_NOTICES)] for r in (record, reference)]
-    if notices[0] != notices[1]:
+    if "notices" in record and notices[0] != notices[1]:  # (nor a notice)
         differences.append(f"notices {notices[0]} != {notices[1]}")
     mine, theirs = record.get("logprobs") or [], reference.get("logprobs") or []
     if [lp["token"] for lp in mine] != [lp["token"] for lp in theirs] or not all(
@@ -166,16 +184,69 @@ def test_every_path_gives_the_in_process_answer(paths, capsys, tmp_path):
             cells[name, path] = "same" if not differences else "DIFFERS"
             if differences:
                 wrong.append(f"{name} on {path}: {differences}")
+        for protocol in PROTOCOLS:
+            answer = _ask(protocol, paths["--endpoint serve"]["LLMCLI_ENDPOINT"], ["-n", "8", *args])
+            if answer is None:
+                cells[name, protocol] = "not expressible"
+                continue
+            differences = _same_answer(answer, reference, named_by_server=True)
+            cells[name, protocol] = "same" if not differences else "DIFFERS"
+            if differences:
+                wrong.append(f"{name} through {protocol}: {differences}")
     _print_matrix(capsys, cells)
     assert not wrong, "\n".join(wrong)
+
+
+def _ask(protocol: str, url: str, args: list[str]) -> dict | None:
+    """The row asked of `llmcli serve` through `protocol`'s official client, as a run's --json record (its text, why
+    it ended, its token counts, its logprobs); None when the protocol cannot say one of the row's options."""
+    import anthropic
+    import ollama
+
+    given: dict[str, object] = {"--temp": 0.0}
+    flags = iter(args)
+    for flag in flags:
+        given[flag] = True if flag in SWITCHES else FLAG.get(flag, str)(next(flags))
+    messages = [*([{"role": "system", "content": given.pop("-s")}] if "-s" in given else []),
+                {"role": "user", "content": PROMPT}]
+    if protocol == "Ollama":
+        if set(given) - set(OLLAMA_OPTIONS) - {"--json-schema", "--format", "--raw", "--logprobs"}:
+            return None
+        client = ollama.Client(host=url, timeout=120)
+        options = {OLLAMA_OPTIONS[flag]: value for flag, value in given.items() if flag in OLLAMA_OPTIONS}
+        shape = json.loads(str(given["--json-schema"])) if "--json-schema" in given else given.get("--format")
+        top = int(str(given["--logprobs"])) if "--logprobs" in given else None
+        logprobs = {"logprobs": True, "top_logprobs": top} if top is not None else {}
+        if given.get("--raw"):
+            reply = client.generate(model="smollm2", prompt=PROMPT, raw=True, options=options, format=shape, **logprobs)
+            text = reply.response
+        else:
+            reply = client.chat(model="smollm2", messages=messages, options=options, format=shape, **logprobs)
+            text = reply.message.content
+        return {"text": text, "finish_reason": FINISH[reply.done_reason], "usage": {
+            "prompt_tokens": reply.prompt_eval_count, "completion_tokens": reply.eval_count},
+            "logprobs": [{"token": lp.token, "logprob": lp.logprob} for lp in reply.logprobs or ()], "timings": {}}
+    if set(given) - set(ANTHROPIC_FIELDS) - {"--json-schema"}:
+        return None
+    body: dict[str, object] = {"temperature": given.pop("--temp")}
+    if "--json-schema" in given:
+        body["output_config"] = {"format": {"type": "json_schema", "schema": json.loads(str(given.pop("--json-schema")))}}
+    fields = {ANTHROPIC_FIELDS[flag]: value for flag, value in given.items()}
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    message = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120).messages.create(
+        model="smollm2", messages=messages[-1:], **({"system": system[0]} if system else {}), **fields, extra_body=body)
+    return {"text": "".join(block.text for block in message.content if block.type == "text"),
+            "finish_reason": FINISH[message.stop_reason or ""], "timings": {},
+            "usage": {"prompt_tokens": message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0),
+                      "completion_tokens": message.usage.output_tokens}}  # (input_tokens: those not read from a cache)
 
 
 def _print_matrix(capsys, cells: dict[tuple[str, str], str]) -> None:
     counts: dict[str, int] = {}
     with capsys.disabled():
-        print("\n" + "row".ljust(26) + "".join(path.ljust(18) for path in PATHS))
+        print("\n" + "row".ljust(26) + "".join(path.ljust(18) for path in (*PATHS, *PROTOCOLS)))
         for name, _, _ in ROWS:
-            row = [cells.get((name, path), "-") for path in PATHS]
+            row = [cells.get((name, path), "-") for path in (*PATHS, *PROTOCOLS)]
             for cell in row:
                 counts[cell] = counts.get(cell, 0) + 1
             print(name.ljust(26) + "".join(cell.ljust(18) for cell in row))
