@@ -181,8 +181,12 @@ def measure_candidate(candidate: Candidate, reference: Candidate, measure: Measu
         pass
     label = candidate.row()["name"]
     progress(f"{label}: speed", 0, 1)
-    prefill, decode = quick_speed(candidate.path, measure.threads, measure.prompt_tokens, measure.gen_tokens,
-                                  measure.repetitions, candidate.kv_type)
+    try:
+        with cancel.raising():  # (the raw loop looks at no flag: Ctrl-C stops it at the next token, not the last)
+            prefill, decode = quick_speed(candidate.path, measure.threads, measure.prompt_tokens, measure.gen_tokens,
+                                          measure.repetitions, candidate.kv_type)
+    except KeyboardInterrupt:
+        return False
     if cancel:
         return False
 
