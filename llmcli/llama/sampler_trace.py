@@ -7,6 +7,7 @@ vocabulary's logits and a softmax a stage); the plain path is Sampler.sample."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -63,11 +64,11 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
     chosen = {token}
     if n_top:
         k = min(n_top, n_vocab) - 1
-        chosen.update(np.argpartition(-model, k)[:n_top].tolist())
+        chosen.update(np.argpartition(model, n_vocab - 1 - k)[n_vocab - 1 - k:].tolist())
         if final is not p_model:  # (no stage changed anything: the sampler's most likely are the model's)
-            kept = np.flatnonzero(final)  # (those the chain left: the most likely of them, never a masked one)
-            if len(kept) > n_top:
-                kept = kept[np.argpartition(-final[kept], n_top - 1)[:n_top]]
+            # those the chain left: the most likely of them, never a masked one (0 is below any that is left)
+            kept = np.argpartition(final, n_vocab - 1 - k)[n_vocab - 1 - k:] if np.count_nonzero(final) > n_top \
+                else np.flatnonzero(final)
             chosen.update(kept.tolist())
     candidates = sorted((Candidate(t, vocab.piece(t, special=True), float(model[t]), math.exp(float(model[t])),
                                    float(final[t])) for t in chosen), key=lambda c: (-c.p_sampler, -c.p_model))
@@ -94,10 +95,18 @@ def _through(chain: object, logits: np.ndarray, p_model: np.ndarray, buffer: tup
     llama_sampler_sample does)."""
     n_vocab = len(logits)
     data, view = buffer
-    view["id"] = np.arange(n_vocab)
+    view["id"] = _ids(n_vocab)
     view["logit"] = logits
     view["p"] = 0.0
     array = llama_cpp.llama_token_data_array(data, n_vocab, -1, False)
+    home = ctypes.addressof(data)
+
+    def candidates(size: int) -> np.ndarray:  # (the stages work in place: the view made once, not a new one a stage —
+        # numpy reads a ctypes array's type anew each time, ~90 µs)
+        if ctypes.cast(array.data, ctypes.c_void_p).value == home:
+            return view[:size]
+        return np.ctypeslib.as_array(array.data, shape=(size,))
+
     stages: list[tuple[str, int]] = []
     changed: list[str] = []
     before = final = p_model
@@ -109,22 +118,34 @@ def _through(chain: object, logits: np.ndarray, p_model: np.ndarray, buffer: tup
         stages.append((name, size))
         if name in SELECTORS:
             break
-        after = _distribution(np.ctypeslib.as_array(array.data, shape=(size,)), size, n_vocab)
+        after = _distribution(candidates(size), size, n_vocab)
         if float(np.abs(after - before).max()) > 1e-9:
             changed.append(name)
         before = final = after
     selected = int(array.selected)
-    token = int(np.ctypeslib.as_array(array.data, shape=(int(array.size),))["id"][selected])
+    token = int(candidates(int(array.size))["id"][selected])
     llama_cpp.llama_sampler_accept(chain, token)
     return tuple(stages), tuple(changed), final, token, ""
 
 
+@functools.lru_cache(maxsize=2)
+def _ids(n_vocab: int) -> np.ndarray:
+    """Every token id, in order (the candidate array's ids before the first stage)."""
+    ids = np.arange(n_vocab, dtype=np.int32)
+    ids.flags.writeable = False
+    return ids
+
+
 def _distribution(view: np.ndarray, size: int, n_vocab: int) -> np.ndarray:
     """The probabilities the candidates' logits make, one per token id (0: removed, or masked with -inf)."""
+    ids, values = view["id"][:size], view["logit"][:size]
+    top = values.max() if size else -math.inf
+    if not math.isfinite(top):
+        return np.zeros(n_vocab)
+    p: np.ndarray = np.exp((values - top).astype(np.float64))  # (a masked candidate's -inf: 0)
+    p /= p.sum()
+    if size == n_vocab and ids[0] == 0 and ids[-1] == n_vocab - 1 and bool((ids[1:] > ids[:-1]).all()):
+        return p  # (every token still there, in id order: no scatter)
     found = np.zeros(n_vocab)
-    ids, values = view["id"][:size], view["logit"][:size].astype(np.float64)
-    alive = np.isfinite(values)
-    if alive.any():
-        p = np.exp(values[alive] - values[alive].max())
-        found[ids[alive]] = p / p.sum()
+    found[ids] = p
     return found
