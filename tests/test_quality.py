@@ -313,3 +313,32 @@ def _cpu_seconds(pid: int) -> float:
     """The CPU time a process has used (its user and system time, /proc/PID/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_quant_advise_measures_the_model_s_files_in_other_tools_stores(ladder, isolated_env, smollm2):
+    """Issue 59: advise's candidates include the same model in Ollama's store and LM Studio's folder (found by their
+    shape, measured in place like the rest; the stores unchanged)."""
+    import hashlib
+
+    from test_elsewhere import blob, manifest, tree
+
+    ollama = isolated_env / "ollama-models"
+    (ollama / "blobs").mkdir(parents=True)
+    digest = hashlib.sha256(ladder["Q8_0"].read_bytes()).hexdigest()
+    manifest(ollama, "smol", "q8", [("model", blob(ollama, ladder["Q8_0"], digest), ladder["Q8_0"].stat().st_size)])
+    lmstudio = isolated_env / "home" / ".lmstudio" / "models" / "someone" / "SmolLM2-GGUF"
+    lmstudio.mkdir(parents=True)
+    (lmstudio / "SmolLM2-Q2_K.gguf").symlink_to(ladder["Q2_K"])
+    before = tree(ollama), tree(lmstudio)
+    text = isolated_env / "short.txt"
+    text.write_text(default_text()[:620], encoding="utf-8")
+    result = run_cli("quant", "advise", "-m", str(smollm2), "--text", str(text), "--eval-ctx", "64", "--repetitions",
+                     "1", "-p", "32", "-n", "4", "-c", "2048", "--json",
+                     env={"OLLAMA_MODELS": str(ollama), "HOME": str(isolated_env / "home")})
+    assert result.code == 0, result.stderr
+    rows = {row["name"]: row for row in json.loads(result.stdout)["candidates"]}
+    found = {name: row["type"] for name, row in rows.items() if name.startswith(("ollama:", "lmstudio:"))}
+    assert sorted(found.values()) == ["Q2_K", "Q8_0"], rows.keys()
+    for name in found:
+        assert rows[name]["decode_tokens_per_s"] > 0 and rows[name]["kld_mean"] >= 0 and rows[name]["here"], rows[name]
+    assert (tree(ollama), tree(lmstudio)) == before
