@@ -48,12 +48,17 @@ CalibrateOpt = Annotated[bool, typer.Option(
 SaveOpt = Annotated[bool, typer.Option(
     "--save", help="With --calibrate: write the choice to the model's own table of the config file ([models.NAME]), "
     "which run, chat, --batch and serve use for it.")]
+MinGainOpt = Annotated[Optional[int], typer.Option(
+    "--min-gain", min=0, help="With --calibrate: items of the choosing half the best pair must get right beyond the "
+    "numbers in use to replace them (else those stand, and --save writes nothing); 0: the best pair of the grid. "
+    "[default: 2]", show_default=False)]
 
 
 @app.command("tools")
 @o.with_settings(only=SETTINGS_TAKEN, exclude=EXCLUDED)
 def tools(categories: CategoriesArg = None, *, tool_choice: ChoiceOpt = "auto", limit: LimitOpt = 30,
           items: ItemsOpt = None, answers: AnswersOpt = None, calibrate: CalibrateOpt = False, save: SaveOpt = False,
+          min_gain: MinGainOpt = None,
           as_json: JsonOpt = False, request: Request) -> None:
     """Ask a model BFCL-format tool-calling items (BFCL's own from `pip install --no-deps bfcl-eval`, or yours) through
     the path `run --functions` and `serve` take, greedy unless --temp; per category: accuracy by BFCL's AST rules,
@@ -65,6 +70,9 @@ def tools(categories: CategoriesArg = None, *, tool_choice: ChoiceOpt = "auto", 
 
     if tool_choice not in CHOICES:
         raise UsageError(f"--tool-choice {tool_choice!r}: one of {', '.join(CHOICES)}")
+    if min_gain is not None and not calibrate:
+        raise UsageError("--min-gain is how much --calibrate's choice must win by",
+                         hint="llmcli eval tools --calibrate --min-gain 1 -m MODEL")
     if save and not calibrate:
         raise UsageError("--save keeps what --calibrate chose", hint="llmcli eval tools --calibrate --save -m MODEL")
     if items:
@@ -90,7 +98,9 @@ def tools(categories: CategoriesArg = None, *, tool_choice: ChoiceOpt = "auto", 
             raise UsageError("--calibrate chooses what --tool-choice auto does: leave --tool-choice out")
         if not any(item.irrelevant for item in loaded) or all(item.irrelevant for item in loaded):
             raise UsageError("--calibrate needs items a tool fits and items no tool fits (an irrelevance category)")
-        _calibrate(request, loaded, save, as_json, console)
+        from llmcli.eval.calibration import MIN_GAIN
+
+        _calibrate(request, loaded, save, MIN_GAIN if min_gain is None else min_gain, as_json, console)
         return
     with output.open_pipeline(request, console) as pipeline:
         from llmcli.answer.answerer import tool_format
@@ -111,7 +121,8 @@ def tools(categories: CategoriesArg = None, *, tool_choice: ChoiceOpt = "auto", 
         raise typer.Exit(130)
 
 
-def _calibrate(request: Request, loaded: list[Item], save: bool, as_json: bool, console: Console) -> None:
+def _calibrate(request: Request, loaded: list[Item], save: bool, min_gain: int, as_json: bool,
+               console: Console) -> None:
     from llmcli.answer.answerer import tool_format
     from llmcli.cli import output
     from llmcli.eval.calibration import NO_CALL_GOAL, calibrate
@@ -120,7 +131,7 @@ def _calibrate(request: Request, loaded: list[Item], save: bool, as_json: bool, 
         format_name = tool_format(pipeline.session, pipeline.settings["tool_format"])
         with output.progress_bar("eval tools --calibrate") as advance, pipeline.cancel.on_signals():
             found = calibrate(pipeline.session, pipeline.generation, loaded, format_name, pipeline.cancel,
-                              lambda phase, done, total: advance(done, total, f"calibrate · {phase}"))
+                              lambda phase, done, total: advance(done, total, f"calibrate · {phase}"), min_gain)
         model = pipeline.model.name
         before = (pipeline.settings["call_preference"], pipeline.settings["call_gain"])
     rows = {name: {score.category: score.row() for score in report.scores()} for name, report in found.reported.items()}
@@ -129,11 +140,13 @@ def _calibrate(request: Request, loaded: list[Item], save: bool, as_json: bool, 
               "no_call_goal": NO_CALL_GOAL, "before": {"call_preference": before[0], "call_gain": before[1]},
               "chosen": None if choice is None else {"call_preference": choice.base, "call_gain": choice.gain,
                                                      "predicted_accuracy": round(choice.accuracy, 4),
-                                                     "predicted_no_call": round(choice.no_call, 4)},
+                                                     "predicted_no_call": round(choice.no_call, 4),
+                                                     "kept": choice.kept},
+              "min_gain": min_gain, "save": save,
               "choosing_items": len(found.probes), "report": rows,
               "probes": [{**dataclasses.asdict(p), "threshold": p.threshold if math.isfinite(p.threshold) else
                           "unled" if p.threshold < 0 else "never"} for p in found.probes]}
-    if save and choice is not None and not found.interrupted:
+    if save and choice is not None and not choice.kept and not found.interrupted:
         from llmcli.config.config_file import save_model_settings
 
         save_model_settings(model, {"call_preference": choice.base, "call_gain": choice.gain},
@@ -161,6 +174,13 @@ def _show_calibration(result: dict[str, Any], console: Console) -> None:
                          f"{100 * row['no_call_rate']:.0f}%"))
     output.print_table(("ASKED", "CATEGORY", "ITEMS", "ACCURACY", "NO CALL"), rows, right=("ITEMS", "ACCURACY", "NO CALL"),
                        title=f"{result['model']} · the report half (items the choice never saw) · {result['tool_format']} calls")
+    if chosen["kept"]:
+        console.print(f"kept on {result['choosing_items']} items: --call-preference {chosen['call_preference']:g} "
+                      f"--call-gain {chosen['call_gain']:g}, the numbers in use (no pair got {result['min_gain']} more "
+                      f"items right: --min-gain); predicted there: {100 * chosen['predicted_accuracy']:.0f}% of the "
+                      f"items a tool fits answered, {100 * chosen['predicted_no_call']:.0f}% of the others uncalled"
+                      + ("; nothing was saved" if result.get("save") else ""))
+        return
     console.print(f"chosen on {result['choosing_items']} items: --call-preference {chosen['call_preference']:g} "
                   f"--call-gain {chosen['call_gain']:g} (predicted there: {100 * chosen['predicted_accuracy']:.0f}% of "
                   f"the items a tool fits answered, {100 * chosen['predicted_no_call']:.0f}% of the others uncalled; "

@@ -7,7 +7,8 @@ of the choosing slice is measured once: its threshold (found by bisection, askin
 preference given outright and short answers: the prompt stays cached, each probe costs a few tokens), and for an item
 a tool fits, whether a forced call (`required`) answers it. Every (base, gain) of a grid is then scored without asking
 again: an item that calls is right when its forced call is; one no tool fits is right when it does not call. The pair
-kept is the most accurate on the items a tool fits among those that leave ≥ NO_CALL_GOAL of the others uncalled.
+kept is the most accurate on the items a tool fits among those that leave ≥ NO_CALL_GOAL of the others uncalled — if
+it gets MIN_GAIN more items right than the numbers in use (else those stay: one item is a small slice's noise).
 
 The report slice (items the choice never saw: half of each category, dealt by a stable hash of the ids) is then asked for real —
 forced, `auto` with the defaults, `auto` calibrated — so the table shows what the choice does, not what it predicted."""
@@ -37,6 +38,8 @@ PROBE_TOKENS = 16  # an answer's first text or call shows within it (the probe s
 BASES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0)  # 0: off (the model's own choice)
 GAINS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0)
 ROOM_CAP = 3.0  # an item's room counts up to this much lead (past it, the decision is settled)
+MIN_GAIN = 2  # items of the choosing slice a pair must get right beyond the current numbers to replace them (one item
+# is the noise of a small slice: gemma3-270m's pair, chosen on 3 answers, did worse on the unseen half than the defaults)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ class Choice:
     accuracy: float  # of the items a tool fits (predicted on the choosing slice)
     no_call: float  # of the items no tool fits
     room: float = 0.0  # how far, on average, each item's lead is from its threshold on the right side (capped)
+    right: int = 0  # items of the choosing slice it gets right (predicted)
+    kept: bool = False  # the current numbers, kept: no pair of the grid gets MIN_GAIN more items right
 
 
 def halves(items: Sequence[Item]) -> tuple[list[Item], list[Item]]:
@@ -141,19 +146,28 @@ def predicted(probes: Sequence[Probe], base: float, gain: float) -> Choice:
         gap = lead(p) - p.threshold if math.isfinite(p.threshold) else (-1.0 if p.threshold > 0 else 1.0) * ROOM_CAP
         return max(-ROOM_CAP, min(ROOM_CAP, wanted * gap))
 
-    accuracy = sum(calls(p) and p.forced_correct for p in fits) / len(fits) if fits else 0.0
-    no_call = sum(not calls(p) for p in others) / len(others) if others else 1.0
-    return Choice(base, gain, accuracy, no_call, sum(room(p) for p in probes) / len(probes) if probes else 0.0)
+    answered = sum(calls(p) and p.forced_correct for p in fits)
+    uncalled = sum(not calls(p) for p in others)
+    return Choice(base, gain, answered / len(fits) if fits else 0.0, uncalled / len(others) if others else 1.0,
+                  sum(room(p) for p in probes) / len(probes) if probes else 0.0, answered + uncalled)
 
 
-def choose(probes: Sequence[Probe]) -> Choice:
+def choose(probes: Sequence[Probe], current: tuple[float, float] | None = None, min_gain: int = MIN_GAIN) -> Choice:
     """The grid's pair: most accurate among those reaching NO_CALL_GOAL (else among those that leave most uncalled),
     then the one that leaves more uncalled, then the one with most room (a pair whose leads sit far from the
-    thresholds on the right side holds on items it has not seen; the smallest lead that barely works does not)."""
+    thresholds on the right side holds on items it has not seen; the smallest lead that barely works does not).
+    `current` (the numbers in use) stays unless that pair gets `min_gain` more items right, or reaches the no-call goal
+    where the current numbers do not."""
     scored = [predicted(probes, base, gain) for base in BASES for gain in (GAINS if base else (0.0,))]
     reaching = [c for c in scored if c.no_call >= NO_CALL_GOAL] or [
         c for c in scored if c.no_call == max(s.no_call for s in scored)]
-    return max(reaching, key=lambda c: (c.accuracy, c.no_call, c.room))
+    best = max(reaching, key=lambda c: (c.accuracy, c.no_call, c.room))
+    if current is None:
+        return best
+    now = predicted(probes, *current)
+    if best.no_call >= NO_CALL_GOAL > now.no_call or best.right - now.right >= min_gain:
+        return best
+    return dataclasses.replace(now, kept=True)
 
 
 @dataclass
@@ -165,8 +179,10 @@ class Calibration:
 
 
 def calibrate(answerer: Answerer, generation: GenerationOptions, items: Sequence[Item], format_name: str,
-              cancel: Cancellation, on_step: Callable[[str, int, int], None] | None = None) -> Calibration:
-    """Measure the choosing slice, choose, then ask the report slice three ways; Ctrl-C ends it with what was done."""
+              cancel: Cancellation, on_step: Callable[[str, int, int], None] | None = None,
+              min_gain: int = MIN_GAIN) -> Calibration:
+    """Measure the choosing slice, choose (the numbers of `generation` kept unless a pair gets `min_gain` more items
+    right), then ask the report slice three ways; Ctrl-C ends it with what was done."""
     chosen_on, reported_on = halves(items)
     probes: list[Probe] = []
     for index, item in enumerate(chosen_on):
@@ -176,10 +192,10 @@ def calibrate(answerer: Answerer, generation: GenerationOptions, items: Sequence
         probes.append(found)
         if on_step is not None:
             on_step("choosing", index + 1, len(chosen_on))
-    choice = choose(probes)
+    choice = choose(probes, (generation.call_preference, generation.call_gain), min_gain)
     calibrated = dataclasses.replace(generation, call_preference=choice.base, call_gain=choice.gain)
     runs = {"forced": (generation, "required"), "auto (default)": (generation, "auto"),
-            "auto (calibrated)": (calibrated, "auto")}
+            **({} if choice.kept else {"auto (calibrated)": (calibrated, "auto")})}  # (kept: the same numbers)
     reported: dict[str, Report] = {}
     asked = {name: [i for i in reported_on if tool_choice == "auto" or not i.irrelevant]  # (forced: where a tool fits)
              for name, (_, tool_choice) in runs.items()}
