@@ -7,6 +7,7 @@ Every request goes to 127.0.0.1 only; every loop is bounded in count and time.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -278,6 +279,53 @@ def test_embeddings_through_the_openai_client_equal_llmcli_embed_s(server):
         api.embeddings.create(model="smollm2", input="hi", dimensions=7)
     with pytest.raises(openai.BadRequestError, match="input must be"):
         api.embeddings.create(model="smollm2", input=[])
+
+
+def test_an_embedding_process_that_dies_fails_its_request_and_the_next_one_starts_another(server):
+    """Issue 58: the model in embedding mode ran in the server's own process — llama.cpp failing on a text took `serve`
+    down. It runs in a process of its own: killed while it embeds, that request fails in OpenAI's error shape (503,
+    saying so), the server answers throughout, and the next request starts another that gives the same vectors."""
+    import os
+
+    import openai
+
+    url, _ = server
+    api = client(url)
+
+    def embedding_pid() -> int | None:
+        health = HTTP.get(f"{url}/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+        return health["models"][0]["embedding_pid"]
+
+    first = api.embeddings.create(model="smollm2", input="Tides follow the moon.").data[0].embedding
+    pid = embedding_pid()
+    assert pid is not None and pid != server[1].pid
+    failures: list[Exception] = []
+
+    def long_request() -> None:
+        try:
+            api.embeddings.create(model="smollm2", input=[f"{i}: " + "The lighthouse keeper climbed the stairs. " * 8
+                                                          for i in range(240)])
+        except openai.APIStatusError as exc:
+            failures.append(exc)
+
+    asking = threading.Thread(target=long_request)
+    started = _cpu_seconds(pid)
+    asking.start()
+    deadline = time.monotonic() + 120
+    while _cpu_seconds(pid) < started + 0.5 and asking.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)  # (half a second of CPU into the request: it embeds)
+    asking.join(120)
+    assert len(failures) == 1 and failures[0].status_code == 503, failures
+    assert "the embedding engine stopped (killed by signal 9)" in str(failures[0])
+    again = api.embeddings.create(model="smollm2", input="Tides follow the moon.").data[0].embedding
+    assert max(abs(a - b) for a, b in zip(again, first, strict=True)) < 1e-5
+    assert embedding_pid() not in (None, pid)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_no_cors_unless_asked(server):

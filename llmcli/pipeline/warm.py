@@ -205,9 +205,11 @@ def without_serve(asked: bool, instead: str) -> str | None:
 
 
 def server_pids(state: Health) -> list[int]:
-    """The processes of a server (as its /health tells its key's holder): its own, and each model's engine's."""
+    """The processes of a server (as its /health tells its key's holder): its own, and each model's engine's and
+    embedding process's."""
     engines = [int(((m.get("slots") or {}).get("engine") or {}).get("pid") or 0) for m in state.get("models") or []]
-    return [pid for pid in (int(state.get("pid") or 0), *engines) if pid > 0]
+    embedding = [int(m.get("embedding_pid") or 0) for m in state.get("models") or []]
+    return [pid for pid in (int(state.get("pid") or 0), *engines, *embedding) if pid > 0]
 
 
 def held_by_others(model_path: Path) -> int:

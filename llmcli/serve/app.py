@@ -75,7 +75,7 @@ def create_app(state: ServerState, describe: Callable[[str, Any, int], ModelFact
 
 
 # What /health tells of a model only with the key (or on a Unix socket): a warm run's client reads them
-PRIVATE_FACTS = ("path", "notices", "thinking_switch", "template_sha256", "template_system")
+PRIVATE_FACTS = ("path", "notices", "thinking_switch", "template_sha256", "template_system", "embedding_pid")
 
 def _own_app(state: ServerState, hosts: tuple[str, ...] | None, webui: bool) -> Starlette:
     """llmcli's own routes: /health, the warm servers' /llmcli/embed, the chat page; errors in OpenAI's shape."""
@@ -92,7 +92,8 @@ def _own_app(state: ServerState, hosts: tuple[str, ...] | None, webui: bool) -> 
                 if served.prompter.template_source else None, "template_system": served.template_system,
                 "in_flight": served.in_flight, "pinned": served.pinned, "notices": list(served.notices),
                 "expires_in_s": None if expires is None else round(expires, 1),
-                "idle_s": 0.0 if served.in_flight else round(time.monotonic() - served.last_used, 1)}
+                "idle_s": 0.0 if served.in_flight else round(time.monotonic() - served.last_used, 1),
+                "embedding_pid": served.embeddings.pid if served.embeddings is not None else None}
 
     async def health(request: Request) -> Response:
         """Open to anyone (a load balancer's probe); the pid and the models' paths only to a caller with the key, or

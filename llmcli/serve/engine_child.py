@@ -7,7 +7,8 @@ each answer sampled (what a restart resumes it from). The server does the queue'
 as soon as a slot is free. SIGINT is ignored (the server answers Ctrl-C by stopping this process); when the server
 goes away, however it went, the socket ends and so does this process, at once.
 
-Messages in: the EngineSpec first, then ("submit", key, Job fields…), ("cancel", key), ("who",), ("stop",).
+Messages in: the EngineSpec first (or ("embedding", request): the model in embedding mode instead,
+llmcli/serve/embedding_process.py), then ("submit", key, Job fields…), ("cancel", key), ("who",), ("stop",).
 Messages out: ("ready", facts) or ("failed", kind, message, hint, exit code), then ("events", [(key, event, failure)],
 {key: [(token, logprob)…]}, status or None), ("admitted", key) when a job takes a slot, ("alive",) while a step
 runs long, ("sampling", key or None).
@@ -99,6 +100,13 @@ def main(fd: int) -> None:
         spec = conn.recv()
     except (EOFError, OSError):
         return
+    if isinstance(spec, tuple) and spec[:1] == ("embedding",):  # (the model in embedding mode: /v1/embeddings)
+        from llmcli.serve.embedding_process import serve_embeddings
+
+        try:
+            serve_embeddings(conn, spec[1])
+        finally:
+            os._exit(0)
     try:
         from llmcli.errors import LlmcliError
         from llmcli.serve.engine_spec import failed_message, load_engine

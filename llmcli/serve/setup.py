@@ -13,6 +13,7 @@ from llmcli.pipeline import Request, fetch_for, resolve_settings, warm
 from llmcli.pipeline.local import Tokenizer, open_tokenizer
 from llmcli.prompt.rendering import thinking_variables
 from llmcli.serve.answer_request import Limits, Prompter
+from llmcli.serve.embedding_process import Embeddings
 from llmcli.serve.engine_process import STEP_TIMEOUT_S, EngineProcess
 from llmcli.serve.engine_spec import EngineFacts, EngineSpec
 from llmcli.serve.model_facts import ModelFacts, read_facts
@@ -113,39 +114,3 @@ def _served(tokenizer: Tokenizer, facts: EngineFacts, engine: EngineProcess, req
         vocabulary.close()
 
     return Served(facts.path, engine, prompter, model_facts, close, embeddings, facts.notices, facts.template_system)
-
-
-class Embeddings:
-    """`/v1/embeddings`: the model in embedding mode (as `llmcli embed` loads it: the model's own pooling, else
-    mean; 32 texts a pass), loaded on the first request — checked against memory then — and kept; one request at a
-    time, off the event loop. The same vectors as `llmcli embed`."""
-
-    def __init__(self, request: Request):
-        import threading
-
-        self.request = request
-        self._lock = threading.Lock()
-        self._embedder: Any = None
-
-    def embed(self, texts: list[str], normalize: bool = False, truncate: bool = False) -> list[Any]:
-        """One result per text: `normalize` scales vectors to length 1 (Ollama's /api/embed), `truncate` embeds
-        the first tokens of a text too long (else its result is an error)."""
-        from llmcli.pipeline.local import open_embedder
-
-        with self._lock:
-            if self._embedder is None:
-                _, _, self._embedder = open_embedder(self.request, "model", normalize=False, truncate=False,
-                                                     texts_per_batch=32)
-            self._embedder.normalize, self._embedder.truncate = normalize, truncate
-            return list(self._embedder.embed(texts))
-
-    @property
-    def dimensions(self) -> int:
-        with self._lock:
-            return int(self._embedder.n_embd) if self._embedder is not None else 0
-
-    def close(self) -> None:
-        with self._lock:
-            if self._embedder is not None:
-                self._embedder.engine.close()
-                self._embedder = None
