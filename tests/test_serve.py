@@ -285,8 +285,6 @@ def test_an_embedding_process_that_dies_fails_its_request_and_the_next_one_start
     """Issue 58: the model in embedding mode ran in the server's own process — llama.cpp failing on a text took `serve`
     down. It runs in a process of its own: killed while it embeds, that request fails in OpenAI's error shape (503,
     saying so), the server answers throughout, and the next request starts another that gives the same vectors."""
-    import os
-
     import openai
 
     url, _ = server
