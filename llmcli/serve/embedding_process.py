@@ -10,15 +10,13 @@ request), then ("embed", texts, normalize, truncate)…; from it: ("ready", dime
 
 from __future__ import annotations
 
-import socket
-import sys
 import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
 from llmcli.errors import LlmcliError
 from llmcli.serve import engine_zygote
-from llmcli.serve.engine_spec import died_loading, load_failure
+from llmcli.serve.engine_spec import handshake, load_failure, spawn_child
 
 BATCH = 32  # texts sharing a context a pass
 
@@ -62,29 +60,9 @@ class Embeddings:
             self._end()
 
     def _start(self) -> tuple[engine_zygote.EngineChild, Connection]:
-        ours, theirs = socket.socketpair()
-        try:
-            command = [sys.executable, "-m", "llmcli.serve.engine_child", str(theirs.fileno())]
-            proc = engine_zygote.spawn_engine(command, theirs.fileno())
-        finally:
-            theirs.close()
-        conn = Connection(ours.detach())
-        try:
-            conn.send(("embedding", self.request))
-            while not conn.poll(0.2):
-                if (ended := proc.poll()) is not None:
-                    raise died_loading(ended)
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                raise died_loading(proc.wait()) from None
-            if message[0] == "failed":
-                raise load_failure(message)
-        except BaseException:
-            conn.close()
-            engine_zygote.kill(proc)
-            raise
-        self._child, self._dimensions = (proc, conn), int(message[1])
+        proc, conn = spawn_child()
+        dimensions = handshake(proc, conn, ("embedding", self.request))
+        self._child, self._dimensions = (proc, conn), int(dimensions)
         return proc, conn
 
     def _end(self) -> None:

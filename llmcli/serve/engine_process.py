@@ -19,9 +19,7 @@ While an engine restarts, `status()` says so (`/health`: degraded); each restart
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +31,7 @@ from llmcli.answer.events import Done, TokenLogprob
 from llmcli.decode.serving import Delivery, Failure, Job, JobEvent, QueueFull, deliver_here
 from llmcli.errors import LlmcliError
 from llmcli.serve import engine_zygote
-from llmcli.serve.engine_spec import EngineFacts, EngineSpec, died_loading, load_failure
+from llmcli.serve.engine_spec import EngineFacts, EngineSpec, handshake, spawn_child
 
 STEP_TIMEOUT_S = 300.0  # the default --step-timeout: no honest step (a prompt chunk, an image) of a slow machine lasts it
 POLL_S = 0.05  # how often the supervisor looks for clients that left (and stalls) while no message comes
@@ -88,32 +86,10 @@ class EngineProcess:
     # -- the child ----------------------------------------------------------------------------------
 
     def _spawn(self) -> tuple[engine_zygote.EngineChild, Connection]:
-        ours, theirs = socket.socketpair()
-        try:
-            command = [sys.executable, "-m", "llmcli.serve.engine_child", str(theirs.fileno())]
-            proc = engine_zygote.spawn_engine(command, theirs.fileno())
-        finally:
-            theirs.close()
-        conn = Connection(ours.detach())
-        return proc, conn
+        return spawn_child()
 
     def _ready(self, proc: engine_zygote.EngineChild, conn: Connection) -> EngineFacts:
-        try:
-            conn.send(self.spec)
-            while not conn.poll(0.2):
-                if (ended := proc.poll()) is not None:
-                    raise died_loading(ended)
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                raise died_loading(proc.wait()) from None
-            if message[0] == "failed":
-                raise load_failure(message)
-            facts: EngineFacts = message[1]
-        except BaseException:
-            conn.close()
-            engine_zygote.kill(proc)
-            raise
+        facts: EngineFacts = handshake(proc, conn, self.spec)
         self._proc, self._conn = proc, conn
         self._last_heard = time.monotonic()
         return facts

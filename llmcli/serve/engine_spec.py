@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import socket
+import sys
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ from llmcli import errors
 from llmcli.answer.constraint import Constraint
 from llmcli.errors import LlmcliError
 from llmcli.pipeline import Request, Shape
+from llmcli.serve import engine_zygote
 
 
 @dataclass(frozen=True)
@@ -88,3 +92,36 @@ def died_loading(code: int) -> LlmcliError:
     what = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"status {code}"
     return errors.IntegrityError(f"llama.cpp ended the engine process while it loaded the model ({what})",
                                  hint="Check that the file is a complete GGUF model supported by this llama.cpp build.")
+
+
+def spawn_child() -> tuple[engine_zygote.EngineChild, Connection]:
+    """A child process for a model (`python -m llmcli.serve.engine_child FD`, or forked by the server's zygote) and the
+    connection to it; it waits for its first message (`handshake`)."""
+    ours, theirs = socket.socketpair()
+    try:
+        command = [sys.executable, "-m", "llmcli.serve.engine_child", str(theirs.fileno())]
+        proc = engine_zygote.spawn_engine(command, theirs.fileno())
+    finally:
+        theirs.close()
+    return proc, Connection(ours.detach())
+
+
+def handshake(proc: engine_zygote.EngineChild, conn: Connection, first: Any) -> Any:
+    """Send the child what to load (`first`) and wait for its model: what its "ready" answer carries. The load's
+    error (a "failed" answer, or the child's death) is raised, and nothing is left running then."""
+    try:
+        conn.send(first)
+        while not conn.poll(0.2):
+            if (ended := proc.poll()) is not None:
+                raise died_loading(ended)
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            raise died_loading(proc.wait()) from None
+        if message[0] == "failed":
+            raise load_failure(message)
+    except BaseException:
+        conn.close()
+        engine_zygote.kill(proc)
+        raise
+    return message[1]
