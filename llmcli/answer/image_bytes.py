@@ -71,6 +71,9 @@ def decode_image(data: bytes, source: str, max_side: int = DEFAULT_MAX_SIDE) -> 
             frames = int(getattr(picture, "n_frames", 1))
             if frames > 1:
                 raise ImageError(f"{source}: an animated image ({frames} frames): give one frame as a still image")
+            if allowance is not None and allowance.headers_only:  # (the request's first reading: no pixel decoded)
+                picture.close()
+                return ImageInput(width, height, b"", source, b"", FORMATS[str(picture.format)])
             with DECODING.room(width * height, source):
                 picture.load()
                 rgb = _as_rgb(picture)
@@ -122,16 +125,20 @@ DECODING = PixelBudget(MAX_DECODING_PIXELS)
 
 
 class PixelAllowance:
-    """The pixels one request's pictures may hold together (read from each header before it is decoded)."""
+    """The pixels one request's pictures may hold together, read from each header before it is decoded. A server reads
+    a request twice when it holds pictures: `headers_only` first (each picture's header checked, its allowance taken,
+    nothing decoded: `seen` counts them), then, when they all fit, for real — so a request past its allowance is refused
+    before any of its pictures is decoded, not after the ones that came first."""
 
-    def __init__(self, limit: int = MAX_REQUEST_PIXELS):
-        self.limit, self.left = limit, limit
+    def __init__(self, limit: int = MAX_REQUEST_PIXELS, headers_only: bool = False):
+        self.limit, self.left, self.headers_only, self.seen = limit, limit, headers_only, 0
 
     def take(self, pixels: int, source: str) -> None:
         if pixels > self.left:
             raise ImageError(f"{source}: the request's pictures would hold more than {self.limit:,} pixels in all; "
                              "send fewer or smaller ones")
         self.left -= pixels
+        self.seen += 1
 
 
 # The allowance of the request being read in this context (a server sets one per request; run and chat set none).

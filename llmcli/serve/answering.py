@@ -214,8 +214,11 @@ async def _answer(request: Request, state: ServerState, parse: Callable[[Any, Se
             raise ApiError(429, f"busy: {exc}; retry later", code="busy") from None
         except LlmcliError as exc:  # (its engine died and could not start again: why)
             raise ApiError(500, exc.message, cause=exc) from None
-        REQUEST_PIXELS.set(PixelAllowance())  # (this request's pictures together: to_thread carries the context)
+        REQUEST_PIXELS.set(headers := PixelAllowance(headers_only=True))  # (to_thread carries the context)
         asked = await asyncio.to_thread(parse, body, served)
+        if headers.seen:  # its pictures, read from their headers, fit the request's allowance: now decoded
+            REQUEST_PIXELS.set(PixelAllowance())
+            asked = await asyncio.to_thread(parse, body, served)
         if not isinstance(asked, Asked):
             release()
             return JSONResponse(asked)
