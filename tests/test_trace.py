@@ -148,3 +148,39 @@ def test_trace_is_refused_where_it_cannot_see_the_sampler(tmp_path):
                         (["--batch", "-"], "drop --trace")):
         result = run_cli("run", "--trace", *args, *([] if "--batch" in args else [PROMPT]), input="hi\n")
         assert result.code == 2 and words in result.stderr, result.stderr
+
+
+def test_a_stage_that_moves_a_few_logits_is_folded_into_the_softmax_as_a_whole_one_would_compute_it():
+    """The trace's cheap path (sampler_trace._folded: a bias or penalties moved a few logits of the whole vocabulary)
+    against a softmax computed whole; a stage that moved nothing is the distribution before it; a logit far above
+    the rest, or the mass moved off what was left, is computed whole."""
+    import numpy as np
+
+    from llmcli.llama.sampler_trace import Distribution, _distribution
+
+    rng = np.random.default_rng(7)
+    logits = rng.normal(0, 3, 5000).astype(np.float32)
+    shifted = np.exp(logits - logits.max())
+    start = Distribution(None, (shifted / shifted.sum(dtype=np.float64)).astype(np.float32), logits,
+                         float(logits.max()), float(shifted.sum(dtype=np.float64)))
+    view = np.zeros(5000, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+    view["id"], view["logit"] = np.arange(5000), logits
+    assert _distribution(view, 5000, start) is start  # (nothing moved: nothing computed)
+
+    def whole(values: np.ndarray) -> np.ndarray:
+        p = np.exp((values - values.max()).astype(np.float64))
+        return p / p.sum()
+
+    top = int(np.argmax(logits))
+    for moved in ({3: -np.inf, 10: logits[10] + 2, 11: logits[11] - 1}, {top: -np.inf}, {5: logits.max() + 900}):
+        changed = view.copy()
+        for token, value in moved.items():
+            changed["logit"][token] = value
+        after = _distribution(changed, 5000, start)
+        expected = whole(changed["logit"])
+        assert after.ids is None and np.allclose(after.p, expected, rtol=1e-5, atol=1e-12), moved
+        assert after.p[3 if 3 in moved else top if top in moved else 5] == pytest.approx(
+            expected[3 if 3 in moved else top if top in moved else 5], abs=1e-12)
+        largest = float(np.abs(expected - start.p).max())
+        measured = after.change if after.change is not None else largest
+        assert measured == pytest.approx(largest, rel=1e-4, abs=1e-9), moved
