@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyte
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_in_terminal
 
 PROMPT = "Say hi."
 
@@ -113,28 +114,78 @@ def test_chat_s_trace_command_traces_the_next_replies_until_it_is_turned_off():
     assert "usage: /trace on [N]" in result.stderr
 
 
-def test_the_terminal_view_is_drawn_in_colour(monkeypatch):
-    """The view as a terminal shows it (FORCE_COLOR: the pieces' alternating backgrounds, the candidates dimmed, the
-    stages that changed in cyan), redrawn from its escape codes by rich into a picture:
-    LLMCLI_TRACE_SCREENSHOT=PATH writes the README's (an SVG)."""
+class _Screen(pyte.Screen):
+    """pyte's terminal screen, plus what pyte leaves out and the view uses: half intensity (SGR 2, the candidates),
+    kept per cell in `dimmed`."""
+
+    def __init__(self, columns: int, lines: int):
+        super().__init__(columns, lines)
+        self.dim, self.dimmed = False, set()
+
+    def select_graphic_rendition(self, *attrs: int, **kwargs: object) -> None:
+        for attr in attrs or (0,):
+            self.dim = True if attr == 2 else False if attr in (0, 22) else self.dim
+        super().select_graphic_rendition(*attrs, **kwargs)
+
+    def draw(self, data: str) -> None:
+        for char in data:
+            super().draw(char)
+            cell = (self.cursor.y, self.cursor.x - 1)
+            self.dimmed.discard(cell)
+            if self.dim:
+                self.dimmed.add(cell)
+
+
+def _pyte_colour(name: str) -> str | None:
+    if name == "default":
+        return None
+    if len(name) == 6 and all(c in "0123456789abcdefABCDEF" for c in name):
+        return "#" + name
+    name = name.replace("brown", "yellow")
+    return "bright_" + name[len("bright"):] if name.startswith("bright") else name
+
+
+def test_the_terminal_view_is_drawn_in_colour():
+    """The view as a terminal shows it: `run --trace` on a pseudo-terminal, its bytes played through pyte, a terminal
+    emulator (the pieces' alternating backgrounds, the candidates dimmed, the stages that changed in cyan); the
+    emulator's final screen, cell by cell, drawn into a picture: LLMCLI_TRACE_SCREENSHOT=PATH writes the README's
+    (an SVG)."""
     import io
     import os
 
     from rich.console import Console
+    from rich.style import Style
     from rich.text import Text
 
-    monkeypatch.delenv("NO_COLOR", raising=False)
-    monkeypatch.setenv("FORCE_COLOR", "1")
-    result = run_cli("run", "--trace", "--temp", "0.7", "--top-k", "20", "--top-p", "0.9", "--seed", "4", "-n", "6",
-                     "Name a colour.", env={"COLUMNS": "112"})
-    assert result.code == 0, result.stderr
-    drawn = Text.from_ansi(result.stderr)
-    assert "\x1b[" in result.stderr and "top-k › top-p › temp" in drawn.plain and "summary · " in drawn.plain
-    styles = {str(span.style) for span in drawn.spans}
-    assert "color(6)" in styles and "dim" in styles and any("on " in style for style in styles)  # (cyan, dimmed,
-    # the pieces' backgrounds)
-    console = Console(record=True, width=112, force_terminal=True, color_system="truecolor", file=io.StringIO())
-    console.print(drawn, highlight=False)
+    width = 112
+    shown = run_in_terminal(["run", "--trace", "--temp", "0.7", "--top-k", "20", "--top-p", "0.9", "--seed", "4", "-n",
+                             "6", "Name a colour."], {"NO_COLOR": "", "TERM": "xterm-256color", "COLUMNS": str(width)},
+                            stderr=True)
+    screen = _Screen(width, 80)
+    pyte.ByteStream(screen).feed(shown)
+    rows = [line.rstrip() for line in screen.display]
+    while rows and not rows[-1]:
+        rows.pop()
+    plain = "\n".join(rows)
+    assert "top-k › top-p › temp" in plain and "summary · " in plain and "prompt · " in plain, plain
+    cells = [screen.buffer[y][x] for y in range(len(rows)) for x in range(width)]
+    assert any(c.fg == "cyan" for c in cells) and any(c.bg != "default" for c in cells) and screen.dimmed
+
+    picture = Text()
+    for y in range(len(rows)):
+        run, style = "", None
+        for x in range(len(rows[y])):
+            cell = screen.buffer[y][x]
+            looks = Style(color=_pyte_colour(cell.fg), bgcolor=_pyte_colour(cell.bg), bold=cell.bold,
+                          italic=cell.italics, underline=cell.underscore, reverse=cell.reverse,
+                          dim=(y, x) in screen.dimmed)
+            if looks != style and run:
+                picture.append(run, style)
+                run = ""
+            run, style = run + cell.data, looks
+        picture.append(run + "\n", style)
+    console = Console(record=True, width=width, force_terminal=True, color_system="truecolor", file=io.StringIO())
+    console.print(picture, highlight=False, end="")
     svg = console.export_svg(title="llmcli run --trace")
     assert svg.startswith("<svg") and "summary" in svg
     if os.environ.get("LLMCLI_TRACE_SCREENSHOT"):
