@@ -387,3 +387,62 @@ def test_the_readme_s_using_it_examples_run_as_written_by_default(tmp_path, monk
     finally:
         run_cli("stop", env=env)
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_an_image_gives_the_in_process_answer_on_every_path(seeing, tmp_path, capsys):
+    """The matrix's `--image` row (issue 57, item 1), on a model that sees (SmolLM2 with a random-weight projector
+    beside it: its answers about pictures mean nothing, and are the same on every path): `run --image` in process,
+    warm, chat's `/image`, a `--batch` record's `images`, `--endpoint` to `llmcli serve` serving it, and that server
+    through Anthropic's and Ollama's official clients (the picture sent their way: a base64 block, `images`)."""
+    import base64
+    import io
+
+    import anthropic
+    import ollama
+    from PIL import Image
+
+    picture = tmp_path / "picture.png"
+    pixels = bytes((i * 31 + (i // 7) * 13) % 256 for i in range(64 * 48 * 3))
+    buffer = io.BytesIO()
+    Image.frombytes("RGB", (64, 48), pixels).save(buffer, "PNG")
+    picture.write_bytes(buffer.getvalue())
+    common = ["--temp", "0", "-n", "8", "--no-prompt-cache", "--json", "-m", str(seeing)]
+
+    def ran(result) -> dict | None:
+        return json.loads(result.stdout.splitlines()[0]) if result.code == 0 and result.stdout.strip() else None
+
+    reference = ran(run_cli("run", *common, "--image", str(picture), PROMPT, env={"LLMCLI_KEEP_ALIVE": "0"}))
+    assert reference is not None and reference["timings"]["images"] == 1, reference
+    records = {
+        "warm": ran(run_cli("run", *common, "--image", str(picture), PROMPT)),
+        "chat": ran(run_cli("chat", "--no-save", *common, input=f"/image {picture}\n{PROMPT}\n")),
+        "--batch": ran(run_cli("run", *common, "--batch", "-", env={"LLMCLI_KEEP_ALIVE": "0"},
+                               input=json.dumps({"prompt": PROMPT, "images": [str(picture)]}) + "\n")),
+    }
+    server, url = start_server(tmp_path / "serve", "-m", str(seeing), "-P", "1")
+    try:
+        records["--endpoint serve"] = ran(run_cli("run", *common[:-2], "--image", str(picture), PROMPT,
+                                                  env={"LLMCLI_ENDPOINT": url}))
+        data = picture.read_bytes()
+        message = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120).messages.create(
+            model="smol", max_tokens=8, extra_body={"temperature": 0.0}, messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(data).decode()}},
+                {"type": "text", "text": PROMPT}]}])
+        records["Anthropic"] = {"text": "".join(b.text for b in message.content if b.type == "text"),
+                                "finish_reason": FINISH[message.stop_reason or ""], "timings": {}, "usage": {
+            "prompt_tokens": message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0),
+            "completion_tokens": message.usage.output_tokens}}
+        reply = ollama.Client(host=url, timeout=120).chat(model="smol", messages=[
+            {"role": "user", "content": PROMPT, "images": [data]}], options={"temperature": 0, "num_predict": 8})
+        records["Ollama"] = {"text": reply.message.content, "finish_reason": FINISH[reply.done_reason], "timings": {},
+                             "usage": {"prompt_tokens": reply.prompt_eval_count, "completion_tokens": reply.eval_count}}
+    finally:
+        stop_server(server)
+    cells = {}
+    for path, record in records.items():
+        assert record is not None, path
+        cells[path] = _same_answer(record, reference, named_by_server=path in ("--endpoint serve", "Anthropic", "Ollama"))
+    with capsys.disabled():
+        print("\n--image".ljust(27) + "".join((("same" if not d else "DIFFERS")).ljust(18) for d in cells.values()))
+    assert not any(cells.values()), cells

@@ -306,6 +306,7 @@ def test_ctrl_c_during_a_candidate_s_speed_measure_ends_advise_at_once(smollm2, 
     finally:
         proc.kill()  # (it would decode for minutes)
     assert proc.returncode == 130, err
+    assert out, err.decode()[-600:]
     assert json.loads(out)["interrupted"] is True and b"Traceback" not in err
 
 

@@ -56,9 +56,9 @@ class Progress:
 class _Subject:
     """One loaded model at one thread count: each method measures one test once."""
 
-    def __init__(self, engine: Engine, plan: BenchPlan):
+    def __init__(self, engine: Engine, plan: BenchPlan, stoppable: bool = False):
         self.engine, self.plan = engine, plan
-        self.raw, self.session = RawLoop(engine), Session(engine)
+        self.raw, self.session = RawLoop(engine, stoppable), Session(engine)
         # Greedy with end-of-generation banned: every run yields exactly gen_tokens, in both paths.
         self.sampling = greedy_without_end(engine.vocab.end_of_generation_tokens())
         # Plain decoding: the overhead rows compare the Python layer with the raw loop, token for token.
@@ -260,15 +260,17 @@ class Benchmark:
 
 
 def quick_speed(path: Path, threads: int | None = None, prompt_tokens: int = 256, gen_tokens: int = 32,
-                repetitions: int = 3, kv_type: str = "f16") -> tuple[float, float]:
+                repetitions: int = 3, kv_type: str = "f16", cancel: Cancellation | None = None) -> tuple[float, float]:
     """(prefill, decode) tokens/s of the raw loop, as `bench`'s pp/tg rows measure them, the median of `repetitions`
-    after a warm-up: a short measure for comparing files of one model (`quant advise`)."""
+    after a warm-up: a short measure for comparing files of one model (`quant advise`). `cancel` set (Ctrl-C) ends
+    it with KeyboardInterrupt, at the next token or the next node of a prefill's graph."""
     import statistics
 
     plan = BenchPlan(prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, repetitions=repetitions)
     n_ctx = prompt_tokens + gen_tokens + 64
-    with Engine(path, EngineConfig(n_ctx=n_ctx, n_threads=threads, n_batch=plan.n_batch, kv_type=kv_type)) as engine:
-        subject = _Subject(engine, plan)
+    config = EngineConfig(n_ctx=n_ctx, n_threads=threads, n_batch=plan.n_batch, kv_type=kv_type)
+    with Engine(path, config, cancel) as engine:
+        subject = _Subject(engine, plan, stoppable=cancel is not None)
         subject.warm_up()
         prefill = [subject.raw_prefill(0) for _ in range(repetitions)]
         decode = [subject.raw_decode(0) for _ in range(repetitions)]

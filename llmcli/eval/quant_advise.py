@@ -181,10 +181,10 @@ def measure_candidate(candidate: Candidate, reference: Candidate, measure: Measu
         pass
     label = candidate.row()["name"]
     progress(f"{label}: speed", 0, 1)
-    try:
-        with cancel.raising():  # (the raw loop looks at no flag: Ctrl-C stops it at the next token, not the last)
-            prefill, decode = quick_speed(candidate.path, measure.threads, measure.prompt_tokens, measure.gen_tokens,
-                                          measure.repetitions, candidate.kv_type)
+    try:  # (Ctrl-C: the next token, or the next node of a prefill pass — the flag, never an exception raised inside
+        # llama.cpp's callback, and never a pass longer than the stuck watch waits for)
+        prefill, decode = quick_speed(candidate.path, measure.threads, measure.prompt_tokens, measure.gen_tokens,
+                                      measure.repetitions, candidate.kv_type, cancel)
     except KeyboardInterrupt:
         return False
     if cancel:

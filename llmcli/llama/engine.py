@@ -268,8 +268,7 @@ class Engine:
         (at once, inside a running batch)."""
         tokens = (llama_cpp.llama_token * len(prompt))(*prompt)
         item = ctypes.sizeof(llama_cpp.llama_token)
-        llama_cpp.llama_set_abort_callback(self._ctx, self._abort, None)
-        try:
+        with self.abortable():
             for begin in range(start, len(prompt), self.config.n_batch):
                 count = min(self.config.n_batch, len(prompt) - begin)
                 start_ptr = ctypes.cast(ctypes.addressof(tokens) + begin * item, llama_cpp.llama_token_p)
@@ -277,11 +276,18 @@ class Engine:
                 if self.cancel or not self._decode_seq0(prompt[begin : begin + count], batch, "evaluating the prompt"):
                     return False
                 self.adapt_threads(time.perf_counter())
-        finally:
-            # The callback runs once per graph node: too costly to leave on while decoding
-            # token by token, where Ctrl-C is checked between tokens instead.
-            llama_cpp.llama_set_abort_callback(self._ctx, llama_cpp.ggml_abort_callback(), None)
         return True
+
+    @contextmanager
+    def abortable(self) -> Iterator[None]:
+        """While active, Ctrl-C (`cancel`) stops a pass inside llama.cpp, between two nodes of its graph (llama_decode
+        returns 2). The callback runs once a node: too costly for token-by-token passes, where Ctrl-C is checked
+        between tokens instead."""
+        llama_cpp.llama_set_abort_callback(self._ctx, self._abort, None)
+        try:
+            yield
+        finally:
+            llama_cpp.llama_set_abort_callback(self._ctx, llama_cpp.ggml_abort_callback(), None)
 
     def decode(self, batch: Batch, what: str = "decoding a batch", abortable: bool = False) -> str:
         """Evaluate a batch of any sequences: `ok`; `full` when the KV cache has no room for it (nothing was
@@ -289,12 +295,10 @@ class Engine:
         what llama.cpp had stored stays). As every evaluation here, what it stored is recorded in the KV
         bookkeeping (`kv`): the caller never records it."""
         if abortable:
-            llama_cpp.llama_set_abort_callback(self._ctx, self._abort, None)
-        try:
+            with self.abortable():
+                rc = llama_cpp.llama_decode(self._ctx, batch.raw)
+        else:
             rc = llama_cpp.llama_decode(self._ctx, batch.raw)
-        finally:
-            if abortable:  # the callback runs once per graph node: too costly to leave on for token passes
-                llama_cpp.llama_set_abort_callback(self._ctx, llama_cpp.ggml_abort_callback(), None)
         if rc == 0:
             for seq, tokens in batch.runs:
                 self.kv.appended(tokens, seq)
