@@ -419,6 +419,7 @@ def test_an_image_gives_the_in_process_answer_on_every_path(seeing, tmp_path, ca
         "--batch": ran(run_cli("run", *common, "--batch", "-", env={"LLMCLI_KEEP_ALIVE": "0"},
                                input=json.dumps({"prompt": PROMPT, "images": [str(picture)]}) + "\n")),
     }
+    (tmp_path / "serve").mkdir()
     server, url = start_server(tmp_path / "serve", "-m", str(seeing), "-P", "1")
     try:
         records["--endpoint serve"] = ran(run_cli("run", *common[:-2], "--image", str(picture), PROMPT,
@@ -428,7 +429,8 @@ def test_an_image_gives_the_in_process_answer_on_every_path(seeing, tmp_path, ca
             model="smol", max_tokens=8, extra_body={"temperature": 0.0}, messages=[{"role": "user", "content": [
                 {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                              "data": base64.b64encode(data).decode()}},
-                {"type": "text", "text": PROMPT}]}])
+                {"type": "text", "text": "\n" + PROMPT}]}])  # (run's message: its pictures, a line break, the text —
+        # what llmcli's own client sends as blocks; blocks are joined as sent, so without it the prompt is a token less)
         records["Anthropic"] = {"text": "".join(b.text for b in message.content if b.type == "text"),
                                 "finish_reason": FINISH[message.stop_reason or ""], "timings": {}, "usage": {
             "prompt_tokens": message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0),
@@ -444,5 +446,7 @@ def test_an_image_gives_the_in_process_answer_on_every_path(seeing, tmp_path, ca
         assert record is not None, path
         cells[path] = _same_answer(record, reference, named_by_server=path in ("--endpoint serve", "Anthropic", "Ollama"))
     with capsys.disabled():
-        print("\n--image".ljust(27) + "".join((("same" if not d else "DIFFERS")).ljust(18) for d in cells.values()))
+        print("\n" + "row".ljust(26) + "".join(path.ljust(18) for path in ("in-process", *cells)))
+        print("--image".ljust(26) + "same".ljust(18) + "".join(("same" if not d else "DIFFERS").ljust(18)
+                                                               for d in cells.values()))
     assert not any(cells.values()), cells
