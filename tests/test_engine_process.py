@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 from conftest import LOGS, run_cli, start_server, stop_server
@@ -202,5 +203,48 @@ def test_a_request_in_flight_at_two_deaths_without_progress_fails_alone(tmp_path
         after = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=120, json={
             "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "temperature": 0})
         assert after.status_code == 200 and _health(url)["engine"]["restarts"] == 2
+    finally:
+        stop_server(proc)
+
+
+def _mapped(pid: int, path: Path) -> bool:
+    """Whether process `pid` maps the file at `path` (a model's weights loaded with mmap)."""
+    with open(f"/proc/{pid}/maps", encoding="utf-8") as maps:
+        return any(line.rstrip().endswith(str(path)) for line in maps)
+
+
+def test_the_zygote_keeps_a_model_s_weights_from_its_first_restart_until_the_model_is_unloaded(tmp_path, smollm2):
+    """An engine's death makes the zygote load that model's weights and keep them: the next restarts load nothing (on
+    an 8B-shaped model, 4.7 s → 0.4 s) and answer as before; unloading the model frees them in the zygote too."""
+    model = tmp_path / "copy.gguf"
+    os.link(smollm2, model)  # (weights the test process does not keep: any the zygote has are its own doing)
+    proc, url = start_server(tmp_path, "-m", str(smollm2), "-P", "1", "--api-key", KEY)
+    try:
+        def ask() -> str:
+            answer = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=120, json={
+                "model": str(model), "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 8,
+                "temperature": 0})
+            assert answer.status_code == 200, answer.text
+            return answer.json()["choices"][0]["message"]["content"]
+
+        def engine() -> dict:
+            (served,) = [m for m in _health(url)["models"] if not m["pinned"]]
+            return served["slots"]["engine"]
+
+        before = ask()
+        zygote = int(open(f"/proc/{engine()['pid']}/stat").read().rpartition(")")[2].split()[1])  # (its parent)
+        assert not _mapped(zygote, model)
+        for restart, weights in ((1, "loaded"), (2, "kept"), (3, "kept")):
+            pid = engine()["pid"]
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda pid=pid: engine()["pid"] != pid and engine()["state"] == "running", 60)
+            assert engine()["restarts"] == restart and engine()["last_restart"]["weights"] == weights
+            assert _mapped(zygote, model)
+            assert ask() == before
+        log = LOGS[proc.pid].read_text()
+        assert log.count("weights loaded") == 1 and log.count("weights kept") == 2, log
+        httpx.post(f"{url}/api/generate", headers=AUTH, timeout=60, json={"model": str(model), "prompt": "",
+                                                                         "keep_alive": 0})
+        wait_until(lambda: not _mapped(zygote, model), 30)  # unloaded: the zygote keeps nothing of it
     finally:
         stop_server(proc)

@@ -85,6 +85,7 @@ class Engine:
         self.projector: Projector | None = None  # a vision projector, checked against this model (`use_projector`)
         self.vision: Vision | None = None  # ... loaded on the first image (`load_vision`)
         self.load_s = time.perf_counter() - started
+        self.weights_kept = not self._weights.owned  # the process's kept weights (inherited: none loaded now)
 
     def _create_context(self, n_cells: int, n_seq_max: int, unified: bool) -> None:
         """A llama.cpp context of `n_cells` KV cells for `n_seq_max` sequences (each its own n_cells / n_seq_max

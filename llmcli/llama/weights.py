@@ -54,6 +54,14 @@ def keep_loaded(path: Path, config: EngineConfig | None = None) -> None:
         _KEPT[key] = load_weights(path, config, Cancellation(), keep=False).pointer
 
 
+def release_kept(path: Path) -> None:
+    """Free the weights this process keeps for `path` (any load mode): a later engine loads the file again. (An engine
+    never uses kept weights it did not inherit: a forked process's copy is its own.)"""
+    resolved = path.resolve()
+    for key in [key for key in _KEPT if key[0] == resolved]:
+        llama_cpp.llama_model_free(_KEPT.pop(key))
+
+
 def kept_model(path: Path) -> Any | None:
     """The model this process keeps loaded from `path` (any load mode), or None: its vocabulary is there already."""
     resolved = path.resolve()

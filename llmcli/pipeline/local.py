@@ -30,6 +30,7 @@ from llmcli.llama.sampler_chain import parse_grammar
 from llmcli.llama.schema_grammar import with_grammar
 from llmcli.llama.vision import Vision
 from llmcli.llama.vocab import VocabularyFile
+from llmcli.llama.weights import kept_model
 from llmcli.pipeline import Pipeline, Request, fetch_for, resolve_settings
 from llmcli.prompt.chat_template import ChatTemplate
 from llmcli.prompt.rendering import find_template, render_prompt
@@ -44,7 +45,7 @@ def check_memory(model: models.ResolvedModel, header: GGUFHeader, cells: int, kv
     """The one memory check: the model's weights and a KV cache of `cells` cells of `kv_type` (ResourceError)."""
     from llmcli.pipeline.warm import held_by_others
 
-    weights = sum(p.stat().st_size for p in model.files)
+    weights = 0 if kept_model(model.path) is not None else sum(p.stat().st_size for p in model.files)  # (resident)
     memory.check_memory(model.name, weights, memory.kv_cache_bytes(header, cells, 1, kv_type) if cells else 0, force,
                         0 if force else held_by_others(model.path))
 

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 ALIVE_EVERY_S = 1.0  # a busy engine says it is alive at least this often (the server's step watchdog)
@@ -134,16 +135,36 @@ def main(fd: int) -> None:
     os._exit(0)
 
 
+def _keep(weights: Any) -> None:
+    """(The zygote.) Load those weights and keep them for the engines forked from now on, unless kept already; a file
+    that is gone or no longer a well-formed GGUF is left to the engine (which loads it itself and says why not)."""
+    from llmcli.errors import LlmcliError
+    from llmcli.llama.engine_config import EngineConfig
+    from llmcli.llama.weights import keep_loaded
+    from llmcli.store.gguf_header import read_header
+
+    path = Path(weights.path)
+    try:
+        read_header(path)  # (pre-flight: llama.cpp never sees a malformed file, here either)
+        keep_loaded(path, EngineConfig(mmap=weights.mmap, mlock=weights.mlock))
+    except (LlmcliError, OSError):
+        pass
+
+
 def zygote(fd: int) -> None:
-    """`--zygote FD`: llmcli's engine modules imported once, then an engine forked for each "spawn" line (its socket
-    passed along), while this process stays single-threaded; each one's exit reported. Ends with the server's socket."""
+    """`--zygote FD`: llmcli's engine modules imported once, then an engine forked for each "spawn" message (its socket
+    passed along; first the weights it names loaded and kept, unless they are), while this process stays
+    single-threaded; each one's exit reported; "drop" frees kept weights. Ends with the server's socket."""
     import select
     import socket
+
+    from llmcli.serve.engine_zygote import MESSAGE_MAX, KeptWeights
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     import llmcli.pipeline.local  # noqa: F401  (what every engine imports: before the first fork)
     import llmcli.serve.engine_spec  # noqa: F401
+    from llmcli.llama.weights import release_kept
 
     control = socket.socket(fileno=fd)
     children: set[int] = set()
@@ -160,9 +181,14 @@ def zygote(fd: int) -> None:
             control.sendall(f"exited {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
         if not readable:
             continue
-        message, fds, _, _ = socket.recv_fds(control, 64, 1)
+        message, fds, _, _ = socket.recv_fds(control, MESSAGE_MAX, 1)
         if not message:
             os._exit(0)  # the server is gone
+        verb, _, named = message.decode().partition(" ")
+        if verb == "drop":
+            release_kept(Path(KeptWeights.read(named).path))
+        elif named:  # spawn, with the weights to keep
+            _keep(KeptWeights.read(named))
         for engine_fd in fds:
             pid = os.fork()
             if pid == 0:

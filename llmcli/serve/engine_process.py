@@ -8,9 +8,11 @@ keeps HTTP, the protocols, templates and tokenizing (the vocabulary alone) and t
 `run`, the supervisor, reads each step's events and the tokens each answer sampled, forwards a client's departure at
 once, and watches two things:
 - the engine's death (a signal, an abort, the OOM killer): it starts the engine again and resumes every answer in
-  flight from its prompt and the tokens it had sampled (their text is not sent again). A request that held a slot and
-  made no progress before a death is resumed alone once the others in slots have progressed; if the engine dies
-  again before it progresses, it ends with an error (500). One waiting for a slot is never a suspect.
+  flight from its prompt and the tokens it had sampled (their text is not sent again). From the first death on, the
+  zygote keeps the model's weights, so later restarts load nothing; they are freed when the model is unloaded. A
+  request that held a slot and made no progress before a death is resumed alone once the others in slots have
+  progressed; if the engine dies again before it progresses, it ends with an error (500). One waiting for a slot is
+  never a suspect.
 - a step longer than `step_timeout` (a grammar that makes llama.cpp's sampler take minutes per token): the engine is
   asked which answer it was sampling, then killed and started again; that request ends with an error (400).
 While an engine restarts, `status()` says so (`/health`: degraded); each restart is one line of the server's log.
@@ -73,6 +75,7 @@ class EngineProcess:
         self.failure: LlmcliError | None = None  # why its engine could not start again (it is not tried again)
         self._proc: engine_zygote.EngineChild | None = None
         self._conn: Connection | None = None
+        self._kept: engine_zygote.KeptWeights | None = None  # what the zygote keeps for this model's restarts
         self._last_heard = time.monotonic()
         self._spawned = self._spawn()  # (the model loads there while this process goes on)
         self.facts: EngineFacts | None = None
@@ -86,7 +89,7 @@ class EngineProcess:
     # -- the child ----------------------------------------------------------------------------------
 
     def _spawn(self) -> tuple[engine_zygote.EngineChild, Connection]:
-        return spawn_child()
+        return spawn_child(self._kept)
 
     def _ready(self, proc: engine_zygote.EngineChild, conn: Connection) -> EngineFacts:
         facts: EngineFacts = handshake(proc, conn, self.spec)
@@ -205,6 +208,8 @@ class EngineProcess:
                 self._conn.close()
             if self._proc is not None:
                 engine_zygote.kill(self._proc)
+            if self._kept is not None:
+                engine_zygote.release(self._kept)
 
     def _handle(self, message: Any) -> None:
         self._last_heard = time.monotonic()
@@ -323,6 +328,9 @@ class EngineProcess:
                     suspects.append(self._flights.pop(key))
             if self._conn is not None:
                 self._conn.close()
+        had_kept = self._kept is not None
+        if self.facts is not None:
+            self._kept = self.facts.kept_weights()  # (loaded by the zygote now, unless it has them)
         for flight in suspects:
             if not flight.job.cancelled.is_set():
                 flight.job.failure = Failure(f"the model's engine died twice while answering this request, before any "
@@ -349,10 +357,11 @@ class EngineProcess:
                 if not flight.held:
                     self._send_job(flight)
         took = time.monotonic() - started
-        self.last_restart = {"cause": cause, "seconds": round(took, 3)}
+        weights = "kept" if had_kept and facts.weights_kept else "loaded"  # (kept by the zygote since a restart before)
+        self.last_restart = {"cause": cause, "seconds": round(took, 3), "weights": weights}
         resumed = len(self._flights)
         self._say(f"engine of {self.name}: {cause}; started again in {took:.2f} s (pid {self.pid}, restart "
-                  f"{self.restarts}); {resumed} answer{'' if resumed == 1 else 's'} resumed")
+                  f"{self.restarts}, weights {weights}); {resumed} answer{'' if resumed == 1 else 's'} resumed")
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:

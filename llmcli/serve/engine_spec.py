@@ -46,7 +46,12 @@ class EngineFacts:
     notices: tuple[str, ...]
     template_system: str | None
     load_s: float
+    weights_kept: bool = False  # the zygote's kept weights (nothing loaded)
     pid: int = 0
+
+    def kept_weights(self) -> engine_zygote.KeptWeights:
+        """These weights, as the zygote keeps them for this model's later engines."""
+        return engine_zygote.KeptWeights(str(self.path), bool(self.values["mmap"]), bool(self.values["mlock"]))
 
 
 def load_engine(spec: EngineSpec) -> tuple[Any, EngineFacts]:
@@ -68,7 +73,7 @@ def load_engine(spec: EngineSpec) -> tuple[Any, EngineFacts]:
                         generation.max_draft, tuple(generation.sampling.logit_bias), generation.constraint,
                         session.tool_format(pipeline.settings["tool_format"]),
                         session.split_min if session.prompt_cache is not None else 0, tuple(session.notices),
-                        template_system, engine.load_s)
+                        template_system, engine.load_s, engine.weights_kept)
     return session.slot_server(spec.parallel, 0), facts
 
 
@@ -94,13 +99,13 @@ def died_loading(code: int) -> LlmcliError:
                                  hint="Check that the file is a complete GGUF model supported by this llama.cpp build.")
 
 
-def spawn_child() -> tuple[engine_zygote.EngineChild, Connection]:
-    """A child process for a model (`python -m llmcli.serve.engine_child FD`, or forked by the server's zygote) and the
-    connection to it; it waits for its first message (`handshake`)."""
+def spawn_child(keep: engine_zygote.KeptWeights | None = None) -> tuple[engine_zygote.EngineChild, Connection]:
+    """A child process for a model (`python -m llmcli.serve.engine_child FD`, or forked by the server's zygote: with
+    `keep`, one that has those weights loaded) and the connection to it; it waits for its first message (`handshake`)."""
     ours, theirs = socket.socketpair()
     try:
         command = [sys.executable, "-m", "llmcli.serve.engine_child", str(theirs.fileno())]
-        proc = engine_zygote.spawn_engine(command, theirs.fileno())
+        proc = engine_zygote.spawn_engine(command, theirs.fileno(), keep)
     finally:
         theirs.close()
     return proc, Connection(ours.detach())

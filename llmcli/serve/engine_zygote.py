@@ -1,10 +1,13 @@
 """How a model's engine process starts (`spawn_engine`) and ends (`kill`), and the zygote each one is forked from:
 `python -m llmcli.serve.engine_child --zygote FD`, started when the server starts (`start`: its imports go on while
-the server's do), single-threaded, llmcli's engine modules imported once. Standard library only: `serve` starts it
+the server's do), single-threaded, llmcli's engine modules imported once. Once a model's engine has died, the zygote
+keeps that model's weights (`KeptWeights`) until the model is unloaded (`release`): each later restart forks an engine
+that has them already, instead of loading (and repacking) the file again. Standard library only: `serve` starts it
 before importing anything heavy."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -12,7 +15,27 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
+
+MESSAGE_MAX = 16384  # one message to the zygote (a path is at most 4096 bytes)
+
+
+@dataclass(frozen=True)
+class KeptWeights:
+    """A model's weights as its engines load them (the file and the load mode): what the zygote keeps loaded."""
+
+    path: str
+    mmap: bool
+    mlock: bool
+
+    def message(self, verb: str) -> bytes:
+        return f"{verb} {json.dumps(asdict(self))}".encode()
+
+    @classmethod
+    def read(cls, text: str) -> KeptWeights:
+        fields = json.loads(text)
+        return cls(str(fields["path"]), bool(fields["mmap"]), bool(fields["mlock"]))
 
 
 def start() -> None:
@@ -20,16 +43,27 @@ def start() -> None:
     Zygote.here()
 
 
-def fork(fd: int) -> ForkedEngine | None:
-    """An engine's process forked with the socket FD (None: no zygote could do it)."""
+def fork(fd: int, keep: KeptWeights | None = None) -> ForkedEngine | None:
+    """An engine's process forked with the socket FD (None: no zygote could do it); with `keep`, the zygote loads those
+    weights first (unless it has them) and keeps them for the engines it forks later."""
     zygote = Zygote.here()
     if zygote is None:
         return None
     try:
-        return zygote.fork(fd)
+        return zygote.fork(fd, keep)
     except (OSError, queue.Empty):
         Zygote.lost(zygote)
         return None
+
+
+def release(keep: KeptWeights) -> None:
+    """The zygote frees those weights (their model is unloaded), if it has them."""
+    zygote = Zygote._current
+    if zygote is not None:
+        try:
+            zygote.sock.send(keep.message("drop"))
+        except OSError:
+            pass
 
 
 def spawn_zygote(command: list[str], fd: int) -> Any:
@@ -63,14 +97,15 @@ class ForkedEngine:
 class Zygote:
     """One per server: a single-threaded process with llmcli's engine modules imported that forks each engine (a
     model's first, a restart, a model loaded on demand) — ~0.4 s of imports and a process start saved each time.
-    Lines on its socket: "spawn" (with the engine's socket) in; "spawned PID", "exited PID CODE" out. It ends when the
-    server does (its socket's end); an engine it forked ends by its own socket."""
+    Messages on its socket (a packet each): "spawn" or "spawn KEPT-WEIGHTS-JSON" (with the engine's socket) and "drop
+    KEPT-WEIGHTS-JSON" in; "spawned PID", "exited PID CODE" lines out. It ends when the server does (its socket's end);
+    an engine it forked ends by its own socket."""
 
     _current: Zygote | None = None
     _starting = threading.Lock()
 
     def __init__(self) -> None:
-        self.sock, theirs = socket.socketpair()
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # (one message a packet)
         try:
             self.proc = spawn_zygote([sys.executable, "-m", "llmcli.serve.engine_child", "--zygote",
                                       str(theirs.fileno())], theirs.fileno())
@@ -100,12 +135,12 @@ class Zygote:
                 cls._current = None
         zygote.sock.close()
 
-    def fork(self, fd: int) -> ForkedEngine:
+    def fork(self, fd: int, keep: KeptWeights | None = None) -> ForkedEngine:
         with self._lock:
             if self._gone:
                 raise OSError("the zygote is gone")
-            socket.send_fds(self.sock, [b"spawn\n"], [fd])
-            pid = self._forked.get(timeout=30)
+            socket.send_fds(self.sock, [keep.message("spawn") if keep is not None else b"spawn"], [fd])
+            pid = self._forked.get(timeout=30 if keep is None else None)  # (the weights' load first: a long one)
             if pid < 0:
                 raise OSError("the zygote is gone")
             with self._starting:
@@ -156,11 +191,11 @@ class EngineChild(Protocol):
     def wait(self, timeout: float | None = None) -> int: ...
 
 
-def spawn_engine(command: list[str], fd: int) -> EngineChild:
+def spawn_engine(command: list[str], fd: int, keep: KeptWeights | None = None) -> EngineChild:
     """An engine's process with the socket FD: forked by the server's zygote (llmcli's engine modules imported once,
-    started with the first engine), else `command` (`python -m llmcli.serve.engine_child FD`) started. The one place
-    an engine starts."""
-    forked = fork(fd)
+    started with the first engine; `keep`: with those weights loaded), else `command` (`python -m
+    llmcli.serve.engine_child FD`) started. The one place an engine starts."""
+    forked = fork(fd, keep)
     if forked is not None:
         return forked
     return subprocess.Popen(command, pass_fds=[fd], stdin=subprocess.DEVNULL, close_fds=True)
