@@ -235,3 +235,41 @@ def test_a_stage_that_moves_a_few_logits_is_folded_into_the_softmax_as_a_whole_o
         largest = float(np.abs(expected - start.p).max())
         measured = after.change if after.change is not None else largest
         assert measured == pytest.approx(largest, rel=1e-4, abs=1e-9), moved
+
+
+def test_the_model_s_top_and_a_cut_s_change_are_found_as_a_whole_vocabulary_computation_finds_them():
+    """The trace's shortcuts against the plain computations: the k largest logits from a strided sample's floor
+    (sampler_trace._top) against argpartition, ties and short arrays included; and whether a top-k cut changed the
+    distribution (the kept candidates first, then the largest left out) against the whole vocabulary compared."""
+    import numpy as np
+
+    from llmcli.llama.sampler_trace import CHANGED, Distribution, _changed, _top
+
+    rng = np.random.default_rng(11)
+    for n, k in ((49152, 5), (49152, 1), (2000, 40), (100, 5), (7, 7)):
+        values = rng.normal(0, 3, n).astype(np.float32)
+        values[rng.integers(0, n, 3)] = values.max()  # (ties at the top)
+        assert sorted(values[_top(values, k)].tolist()) == sorted(np.sort(values)[n - k:].tolist()), (n, k)
+
+    def whole_vocabulary(logits: np.ndarray) -> Distribution:
+        shifted = np.exp((logits - logits.max()).astype(np.float64))
+        return Distribution(None, (shifted / shifted.sum()).astype(np.float32), logits, float(logits.max()),
+                            float(shifted.sum()))
+
+    def top_k(before: Distribution, k: int) -> Distribution:
+        ids = np.argsort(-before.logits, kind="stable")[:k].astype(np.int32)
+        kept = np.exp((before.logits[ids] - before.logits[ids].max()).astype(np.float64))
+        return Distribution(ids, kept / kept.sum(), before.logits[ids].copy())
+
+    confident = np.full(5000, -60.0, dtype=np.float32)
+    confident[:3] = (10.0, 9.0, 8.0)
+    tied = confident.copy()
+    tied[3] = 8.0  # (the cut at 3 leaves out a token as likely as one it kept)
+    spread = rng.normal(0, 3, 5000).astype(np.float32)
+    for logits, k in ((spread, 40), (confident, 3), (confident, 2), (tied, 3), (confident, 5000)):
+        before = whole_vocabulary(logits)
+        after = top_k(before, k)
+        dense = np.zeros(5000)
+        dense[after.ids] = after.p
+        assert _changed(before, after, 5000) == (float(np.abs(dense - before.p).max()) > CHANGED), k
+    assert _changed(whole_vocabulary(tied), top_k(whole_vocabulary(tied), 3), 5000)  # (the tie left out: p 0.08)
