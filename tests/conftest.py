@@ -84,12 +84,18 @@ def _load_once(path: Path) -> Path:
 # Imported once in a process that runs tests, inherited by every forked CLI run (a run's own imports cost ~0.2 s of its
 # ~0.5 s): the CLI, and the local answer path with llama_cpp, numpy and jinja2 (no llama.cpp state is created by
 # importing); what run, chat and --batch import as they start (their commands, the warm path's HTTP client, rich's
-# live display: ~0.1 s of CPU a forked run); and the MCP client, for the runs given MCP servers (~0.65 s).
+# live display: ~0.1 s of CPU a forked run); and the MCP client, for the runs given MCP servers (~0.65 s); and what a
+# warm run (the default) imports to reach its server: the HTTP transport, the remote session (~23 ms of its ~70); and
+# the warm server's own app and engine process (~40 ms a server).
 PRELOADED = ("llmcli.chat.session", "llmcli.cli", "llmcli.cli.inputs", "llmcli.cli.output", "llmcli.cli.stream",
              "llmcli.pipeline", "llmcli.pipeline.local", "llmcli.cli.run", "llmcli.cli.chat", "llmcli.cli.chat_repl",
              "llmcli.cli.batch", "llmcli.cli.help", "llmcli.pipeline.warm", "llmcli.remote.client",
              "llmcli.tools.tool_loop", "rich.live", "rich.progress", "tomllib", "mcp.client.client", "mcp.client.stdio",
-             "mcp.client.streamable_http")
+             "mcp.client.streamable_http", "httpcore2", "h11", "truststore", "anyio.streams.tls",
+             "concurrent.futures.thread", "llmcli.pipeline.remote", "llmcli.pipeline.fallback", "llmcli.remote.session",
+             "llmcli.chat.saved", "llmcli.chat.conversation", "llmcli.answer.trace_wire", "llmcli.cli.serve_cmd",
+             "llmcli.serve.app", "llmcli.serve.engine_child", "llmcli.decode.serving", "uvicorn.protocols.http.h11_impl",
+             "uvicorn.loops.asyncio", "uvicorn.lifespan.on")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -213,10 +213,14 @@ def _mapped(pid: int, path: Path) -> bool:
         return any(line.rstrip().endswith(str(path)) for line in maps)
 
 
-def test_the_zygote_keeps_a_model_s_weights_from_its_first_restart_until_the_model_is_unloaded(tmp_path, smollm2):
+def test_the_zygote_keeps_a_model_s_weights_from_its_first_restart_until_the_model_is_unloaded(tmp_path, smollm2,
+                                                                                               isolated_env, monkeypatch):
     """An engine's death makes the zygote load that model's weights and keep them: the next restarts load nothing (on
     an 8B-shaped model, 4.7 s → 0.4 s) and answer as before; unloading the model frees them in the zygote too."""
-    model = tmp_path / "copy.gguf"
+    monkeypatch.setenv("HOME", str(isolated_env / "home"))
+    folder = isolated_env / "home" / ".lmstudio" / "models" / "tests" / "copy"  # (a place a request may name)
+    folder.mkdir(parents=True)
+    model = folder / "copy.gguf"
     os.link(smollm2, model)  # (weights the test process does not keep: any the zygote has are its own doing)
     proc, url = start_server(tmp_path, "-m", str(smollm2), "-P", "1", "--api-key", KEY)
     try:

@@ -215,18 +215,24 @@ def test_a_grammar_no_answer_can_follow_is_refused_before_llama_cpp_aborts_on_it
         assert refused.code == 2 and refused.stderr.startswith("Error: --grammar: no answer can follow"), refused.stderr
 
 
-def test_a_model_path_a_request_names_tells_nothing_of_the_file(server, tmp_path):
+def test_a_model_path_a_request_names_tells_nothing_of_the_file(server, tmp_path, smollm2):
     """Issue 58: a request's `model` may be a GGUF's path; one that cannot be loaded answered why ("not a GGUF file…",
-    503): whether a file exists, and what it holds, could be probed. Now one 404, the same words whatever the file."""
+    503): whether a file exists, and what it holds, could be probed; and any GGUF on the server's disk was loaded.
+    Now a path is served only when it is one of llmcli's places (what `llmcli list --all` shows, an alias's file, the
+    server's -m model: test_model_pool puts one in LM Studio's folder); any other is one 404, the same words whatever
+    the file."""
     _, url = server
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("secret notes")
+    elsewhere = tmp_path / "elsewhere.gguf"
+    os.link(smollm2, elsewhere)  # (a model llmcli does not list: it was loaded and answered, 200)
     replies = {what: post(url, "/v1/chat/completions", {"model": name, "messages": HI, "max_tokens": 1})
                for what, name in (("missing", str(tmp_path / "none.gguf")), ("not a GGUF", str(not_gguf)),
-                                  ("a system file", "/etc/hostname"), ("a folder", str(tmp_path) + "/"))}
+                                  ("a system file", "/etc/hostname"), ("a folder", str(tmp_path) + "/"),
+                                  ("a model elsewhere", str(elsewhere)))}
     for what, reply in replies.items():
         assert reply.status_code == 404, (what, reply.text)
-        assert "not found (the server loads what `llmcli list` shows" in reply.json()["error"]["message"], what
+        assert "not found (the server loads what `llmcli list --all` shows" in reply.json()["error"]["message"], what
         assert "secret" not in reply.text and "GGUF" not in reply.text.replace(".gguf", ""), (what, reply.text)
 
 

@@ -88,7 +88,18 @@ def loaded(url: str) -> list[str]:
     return [model["path"] for model in HTTP.get(f"{url}/health", headers=AUTH, timeout=30).json()["models"]]
 
 
-def test_two_models_alternate_under_load_with_one_loaded_at_a_time(tmp_path, gemma3, default_model):
+def in_lm_studio(isolated_env: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Put `model` in LM Studio's folder (a link; HOME the test's own from now on): one of llmcli's places, so a
+    request may name it by its path."""
+    monkeypatch.setenv("HOME", str(isolated_env / "home"))
+    folder = isolated_env / "home" / ".lmstudio" / "models" / "tests" / model.stem
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / model.name).symlink_to(model)
+
+
+def test_two_models_alternate_under_load_with_one_loaded_at_a_time(tmp_path, gemma3, default_model, isolated_env,
+                                                                   monkeypatch):
+    in_lm_studio(isolated_env, gemma3, monkeypatch)
     """--max-models 1, requests for two models from three clients at once: none fails, each model answers as it
     does alone, only one is ever loaded, and each swap gives the other's memory back (RSS grows by less than half of
     the other model's file: the allocator's drift across swaps is ~10-20 MiB here, a model kept would be ~240)."""
@@ -126,7 +137,9 @@ def test_two_models_alternate_under_load_with_one_loaded_at_a_time(tmp_path, gem
         stop_server(proc)
 
 
-def test_keep_alive_expires_a_loaded_model_and_a_request_s_own_keep_alive_wins(tmp_path, gemma3, default_model):
+def test_keep_alive_expires_a_loaded_model_and_a_request_s_own_keep_alive_wins(tmp_path, gemma3, default_model,
+                                                                               isolated_env, monkeypatch):
+    in_lm_studio(isolated_env, gemma3, monkeypatch)
     proc, url = start_server(tmp_path, "-P", "1", "-c", "256", "--keep-alive", "1s", "--api-key", KEY)
     try:
         complete(url, str(gemma3))

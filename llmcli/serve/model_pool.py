@@ -148,7 +148,7 @@ class ModelPool:
                 own = self.default is not None and key == self.default.key
                 served = await asyncio.to_thread(self.load, None if own else name)
             except LlmcliError as exc:
-                if _is_path(name):  # (a file a request names: one answer whatever it is, telling nothing of it)
+                if is_path(name):  # (a file a request names: one answer whatever it is, telling nothing of it)
                     raise self._not_found(name) from None
                 status = 404 if isinstance(exc, ModelNotFoundError) else 503
                 raise ApiError(status, f"model '{name}' could not be loaded: {exc.message}", param="model") from None
@@ -172,7 +172,7 @@ class ModelPool:
             try:
                 self._names[bare] = await asyncio.to_thread(self.resolve, bare, pull)
             except LlmcliError as exc:
-                if not isinstance(exc, ModelNotFoundError) and not _is_path(bare):  # found, and its download failed
+                if not isinstance(exc, ModelNotFoundError) and not is_path(bare):  # found, and its download failed
                     raise ApiError(503, f"model '{name}' could not be downloaded: {exc.message}", param="model") from None
                 raise self._not_found(name) from None  # (a path: whether it exists, or what it holds, is not said)
             except (OSError, ValueError):  # (a name the file system refuses: too long a component)
@@ -181,8 +181,8 @@ class ModelPool:
 
     @staticmethod
     def _not_found(name: str) -> ApiError:
-        return ApiError(404, f"model '{name}' not found (the server loads what `llmcli list` shows, a path, or a Hub "
-                        "model already downloaded)", param="model", code="model_not_found")
+        return ApiError(404, f"model '{name}' not found (the server loads what `llmcli list --all` shows, by its name "
+                        "or its path, or a Hub model already downloaded)", param="model", code="model_not_found")
 
     async def _make_room(self) -> None:
         """Unload the least recently used idle model while `max_models` are loaded or loading (waiting for one to be
@@ -248,7 +248,7 @@ class ModelPool:
                 await self._unload(served)
 
 
-def _is_path(name: str) -> bool:
+def is_path(name: str) -> bool:
     """Whether a request's model name is a file's path (not a name `llmcli list` shows, nor a Hub reference)."""
     return name.startswith(("/", "~", ".")) or name.lower().endswith(".gguf")
 

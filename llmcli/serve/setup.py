@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcli.config import settings
+from llmcli.errors import LlmcliError, ModelNotFoundError
 from llmcli.pipeline import Request, fetch_for, resolve_settings, warm
 from llmcli.pipeline.local import Tokenizer, open_tokenizer
 from llmcli.prompt.rendering import thinking_variables
@@ -17,7 +18,7 @@ from llmcli.serve.embedding_process import Embeddings
 from llmcli.serve.engine_process import STEP_TIMEOUT_S, EngineProcess
 from llmcli.serve.engine_spec import EngineFacts, EngineSpec
 from llmcli.serve.model_facts import ModelFacts, read_facts
-from llmcli.serve.model_pool import Served
+from llmcli.serve.model_pool import Served, is_path
 from llmcli.store import catalog, models
 from llmcli.store.cache import FilesCallback, ProgressCallback
 from llmcli.store.gguf_header import read_header
@@ -44,9 +45,26 @@ class ServerModels:
 
     def resolve(self, name: str, pull: bool = False) -> Path:
         """The file `name` means, as -m resolves it (ModelNotFoundError), without loading it; a Hub model not
-        downloaded yet is downloaded only for a request to answer (`pull`) under --allow-pull."""
+        downloaded yet is downloaded only for a request to answer (`pull`) under --allow-pull. A name that is a path
+        must be one of llmcli's places (`placed`): any other file is not found, whatever it is."""
         request = self.request_for(name)
-        return resolve_settings(dataclasses.replace(request, offline=request.offline or not pull))[1].path
+        path = resolve_settings(dataclasses.replace(request, offline=request.offline or not pull))[1].path
+        if is_path(name) and not self.placed(path):
+            raise ModelNotFoundError(f"{name} is not a model this server may load")
+        return path
+
+    def placed(self, path: Path) -> bool:
+        """Whether a file is in llmcli's places: a model `llmcli list --all` shows (llmcli's store, the Hub cache,
+        Ollama's and LM Studio's), a file an alias names, or the server's own -m model. Only these may a request name
+        by their path: a client cannot make the server open, or tell it of, any other file on its disk."""
+        wanted = path.resolve()
+        known = [found for _, found in self.loadable()]
+        known += [Path(value).expanduser() for value in settings.load_config_file().aliases.values()]
+        try:  # (the server's own model: -m, LLMCLI_MODEL or the config's, as it was loaded)
+            known.append(resolve_settings(dataclasses.replace(self.request, offline=True))[1].path)
+        except LlmcliError:
+            pass
+        return any(_same_file(found, wanted) for found in known)
 
     def pull(self, name: str, on_progress: ProgressCallback, on_files: FilesCallback) -> str:
         """Ollama's /api/pull (under --allow-pull): `name` downloaded into the Hub cache or brought up to date, as
@@ -84,6 +102,13 @@ class ServerModels:
         """What the model lists say of a model not loaded (its header alone)."""
         template = read_header(path).chat_template or ""
         return read_facts(name, path, n_ctx, template, _capabilities(template))
+
+
+def _same_file(found: Path, wanted: Path) -> bool:
+    try:
+        return found.resolve() == wanted
+    except (OSError, RuntimeError):  # (a loop of links, a name too long)
+        return False
 
 
 def _capabilities(template: str) -> tuple[str, ...]:
