@@ -184,7 +184,7 @@ class Distribution:
     def most_likely(self, n: int) -> list[int]:
         """Up to `n` of the most likely tokens left (none masked: all of them when fewer are left)."""
         if np.count_nonzero(self.p) > n:
-            kept = np.argpartition(self.p, len(self.p) - n)[len(self.p) - n:]  # (0 is below any that is left)
+            kept = _top(self.p, n)  # (0 is below any that is left)
         else:
             kept = np.flatnonzero(self.p)
         tokens: list[int] = (kept if self.ids is None else self.ids[kept]).tolist()
