@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import select
 import shutil
 import signal
 import socket
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
@@ -98,14 +100,11 @@ def test_a_signal_ends_run_while_llama_cpp_does_not_return():
                               "go") for signum in signals}
     ended = {}
     try:
-        deadline = time.monotonic() + 120
+        shown = {signum: _inside_the_fourth_token(proc) for signum, proc in runs.items()}
         for signum, proc in runs.items():
-            while _cpu_s(proc.pid) < 3.0 and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)  # (a three-token answer takes 0.3-1.6 s of CPU, forked or started afresh: the fourth
-                # token takes minutes, so past 3 s the run is inside it; at 1 s a run started afresh was still in the
-                # third, whose handler then ran as usual)
             proc.send_signal(signum)
         ended = {signum: proc.communicate(timeout=60) for signum, proc in runs.items()}
+        ended = {signum: (shown[signum] + out, err) for signum, (out, err) in ended.items()}
     finally:
         for proc in runs.values():
             proc.kill()
@@ -133,6 +132,25 @@ def test_serve_s_log_keeps_bugs_but_not_uvicorn_s_words_for_answers_cut_when_the
     assert not not_a_shutdown_cut(record("Cancel 1 running task(s), timeout graceful shutdown exceeded"))
     assert not_a_shutdown_cut(record("Exception in ASGI application", ValueError("a bug")))
     assert not_a_shutdown_cut(record("Invalid HTTP request received."))
+
+
+def _inside_the_fourth_token(proc: Any) -> bytes:
+    """What the run printed once its three forced tokens are out (`aaaa` each) and it has used 0.3 s more of CPU: it is
+    inside the fourth token, which takes minutes (its sampler does not return; its first three take 0.3-1.6 s of CPU,
+    and a signal that lands between two tokens runs its handler as usual)."""
+    fd = proc.stdout.fileno()
+    shown = b""
+    deadline = time.monotonic() + 120
+    while shown.count(b"a") < 12 and proc.poll() is None and time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.05)[0]:
+            block = os.read(fd, 4096)
+            if not block:
+                break
+            shown += block
+    start = _cpu_s(proc.pid)
+    while _cpu_s(proc.pid) < start + 0.3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return shown
 
 
 def _cpu_s(pid: int) -> float:
