@@ -239,6 +239,42 @@ def test_a_waiting_request_whose_client_left_holds_no_place_in_the_queue(tmp_pat
         stop_server(proc)
 
 
+def test_a_short_prompt_starts_answering_beside_a_long_prefill(tmp_path):
+    """Issue 60 (two Claude Code sessions at once): a request whose prompt was nearly all cached got its first token
+    only when a concurrent request's long prompt had been evaluated (TTFT 77.6 s for 86 tokens left, beside 17,830):
+    each pass's room went to the slot first in order. The shortest prompt left goes first now: the short request
+    answers while the long one is still prefilling (passes of 64 prompt tokens: ~10 for the long prompt)."""
+    from llmcli.eval.quality import default_text
+
+    proc, url = start_server(tmp_path, "-P", "2", "-c", "1024", "-b", "64")
+    try:
+        order: list[str] = []
+        bodies = {"long": {"messages": [{"role": "user", "content": default_text()[:2400] + "\nSummarize it."}],
+                           "max_tokens": 4, "temperature": 0, "stream": True},
+                  "short": {"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 8,
+                            "temperature": 0, "stream": True, "logit_bias": {"2": -100}}}  # (2: its end: 8 tokens)
+
+        def stream(name: str) -> None:
+            with HTTP.stream("POST", f"{url}/v1/chat/completions", json=bodies[name], timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                        order.append(name)
+
+        first = threading.Thread(target=stream, args=("long",))
+        first.start()  # (the first slot: before this change, every pass's room was its until its prompt was in)
+        deadline = time.monotonic() + 60
+        while HTTP.get(f"{url}/health", timeout=10).json()["busy"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second = threading.Thread(target=stream, args=("short",))
+        second.start()
+        first.join(120)
+        second.join(120)
+        assert "long" in order and order.count("short") >= 4, order
+        assert order[:order.index("long")].count("short") >= 4, order  # (it was 0 or 1: at the long prompt's end)
+    finally:
+        stop_server(proc)
+
+
 def test_a_public_address_needs_an_api_key():
     result = run_cli("serve", "--host", "0.0.0.0")
     assert result.code == 2 and "--api-key" in result.stderr and "Traceback" not in result.stderr

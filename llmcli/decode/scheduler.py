@@ -4,7 +4,7 @@ A slot is one answer in one sequence of the KV cache: its prompt, its sampler ch
 rule and the text), its drafter and its clock. Each `step()` is plan → pass → apply (vLLM's SchedulerOutput shape):
 `plan()` decides, changing nothing, what one pass holds — the pending token of every decoding slot and, when no
 slot is still prefilling, the drafts the cost model buys (speculative decoding), then prompt chunks of the slots
-still prefilling in the room left (a `StepPlan`); the pass evaluates it in one `llama_decode` (the engine records
+still prefilling in the room left, the shortest prompt left first (a `StepPlan`); the pass evaluates it in one `llama_decode` (the engine records
 what it stored); `apply` moves the slots on — their prompts, the samples of each slot's own chain (a draft is
 verified position by position: kept while the sampled token is the drafted one, the rest leaves the slot's cells)
 — and returns what each answer gained as events. A slot whose answer is over gets its `Done` (its stats built in
@@ -190,7 +190,10 @@ class Scheduler:
             if slot.prompt[slot.prefilled] < 0:  # an image begins here: its own pass (embeddings, not tokens)
                 run = self.engine.vision.run(slot.prompt[slot.prefilled]) if self.engine.vision is not None else []
                 return StepPlan([], [], image=Chunk(slot, slot.prefilled, slot.prefilled + max(1, len(run))))
-        for slot in prefilling:
+        # The shortest prompt left first: a request that had nearly all of its prompt cached starts answering at the
+        # next pass, instead of waiting behind a long prefill that takes every pass's room (an agent's second
+        # session beside a new one: its first token took as long as the other's 17,830-token prompt).
+        for slot in sorted(prefilling, key=lambda slot: len(slot.prompt) - slot.prefilled):
             if used >= capacity:
                 break
             begin, end = slot.prefilled, len(slot.prompt)
