@@ -1,14 +1,14 @@
 """Step 5, the one answer loop: slots, and one `step()` that decodes them all.
 
-A slot is one answer in one sequence of the KV cache: its prompt, its sampler chain, its `Answer` (the finish
-rule and the text), its drafter and its clock. Each `step()` is plan → pass → apply (vLLM's SchedulerOutput shape):
-`plan()` decides, changing nothing, what one pass holds — the pending token of every decoding slot and, when no
-slot is still prefilling, the drafts the cost model buys (speculative decoding), then prompt chunks of the slots
-still prefilling in the room left, the shortest prompt left first (a `StepPlan`); the pass evaluates it in one `llama_decode` (the engine records
-what it stored); `apply` moves the slots on — their prompts, the samples of each slot's own chain (a draft is
-verified position by position: kept while the sampled token is the drafted one, the rest leaves the slot's cells)
-— and returns what each answer gained as events. A slot whose answer is over gets its `Done` (its stats built in
-one place, `AnswerClock`) and frees its sequence.
+A slot is one answer in one sequence of the KV cache: its prompt, its sampler chain, its `Answer` (the finish rule
+and the text), its drafter and its clock. Each `step()` is plan → pass → apply (vLLM's SchedulerOutput shape):
+`plan()` decides, changing nothing, what one pass holds — the pending token of every decoding slot and, when no slot
+is still prefilling, the drafts the cost model buys (speculative decoding), then prompt chunks of the slots still
+prefilling in the room left, the shortest prompt left first (a `StepPlan`); the pass evaluates it in one
+`llama_decode` (the engine records what it stored); `apply` moves the slots on — their prompts, the samples of each
+slot's own chain (a draft is verified position by position: kept while the sampled token is the drafted one, the
+rest leaves the slot's cells) — and returns what each answer gained as events. A slot whose answer is over gets its
+`Done` (its stats built in one place, `AnswerClock`) and frees its sequence.
 
 Its three clients differ only in where the prompts come from: llmcli/decode/one_answer.py (run, chat: one slot,
 sequence 0),
