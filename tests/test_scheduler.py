@@ -99,15 +99,17 @@ def slot(sched: Scheduler, seq: int, prompt_len: int, *, prefilled: int = 0, pen
     return made
 
 
-def test_prompts_are_cut_into_chunks_that_fill_the_pass_and_the_plan_changes_nothing():
+def test_prompts_are_cut_into_chunks_that_fill_the_pass_the_fewest_left_first_and_the_plan_changes_nothing():
+    """The prompt with the fewest tokens left goes first (a nearly cached request answers beside a long prefill:
+    test_serve.py), the others fill the room left."""
     sched = scheduler(n_batch=64)
     first, second = slot(sched, 0, 100), slot(sched, 1, 30)
     plan = sched.plan()
-    assert [(c.slot.seq, c.begin, c.end) for c in plan.chunks] == [(0, 0, 64)] and not plan.decoding
-    assert first.prefilled == 0 and plan.n_tokens == 64  # a plan decides; it moves nothing
-    first.prefilled = 64
+    assert [(c.slot.seq, c.begin, c.end) for c in plan.chunks] == [(1, 0, 30), (0, 0, 34)] and not plan.decoding
+    assert first.prefilled == second.prefilled == 0 and plan.n_tokens == 64  # a plan decides; it moves nothing
+    first.prefilled = 90  # (now the first has fewer left: 10 against 30)
     plan = sched.plan()
-    assert [(c.slot.seq, c.begin, c.end) for c in plan.chunks] == [(0, 64, 100), (1, 0, 28)]
+    assert [(c.slot.seq, c.begin, c.end) for c in plan.chunks] == [(0, 90, 100), (1, 0, 30)]
     assert second.prefilled == 0
 
 
