@@ -107,12 +107,25 @@ def test_a_grammar_that_stalls_the_sampler_fails_alone_after_the_step_timeout(tm
                 "temperature": 0, "logit_bias": {str(token_a): 100},
                 "grammar": 'root ::= r\nr ::= "a" r "b" | "a" r "c" | ""'})
 
+        said: set[str] = set()  # /health throughout: ok, degraded while the step is past its limit and the engine
+        done = threading.Event()  # is ended and started again, ok again
+
+        def watch() -> None:
+            while not done.is_set():
+                said.add(httpx.get(f"{url}/health", timeout=10).json()["status"])
+                time.sleep(0.01)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
         thread = threading.Thread(target=hostile)
         thread.start()
         time.sleep(0.5)
         normal = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 24, "temperature": 0})
         thread.join(120)
+        done.set()
+        watcher.join(30)
+        assert said == {"ok", "degraded"}, said
         assert normal.status_code == 200 and normal.json()["choices"][0]["message"]["content"]
         refused = outcome["hostile"]
         assert refused.status_code == 400

@@ -272,6 +272,7 @@ class EngineProcess:
         """Ask the stalled engine which answer it was sampling, then kill it; that answer fails."""
         conn = self._conn
         assert conn is not None and self._proc is not None
+        self.state = "stalled"  # (`/health`: degraded from now until it runs again)
         culprit = None
         with self._lock:
             self._send(("who",))
