@@ -40,6 +40,7 @@ class CoreShare:
         self.mine: Path | None = None
         self.due = 0.0  # perf_counter() time of the next look at the others
         self.problem: str | None = None  # why this process cannot share (it runs alone), to be said once
+        self._said_squeezed = False  # the notice that other processes cut the thread count: said once
 
     def register(self, threads: int | None = None) -> None:
         """Count this process among those generating (idempotent)."""
@@ -84,6 +85,16 @@ class CoreShare:
         if free < shared:
             self.squeezed = (self.load.others, free)
         return min(shared, free)
+
+    def take_squeezed_notice(self) -> str | None:
+        """Once: why decoding was slower than this machine gives when idle — other processes took cores, and the
+        thread count was cut to what they left (what to try: free them, or -t)."""
+        if self.squeezed is None or self._said_squeezed:
+            return None
+        self._said_squeezed = True
+        others, left = self.squeezed
+        return (f"other processes kept ~{others:.1f} of {self.cores} cores busy: decoded on {left} "
+                f"thread{'' if left == 1 else 's'}, the fastest meanwhile (-t N fixes it)")
 
     def read_load(self) -> None:
         """While idle (a server between answers): read what the others take, so that the next answer's first pass

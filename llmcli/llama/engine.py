@@ -74,7 +74,6 @@ class Engine:
         # What one sequence may use: llama.cpp's (it pads), or, sized later, what it would have been.
         self.n_ctx: int = padded if config.kv_later else llama_cpp.llama_n_ctx_seq(self._ctx)
         self._share = CoreShare(threads, load) if load is not None else None  # --threads given: fixed
-        self._busy_said = False  # the notice that other processes cut the thread count: said once
         if self._share is not None:  # about to compute: peers that start now see this one before they prefill
             self._share.register(self._share.threads(window_s=FIRST_WINDOW_S, starting=True))  # (cpu_load.mark_start)
         self.vocab = Vocabulary(llama_cpp.llama_model_get_vocab(self._model))
@@ -221,15 +220,8 @@ class Engine:
             share.unregister()
 
     def take_busy_notice(self) -> str | None:
-        """Once: why decoding was slower than this machine gives when idle — other processes took cores, and the
-        thread count was cut to what they left (what to try: free them, or -t)."""
-        share = self._share
-        if share is None or share.squeezed is None or self._busy_said:
-            return None
-        self._busy_said = True
-        others, left = share.squeezed
-        return (f"other processes kept ~{others:.1f} of {share.cores} cores busy: decoded on {left} "
-                f"thread{'' if left == 1 else 's'}, the fastest meanwhile (-t N fixes it)")
+        """Once: why decoding was slower than when idle (CoreShare.take_squeezed_notice); None with --threads."""
+        return self._share.take_squeezed_notice() if self._share is not None else None
 
     @property
     def load_read_s(self) -> float | None:
