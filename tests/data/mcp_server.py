@@ -16,7 +16,7 @@ server = MCPServer("test-tools")
 
 
 @server.tool()
-def shout(text: str) -> str:
+def shout(text: Annotated[str, Field(max_length=24)]) -> str:  # (bounded: a greedy call ends on any CPU)
     """Upper-case a text."""
     return text.upper() + "!"
 
