@@ -160,6 +160,7 @@ def test_every_setting_has_a_row():
     assert answer_settings - {"on_overflow"} <= covered, sorted(answer_settings - covered)  # (on_overflow: its own test)
 
 
+@pytest.mark.long
 def test_every_path_gives_the_in_process_answer(paths, capsys, tmp_path):
     yes = json.loads(run_cli("tokenize", "--json", "yes").stdout)["ids"]
     assert len(yes) == 1

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from conftest import LOGS, run_cli, start_server, stop_server
 
 KEY = "engine-test-key"
@@ -60,6 +61,7 @@ def _answer_all(url: str) -> tuple[list[tuple[str, str | None] | None], list[int
     return results, seen, threads
 
 
+@pytest.mark.long
 def test_four_streams_complete_through_three_engine_deaths_and_health_answers_throughout(tmp_path, smollm2):
     proc, url = start_server(tmp_path, "-m", str(smollm2), "-P", "4", "--api-key", KEY)
     try:

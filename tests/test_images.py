@@ -280,6 +280,7 @@ def _memory_mib(pid: int, field: str) -> int:
                     if line.startswith(field)).split()[1]) // 1024
 
 
+@pytest.mark.long
 def test_large_pictures_are_decoded_within_a_pixel_budget_and_give_their_memory_back(seeing: Path, tmp_path: Path) -> None:
     """Issue 58: eight requests of four 7000 x 7000 PNGs (1 MB each) took a server from 315 MB to 4.1 GB, 3.7 GB kept
     after: each picture was decoded at once, all of them together. Now the pixels decoded at once are bounded

@@ -62,6 +62,7 @@ def test_an_unknown_agent_one_not_installed_and_a_model_too_small_are_one_line_e
     assert "Traceback" not in small.stderr and "launch-" not in run_cli("ps").stdout  # nothing was started
 
 
+@pytest.mark.long
 def test_launch_runs_the_agent_on_its_model_s_server_and_the_next_launch_reuses_it(agents, gemma3):
     first = run_cli("launch", "claude", "-m", "gemma3-270m", "-c", CTX, "--", "-p", "Say hi", env=agents)
     assert first.code == 0, first.stderr

@@ -222,6 +222,7 @@ def test_divergence_rises_and_agreement_falls_as_bits_fall(ladder, isolated_env,
     assert [f["reference_kept"] for f in figures.values()] == [False, True, True]
 
 
+@pytest.mark.long
 def test_the_same_on_gemma3_270m(gemma3, tmp_path_factory, isolated_env):
     """Gemma-3-270M (a 262k vocabulary: each pass ~3 s here, so two chunks of 128) requantized to F16 (the
     reference: the packaged Q4_K_M's values), then Q8_0 -> Q4_0 -> Q2_K: KLD rises and top-1 agreement falls (measured
