@@ -239,17 +239,18 @@ def test_a_stage_that_moves_a_few_logits_is_folded_into_the_softmax_as_a_whole_o
 
 def test_the_model_s_top_and_a_cut_s_change_are_found_as_a_whole_vocabulary_computation_finds_them():
     """The trace's shortcuts against the plain computations: the k largest logits from a strided sample's floor
-    (sampler_trace._top) against argpartition, ties and short arrays included; and whether a top-k cut changed the
+    (logprobs.largest) against argpartition, ties and short arrays included; and whether a top-k cut changed the
     distribution (the kept candidates first, then the largest left out) against the whole vocabulary compared."""
     import numpy as np
 
-    from llmcli.llama.sampler_trace import CHANGED, Distribution, _changed, _top
+    from llmcli.llama.logprobs import largest
+    from llmcli.llama.sampler_trace import CHANGED, Distribution, _changed
 
     rng = np.random.default_rng(11)
     for n, k in ((49152, 5), (49152, 1), (2000, 40), (100, 5), (7, 7)):
         values = rng.normal(0, 3, n).astype(np.float32)
         values[rng.integers(0, n, 3)] = values.max()  # (ties at the top)
-        assert sorted(values[_top(values, k)].tolist()) == sorted(np.sort(values)[n - k:].tolist()), (n, k)
+        assert sorted(values[largest(values, k)].tolist()) == sorted(np.sort(values)[n - k:].tolist()), (n, k)
 
     def whole_vocabulary(logits: np.ndarray) -> Distribution:
         shifted = np.exp((logits - logits.max()).astype(np.float64))
