@@ -204,73 +204,165 @@ def test_trace_is_refused_where_it_cannot_see_the_sampler(tmp_path):
 def test_a_stage_that_moves_a_few_logits_is_folded_into_the_softmax_as_a_whole_one_would_compute_it():
     """The trace's cheap path (sampler_trace._folded: a bias or penalties moved a few logits of the whole vocabulary)
     against a softmax computed whole; a stage that moved nothing is the distribution before it; a logit far above
-    the rest, or the mass moved off what was left, is computed whole."""
+    the rest, or the mass moved off what was left, is computed whole; rows a stage reordered are read by their ids."""
     import numpy as np
 
-    from llmcli.llama.sampler_trace import Distribution, _distribution
+    from llmcli.llama.sampler_trace import _distribution, whole
 
     rng = np.random.default_rng(7)
     logits = rng.normal(0, 3, 5000).astype(np.float32)
-    shifted = np.exp(logits - logits.max())
-    start = Distribution(None, (shifted / shifted.sum(dtype=np.float64)).astype(np.float32), logits,
-                         float(logits.max()), float(shifted.sum(dtype=np.float64)))
+    start = whole(logits)
+    in_order = np.arange(5000, dtype=np.int32)
     view = np.zeros(5000, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
-    view["id"], view["logit"] = np.arange(5000), logits
-    assert _distribution(view, 5000, start) is start  # (nothing moved: nothing computed)
+    view["id"], view["logit"] = in_order, logits
+    assert _distribution(view, True, start, in_order) is start  # (nothing moved: nothing computed)
 
-    def whole(values: np.ndarray) -> np.ndarray:
+    def softmax(values: np.ndarray) -> np.ndarray:
         p = np.exp((values - values.max()).astype(np.float64))
         return p / p.sum()
 
     top = int(np.argmax(logits))
-    for moved in ({3: -np.inf, 10: logits[10] + 2, 11: logits[11] - 1}, {top: -np.inf}, {5: logits.max() + 900}):
+    for moved in ({3: -np.inf, 10: logits[10] + 2, 11: logits[11] - 1}, {top: -np.inf}, {top: logits[top] - 0.5},
+                  {5: logits.max() + 900}, {7: logits.max() + 30}):
         changed = view.copy()
         for token, value in moved.items():
             changed["logit"][token] = value
-        after = _distribution(changed, 5000, start)
-        expected = whole(changed["logit"])
-        assert after.ids is None and np.allclose(after.p, expected, rtol=1e-5, atol=1e-12), moved
-        assert after.p[3 if 3 in moved else top if top in moved else 5] == pytest.approx(
-            expected[3 if 3 in moved else top if top in moved else 5], abs=1e-12)
-        largest = float(np.abs(expected - start.p).max())
+        after = _distribution(changed, True, start, in_order)
+        expected = softmax(changed["logit"])
+        assert after.ids is None and np.allclose(after.dense(5000), expected, rtol=1e-5, atol=1e-12), moved
+        for token in moved:
+            assert after.probs([token])[0] == pytest.approx(expected[token], rel=1e-5, abs=1e-12)
+        weights = np.exp((changed["logit"] - after.top).astype(np.float64))
+        assert np.allclose(after.weighed(), weights, rtol=1e-5, atol=1e-30)  # (what a cut after it sums)
+        largest = float(np.abs(expected - softmax(logits)).max())
         measured = after.change if after.change is not None else largest
         assert measured == pytest.approx(largest, rel=1e-4, abs=1e-9), moved
+    swapped = view.copy()
+    swapped[[20, 21]] = swapped[[21, 20]]  # (two rows moved whole: the same tokens, the same logits)
+    swapped["logit"][20] += 1  # (token 21's, now in row 20)
+    after = _distribution(swapped, True, start, in_order)
+    bumped = logits.copy()
+    bumped[21] += 1
+    assert np.allclose(after.dense(5000), softmax(bumped), rtol=1e-5, atol=1e-12)
 
 
 def test_the_model_s_top_and_a_cut_s_change_are_found_as_a_whole_vocabulary_computation_finds_them():
     """The trace's shortcuts against the plain computations: the k largest logits from a strided sample's floor
-    (logprobs.largest) against argpartition, ties and short arrays included; and whether a top-k cut changed the
-    distribution (the kept candidates first, then the largest left out) against the whole vocabulary compared."""
+    (logprobs.largest) against a sort, ties, masks and short arrays included; whether a top-k cut changed the
+    distribution (the left-out weights, the kept ones renormalized) and a cut of a cut's first candidates (top-p,
+    min-p) against the whole vocabulary compared."""
     import numpy as np
 
     from llmcli.llama.logprobs import largest
-    from llmcli.llama.sampler_trace import CHANGED, Distribution, _changed
+    from llmcli.llama.sampler_trace import CHANGED, _changed, _distribution, cut, whole
 
     rng = np.random.default_rng(11)
     for n, k in ((49152, 5), (49152, 1), (2000, 40), (100, 5), (7, 7)):
         values = rng.normal(0, 3, n).astype(np.float32)
         values[rng.integers(0, n, 3)] = values.max()  # (ties at the top)
         assert sorted(values[largest(values, k)].tolist()) == sorted(np.sort(values)[n - k:].tolist()), (n, k)
+    masked = np.full(49152, -np.inf, dtype=np.float32)
+    masked[[5, 900, 40000]] = (1.0, 3.0, 2.0)  # (a grammar's mask: three left)
+    assert sorted(largest(masked, 2).tolist()) == [900, 40000]
+    assert set(largest(masked, 5).tolist()) >= {5, 900, 40000} and len(largest(masked, 5)) == 5
 
-    def whole_vocabulary(logits: np.ndarray) -> Distribution:
-        shifted = np.exp((logits - logits.max()).astype(np.float64))
-        return Distribution(None, (shifted / shifted.sum()).astype(np.float32), logits, float(logits.max()),
-                            float(shifted.sum()))
-
-    def top_k(before: Distribution, k: int) -> Distribution:
+    def top_k(before, k: int):
         ids = np.argsort(-before.logits, kind="stable")[:k].astype(np.int32)
-        kept = np.exp((before.logits[ids] - before.logits[ids].max()).astype(np.float64))
-        return Distribution(ids, kept / kept.sum(), before.logits[ids].copy())
+        return cut(ids, before.logits[ids].copy())
 
     confident = np.full(5000, -60.0, dtype=np.float32)
     confident[:3] = (10.0, 9.0, 8.0)
     tied = confident.copy()
     tied[3] = 8.0  # (the cut at 3 leaves out a token as likely as one it kept)
+    near = np.full(5000, -19.0, dtype=np.float32)  # (each left out below CHANGED, together above it)
+    near[:2] = (2.0, 1.0)
     spread = rng.normal(0, 3, 5000).astype(np.float32)
-    for logits, k in ((spread, 40), (confident, 3), (confident, 2), (tied, 3), (confident, 5000)):
-        before = whole_vocabulary(logits)
+    for logits, k in ((spread, 40), (confident, 3), (confident, 2), (tied, 3), (confident, 5000), (near, 2)):
+        before = whole(logits)
         after = top_k(before, k)
-        dense = np.zeros(5000)
-        dense[after.ids] = after.p
-        assert _changed(before, after, 5000) == (float(np.abs(dense - before.p).max()) > CHANGED), k
-    assert _changed(whole_vocabulary(tied), top_k(whole_vocabulary(tied), 3), 5000)  # (the tie left out: p 0.08)
+        whole_p = np.exp((logits - logits.max()).astype(np.float64))
+        largest_change = float(np.abs(after.dense(5000) - whole_p / whole_p.sum()).max())
+        assert _changed(before, after, 5000) == (largest_change > CHANGED), k
+        for m in range(1, k if k < 50 else 40):  # (a cut of the first m it left)
+            view = np.zeros(m, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+            view["id"], view["logit"] = after.ids[:m], after.logits[:m]
+            prefix = _distribution(view, False, after, np.arange(5000, dtype=np.int32))
+            kept = np.exp((after.logits[:m] - after.logits[:m].max()).astype(np.float64))
+            assert np.allclose(prefix.dense(5000)[after.ids[:m]], kept / kept.sum(), rtol=1e-9)
+            change = float(np.abs(prefix.dense(5000) - after.dense(5000)).max())
+            assert (prefix.change if prefix.change is not None else change) == pytest.approx(change, rel=1e-6, abs=1e-15)
+    assert _changed(whole(tied), top_k(whole(tied), 3), 5000)  # (the tie left out: p 0.08)
+    assert _changed(whole(near), top_k(whole(near), 2), 5000)  # (4,998 tokens of p ~1e-9 left out: ~1e-6 in all)
+
+
+def test_a_traced_token_is_the_plain_one_and_each_stage_is_as_a_whole_vocabulary_computation_sees_it(smollm2):
+    """sample_traced on a real model's logits, in lockstep with a second sampler of the same settings and seed that
+    applies llama.cpp's stages one by one to the whole vocabulary and computes every distribution whole: the same
+    tokens (a bias on the model's favourite, penalties, top-k, top-p, min-p, typical-p, DRY, mirostat), the same
+    stages and sizes, the same stages changing the distribution, and each candidate's p_sampler the reference's."""
+    import ctypes
+
+    import llama_cpp
+    import numpy as np
+
+    from llmcli.answer.sampling_config import SamplingConfig
+    from llmcli.llama.engine import Engine
+    from llmcli.llama.engine_config import EngineConfig
+    from llmcli.llama.sampler_trace import CHANGED, SELECTORS, sample_traced
+
+    def reference(sampler, n_vocab: int) -> tuple[int, list, dict[str, float], np.ndarray]:
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(sampler.ctx, -1), shape=(n_vocab,)).copy()
+        data = (llama_cpp.llama_token_data * n_vocab)()
+        rows = np.ctypeslib.as_array(data)
+        rows["id"], rows["logit"] = np.arange(n_vocab), logits
+        array = llama_cpp.llama_token_data_array(data, n_vocab, -1, False)
+        before = np.exp((logits - logits.max()).astype(np.float64))
+        before /= before.sum()
+        stages, changes = [], {}
+        chain = sampler.chain
+        for i in range(llama_cpp.llama_sampler_chain_n(chain)):
+            stage = llama_cpp.llama_sampler_chain_get(chain, i)
+            name = llama_cpp.llama_sampler_name(stage).decode()
+            llama_cpp.llama_sampler_apply(stage, ctypes.byref(array))
+            stages.append([name, int(array.size)])
+            if name in SELECTORS:
+                break
+            left = np.ctypeslib.as_array(array.data, shape=(int(array.size),))
+            after = np.zeros(n_vocab)
+            finite = left["logit"] > -np.inf
+            kept = np.exp((left["logit"][finite] - left["logit"][finite].max()).astype(np.float64))
+            after[left["id"][finite]] = kept / kept.sum()
+            changes[name] = float(np.abs(after - before).max())
+            before = after
+        left = np.ctypeslib.as_array(array.data, shape=(int(array.size),))
+        token = int(left["id"][array.selected])
+        llama_cpp.llama_sampler_accept(chain, token)
+        return token, stages, changes, before
+
+    with Engine(smollm2, EngineConfig(n_ctx=256, n_threads=1)) as engine:
+        prompt = engine.vocab.tokenize("<|im_start|>user\nTell me about the sea.<|im_end|>\n<|im_start|>assistant\n")
+        assert engine.prefill(prompt)
+        favourite = int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(engine.llama_context, -1),
+                                              shape=(engine.vocab.n_tokens,)).argmax())
+        settings = [dict(temp=0, logit_bias=((favourite, -3.0), (100, 2.0), (200, float("-inf")))),
+                    dict(temp=0, repeat_penalty=1.3, presence_penalty=0.2), dict(repeat_penalty=1.3),
+                    dict(), dict(top_k=0, top_p=0.9), dict(top_k=0, min_p=0.1, temp=1.5), dict(typical_p=0.8),
+                    dict(dry_multiplier=0.8, temp=0), dict(mirostat=2)]
+        for options in settings:
+            engine.kv.clear()
+            assert engine.prefill(prompt)
+            config = SamplingConfig(**options)
+            with engine.sampler(config, 5) as traced, engine.sampler(config, 5) as plain:
+                for _ in range(8):
+                    n_vocab = engine.vocab.n_tokens
+                    step = sample_traced(traced, engine.vocab, -1, 8)
+                    token, stages, changes, final = reference(plain, n_vocab)
+                    assert step.token == token and [list(s) for s in step.stages] == stages, options
+                    for name, change in changes.items():  # (a change within 10x of the threshold may go either way)
+                        if not CHANGED / 10 < change < CHANGED * 10:
+                            assert (name in step.changed) == (change > CHANGED), (options, name, change)
+                    for candidate in step.candidates:
+                        assert candidate.p_sampler == pytest.approx(final[candidate.token], rel=1e-4, abs=1e-7)
+                    assert {c.token for c in step.candidates if c.p_sampler > 0} >= {
+                        int(t) for t in np.argsort(-final)[:8] if final[t] > 1e-3}, options
+                    assert engine.decode_one(token) == "ok"

@@ -35,5 +35,10 @@ def largest(values: np.ndarray, k: int) -> np.ndarray:
     if len(sample) <= 4 * k:
         return np.argpartition(values, n - k)[n - k:]
     floor = np.partition(sample, len(sample) - k)[len(sample) - k]  # (k values of the array are at least this)
-    above = np.flatnonzero(values >= floor)
+    if floor == -np.inf:  # (most of them masked, by a grammar: the finite ones, then masked ones to make k)
+        above = np.flatnonzero(values > -np.inf)
+        if len(above) < k:
+            return np.concatenate((above, np.flatnonzero(values == -np.inf)[:k - len(above)]))
+    else:
+        above = np.flatnonzero(values >= floor)
     return above[np.argpartition(values[above], len(above) - k)[len(above) - k:]]

@@ -1,8 +1,13 @@
 """One token sampled with every stage seen (`run --trace`): llama.cpp's `llama_sampler_sample` done by hand — the
 logits into a candidate array, each sampler of the chain applied in turn (a snapshot after each), the selected token
 accepted by the chain — so the token is the one the plain call would give, and each stage's effect is visible: which
-candidates it left and whether it changed the distribution. Only a traced answer comes here (it costs a copy of the
-vocabulary's logits and a softmax a stage); the plain path is Sampler.sample."""
+candidates it left and whether it changed the distribution. Only a traced answer comes here; the plain path is
+Sampler.sample.
+
+What it costs (issue 61: no more than `--logprobs` would be the goal) is kept low: a distribution is its logits and
+its softmax's sum, a token's probability computed only when it is shown; a stage that kept the whole vocabulary is compared as one contiguous copy
+of the logits' column; one that moved a few logits (a bias, penalties) is folded into the sum before it; a cut's
+left-out mass is read off the weights the softmax already computed."""
 
 from __future__ import annotations
 
@@ -43,14 +48,8 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
         sampler.first_bias = ()
     logits = np.ctypeslib.as_array(pointer, shape=(n_vocab,))  # (llama.cpp's own: read only, no decode until done)
     buffer = _candidates(sampler, n_vocab)
-    top = float(logits.max())
-    p_model = buffer[4]  # (the model's distribution, in place: the fewer whole-vocabulary arrays, the fewer cache misses)
-    np.subtract(logits, np.float32(top), out=p_model)
-    np.exp(p_model, out=p_model)
-    total = float(p_model.sum(dtype=np.float64))
-    p_model /= np.float32(total)  # (the distribution before any stage: no softmax of the whole vocabulary again)
-    log_total = top + math.log(total)  # a token's log-probability is its logit less this (the first token's lead included)
-    start = Distribution(None, p_model, logits, top, total)
+    start = whole(logits)
+    log_total = start.top + math.log(start.total)  # a token's log-probability is its logit less this
     stages, changed, final, token, note = _through(sampler, "chain", start, buffer)
     if sampler.grammar is not None:  # (the lazy check: the grammar alone on the chosen token; rejected, sampled again)
         one = llama_cpp.llama_token_data(token, 1.0, 0.0)
@@ -67,9 +66,12 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
     chosen = {token: None}  # (the chosen token first; a dict keeps the order)
     if n_top:
         k = min(n_top, n_vocab)
-        chosen.update(dict.fromkeys(largest(logits, k).tolist()))
-        if final.p is not p_model:  # (no stage changed anything: the sampler's most likely are the model's)
-            chosen.update(dict.fromkeys(final.most_likely(k)))  # (those the chain left, never a masked one)
+        moved = final.moved_from(start)  # (a few logits moved: the sampler's most likely are among the model's
+        pool = largest(logits, min(k + (0 if moved is None else len(moved)), n_vocab))  # k more, or those)
+        chosen.update(dict.fromkeys(start.most_likely(k, pool) if len(pool) > k else pool.tolist()))
+        if final is not start:  # (no stage changed anything: the sampler's most likely are the model's)
+            among = None if moved is None else np.array(list({*pool.tolist(), *moved.tolist()}))
+            chosen.update(dict.fromkeys(final.most_likely(k, among)))  # (those the chain left, never a masked one)
     tokens = list(chosen)
     p_sampler = final.probs(tokens)
     candidates = sorted((Candidate(t, vocab.piece(t, special=True), logit - log_total, math.exp(logit - log_total), p)
@@ -80,8 +82,8 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
 
 def _candidates(sampler: Sampler, n_vocab: int) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The candidate array a traced sampler fills each token, its numpy view, the same as rows of three 32-bit words
-    (id, logit, p), those rows as each token starts them (every id in order, p 0), and room for the model's
-    distribution: made once for the sampler (16 bytes a vocabulary entry each, 4 for the last)."""
+    (id, logit, p), those rows as each token starts them (every id in order, p 0), and every id in order: made once
+    for the sampler (28 bytes a vocabulary entry)."""
     found = getattr(sampler, "_traced_candidates", None)
     if found is None or len(found[0]) != n_vocab:
         data = (llama_cpp.llama_token_data * n_vocab)()
@@ -89,7 +91,7 @@ def _candidates(sampler: Sampler, n_vocab: int) -> tuple[Any, np.ndarray, np.nda
         words = view.view(np.int32).reshape(n_vocab, 3)
         fresh = np.zeros((n_vocab, 3), dtype=np.int32)
         fresh[:, 0] = np.arange(n_vocab, dtype=np.int32)
-        found = (data, view, words, fresh, np.empty(n_vocab, dtype=np.float32))
+        found = (data, view, words, fresh, np.arange(n_vocab, dtype=np.int32))
         sampler._traced_candidates = found  # type: ignore[attr-defined]
     return found
 
@@ -107,34 +109,39 @@ def _through(sampler: Sampler, which: str, start: Distribution,
         token = int(start.logits.argmax())  # no candidate array to fill: ~0.04 ms a token)
         llama_cpp.llama_sampler_accept(getattr(sampler, which), token)
         return (("greedy", n_vocab),), (), start, token, ""
-    data, view, words, fresh, _ = buffer
+    data, view, words, fresh, in_order = buffer
     words[:] = fresh  # (the rows whole, then the logits' column: ~1.6 × faster than three fields)
     words[:, 1] = start.logits.view(np.int32)
     array = llama_cpp.llama_token_data_array(data, n_vocab, -1, False)
     home = ctypes.addressof(data)
 
-    def candidates(size: int) -> np.ndarray:  # (the stages work in place: the view made once, not a new one a stage —
-        # numpy reads a ctypes array's type anew each time, ~90 µs)
+    def candidates(size: int) -> tuple[np.ndarray, bool]:  # (the view made once, not a new one a stage — numpy
+        # reads a ctypes array's type anew each time, ~90 µs); whether the stage worked in place, on every row
         if ctypes.cast(array.data, ctypes.c_void_p).value == home:
-            return view[:size]
-        return np.ctypeslib.as_array(array.data, shape=(size,))
+            return view[:size], size == n_vocab
+        return np.ctypeslib.as_array(array.data, shape=(size,)), False
 
     stages: list[tuple[str, int]] = []
     changed: list[str] = []
     before = final = start
     for stage, name in chain:
+        if name == "greedy" and final.ids is None:  # (llama.cpp's first largest logit of a whole vocabulary in
+            stages.append((name, n_vocab))  # order: numpy's argmax, without another pass in C)
+            token = int(final.logits.argmax())
+            llama_cpp.llama_sampler_accept(getattr(sampler, which), token)
+            return tuple(stages), tuple(changed), final, token, ""
         llama_cpp.llama_sampler_apply(stage, ctypes.byref(array))
         size = int(array.size)
         stages.append((name, size))
         if name in SELECTORS:
             break
-        after = _distribution(candidates(size), n_vocab, before)
+        after = _distribution(*candidates(size), before, in_order)
         if after is not before and (after.change > CHANGED if after.change is not None else
                                     _changed(before, after, n_vocab)):
             changed.append(name)
         before = final = after
     selected = int(array.selected)
-    token = int(candidates(int(array.size))["id"][selected])
+    token = int(candidates(int(array.size))[0]["id"][selected])
     llama_cpp.llama_sampler_accept(getattr(sampler, which), token)
     return tuple(stages), tuple(changed), final, token, ""
 
@@ -153,121 +160,189 @@ def _stages(sampler: Sampler, which: str) -> tuple[tuple[Any, str], ...]:
 
 @dataclass(frozen=True)
 class Distribution:
-    """The probabilities a stage's candidates make: `p[i]` is token `ids[i]`'s (`ids` None: every token, in id order,
-    `p` the vocabulary's); a token not among them has 0. `logits`, the candidates' own, tell a stage that changed
-    nothing without a softmax. Kept this small after a stage that cut the candidates (top-k: 40), never scattered
-    back over the vocabulary. Over the whole vocabulary, `top` and `total` are its softmax's (the largest logit,
-    the sum of exp(logit - top)), so a stage that moved a few logits (a bias, penalties) is folded in without
-    another; `change`: the largest difference from the stage before, when that was known on the way."""
+    """The probabilities a stage's candidates make: token `ids[i]`'s is exp(logits[i] - top) / total (`ids` None:
+    every token, `logits` indexed by token); a token not among them has 0. Computed only for the tokens asked, never
+    for the whole vocabulary. Over the whole vocabulary: `weights`, exp(logits - top) as float32 (what a cut left
+    out is summed from them), or `folded` — the distribution a stage moved a few logits of, those tokens, their new
+    weights — to make them from when asked; `peak`: `top` is the largest logit. `change`: the largest difference from
+    the stage before, when that was known on the way (a fold, a cut of a cut's last candidates)."""
 
     ids: np.ndarray | None
-    p: np.ndarray
     logits: np.ndarray
-    top: float = 0.0
-    total: float = 0.0
+    top: float
+    total: float
+    weights: np.ndarray | None = None
+    folded: tuple[Distribution, np.ndarray, np.ndarray] | None = None
+    peak: bool = True
     change: float | None = None
+    p: np.ndarray | None = None  # a cut's probabilities, made with it (a few candidates)
+
+    def p_at(self, where: Any) -> np.ndarray:
+        """The probabilities at positions `where` (tokens, over the whole vocabulary), as float64."""
+        if self.p is not None:
+            kept: np.ndarray = self.p[where]
+            return kept
+        found: np.ndarray = np.exp(self.logits[where].astype(np.float64) - self.top) / self.total
+        return found
 
     def probs(self, tokens: list[int]) -> list[float]:
         """Each token's probability (0 for one not left)."""
         if self.ids is None:
-            found: list[float] = self.p[tokens].tolist()
+            found: list[float] = self.p_at(tokens).tolist()
             return found
-        left = dict(zip(self.ids.tolist(), self.p.tolist(), strict=True))
+        left = dict(zip(self.ids.tolist(), self.p_at(slice(None)).tolist(), strict=True))
         return [left.get(token, 0.0) for token in tokens]
 
-    def most_likely(self, n: int) -> list[int]:
-        """Up to `n` of the most likely tokens left (none masked: all of them when fewer are left)."""
-        if np.count_nonzero(self.p) > n:
-            kept = largest(self.p, n)  # (0 is below any that is left)
+    def most_likely(self, n: int, among: np.ndarray | None = None) -> list[int]:
+        """Up to `n` of the most likely tokens left (none masked: all of them when fewer are left); `among`: tokens
+        known to hold them (a whole vocabulary's)."""
+        if among is not None:
+            kept = among[np.argsort(-self.logits[among], kind="stable")[:n]]
+        elif not len(self.logits):
+            return []
         else:
-            kept = np.flatnonzero(self.p)
+            kept = largest(self.logits, min(n, len(self.logits)))
+        kept = kept[self.logits[kept] > -np.inf]
         tokens: list[int] = (kept if self.ids is None else self.ids[kept]).tolist()
         return tokens
+
+    def moved_from(self, start: Distribution) -> np.ndarray | None:
+        """The tokens whose logits differ from `start`'s, where this distribution is `start` with some folded in."""
+        if self.folded is not None and self.folded[0] is start:
+            return self.folded[1]
+        found: list[np.ndarray] = []
+        at: Distribution | None = self
+        while at is not None and at is not start:
+            if at.folded is None:
+                return None
+            at, moved, _ = at.folded
+            found.append(moved)
+        return None if at is None else np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.intp)
+
+    def weighed(self) -> np.ndarray:
+        """exp(logits - top) of the whole vocabulary, as float32 (a fresh array where it had to be made)."""
+        if self.weights is not None:
+            return self.weights
+        assert self.folded is not None
+        before, moved, fresh = self.folded
+        weights: np.ndarray = before.weighed().copy()
+        weights[moved] = fresh
+        return weights
+
+    def dense(self, n_vocab: int) -> np.ndarray:
+        """Every token's probability, as float64, normalized here (`total` may be float32's sum)."""
+        weights = np.exp(self.logits.astype(np.float64) - self.top)
+        weights /= weights.sum()
+        if self.ids is None:
+            return weights
+        found = np.zeros(n_vocab)
+        found[self.ids] = weights
+        return found
+
+
+def whole(logits: np.ndarray) -> Distribution:
+    """The softmax of the whole vocabulary's `logits` (a token's own: indexed by token)."""
+    top = float(logits.max())
+    if not math.isfinite(top):
+        return Distribution(np.zeros(0, dtype=np.int32), logits[:0], 0.0, 1.0)
+    weights = np.subtract(logits, np.float32(top))
+    np.exp(weights, out=weights)
+    return Distribution(None, logits, top, float(weights.sum()), weights)  # (numpy's pairwise sum: ~1e-7)
+
+
+def cut(ids: np.ndarray, logits: np.ndarray) -> Distribution:
+    """The softmax of some candidates (`ids`, their `logits`: a stage's copy, in its order)."""
+    top = float(logits.max()) if len(logits) else -math.inf
+    if not math.isfinite(top):
+        return Distribution(ids[:0], logits[:0], 0.0, 1.0)
+    weights = np.exp(logits.astype(np.float64) - top)
+    total = float(weights.sum())
+    return Distribution(ids, logits, top, total, p=weights / total)
 
 
 FOLDED = 64  # a stage that moved at most this many logits of the whole vocabulary: folded into the softmax before it
 
 
-def _distribution(view: np.ndarray, n_vocab: int, before: Distribution) -> Distribution:
+def _distribution(view: np.ndarray, in_place: bool, before: Distribution, in_order: np.ndarray) -> Distribution:
     """The distribution the candidates in `view` make (`before` itself when they are the same tokens with the same
-    logits: nothing to compute)."""
-    size = len(view)
+    logits: nothing to compute). `in_place`: the stage left every row where it was given (a whole vocabulary in
+    llama.cpp's candidate array, whose samplers move rows whole), so one contiguous copy of the logits' column,
+    compared with the logits before it, finds what moved."""
     ids, values = view["id"], view["logit"]
-    in_order = size == n_vocab and ids[0] == 0 and ids[-1] == n_vocab - 1 and bool((ids[1:] > ids[:-1]).all())
-    if in_order and before.ids is None:
-        moved = np.flatnonzero(values != before.logits)
+    if in_place and before.ids is None:
+        current = np.empty(len(values), dtype=np.float32)
+        np.copyto(current, values)  # (contiguous: a comparison of it takes a third of a strided one)
+        moved = np.flatnonzero(current != before.logits)
         if not len(moved):
-            return before
-        if len(moved) <= FOLDED and (folded := _folded(before, values, moved)) is not None:
+            return before  # (a row that moved with its logit is unchanged for the token: each row keeps its id)
+        if len(moved) <= FOLDED and np.array_equal(ids[moved], moved) \
+                and (folded := _folded(before, current, moved)) is not None:
             return folded
-    if before.ids is not None and size == len(before.ids) and np.array_equal(ids, before.ids) \
-            and np.array_equal(values, before.logits):
-        return before  # (a cut that cut nothing: top-p or min-p past the candidates left)
-    values = values.copy()
-    top = float(values.max()) if size else -math.inf
-    if not math.isfinite(top):
-        return Distribution(np.zeros(0, dtype=np.int32), np.zeros(0), values[:0])
-    p: np.ndarray = np.exp((values - top).astype(np.float64))  # (a masked candidate's -inf: 0)
-    total = float(p.sum())
-    p /= total
-    return Distribution(None if in_order else ids.copy(), p, values, top, total)
+        if np.array_equal(ids, in_order):
+            return whole(current)
+    if before.ids is not None and before.p is not None and len(ids) <= len(before.ids) \
+            and np.array_equal(ids, before.ids[:len(ids)]) and np.array_equal(values, before.logits[:len(ids)]):
+        if len(ids) == len(before.ids):
+            return before  # (a cut that cut nothing: top-p or min-p past the candidates left)
+        kept = before.p[:len(ids)]  # (the first ones kept as they were: top-p, min-p after top-k's sorting)
+        share = float(kept.sum())
+        if share > 0:
+            rest = float(before.p[len(ids):].max())
+            change = max(rest, float(kept.max()) * (1 / share - 1))
+            return Distribution(ids.copy(), before.logits[:len(ids)], before.top, before.total * share,
+                                change=change, p=kept / share)
+    return cut(ids.copy(), values.copy())
 
 
-def _folded(before: Distribution, values: np.ndarray, moved: np.ndarray) -> Distribution | None:
-    """`before`'s whole-vocabulary softmax with the logits at `moved` changed to `values`' (the others' share scaled,
-    theirs computed): None where that would lose precision — a logit far above the old largest, or the mass left
-    mostly on the moved ones."""
-    new = values[moved].astype(np.float64)
+def _folded(before: Distribution, current: np.ndarray, moved: np.ndarray) -> Distribution | None:
+    """`before`'s whole-vocabulary softmax with the logits at `moved` changed to `current`'s (the others' share
+    scaled, theirs computed): None where that would lose precision — a logit far above the old largest, or the mass
+    left mostly on the moved ones."""
+    new = current[moved].astype(np.float64)
     if not bool((new - before.top < 600).all()):
         return None
-    old = before.p[moved].astype(np.float64) * before.total
+    was = before.logits[moved]
+    old = np.exp(was.astype(np.float64) - before.top)
     fresh = np.exp(new - before.top)
     total = before.total - float(old.sum()) + float(fresh.sum())
     if not total > before.total * 1e-6:
         return None
-    scale = before.total / total
-    p = np.multiply(before.p, scale, dtype=np.float64)
-    p[moved] = fresh / total
-    peak = int(before.p.argmax())
-    if peak in set(moved.tolist()):
-        rest = before.p.copy()
-        rest[moved] = 0
-        left = float(rest.max())
+    peak = before.peak and not bool((was == before.top).any())  # (the largest logit did not move: its token is
+    if peak:  # the one whose share is scaled the most)
+        left = 1.0 / before.total
     else:
-        left = float(before.p[peak])
-    change = max(abs(scale - 1.0) * left, float(np.abs(p[moved] - before.p[moved]).max()))
-    return Distribution(None, p, values.copy(), before.top, total, change)
+        rest = before.logits.copy()
+        rest[moved] = -np.inf
+        left = math.exp(float(rest.max()) - before.top) / before.total
+    change = max(abs(before.total / total - 1.0) * left, float(np.abs(fresh / total - old / before.total).max()))
+    return Distribution(None, current, before.top, total, None, (before, moved, fresh.astype(np.float32)),
+                        peak and bool((new <= before.top).all()), change)
 
 
 CHANGED = 1e-9  # a stage changed the distribution when it moved some token's probability by more than this
 
 
 def _changed(a: Distribution, b: Distribution, n_vocab: int) -> bool:
-    """Whether some token's probability differs by more than CHANGED between two distributions (the candidates both
-    kept compared first: a cut that renormalized them is seen without reading the whole vocabulary)."""
-    if a.ids is None and b.ids is None:
-        return float(np.abs(a.p - b.p).max()) > CHANGED
+    """Whether some token's probability differs by more than CHANGED between two distributions, without the whole
+    vocabulary's where a cut only left tokens out (the kept ones renormalized, the left-out ones' mass from the
+    weights)."""
     if a.ids is not None and b.ids is not None:
         if len(b.ids) <= len(a.ids) and np.array_equal(a.ids[:len(b.ids)], b.ids):  # (b kept a's first: top-p, min-p)
-            rest = float(a.p[len(b.ids):].max()) if len(a.ids) > len(b.ids) else 0.0
-            return max(float(np.abs(a.p[:len(b.ids)] - b.p).max()) if len(b.ids) else 0.0, rest) > CHANGED
-    elif a.ids is None and b.ids is not None:  # (the whole vocabulary cut: top-k)
-        if len(b.ids) and float(np.abs(a.p[b.ids] - b.p).max()) > CHANGED:
-            return True
-        if not len(b.ids):
-            return float(a.p.max()) > CHANGED
-        floor = float(b.logits.min())  # (top-k keeps the largest logits: the largest left out is the next one down)
-        if np.count_nonzero(a.logits >= floor) > len(b.ids):  # (a tie at the cut left out)
-            return math.exp(floor - a.top) / a.total > CHANGED
-        below = a.logits[a.logits < floor]
-        return bool(len(below)) and math.exp(float(below.max()) - a.top) / a.total > CHANGED
-    dense_a, dense_b = _dense(a, n_vocab), _dense(b, n_vocab)
-    return float(np.abs(dense_a - dense_b).max()) > CHANGED
-
-
-def _dense(d: Distribution, n_vocab: int) -> np.ndarray:
-    if d.ids is None:
-        return d.p
-    found = np.zeros(n_vocab)
-    found[d.ids] = d.p
-    return found
+            rest = float(a.p_at(slice(len(b.ids), None)).max()) if len(a.ids) > len(b.ids) else 0.0
+            kept = float(np.abs(a.p_at(slice(len(b.ids))) - b.p_at(slice(None))).max()) if len(b.ids) else 0.0
+            return max(kept, rest) > CHANGED
+    elif a.ids is None and b.ids is not None \
+            and np.array_equal(a.logits[b.ids], b.logits):  # (the whole vocabulary cut, nothing else: top-k)
+        weights = a.weighed()
+        kept = weights[b.ids]
+        weights[b.ids] = 0  # (for a moment: the left-out ones alone)
+        try:
+            if float(weights.max()) / a.total > CHANGED:  # (a token left out)
+                return True
+            dropped = float(weights.sum(dtype=np.float64)) / a.total
+        finally:
+            weights[b.ids] = kept
+        if not len(b.ids) or dropped >= 1:
+            return dropped > CHANGED
+        return float(a.p_at(b.ids).max()) * dropped / (1 - dropped) > CHANGED  # (the kept ones renormalized)
+    return float(np.abs(a.dense(n_vocab) - b.dense(n_vocab)).max()) > CHANGED
