@@ -261,6 +261,10 @@ def test_the_model_s_top_and_a_cut_s_change_are_found_as_a_whole_vocabulary_comp
         values = rng.normal(0, 3, n).astype(np.float32)
         values[rng.integers(0, n, 3)] = values.max()  # (ties at the top)
         assert sorted(values[largest(values, k)].tolist()) == sorted(np.sort(values)[n - k:].tolist()), (n, k)
+    strided = rng.normal(0, 1, 49152).astype(np.float32)
+    strided[::64] += 100  # (the sample holds the largest: the likely floor holds too few, the sure one is taken)
+    for k in (5, 41, 100, 800):
+        assert sorted(strided[largest(strided, k)].tolist()) == sorted(np.sort(strided)[-k:].tolist()), k
     masked = np.full(49152, -np.inf, dtype=np.float32)
     masked[[5, 900, 40000]] = (1.0, 3.0, 2.0)  # (a grammar's mask: three left)
     assert sorted(largest(masked, 2).tolist()) == [900, 40000]
@@ -292,6 +296,18 @@ def test_the_model_s_top_and_a_cut_s_change_are_found_as_a_whole_vocabulary_comp
             change = float(np.abs(prefix.dense(5000) - after.dense(5000)).max())
             assert (prefix.change if prefix.change is not None else change) == pytest.approx(change, rel=1e-6, abs=1e-15)
     assert _changed(whole(tied), top_k(whole(tied), 3), 5000)  # (the tie left out: p 0.08)
+
+    from types import SimpleNamespace
+
+    from llmcli.llama.sampler_trace import _Top, _top_k_first
+
+    rows = np.zeros(5000, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+    first = (None, "top-k"), (None, "dist")
+    assert _top_k_first(SimpleNamespace(top_k=2), first, whole(tied), rows, _Top(tied)) == 3  # (10, 9 above 8)
+    assert _top_k_first(SimpleNamespace(top_k=3), first, whole(tied), rows, _Top(tied)) == 5000  # (8.0 twice)
+    assert _top_k_first(SimpleNamespace(top_k=3), first[1:], whole(spread), rows, _Top(spread)) == 5000
+    assert _top_k_first(SimpleNamespace(top_k=40), first, whole(spread), rows, _Top(spread)) == 41
+    assert rows["id"][:41].tolist() == np.argsort(-spread, kind="stable")[:41].tolist()  # (as llama.cpp sorts them)
     assert _changed(whole(near), top_k(whole(near), 2), 5000)  # (4,998 tokens of p ~1e-9 left out: ~1e-6 in all)
 
 

@@ -41,6 +41,7 @@ class Sampler:
         self.seed = seed
         self.ctx = ctx
         self.first_bias = config.first_token_bias  # added to the first logits sampled from, then dropped
+        self.top_k = config.top_k  # (a traced chain that begins with top-k gives it only the k + 1 most likely)
         self.free = config.grammar is None  # any token may be given (`accept`): no grammar to keep in step
         self.chain: Any = None
         self.constrained: Any = None  # the chain with the grammar first: for a token the grammar rejected

@@ -5,9 +5,10 @@ candidates it left and whether it changed the distribution. Only a traced answer
 Sampler.sample.
 
 What it costs (issue 61: no more than `--logprobs` would be the goal) is kept low: a distribution is its logits and
-its softmax's sum, a token's probability computed only when it is shown; a stage that kept the whole vocabulary is compared as one contiguous copy
-of the logits' column; one that moved a few logits (a bias, penalties) is folded into the sum before it; a cut's
-left-out mass is read off the weights the softmax already computed."""
+its softmax's sum, a token's probability computed only when it is shown; a stage that kept the whole vocabulary is
+compared as one contiguous copy of the logits' column; one that moved a few logits (a bias, penalties) is folded into
+the sum before it; a cut's left-out mass is read off the weights the softmax already computed; a top-k first is given
+only the k + 1 largest logits."""
 
 from __future__ import annotations
 
@@ -25,6 +26,24 @@ from llmcli.llama.sampler_chain import Sampler
 from llmcli.llama.vocab import Vocabulary
 
 SELECTORS = ("greedy", "dist", "mirostat", "mirostat-v2")  # the last stage: picks the token, changes no probability
+
+
+class _Top:
+    """The k largest of the model's logits, found once for the largest k asked (a top-k stage's pool, the shown
+    candidates) and cut down for a smaller one."""
+
+    def __init__(self, logits: np.ndarray):
+        self.logits = logits
+        self.found: np.ndarray | None = None
+
+    def of(self, k: int) -> np.ndarray:
+        if self.found is None or len(self.found) < k:
+            self.found = largest(self.logits, k)
+        if len(self.found) == k:
+            return self.found
+        values = self.logits[self.found]
+        kept: np.ndarray = self.found[np.argpartition(values, len(values) - k)[len(values) - k:]]
+        return kept
 
 
 @dataclass(frozen=True)
@@ -50,7 +69,8 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
     buffer = _candidates(sampler, n_vocab)
     start = whole(logits)
     log_total = start.top + math.log(start.total)  # a token's log-probability is its logit less this
-    stages, changed, final, token, note = _through(sampler, "chain", start, buffer)
+    top = _Top(logits)
+    stages, changed, final, token, note = _through(sampler, "chain", start, buffer, top)
     if sampler.grammar is not None:  # (the lazy check: the grammar alone on the chosen token; rejected, sampled again)
         one = llama_cpp.llama_token_data(token, 1.0, 0.0)
         array = llama_cpp.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
@@ -59,7 +79,7 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
             llama_cpp.llama_sampler_accept(sampler.constrained, token)
         else:
             refused = vocab.piece(token, special=True).decode("utf-8", "replace")
-            stages, changed, final, token, _ = _through(sampler, "constrained", start, buffer)
+            stages, changed, final, token, _ = _through(sampler, "constrained", start, buffer, top)
             note = f"the grammar refused {refused!r}: sampled again under it"
         llama_cpp.llama_sampler_accept(sampler.grammar, token)
     greedy = any(name == "greedy" for name, _ in stages)
@@ -67,7 +87,7 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
     if n_top:
         k = min(n_top, n_vocab)
         moved = final.moved_from(start)  # (a few logits moved: the sampler's most likely are among the model's
-        pool = largest(logits, min(k + (0 if moved is None else len(moved)), n_vocab))  # k more, or those)
+        pool = top.of(min(k + (0 if moved is None else len(moved)), n_vocab))  # k more, or those)
         chosen.update(dict.fromkeys(start.most_likely(k, pool) if len(pool) > k else pool.tolist()))
         if final is not start:  # (no stage changed anything: the sampler's most likely are the model's)
             among = None if moved is None else np.array(list({*pool.tolist(), *moved.tolist()}))
@@ -97,7 +117,7 @@ def _candidates(sampler: Sampler, n_vocab: int) -> tuple[Any, np.ndarray, np.nda
 
 
 def _through(sampler: Sampler, which: str, start: Distribution,
-             buffer: tuple[Any, np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> tuple[
+             buffer: tuple[Any, np.ndarray, np.ndarray, np.ndarray, np.ndarray], top: _Top) -> tuple[
         tuple[tuple[str, int], ...], tuple[str, ...], Distribution, int, str]:
     """Apply each sampler of the sampler's chain `which` in turn to the candidates (all of the vocabulary, `start` the model's
     distribution): each stage and the candidates it left, the stages that changed the distribution, the final
@@ -110,9 +130,11 @@ def _through(sampler: Sampler, which: str, start: Distribution,
         llama_cpp.llama_sampler_accept(getattr(sampler, which), token)
         return (("greedy", n_vocab),), (), start, token, ""
     data, view, words, fresh, in_order = buffer
-    words[:] = fresh  # (the rows whole, then the logits' column: ~1.6 × faster than three fields)
-    words[:, 1] = start.logits.view(np.int32)
-    array = llama_cpp.llama_token_data_array(data, n_vocab, -1, False)
+    given = _top_k_first(sampler, chain, start, view, top)
+    if given == n_vocab:
+        words[:] = fresh  # (the rows whole, then the logits' column: ~1.6 × faster than three fields)
+        words[:, 1] = start.logits.view(np.int32)
+    array = llama_cpp.llama_token_data_array(data, given, -1, False)
     home = ctypes.addressof(data)
 
     def candidates(size: int) -> tuple[np.ndarray, bool]:  # (the view made once, not a new one a stage — numpy
@@ -144,6 +166,27 @@ def _through(sampler: Sampler, which: str, start: Distribution,
     token = int(candidates(int(array.size))[0]["id"][selected])
     llama_cpp.llama_sampler_accept(getattr(sampler, which), token)
     return tuple(stages), tuple(changed), final, token, ""
+
+
+def _top_k_first(sampler: Sampler, chain: tuple[tuple[Any, str], ...], start: Distribution, view: np.ndarray,
+                 top: _Top) -> int:
+    """How many rows the chain's first stage is given: a top-k first (the default chain) is given only the k + 1
+    largest logits, in the candidate array's first rows, where the k largest are distinct and above the rest — its
+    rows then are the ones the whole vocabulary gives, in the same order (llama.cpp sorts them) — not the whole
+    vocabulary filled (~30 µs) and cut (~17 µs)."""
+    n_vocab = len(start.logits)
+    k = sampler.top_k
+    if start.ids is not None or not chain or chain[0][1] != "top-k" or not 0 < k < n_vocab - 1:
+        return n_vocab
+    pool = top.of(k + 1)
+    values = start.logits[pool]
+    order = np.argsort(-values)
+    ranked = values[order]
+    if not bool((ranked[:-1] > ranked[1:]).all()):  # (a tie: the whole vocabulary, as llama.cpp would order it)
+        return n_vocab
+    rows = view[:k + 1]
+    rows["id"], rows["logit"], rows["p"] = pool[order], ranked, 0
+    return k + 1
 
 
 def _stages(sampler: Sampler, which: str) -> tuple[tuple[Any, str], ...]:
