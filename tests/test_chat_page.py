@@ -259,6 +259,7 @@ def test_a_server_with_a_key_asks_for_it(browser, tmp_path):
             assert response.headers["content-type"].startswith("text/plain") and b"llmcli is running" in response.read()
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(off_url + "/ui/chat.js", timeout=10)
+        missing.value.close()  # (an HTTPError holds the response's socket: a ResourceWarning in a later test)
         assert missing.value.code == 404
     finally:
         stop_server(off)
@@ -269,6 +270,7 @@ def test_a_client_that_is_not_a_browser_gets_one_line_at_the_root(server):
         assert response.read().startswith(b"llmcli is running")
     with pytest.raises(urllib.error.HTTPError) as missing:
         urllib.request.urlopen(server + "/ui/other.js", timeout=10)
+    missing.value.close()
     assert missing.value.code == 404
 
 

@@ -331,6 +331,7 @@ def test_a_model_by_id_and_cors_only_for_the_origins_given(served):
             with urllib.request.urlopen(request, timeout=10) as response:
                 return dict(response.headers)
         except urllib.error.HTTPError as error:
+            error.close()  # (it holds the response's socket)
             return dict(error.headers)
 
     assert preflight("https://app.example").get("access-control-allow-origin") == "https://app.example"

@@ -512,3 +512,123 @@ def test_run_with_functions_against_llama_cpp_python_s_own_server(functions, smo
     (call, *_) = json.loads(result.stdout)["tool_calls"]
     arguments = json.loads(call["arguments"])
     assert call["name"] == "multiply" and call["result"] == str(arguments["a"] * arguments["b"])
+
+
+# -- the lazy grammar of `auto` (issue 60: the stalls): fed only when the answer opens a call -------------------------
+
+def _fires_whole_text(patterns: tuple[str, ...], text: bytes) -> bool:
+    """llama.cpp's own reading of its trigger patterns on the whole answer: `^…$` matched whole, others searched."""
+    import re
+
+    return any(re.fullmatch(p.encode(), text, re.DOTALL) if p.startswith("^") and p.endswith("$")
+               else re.search(p.encode(), text, re.DOTALL) for p in patterns)
+
+
+@given(st.lists(st.sampled_from(["The sea ", "is ", "{", " ", "\n", "<", "tool", "_call", ">", "<tool_call>", "é",
+                                 "calm. " * 20, "x" * 300]), max_size=60))
+@settings(max_examples=300, deadline=None)
+def test_the_trigger_fires_where_llama_cpp_s_patterns_first_match_the_whole_answer(pieces):
+    """LazyTrigger, token by token, against the patterns applied to the whole answer each time (what llama.cpp does,
+    at a cost that grows with the answer): the same first token, and the tokens it hands the grammar hold the match."""
+    from llmcli.llama.lazy_trigger import LazyTrigger
+
+    for patterns in ((r"[\s\S]*?(<tool_call>)[\s\S]*", r"^\s*(<)$"), (r"\s*(\{)[\s\S]*",), (r"^\s*(\{)$",)):
+        trigger, text = LazyTrigger(patterns), b""
+        for i, piece in enumerate(p.encode() for p in pieces):
+            text += piece
+            fired = trigger.fires(i, piece)
+            assert (fired is not None) == _fires_whole_text(patterns, text), (patterns, pieces[:i + 1])
+            if fired is not None:
+                tokens, kept = fired
+                held = b"".join(pieces[t].encode() for t in tokens)
+                assert tokens[-1] == i and text.endswith(held) and _fires_whole_text(kept, held), (patterns, pieces)
+                break
+
+
+def test_a_long_answer_that_calls_nothing_feeds_the_lazy_grammar_nothing_and_a_call_arms_it_as_llama_cpp_would(
+        smollm2, monkeypatch):
+    """A tools `auto` answer on SmolLM2: the free text never reaches llama.cpp's lazy grammar (which matched its
+    trigger patterns against all of it at every token: a long answer slowed to a stall), and once a call opens, the
+    grammar made then holds the same candidates as one fed the whole answer from its first token."""
+    import ctypes
+
+    import llama_cpp
+    import numpy as np
+
+    from llmcli.answer.sampling_config import SamplingConfig
+    from llmcli.answer.tool_calls import tool_spec as spec_of
+    from llmcli.llama import sampler_chain
+    from llmcli.llama.engine import Engine
+    from llmcli.llama.engine_config import EngineConfig
+    from llmcli.llama.schema_grammar import with_tool_grammar
+
+    accepted: list[int] = []
+    real_accept = llama_cpp.llama_sampler_accept
+    monkeypatch.setattr(sampler_chain.llama_cpp, "llama_sampler_accept",
+                        lambda sampler, token: (accepted.append(ctypes.cast(sampler, ctypes.c_void_p).value),
+                                                real_accept(sampler, token))[1])
+    with Engine(smollm2, EngineConfig(n_ctx=1024, n_threads=1)) as engine:
+        vocab, n_vocab = engine.vocab, engine.vocab.n_tokens
+        # No end, no "<" (no call opens): a story of 300 tokens on any CPU. The grammar checked alone; in the chain.
+        quiet = tuple((vocab.tokenize(text, add_special=False)[0], float("-inf"))
+                      for text in ("<", " <", "<|im_end|>", "<|im_start|>", "<|endoftext|>"))
+        for options in ({"temp": 0}, {"temp": 0, "repeat_penalty": 1.2}):
+            config = with_tool_grammar(SamplingConfig(**options, logit_bias=quiet), spec_of([WEATHER]), preference=2.0,
+                                       vocab=vocab)
+            assert config.grammar_triggers and config.first_token_bias
+            prompt = vocab.tokenize("<|im_start|>user\nWrite a long story about the sea.<|im_end|>\n"
+                                    "<|im_start|>assistant\n")
+            engine.kv.clear()
+            assert engine.prefill(prompt)
+            with engine.sampler(dataclasses_replace(config, first_token_bias=()), 1) as sampler:
+                grammars = {ctypes.cast(h, ctypes.c_void_p).value for h in (sampler.grammar, sampler.constrained) if h}
+                accepted.clear()
+                answer = []
+                for _ in range(300):
+                    token = sampler.sample()
+                    answer.append(token)
+                    assert engine.decode_one(token) == "ok"
+                assert not sampler.armed, vocab.detokenize(answer)  # (a story, no call)
+                assert not grammars & set(accepted)  # (before: the grammar and its chain took every token)
+                stages = [llama_cpp.llama_sampler_name(llama_cpp.llama_sampler_chain_get(sampler.chain, i))
+                          for i in range(llama_cpp.llama_sampler_chain_n(sampler.chain))]
+                assert b"grammar" not in stages, stages  # (before: in the chain from the start, fed every token)
+
+            def masked(grammar) -> set[int]:
+                data = (llama_cpp.llama_token_data * n_vocab)()
+                rows = np.ctypeslib.as_array(data)
+                rows["id"], rows["logit"] = np.arange(n_vocab), 0.0
+                llama_cpp.llama_sampler_apply(grammar, ctypes.byref(llama_cpp.llama_token_data_array(data, n_vocab, -1,
+                                                                                                   False)))
+                return set(np.flatnonzero(rows["logit"] == -np.inf).tolist())
+
+            text = (" The sea was calm {and grey}, < and the boats <tool came home. " * 12
+                    + 'Let me look: <tool_call>{"name": "weather", "arguments": {"city": "Par')
+            forced = vocab.tokenize(text, add_special=False)
+            with engine.sampler(config, 1) as sampler:
+                reference = sampler_chain._new_grammar(config, vocab.handle)  # (llama.cpp's own, fed everything)
+                try:
+                    opened = None
+                    for i, token in enumerate(forced):
+                        sampler.accept(token)
+                        real_accept(reference, token)
+                        if sampler.armed and opened is None:
+                            opened = i
+                            assert vocab.detokenize(forced[:i + 1]).endswith("<tool_call>")
+                        if opened is not None and (i == opened or i % 4 == 0 or i == len(forced) - 1):
+                            live = sampler.grammar if sampler.grammar is not None else next(
+                                stage for stage in (llama_cpp.llama_sampler_chain_get(sampler.chain, n) for n in
+                                                    range(llama_cpp.llama_sampler_chain_n(sampler.chain)))
+                                if llama_cpp.llama_sampler_name(stage) == b"grammar")
+                            assert masked(live) == masked(reference) and masked(reference), (options, i)
+                        elif opened is None:
+                            assert not masked(reference), i  # (llama.cpp's is still waiting too)
+                    assert opened is not None
+                finally:
+                    llama_cpp.llama_sampler_free(reference)
+
+
+def dataclasses_replace(config, **changes):
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)

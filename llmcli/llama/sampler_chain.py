@@ -17,6 +17,7 @@ grammar first.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 import re
 from typing import Any
@@ -25,7 +26,9 @@ import llama_cpp
 
 from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.errors import UsageError
+from llmcli.llama.lazy_trigger import LazyTrigger
 from llmcli.llama.llama_log import llama_backend, stderr_captured
+from llmcli.llama.vocab import Vocabulary
 
 # Where a DRY repeat may not continue across (llama.cpp's defaults): a new line, a colon, a quote, an asterisk.
 DRY_BREAKERS = ("\n", ":", '"', "*")
@@ -46,20 +49,32 @@ class Sampler:
         self.chain: Any = None
         self.constrained: Any = None  # the chain with the grammar first: for a token the grammar rejected
         self.grammar: Any = None  # the grammar alone, to check one token
+        # A lazy grammar (tools `auto`) is given no token until the answer fires its trigger (lazy_trigger.py): then
+        # it is made again and fed the few tokens that hold what fired it (`watch`). Until then `armed` is False.
+        self._config, self._vocab, self._n_ctx = config, vocab, n_ctx
+        self.trigger = LazyTrigger(config.grammar_triggers) if config.grammar is not None and config.grammar_triggers \
+            else None
+        self.armed = self.trigger is None
+        self._pieces: Vocabulary | None = None
+        self.lazy = False  # the grammar checks one sampled token, and samples again under it only when it refuses it
         if config.grammar is None:
             self.chain = _build_chain(config, vocab, seed, n_ctx)
             return
         _check_token_ids(config, vocab)
-        lazy = config.repeat_penalty == 1.0 and not config.presence_penalty and not config.frequency_penalty \
+        self._pieces = Vocabulary(vocab) if self.trigger is not None else None
+        self.lazy = config.repeat_penalty == 1.0 and not config.presence_penalty and not config.frequency_penalty \
             and not config.dry_multiplier and (config.greedy or config.mirostat == 0)
         with stderr_captured() as captured:  # the grammar parser writes its reason to fd 2, not the log
             try:
-                if lazy:
+                if self.lazy:
                     self.grammar = _grammar_sampler(config, vocab)
                     self.constrained = _build_chain(config, vocab, seed, n_ctx)
                     self.chain = _build_chain(config, vocab, seed, n_ctx, with_grammar=False)
                     self._candidate = llama_cpp.llama_token_data(0, 1.0, 0.0)
                     self._one = llama_cpp.llama_token_data_array(ctypes.pointer(self._candidate), 1, -1, False)
+                elif self.trigger is not None:  # (the grammar joins the chain when it fires: parsed now, to refuse it now)
+                    llama_cpp.llama_sampler_free(_grammar_sampler(config, vocab))
+                    self.chain = _build_chain(config, vocab, seed, n_ctx, with_grammar=False)
                 else:
                     self.chain = _build_chain(config, vocab, seed, n_ctx)
             except UsageError as exc:
@@ -79,7 +94,8 @@ class Sampler:
                 logits[token_id] += bias
             self.first_bias = ()
         token = int(llama_cpp.llama_sampler_sample(self.chain, self.ctx, index))
-        if self.grammar is None:
+        if self.grammar is None or not self.armed:
+            self.watch(token)
             return token
         candidate = self._candidate
         candidate.id, candidate.logit = token, 1.0  # type: ignore[assignment]  # ctypes converts
@@ -93,9 +109,41 @@ class Sampler:
         return token
 
     def accept(self, token: int) -> None:
-        """A token chosen by the decode loop itself (the closing of a think block over its budget), not sampled: the
-        chain's state (penalties, the random draws' sequence) takes it as if sampled. Only where `free`."""
+        """A token chosen by the decode loop itself (the closing of a think block over its budget, an answer resumed
+        after a restart), not sampled: the chains' state (penalties, the random draws' sequence, a grammar) takes it as
+        if sampled."""
         llama_cpp.llama_sampler_accept(self.chain, token)
+        if self.grammar is not None and self.armed:
+            llama_cpp.llama_sampler_accept(self.constrained, token)
+            llama_cpp.llama_sampler_accept(self.grammar, token)
+        self.watch(token)
+
+    def watch(self, token: int) -> None:
+        """The answer gained `token` (sampled and accepted by the chains in use): a lazy grammar that it fires is
+        armed — made with its patterns, fed the tokens that hold what fired it, and put where it samples."""
+        if self.armed or self.trigger is None or self._pieces is None:
+            return
+        fired = self.trigger.fires(token, self._pieces.piece(token, special=True))
+        if fired is None:
+            return
+        tokens, patterns = fired
+        config = dataclasses.replace(self._config, grammar_triggers=patterns)
+        self.__dict__.pop("_traced_stages", None)  # (sampler_trace's names of the chains' stages)
+        if self.lazy:
+            for name in ("grammar", "constrained"):
+                llama_cpp.llama_sampler_free(getattr(self, name))
+                setattr(self, name, None)
+            self.grammar = _grammar_sampler(config, self._vocab)
+            self.constrained = _build_chain(config, self._vocab, self.seed, self._n_ctx)
+            for fed in tokens:
+                llama_cpp.llama_sampler_accept(self.grammar, fed)
+                llama_cpp.llama_sampler_accept(self.constrained, fed)  # (its other stages keep no state: lazy)
+        else:
+            grammar = _grammar_sampler(config, self._vocab)
+            for fed in tokens:
+                llama_cpp.llama_sampler_accept(grammar, fed)
+            _insert_after_bias(self.chain, grammar, bool(self._config.logit_bias))
+        self.armed = True
 
     def close(self) -> None:
         for name in ("chain", "constrained", "grammar"):
@@ -119,6 +167,16 @@ def _new_grammar(config: SamplingConfig, vocab: Any) -> Any:
     patterns = (ctypes.c_char_p * len(config.grammar_triggers))(*(p.encode() for p in config.grammar_triggers))
     return llama_cpp.llama_sampler_init_grammar_lazy_patterns(vocab, config.grammar.encode(), b"root", patterns,
                                                                len(config.grammar_triggers), None, 0)
+
+
+def _insert_after_bias(chain: Any, sampler: Any, biased: bool) -> None:
+    """`sampler` into `chain` where _build_chain puts a grammar (first, or after the logit bias): the stages after that
+    place taken out and added back after it, their state (penalties' history, the draws' sequence) kept."""
+    at = 1 if biased else 0
+    moved = [llama_cpp.llama_sampler_chain_remove(chain, at) for _ in range(llama_cpp.llama_sampler_chain_n(chain) - at)]
+    llama_cpp.llama_sampler_chain_add(chain, sampler)
+    for stage in moved:
+        llama_cpp.llama_sampler_chain_add(chain, stage)
 
 
 _TOKEN_ID = re.compile(r"<\[(\d+)\]>")  # a grammar's token by id: <[1234]>

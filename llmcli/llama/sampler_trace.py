@@ -71,7 +71,8 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
     log_total = start.top + math.log(start.total)  # a token's log-probability is its logit less this
     top = _Top(logits)
     stages, changed, final, token, note = _through(sampler, "chain", start, buffer, top)
-    if sampler.grammar is not None:  # (the lazy check: the grammar alone on the chosen token; rejected, sampled again)
+    if sampler.grammar is not None and sampler.armed:  # (the lazy check: the grammar alone on the chosen token;
+        # rejected, sampled again)
         one = llama_cpp.llama_token_data(token, 1.0, 0.0)
         array = llama_cpp.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
         llama_cpp.llama_sampler_apply(sampler.grammar, ctypes.byref(array))
@@ -82,6 +83,8 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
             stages, changed, final, token, _ = _through(sampler, "constrained", start, buffer, top)
             note = f"the grammar refused {refused!r}: sampled again under it"
         llama_cpp.llama_sampler_accept(sampler.grammar, token)
+    else:
+        sampler.watch(token)  # (a lazy grammar that this token fires: armed for the next)
     greedy = any(name == "greedy" for name, _ in stages)
     chosen = {token: None}  # (the chosen token first; a dict keeps the order)
     if n_top:
