@@ -51,7 +51,7 @@ class Sampler:
         self.grammar: Any = None  # the grammar alone, to check one token
         # A lazy grammar (tools `auto`) is given no token until the answer fires its trigger (lazy_trigger.py): then
         # it is made again and fed the few tokens that hold what fired it (`watch`). Until then `armed` is False.
-        self._config, self._vocab, self._n_ctx = config, vocab, n_ctx
+        self._config, self._vocab_ptr, self._n_ctx = config, vocab, n_ctx
         self.trigger = LazyTrigger(config.grammar_triggers) if config.grammar is not None and config.grammar_triggers \
             else None
         self.armed = self.trigger is None
@@ -133,13 +133,13 @@ class Sampler:
             for name in ("grammar", "constrained"):
                 llama_cpp.llama_sampler_free(getattr(self, name))
                 setattr(self, name, None)
-            self.grammar = _grammar_sampler(config, self._vocab)
-            self.constrained = _build_chain(config, self._vocab, self.seed, self._n_ctx)
+            self.grammar = _grammar_sampler(config, self._vocab_ptr)
+            self.constrained = _build_chain(config, self._vocab_ptr, self.seed, self._n_ctx)
             for fed in tokens:
                 llama_cpp.llama_sampler_accept(self.grammar, fed)
                 llama_cpp.llama_sampler_accept(self.constrained, fed)  # (its other stages keep no state: lazy)
         else:
-            grammar = _grammar_sampler(config, self._vocab)
+            grammar = _grammar_sampler(config, self._vocab_ptr)
             for fed in tokens:
                 llama_cpp.llama_sampler_accept(grammar, fed)
             _insert_after_bias(self.chain, grammar, bool(self._config.logit_bias))
