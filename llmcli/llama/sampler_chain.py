@@ -95,7 +95,8 @@ class Sampler:
             self.first_bias = ()
         token = int(llama_cpp.llama_sampler_sample(self.chain, self.ctx, index))
         if self.grammar is None or not self.armed:
-            self.watch(token)
+            if not self.armed:  # (a lazy grammar waiting for the call's opening)
+                self.watch(token)
             return token
         candidate = self._candidate
         candidate.id, candidate.logit = token, 1.0  # type: ignore[assignment]  # ctypes converts
