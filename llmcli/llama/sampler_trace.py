@@ -122,8 +122,8 @@ def _candidates(sampler: Sampler, n_vocab: int) -> tuple[Any, np.ndarray, np.nda
 def _through(sampler: Sampler, which: str, start: Distribution,
              buffer: tuple[Any, np.ndarray, np.ndarray, np.ndarray, np.ndarray], top: _Top) -> tuple[
         tuple[tuple[str, int], ...], tuple[str, ...], Distribution, int, str]:
-    """Apply each sampler of the sampler's chain `which` in turn to the candidates (all of the vocabulary, `start` the model's
-    distribution): each stage and the candidates it left, the stages that changed the distribution, the final
+    """Apply each sampler of the sampler's chain `which` in turn to the candidates (all of the vocabulary, or the k + 1
+    most likely for a top-k first; `start` the model's distribution): each stage and the candidates it left, the stages that changed the distribution, the final
     distribution (before the selecting stage: the probability of each candidate left, 0 for one masked), the token
     selected (accepted by the chain, as llama_sampler_sample does)."""
     n_vocab = len(start.logits)
@@ -194,7 +194,8 @@ def _top_k_first(sampler: Sampler, chain: tuple[tuple[Any, str], ...], start: Di
 
 def _stages(sampler: Sampler, which: str) -> tuple[tuple[Any, str], ...]:
     """The samplers of the sampler's chain `which` ("chain", or "constrained": under its grammar), each with its name:
-    read from llama.cpp once for the sampler (its chains never change while it lives)."""
+    read from llama.cpp once for the sampler (its chains change only when a lazy grammar is armed: Sampler.watch drops
+    this then)."""
     kept: dict[str, tuple[tuple[Any, str], ...]] = sampler.__dict__.setdefault("_traced_stages", {})
     found = kept.get(which)
     if found is None:
