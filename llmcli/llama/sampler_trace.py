@@ -123,9 +123,9 @@ def _through(sampler: Sampler, which: str, start: Distribution,
              buffer: tuple[Any, np.ndarray, np.ndarray, np.ndarray, np.ndarray], top: _Top) -> tuple[
         tuple[tuple[str, int], ...], tuple[str, ...], Distribution, int, str]:
     """Apply each sampler of the sampler's chain `which` in turn to the candidates (all of the vocabulary, or the k + 1
-    most likely for a top-k first; `start` the model's distribution): each stage and the candidates it left, the stages that changed the distribution, the final
-    distribution (before the selecting stage: the probability of each candidate left, 0 for one masked), the token
-    selected (accepted by the chain, as llama_sampler_sample does)."""
+    most likely for a top-k first; `start` the model's distribution): each stage and the candidates it left, the
+    stages that changed the distribution, the final distribution (before the selecting stage: the probability of each
+    candidate left, 0 for one masked), the token selected (accepted by the chain, as llama_sampler_sample does)."""
     n_vocab = len(start.logits)
     chain = _stages(sampler, which)
     if len(chain) == 1 and chain[0][1] == "greedy":  # (greedy alone: llama.cpp's first largest logit, numpy's too —
