@@ -551,6 +551,7 @@ def test_a_long_answer_that_calls_nothing_feeds_the_lazy_grammar_nothing_and_a_c
     trigger patterns against all of it at every token: a long answer slowed to a stall), and once a call opens, the
     grammar made then holds the same candidates as one fed the whole answer from its first token."""
     import ctypes
+    import dataclasses
 
     import llama_cpp
     import numpy as np
@@ -580,7 +581,7 @@ def test_a_long_answer_that_calls_nothing_feeds_the_lazy_grammar_nothing_and_a_c
                                     "<|im_start|>assistant\n")
             engine.kv.clear()
             assert engine.prefill(prompt)
-            with engine.sampler(dataclasses_replace(config, first_token_bias=()), 1) as sampler:
+            with engine.sampler(dataclasses.replace(config, first_token_bias=()), 1) as sampler:
                 grammars = {ctypes.cast(h, ctypes.c_void_p).value for h in (sampler.grammar, sampler.constrained) if h}
                 accepted.clear()
                 answer = []
@@ -626,9 +627,3 @@ def test_a_long_answer_that_calls_nothing_feeds_the_lazy_grammar_nothing_and_a_c
                     assert opened is not None
                 finally:
                     llama_cpp.llama_sampler_free(reference)
-
-
-def dataclasses_replace(config, **changes):
-    import dataclasses
-
-    return dataclasses.replace(config, **changes)
