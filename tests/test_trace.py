@@ -69,6 +69,18 @@ def test_top_p_keeps_the_smallest_set_that_reaches_p_and_its_probabilities_sum_t
         assert token["chosen"]["id"] in {c["id"] for c in kept}
 
 
+def test_repeat_last_n_minus_one_penalises_the_whole_answer_where_zero_penalises_nothing(tmp_path):
+    """`--repeat-last-n -1` is the whole context, as its help says (llama.cpp's C API took -1 as none): the trace
+    shows the penalties changing the distribution once the answer has tokens; with 0 they never do."""
+    def changed_by_penalties(last_n: str) -> list[bool]:
+        _, events, _ = traced(tmp_path, "--temp", "0", "--repeat-penalty", "1.5", "--repeat-last-n", last_n, "-n", "8",
+                              PROMPT)
+        return [("penalties" in event["changed"]) for event in events if event["stage"] == "token"]
+
+    whole_context, none = changed_by_penalties("-1"), changed_by_penalties("0")
+    assert not whole_context[0] and any(whole_context[1:]) and not any(none)
+
+
 def test_a_grammar_masks_what_it_forbids_and_a_stop_sequence_is_named_with_what_it_held_back(tmp_path):
     record, events, _ = traced(tmp_path, "--temp", "0", "--grammar", 'root ::= "yes" | "no"', "Is the sky blue?")
     first = next(event for event in events if event["stage"] == "token")
@@ -246,6 +258,100 @@ def test_a_stage_that_moves_a_few_logits_is_folded_into_the_softmax_as_a_whole_o
     assert np.allclose(after.dense(5000), softmax(bumped), rtol=1e-5, atol=1e-12)
 
 
+def test_a_top_k_or_greedy_after_a_bias_or_penalties_is_given_a_few_rows_and_chooses_as_the_whole_vocabulary_does():
+    """The trace gives a top-k (or greedy) after stages that move a few known tokens (a logit bias, penalties) only
+    those tokens and the model's largest: with llama.cpp's own samplers on random logits, the token, the stages'
+    sizes and the final distribution are the ones the same chain gives applied to the whole vocabulary — a bias that
+    lifts a low token into the top, one that bans the favourite, penalties over a short window — and a tie at the
+    top-k's edge is handed to the whole vocabulary (where llama.cpp's order decides it)."""
+    import ctypes
+    from collections import deque
+    from types import SimpleNamespace
+
+    import llama_cpp
+    import numpy as np
+
+    from llmcli.llama import sampler_trace
+    from llmcli.llama.sampler_trace import _candidates, _sparse, _stages, _through, _Top, whole
+
+    n = 5000
+    rng = np.random.default_rng(3)
+
+    def chain_of(settings: tuple) -> object:
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        for kind, *args in settings:
+            if kind == "bias":
+                biases = (llama_cpp.llama_logit_bias * len(args[0]))(*(llama_cpp.llama_logit_bias(t, b) for t, b in args[0]))
+                stage = llama_cpp.llama_sampler_init_logit_bias(n, len(args[0]), biases)
+            elif kind == "penalties":
+                stage = llama_cpp.llama_sampler_init_penalties(n, args[0], 1.5, 0.0, 0.5)
+            elif kind == "top-k":
+                stage = llama_cpp.llama_sampler_init_top_k(args[0])
+            elif kind == "temp":
+                stage = llama_cpp.llama_sampler_init_temp(args[0])
+            elif kind == "greedy":
+                stage = llama_cpp.llama_sampler_init_greedy()
+            else:
+                stage = llama_cpp.llama_sampler_init_dist(7)
+            llama_cpp.llama_sampler_chain_add(chain, stage)
+        return chain
+
+    def sampler_of(settings: tuple) -> SimpleNamespace:
+        biased = tuple(t for kind, *args in settings if kind == "bias" for t, _ in args[0])
+        window = next((args[0] for kind, *args in settings if kind == "penalties"), None)
+        top_k = next((args[0] for kind, *args in settings if kind == "top-k"), 0)
+        return SimpleNamespace(chain=chain_of(settings), top_k=top_k, biased=biased,
+                               recent=None if window is None else deque(maxlen=window))
+
+    def reference(chain: object, logits: np.ndarray) -> tuple[int, list[int], np.ndarray]:
+        data = (llama_cpp.llama_token_data * n)()
+        rows = np.ctypeslib.as_array(data)
+        rows["id"], rows["logit"] = np.arange(n), logits
+        array = llama_cpp.llama_token_data_array(data, n, -1, False)
+        sizes = []
+        for i in range(llama_cpp.llama_sampler_chain_n(chain)):
+            llama_cpp.llama_sampler_apply(llama_cpp.llama_sampler_chain_get(chain, i), ctypes.byref(array))
+            sizes.append(int(array.size))
+        left = np.ctypeslib.as_array(array.data, shape=(int(array.size),))
+        token = int(left["id"][array.selected]) if array.selected >= 0 else int(left["id"][np.argmax(left["logit"])])
+        llama_cpp.llama_sampler_accept(chain, token)
+        final = np.zeros(n)
+        weights = np.exp((left["logit"] - left["logit"].max()).astype(np.float64))
+        final[left["id"]] = weights / weights.sum()
+        return token, sizes, final
+
+    spread = rng.normal(0, 3, n).astype(np.float32)
+    favourite, low = int(spread.argmax()), int(spread.argmin())
+    cases = [(("bias", ((low, 40.0), (favourite, float("-inf")), (n + 5, 1.0))), ("top-k", 40), ("temp", 0.8),
+              ("dist",)),
+             (("penalties", 3), ("top-k", 5), ("dist",)),
+             (("bias", ((low, 40.0),)), ("penalties", 4), ("greedy",)),
+             (("penalties", 64), ("greedy",))]
+    for settings in cases:
+        traced, plain = sampler_of(settings), chain_of(settings)
+        for round_ in range(12):
+            logits = spread.copy() if round_ % 3 == 0 else rng.normal(0, 3, n).astype(np.float32)
+            if traced.recent:  # (the tokens just chosen near the top again: the penalties move the top)
+                logits[list(traced.recent)] = logits.max() + rng.normal(0, 0.5, len(traced.recent)).astype(np.float32)
+            start, top = whole(logits), _Top(logits)
+            buffer = _candidates(traced, n)
+            assert _sparse(traced, "chain", (), start, buffer, top) is None  # (nothing to apply)
+            stages, _, final, token, _ = _through(traced, "chain", start, buffer, top)
+            expected, sizes, reference_final = reference(plain, logits)
+            assert token == expected and [size for _, size in stages] == sizes[:len(stages)], (settings, round_)
+            shown = np.argsort(-reference_final)[:10]
+            assert np.allclose(final.probs(shown.tolist()), reference_final[shown], rtol=1e-4, atol=1e-7)
+        assert len(traced.recent or ()) == min(12, traced.recent.maxlen if traced.recent is not None else 0)
+
+    tied = np.full(n, -60.0, dtype=np.float32)
+    tied[:4] = (10.0, 9.0, 8.0, 8.0)  # (a top-k of 3 would leave out a token as likely as one it keeps)
+    for k, sparse in ((2, True), (3, False)):
+        traced = sampler_of((("bias", ((100, 1.0),)), ("top-k", k), ("dist",)))
+        given = _sparse(traced, "chain", _stages(traced, "chain"), whole(tied), _candidates(traced, n), _Top(tied))
+        assert (given is not None) == sparse, k
+    assert sampler_trace.SPARSE >= 64  # (a default window of penalties is given alone)
+
+
 def test_the_model_s_top_and_a_cut_s_change_are_found_as_a_whole_vocabulary_computation_finds_them():
     """The trace's shortcuts against the plain computations: the k largest logits from a strided sample's floor
     (logprobs.largest) against a sort, ties, masks and short arrays included; whether a top-k cut changed the
@@ -297,17 +403,6 @@ def test_the_model_s_top_and_a_cut_s_change_are_found_as_a_whole_vocabulary_comp
             assert (prefix.change if prefix.change is not None else change) == pytest.approx(change, rel=1e-6, abs=1e-15)
     assert _changed(whole(tied), top_k(whole(tied), 3), 5000)  # (the tie left out: p 0.08)
 
-    from types import SimpleNamespace
-
-    from llmcli.llama.sampler_trace import _Top, _top_k_first
-
-    rows = np.zeros(5000, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
-    first = (None, "top-k"), (None, "dist")
-    assert _top_k_first(SimpleNamespace(top_k=2), first, whole(tied), rows, _Top(tied)) == 3  # (10, 9 above 8)
-    assert _top_k_first(SimpleNamespace(top_k=3), first, whole(tied), rows, _Top(tied)) == 5000  # (8.0 twice)
-    assert _top_k_first(SimpleNamespace(top_k=3), first[1:], whole(spread), rows, _Top(spread)) == 5000
-    assert _top_k_first(SimpleNamespace(top_k=40), first, whole(spread), rows, _Top(spread)) == 41
-    assert rows["id"][:41].tolist() == np.argsort(-spread, kind="stable")[:41].tolist()  # (as llama.cpp sorts them)
     assert _changed(whole(near), top_k(whole(near), 2), 5000)  # (4,998 tokens of p ~1e-9 left out: ~1e-6 in all)
 
 
@@ -363,7 +458,9 @@ def test_a_traced_token_is_the_plain_one_and_each_stage_is_as_a_whole_vocabulary
         settings = [dict(temp=0, logit_bias=((favourite, -3.0), (100, 2.0), (200, float("-inf")))),
                     dict(temp=0, repeat_penalty=1.3, presence_penalty=0.2), dict(repeat_penalty=1.3),
                     dict(), dict(top_k=0, top_p=0.9), dict(top_k=0, min_p=0.1, temp=1.5), dict(typical_p=0.8),
-                    dict(dry_multiplier=0.8, temp=0), dict(mirostat=2)]
+                    dict(dry_multiplier=0.8, temp=0), dict(mirostat=2),
+                    dict(logit_bias=((favourite, -3.0),), repeat_penalty=1.3, repeat_last_n=3),
+                    dict(temp=0, repeat_penalty=1.3, repeat_last_n=-1)]
         for options in settings:
             engine.kv.clear()
             assert engine.prefill(prompt)

@@ -20,6 +20,7 @@ import ctypes
 import dataclasses
 import math
 import re
+from collections import deque
 from typing import Any
 
 import llama_cpp
@@ -44,7 +45,10 @@ class Sampler:
         self.seed = seed
         self.ctx = ctx
         self.first_bias = config.first_token_bias  # added to the first logits sampled from, then dropped
-        self.top_k = config.top_k  # (a traced chain that begins with top-k gives it only the k + 1 most likely)
+        self.top_k = config.top_k  # (a traced top-k is given only the k + 1 most likely, and the tokens stages before
+        # it may move: the biased ones, the penalties' recent tokens)
+        self.biased = tuple(token for token, _ in config.logit_bias)
+        self.recent: deque[int] | None = deque(maxlen=penalty_window(config, n_ctx)) if _penalised(config) else None
         self.free = config.grammar is None  # any token may be given (`accept`): no grammar to keep in step
         self.chain: Any = None
         self.constrained: Any = None  # the chain with the grammar first: for a token the grammar rejected
@@ -94,6 +98,8 @@ class Sampler:
                 logits[token_id] += bias
             self.first_bias = ()
         token = int(llama_cpp.llama_sampler_sample(self.chain, self.ctx, index))
+        if self.recent is not None:  # (the tokens the chain's penalties hold: only a chain with penalties)
+            self.recent.append(token)
         if self.grammar is None or not self.armed:
             if not self.armed:  # (a lazy grammar waiting for the call's opening)
                 self.watch(token)
@@ -114,6 +120,8 @@ class Sampler:
         after a restart), not sampled: the chains' state (penalties, the random draws' sequence, a grammar) takes it as
         if sampled."""
         llama_cpp.llama_sampler_accept(self.chain, token)
+        if self.recent is not None:
+            self.recent.append(token)
         if self.grammar is not None and self.armed:
             llama_cpp.llama_sampler_accept(self.constrained, token)
             llama_cpp.llama_sampler_accept(self.grammar, token)
@@ -220,10 +228,10 @@ def _build_chain(config: SamplingConfig, vocab: Any, seed: int, n_ctx: int, with
         add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(config.logit_bias), biases))
     if config.grammar is not None and with_grammar:
         add(_new_grammar(config, vocab), f"grammar from {config.grammar_origin}")
-    if config.repeat_penalty != 1.0 or config.presence_penalty or config.frequency_penalty:
+    if _penalised(config):
         add(llama_cpp.llama_sampler_init_penalties(
-            n_vocab, config.repeat_last_n, config.repeat_penalty, config.frequency_penalty, config.presence_penalty
-        ))
+            n_vocab, penalty_window(config, n_ctx), config.repeat_penalty, config.frequency_penalty,
+            config.presence_penalty))
     if config.dry_multiplier > 0:
         breakers = (ctypes.c_char_p * len(DRY_BREAKERS))(*(b.encode() for b in DRY_BREAKERS))
         last_n = n_ctx if config.dry_penalty_last_n == -1 else config.dry_penalty_last_n  # this C API takes no -1
@@ -251,6 +259,16 @@ def _build_chain(config: SamplingConfig, vocab: Any, seed: int, n_ctx: int, with
         add(llama_cpp.llama_sampler_init_temp(config.temp))
         add(llama_cpp.llama_sampler_init_dist(seed))
     return chain
+
+
+def _penalised(config: SamplingConfig) -> bool:
+    return config.repeat_penalty != 1.0 or bool(config.presence_penalty) or bool(config.frequency_penalty)
+
+
+def penalty_window(config: SamplingConfig, n_ctx: int) -> int:
+    """How many of the answer's last tokens the penalties look at: `repeat_last_n`, -1 the whole context (this C API
+    takes no -1: it would look at none)."""
+    return n_ctx if config.repeat_last_n == -1 else max(config.repeat_last_n, 0)
 
 
 def parse_grammar(vocab: Any, gbnf: str, origin: str, n_ctx: int) -> None:
