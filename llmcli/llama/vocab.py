@@ -19,11 +19,15 @@ from llmcli.store.gguf_header import read_header
 _MODALITY_MARKER = re.compile(rb"[<\[]\|?[A-Za-z_|]*(image|img|audio|video|vision|multimodal)[A-Za-z_|]*\|?[>\]]")
 
 
+PIECES_KEPT = 1 << 16  # the most pieces a vocabulary keeps (~100 bytes each): the tokens an answer meets, and more
+
+
 class Vocabulary:
     def __init__(self, vocab: Any):
         self.handle = vocab  # llama_vocab *, owned by the model
         self.n_tokens: int = llama_cpp.llama_vocab_n_tokens(vocab)
         self._piece_buf = ctypes.create_string_buffer(256)
+        self._pieces: dict[int, bytes] = {}  # (token << 1 | special) -> its piece: ~0.1 µs where llama.cpp's is ~1.5
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Text to tokens; special tokens written in the text (`<|im_start|>`) are parsed as such."""
@@ -39,11 +43,18 @@ class Vocabulary:
     def piece(self, token: int, special: bool = False) -> bytes:
         """The bytes of one token (possibly part of a UTF-8 character); control tokens give b'' (with `special`,
         their text: `<|im_start|>`, as `tokenize` shows them)."""
+        key = token << 1 | special
+        found = self._pieces.get(key)
+        if found is not None:
+            return found
         n = llama_cpp.llama_token_to_piece(self.handle, token, self._piece_buf, len(self._piece_buf), 0, special)
         if n < 0:
             self._piece_buf = ctypes.create_string_buffer(-n)
             n = llama_cpp.llama_token_to_piece(self.handle, token, self._piece_buf, -n, 0, special)
-        return ctypes.string_at(self._piece_buf, n)
+        found = ctypes.string_at(self._piece_buf, n)
+        if len(self._pieces) < PIECES_KEPT:
+            self._pieces[key] = found
+        return found
 
     def detokenize(self, tokens: list[int], special: bool = True) -> str:
         """Tokens to text (llama.cpp's own detokenizer: a leading space the tokenizer added is removed), control
