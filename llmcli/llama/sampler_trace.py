@@ -106,24 +106,54 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
     return Traced(token, "argmax" if greedy else "drawn", p_sampler[0], tuple(candidates), stages, changed, note)
 
 
-def _candidates(sampler: Sampler, n_vocab: int) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The candidate array a traced sampler fills each token, its numpy view, the same as rows of three 32-bit words
-    (id, logit, p), those rows as each token starts them (every id in order, p 0), and every id in order: made once
-    for the sampler (28 bytes a vocabulary entry)."""
-    found = getattr(sampler, "_traced_candidates", None)
-    if found is None or len(found[0]) != n_vocab:
-        data = (llama_cpp.llama_token_data * n_vocab)()
-        view = np.ctypeslib.as_array(data)
-        words = view.view(np.int32).reshape(n_vocab, 3)
-        fresh = np.zeros((n_vocab, 3), dtype=np.int32)
-        fresh[:, 0] = np.arange(n_vocab, dtype=np.int32)
-        found = (data, view, words, fresh, np.arange(n_vocab, dtype=np.int32))
-        sampler._traced_candidates = found  # type: ignore[attr-defined]
+class _Buffer:
+    """The candidate array a traced sampler fills each token (`data`, one llama_token_data a vocabulary entry: 12
+    bytes), made once for the sampler: its numpy `view`, the same as rows of three 32-bit `words` (id, logit, p), those
+    rows as each token starts them (`fresh`: every id in order, p 0), every id in order; and one
+    llama_token_data_array over it (`array`, `reference` to it), whose data pointer, size and selected row are read
+    and set through `header` — numpy's access to them takes ~0.1 µs, ctypes' ~0.7 for a pointer."""
+
+    def __init__(self, n_vocab: int):
+        self.data = (llama_cpp.llama_token_data * n_vocab)()
+        self.view = np.ctypeslib.as_array(self.data)
+        self.words = self.view.view(np.int32).reshape(n_vocab, 3)
+        self.fresh = np.zeros((n_vocab, 3), dtype=np.int32)
+        self.fresh[:, 0] = self.in_order = np.arange(n_vocab, dtype=np.int32)
+        self.home = ctypes.addressof(self.data)
+        self.array = llama_cpp.llama_token_data_array(self.data, n_vocab, -1, False)
+        self.reference = ctypes.byref(self.array)
+        raw = memoryview(self.array).cast("B")
+        self.header = np.frombuffer(raw, dtype=np.int64, count=3)  # data pointer, size, selected
+        self.flags = np.frombuffer(raw, dtype=np.uint8)  # byte 24: sorted
+
+    def start(self, size: int) -> None:
+        """The array over the first `size` rows, nothing selected, not sorted (llama_sampler_sample's start)."""
+        self.header[0], self.header[1], self.header[2] = self.home, size, -1
+        self.flags[24] = 0
+
+    def rows(self) -> tuple[np.ndarray, bool]:
+        """The candidates the array holds now, and whether they are the home rows, in place: a stage that kept every
+        row where it was given (a whole vocabulary)."""
+        size = int(self.header[1])
+        if int(self.header[0]) == self.home:
+            return self.view[:size], size == len(self.view)
+        return np.ctypeslib.as_array(self.array.data, shape=(size,)), False
+
+    def selected(self) -> int:
+        """The token the selecting stage chose."""
+        return int(self.rows()[0]["id"][int(self.header[2])])
+
+
+def _candidates(sampler: Sampler, n_vocab: int) -> _Buffer:
+    """The sampler's candidate array for a vocabulary of `n_vocab` (made at its first traced token)."""
+    found: _Buffer | None = getattr(sampler, "_traced_candidates", None)
+    if found is None or len(found.view) != n_vocab:
+        found = sampler._traced_candidates = _Buffer(n_vocab)  # type: ignore[attr-defined]
     return found
 
 
 def _through(sampler: Sampler, which: str, start: Distribution,
-             buffer: tuple[Any, np.ndarray, np.ndarray, np.ndarray, np.ndarray], top: _Top) -> tuple[
+             buffer: _Buffer, top: _Top) -> tuple[
         tuple[tuple[str, int], ...], tuple[str, ...], Distribution, int, str]:
     """Apply each sampler of the sampler's chain `which` in turn to the candidates (`start` the model's distribution):
     each stage and the candidates it left, the stages that changed the distribution, the final distribution (before
@@ -137,30 +167,19 @@ def _through(sampler: Sampler, which: str, start: Distribution,
     sparse = _sparse(sampler, which, chain, start, buffer, top)
     if sparse is not None:
         return sparse
-    data, view, words, fresh, in_order = buffer
-    words[:] = fresh  # (the rows whole, then the logits' column: ~1.6 × faster than three fields)
-    words[:, 1] = start.logits.view(np.int32)
-    array = llama_cpp.llama_token_data_array(data, n_vocab, -1, False)
-    return _onwards(sampler, which, chain, array, buffer, [], [], start)
+    buffer.words[:] = buffer.fresh  # (the rows whole, then the logits' column: ~1.6 × faster than three fields)
+    buffer.words[:, 1] = start.logits.view(np.int32)
+    buffer.start(n_vocab)
+    return _onwards(sampler, which, chain, buffer, [], [], start)
 
 
-def _onwards(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], array: Any,
-             buffer: tuple[Any, np.ndarray, np.ndarray, np.ndarray, np.ndarray], stages: list[tuple[str, int]],
-             changed: list[str], before: Distribution) -> tuple[
+def _onwards(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], buffer: _Buffer,
+             stages: list[tuple[str, int]], changed: list[str], before: Distribution) -> tuple[
         tuple[tuple[str, int], ...], tuple[str, ...], Distribution, int, str]:
-    """_through's stages from `chain` on, applied to the candidates `array` holds (`before` their distribution)."""
-    data, view, _, _, in_order = buffer
-    n_vocab = len(in_order)
-    home = ctypes.addressof(data)
-    header = np.frombuffer(array, dtype=np.int64, count=3)  # (its data pointer, size and selected row, read as
-    reference = ctypes.byref(array)  # numpy reads them: ctypes converts a pointer field at ~0.7 µs)
-
-    def candidates(size: int) -> tuple[np.ndarray, bool]:  # (the view made once, not a new one a stage — numpy
-        # reads a ctypes array's type anew each time, ~90 µs); whether the stage worked in place, on every row
-        if int(header[0]) == home:
-            return view[:size], size == n_vocab
-        return np.ctypeslib.as_array(array.data, shape=(size,)), False
-
+    """_through's stages from `chain` on, applied to the candidates the buffer's array holds (`before` their
+    distribution)."""
+    n_vocab = len(buffer.in_order)
+    header, reference = buffer.header, buffer.reference
     final = before
     for stage, name in chain:
         if name == "greedy" and final.ids is None:  # (llama.cpp's first largest logit of a whole vocabulary in
@@ -172,13 +191,12 @@ def _onwards(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], a
         stages.append((name, size))
         if name in SELECTORS:
             break
-        after = _distribution(*candidates(size), before, in_order)
+        after = _distribution(*buffer.rows(), before, buffer.in_order)
         if after is not before and (after.change > CHANGED if after.change is not None else
                                     _changed(before, after, n_vocab)):
             changed.append(name)
         before = final = after
-    token = int(candidates(int(header[1]))[0]["id"][int(header[2])])
-    return tuple(stages), tuple(changed), final, _accepted(sampler, which, token), ""
+    return tuple(stages), tuple(changed), final, _accepted(sampler, which, buffer.selected()), ""
 
 
 def _accepted(sampler: Sampler, which: str, token: int) -> int:
@@ -204,7 +222,7 @@ def _touched(sampler: Sampler, name: str) -> tuple[int, ...] | None:
 
 
 def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], start: Distribution,
-            buffer: tuple[Any, np.ndarray, np.ndarray, np.ndarray, np.ndarray], top: _Top) -> tuple[
+            buffer: _Buffer, top: _Top) -> tuple[
         tuple[tuple[str, int], ...], tuple[str, ...], Distribution, int, str] | None:
     """_through without the whole vocabulary, where the chain is stages that move a few known tokens' logits (a
     bias, penalties) then a top-k or greedy: the moving stages are given those tokens alone, and a top-k those and the
@@ -233,18 +251,16 @@ def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], st
         pool = top.of(min(k + 1 + len(touched), n_vocab))
         given = np.concatenate((pool, sorted(set(touched) - set(pool.tolist())))).astype(np.int32) if touched \
             else pool.astype(np.int32)
-    data, view, _, _, _ = buffer
-    rows = view[:len(given)]
+    rows = buffer.view[:len(given)]
     rows["id"], rows["logit"], rows["p"] = given, start.logits[given], 0
-    array = llama_cpp.llama_token_data_array(data, len(given), -1, False)
-    home = ctypes.addressof(data)
+    buffer.start(len(given))
+    header, home = buffer.header, buffer.home
     stages: list[tuple[str, int]] = []
     changed: list[str] = []
     before = start
     for stage, name in chain[:lead]:
-        llama_cpp.llama_sampler_apply(stage, ctypes.byref(array))
-        if int(array.size) != len(given) or ctypes.cast(array.data, ctypes.c_void_p).value != home \
-                or not np.array_equal(rows["id"], given):
+        llama_cpp.llama_sampler_apply(stage, buffer.reference)
+        if int(header[1]) != len(given) or int(header[0]) != home or rows["id"].tobytes() != given.tobytes():
             return None  # (not a stage that keeps each row where it was: the whole vocabulary)
         stages.append((name, n_vocab))
         values = rows["logit"]
@@ -263,16 +279,14 @@ def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], st
     if not bool((ranked[:-1] > ranked[1:]).all()):
         return None  # (a tie among them: the whole vocabulary, in the order llama.cpp would give it)
     stage, name = chain[lead]
-    llama_cpp.llama_sampler_apply(stage, ctypes.byref(array))
-    size = int(array.size)
-    stages.append((name, size))
-    kept = view[:size] if ctypes.cast(array.data, ctypes.c_void_p).value == home else \
-        np.ctypeslib.as_array(array.data, shape=(size,))
+    llama_cpp.llama_sampler_apply(stage, buffer.reference)
+    kept, _ = buffer.rows()
+    stages.append((name, len(kept)))
     after = cut(kept["id"].copy(), kept["logit"].copy())
     left_out = math.exp(float(ranked[k]) - before.top) / before.total  # (the largest logit it left out)
     if left_out > CHANGED or _changed(before, after, n_vocab):
         changed.append(name)
-    return _onwards(sampler, which, chain[lead + 1:], array, buffer, stages, changed, after)
+    return _onwards(sampler, which, chain[lead + 1:], buffer, stages, changed, after)
 
 
 def _stages(sampler: Sampler, which: str) -> tuple[tuple[Any, str], ...]:
