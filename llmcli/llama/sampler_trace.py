@@ -70,9 +70,10 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
         sampler.first_bias = ()
     logits = np.ctypeslib.as_array(pointer, shape=(n_vocab,))  # (llama.cpp's own: read only, no decode until done)
     buffer = _candidates(sampler, n_vocab)
-    start = whole(logits)
+    start = whole(logits, buffer.weights)
     log_total = start.top + math.log(start.total)  # a token's log-probability is its logit less this
     top = _Top(logits)
+    top.of(FOUND)  # (the model's largest found while its logits are in the cache: before a stage sorts the vocabulary)
     stages, changed, final, token, note = _through(sampler, "chain", start, buffer, top)
     if sampler.grammar is not None and sampler.armed:  # (the lazy check: the grammar alone on the chosen token;
         # rejected, sampled again)
@@ -119,6 +120,7 @@ class _Buffer:
         self.words = self.view.view(np.int32).reshape(n_vocab, 3)
         self.fresh = np.zeros((n_vocab, 3), dtype=np.int32)
         self.fresh[:, 0] = self.in_order = np.arange(n_vocab, dtype=np.int32)
+        self.weights = np.empty(n_vocab, dtype=np.float32)  # the model's softmax's weights (whole's)
         self.home = ctypes.addressof(self.data)
         self.array = llama_cpp.llama_token_data_array(self.data, n_vocab, -1, False)
         self.reference = ctypes.byref(self.array)
@@ -170,11 +172,11 @@ def _through(sampler: Sampler, which: str, start: Distribution,
     buffer.words[:] = buffer.fresh  # (the rows whole, then the logits' column: ~1.6 × faster than three fields)
     buffer.words[:, 1] = start.logits.view(np.int32)
     buffer.start(n_vocab)
-    return _onwards(sampler, which, chain, buffer, [], [], start)
+    return _onwards(sampler, which, chain, buffer, [], [], start, top)
 
 
 def _onwards(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], buffer: _Buffer,
-             stages: list[tuple[str, int]], changed: list[str], before: Distribution) -> tuple[
+             stages: list[tuple[str, int]], changed: list[str], before: Distribution, top: _Top) -> tuple[
         tuple[tuple[str, int], ...], tuple[str, ...], Distribution, int, str]:
     """_through's stages from `chain` on, applied to the candidates the buffer's array holds (`before` their
     distribution)."""
@@ -193,10 +195,20 @@ def _onwards(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], b
             break
         after = _distribution(*buffer.rows(), before, buffer.in_order)
         if after is not before and (after.change > CHANGED if after.change is not None else
-                                    _changed(before, after, n_vocab)):
+                                    _left_out(before, after, top) or _changed(before, after, n_vocab)):
             changed.append(name)
         before = final = after
     return tuple(stages), tuple(changed), final, _accepted(sampler, which, buffer.selected()), ""
+
+
+def _left_out(before: Distribution, after: Distribution, top: _Top) -> bool:
+    """Whether a cut of the whole vocabulary left out one of the model's most likely tokens whose probability was
+    above CHANGED — a change, seen without the vocabulary's weights."""
+    if before.ids is not None or after.ids is None or len(after.ids) >= FOUND:
+        return False
+    kept = set(after.ids.tolist())
+    out = [token for token in top.of(FOUND).tolist() if token not in kept]
+    return bool(out) and float(before.p_at(out).max()) > CHANGED
 
 
 def _accepted(sampler: Sampler, which: str, token: int) -> int:
@@ -286,7 +298,7 @@ def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], st
     left_out = math.exp(float(ranked[k]) - before.top) / before.total  # (the largest logit it left out)
     if left_out > CHANGED or _changed(before, after, n_vocab):
         changed.append(name)
-    return _onwards(sampler, which, chain[lead + 1:], buffer, stages, changed, after)
+    return _onwards(sampler, which, chain[lead + 1:], buffer, stages, changed, after, top)
 
 
 def _stages(sampler: Sampler, which: str) -> tuple[tuple[Any, str], ...]:
@@ -392,12 +404,13 @@ class Distribution:
         return found
 
 
-def whole(logits: np.ndarray) -> Distribution:
-    """The softmax of the whole vocabulary's `logits` (a token's own: indexed by token)."""
+def whole(logits: np.ndarray, out: np.ndarray | None = None) -> Distribution:
+    """The softmax of the whole vocabulary's `logits` (a token's own: indexed by token); its weights in `out` where
+    given (the same memory each token: still in the cache)."""
     top = float(logits.max())
     if not math.isfinite(top):
         return Distribution(np.zeros(0, dtype=np.int32), logits[:0], 0.0, 1.0)
-    weights = np.subtract(logits, np.float32(top))
+    weights = np.subtract(logits, np.float32(top), out=out)
     np.exp(weights, out=weights)
     return Distribution(None, logits, top, float(weights.sum()), weights)  # (numpy's pairwise sum: ~1e-7)
 
