@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import llama_cpp
@@ -29,8 +31,8 @@ SELECTORS = ("greedy", "dist", "mirostat", "mirostat-v2")  # the last stage: pic
 
 
 class _Top:
-    """The k largest of the model's logits, found once for the largest k asked — at least FOUND: finding 5 costs what
-    finding 64 does — (a top-k stage's pool, the shown candidates) and cut down for a smaller one."""
+    """The k largest of the model's logits, the largest first, found once for the largest k asked — at least FOUND:
+    finding 5 costs what finding 64 does — (a top-k stage's pool, the shown candidates)."""
 
     def __init__(self, logits: np.ndarray):
         self.logits = logits
@@ -38,12 +40,9 @@ class _Top:
 
     def of(self, k: int) -> np.ndarray:
         if self.found is None or len(self.found) < k:
-            self.found = largest(self.logits, min(max(k, FOUND), len(self.logits)))
-        if len(self.found) == k:
-            return self.found
-        values = self.logits[self.found]
-        kept: np.ndarray = self.found[np.argpartition(values, len(values) - k)[len(values) - k:]]
-        return kept
+            found = largest(self.logits, min(max(k, FOUND), len(self.logits)))
+            self.found = found[np.argsort(-self.logits[found], kind="stable")]
+        return self.found[:k]
 
 
 FOUND = 64
@@ -95,7 +94,7 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
         k = min(n_top, n_vocab)
         moved = final.moved_from(start)  # (a few logits moved: the sampler's most likely are among the model's
         pool = top.of(min(k + (0 if moved is None else len(moved)), n_vocab))  # k more, or those)
-        chosen.update(dict.fromkeys(start.most_likely(k, pool) if len(pool) > k else pool.tolist()))
+        chosen.update(dict.fromkeys(pool[:k].tolist()))  # (the model's most likely, the largest first)
         if final is not start:  # (no stage changed anything: the sampler's most likely are the model's)
             among = None if moved is None else np.array(list({*pool.tolist(), *moved.tolist()}))
             chosen.update(dict.fromkeys(final.most_likely(k, among)))  # (those the chain left, never a masked one)
@@ -233,6 +232,14 @@ def _touched(sampler: Sampler, name: str) -> tuple[int, ...] | None:
     return None
 
 
+def _largest_unmoved(before: Distribution, given: np.ndarray, moved: np.ndarray, top: _Top, movable: int) -> float:
+    """The largest logit of `before` outside the rows `moved` of `given` (which hold the `movable` tokens the stages
+    may move): among the others given and the model's movable + 1 largest — one of those no stage moved."""
+    left = set(given.tolist()) | set(top.of(movable + 1).tolist())
+    left.difference_update(given[moved].tolist())
+    return float(before.logits[list(left)].max())
+
+
 def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], start: Distribution,
             buffer: _Buffer, top: _Top) -> tuple[
         tuple[tuple[str, int], ...], tuple[str, ...], Distribution, int, str] | None:
@@ -280,14 +287,15 @@ def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], st
         if len(moved):
             current = before.logits.copy()
             current[given[moved]] = values[moved]
-            after = _folded(before, current, given[moved]) or whole(current)
+            after = _folded(before, current, given[moved],
+                            partial(_largest_unmoved, before, given, moved, top, len(touched))) or whole(current)
             if after.change > CHANGED if after.change is not None else _changed(before, after, n_vocab):
                 changed.append(name)
             before = after
     if not k:  # (greedy: llama.cpp's first largest logit of the whole vocabulary, in order)
         stages.append(("greedy", n_vocab))
         return tuple(stages), tuple(changed), before, _accepted(sampler, which, int(before.logits.argmax())), ""
-    ranked = -np.sort(-rows["logit"])[:k + 1]
+    ranked = rows["logit"][:k + 1] if not touched else -np.sort(-rows["logit"])[:k + 1]  # (the pool: in order)
     if not bool((ranked[:-1] > ranked[1:]).all()):
         return None  # (a tie among them: the whole vocabulary, in the order llama.cpp would give it)
     stage, name = chain[lead]
@@ -324,7 +332,7 @@ class Distribution:
     probabilities, made with it (a few candidates). Not changed once made (a plain class: a frozen dataclass's
     fields cost ~2 µs to set, a stage)."""
 
-    __slots__ = ("ids", "logits", "top", "total", "weights", "folded", "peak", "change", "p", "_ordered")
+    __slots__ = ("ids", "logits", "top", "total", "weights", "folded", "peak", "change", "p", "_ordered", "_raw")
 
     def __init__(self, ids: np.ndarray | None, logits: np.ndarray, top: float, total: float,
                  weights: np.ndarray | None = None, folded: tuple[Distribution, np.ndarray, np.ndarray] | None = None,
@@ -332,6 +340,14 @@ class Distribution:
         self.ids, self.logits, self.top, self.total, self.weights = ids, logits, top, total, weights
         self.folded, self.peak, self.change, self.p = folded, peak, change, p
         self._ordered: bool | None = None
+        self._raw: tuple[bytes, bytes] | None = None
+
+    def raw(self) -> tuple[bytes, bytes]:
+        """A cut's ids and logits as bytes (compared with a stage's: ~0.3 µs where np.array_equal takes ~2)."""
+        if self._raw is None:
+            assert self.ids is not None
+            self._raw = self.ids.tobytes(), self.logits.tobytes()
+        return self._raw
 
     @property
     def ordered(self) -> bool:
@@ -361,11 +377,13 @@ class Distribution:
         known to hold them (a whole vocabulary's)."""
         if among is not None:
             kept = among[np.argsort(-self.logits[among], kind="stable")[:n]]
+        elif self.ids is not None and self._ordered:  # (in order already: the first ones)
+            kept = np.arange(min(n, len(self.logits)))
         elif len(self.logits) <= SMALL:
             kept = np.argsort(-self.logits, kind="stable")[:n]
         else:
             kept = largest(self.logits, min(n, len(self.logits)))
-        if len(kept) and not self.logits[kept].min() > -np.inf:
+        if len(kept) and not self.logits[kept].min() > -np.inf:  # (a masked one among them)
             kept = kept[self.logits[kept] > -np.inf]
         tokens: list[int] = (kept if self.ids is None else self.ids[kept]).tolist()
         return tokens
@@ -446,36 +464,39 @@ def _distribution(view: np.ndarray, in_place: bool, before: Distribution, in_ord
             return folded
         if np.array_equal(ids, in_order):
             return whole(current)
-    if before.ids is not None and before.p is not None and len(ids) <= len(before.ids) \
-            and ids.tobytes() == before.ids[:len(ids)].tobytes() \
-            and values.tobytes() == before.logits[:len(ids)].tobytes():  # (the same bits: a few candidates' bytes
-        # compared take ~0.3 µs, np.array_equal ~2)
-        if len(ids) == len(before.ids):
-            return before  # (a cut that cut nothing: top-p or min-p past the candidates left)
-        n = len(ids)
-        kept = before.p[:n]  # (the first ones kept as they were: top-p, min-p after top-k's sorting)
-        if before.ordered:  # (the largest of those kept and left out: the first of each)
-            share, rest, largest_kept = float(kept.sum()), float(before.p[n]), float(before.p[0])
-        else:
-            share, rest, largest_kept = float(kept.sum()), float(before.p[n:].max()), float(kept.max())
-        if share > 0:
-            after = Distribution(ids.copy(), before.logits[:n], before.top, before.total * share,
-                                 change=max(rest, largest_kept * (1 / share - 1)), p=kept / share)
-            after._ordered = before._ordered
-            return after
-    if before.ids is not None and before.p is not None and len(ids) == len(before.ids) \
-            and ids.tobytes() == before.ids.tobytes():  # (the same candidates, other logits: a temperature)
-        after = cut(ids.copy(), values.copy())
-        if after.p is not None and len(ids):
-            after.change = float(np.abs(after.p - before.p).max())
-        return after
+    if before.ids is not None and before.p is not None and not in_place:  # (a few candidates before: their bytes
+        n = len(ids)  # compared)
+        id_bytes, logit_bytes = before.raw()
+        same = ids.tobytes()
+        if n <= len(before.ids) and same == id_bytes[:4 * n]:
+            kept_logits = values.tobytes()
+            if kept_logits == logit_bytes[:4 * n]:  # (the first ones kept as they were: top-p, min-p after top-k)
+                if n == len(before.ids):
+                    return before  # (a cut that cut nothing: top-p or min-p past the candidates left)
+                kept = before.p[:n]
+                if before.ordered:  # (the largest of those kept and left out: the first of each)
+                    share, rest, largest_kept = float(kept.sum()), float(before.p[n]), float(before.p[0])
+                else:
+                    share, rest, largest_kept = float(kept.sum()), float(before.p[n:].max()), float(kept.max())
+                if share > 0:
+                    after = Distribution(ids.copy(), before.logits[:n], before.top, before.total * share,
+                                         change=max(rest, largest_kept * (1 / share - 1)), p=kept / share)
+                    after._ordered, after._raw = before._ordered, (same, kept_logits)
+                    return after
+            elif n == len(before.ids):  # (the same candidates, other logits: a temperature)
+                after = cut(ids.copy(), values.copy())
+                if after.p is not None and n:
+                    after.change = float(np.abs(after.p - before.p).max())
+                return after
     return cut(ids.copy(), values.copy())
 
 
-def _folded(before: Distribution, current: np.ndarray, moved: np.ndarray) -> Distribution | None:
+def _folded(before: Distribution, current: np.ndarray, moved: np.ndarray,
+            others: Callable[[], float] | None = None) -> Distribution | None:
     """`before`'s whole-vocabulary softmax with the logits at `moved` changed to `current`'s (the others' share
     scaled, theirs computed): None where that would lose precision — a logit far above the old largest, or the mass
-    left mostly on the moved ones."""
+    left mostly on the moved ones. `others`: the largest logit before outside `moved`, where the caller can find it
+    cheaply (else found here, where the largest moved: a pass over the vocabulary)."""
     new = current[moved].astype(np.float64)
     if not bool((new - before.top < 600).all()):
         return None
@@ -489,9 +510,13 @@ def _folded(before: Distribution, current: np.ndarray, moved: np.ndarray) -> Dis
     if peak:  # the one whose share is scaled the most)
         left = 1.0 / before.total
     else:
-        rest = before.logits.copy()
-        rest[moved] = -np.inf
-        left = math.exp(float(rest.max()) - before.top) / before.total
+        if others is None:
+            rest = before.logits.copy()
+            rest[moved] = -np.inf
+            largest_other = float(rest.max())
+        else:
+            largest_other = others()
+        left = math.exp(largest_other - before.top) / before.total
     change = max(abs(before.total / total - 1.0) * left, float(np.abs(fresh / total - old / before.total).max()))
     return Distribution(None, current, before.top, total, None, (before, moved, fresh.astype(np.float32)),
                         peak and bool((new <= before.top).all()), change)
