@@ -252,7 +252,8 @@ def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], st
     if start.ids is not None:
         return None
     n_vocab = len(start.logits)
-    lead, moving = 0, list[int]()
+    lead = 0
+    moving: list[int] = []
     for _, name in chain:
         tokens = _touched(sampler, name)
         if tokens is None:
@@ -264,7 +265,7 @@ def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], st
     k = sampler.top_k if chain[lead][1] == "top-k" else 0
     if chain[lead][1] == "top-k" and not 0 < k < n_vocab - 1:
         return None
-    touched = sorted({token for token in moving if 0 <= token < n_vocab})
+    touched: list[int] = sorted({token for token in moving if 0 <= token < n_vocab}) if moving else []
     given = np.array(touched, dtype=np.int32)
     if k:  # (the model's largest, with those not among them)
         pool = top.of(min(k + 1 + len(touched), n_vocab))
@@ -295,14 +296,14 @@ def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], st
     if not k:  # (greedy: llama.cpp's first largest logit of the whole vocabulary, in order)
         stages.append(("greedy", n_vocab))
         return tuple(stages), tuple(changed), before, _accepted(sampler, which, int(before.logits.argmax())), ""
-    ranked = rows["logit"][:k + 1] if not touched else -np.sort(-rows["logit"])[:k + 1]  # (the pool: in order)
-    if not bool((ranked[:-1] > ranked[1:]).all()):
-        return None  # (a tie among them: the whole vocabulary, in the order llama.cpp would give it)
+    ranked = rows["logit"][:k + 1].copy() if not touched else -np.sort(-rows["logit"])[:k + 1]  # (the pool: in
+    if len(set(ranked.tolist())) <= k:  # order) (a tie among them: the whole vocabulary, in llama.cpp's order)
+        return None
     stage, name = chain[lead]
     llama_cpp.llama_sampler_apply(stage, buffer.reference)
     kept, _ = buffer.rows()
     stages.append((name, len(kept)))
-    after = cut(kept["id"].copy(), kept["logit"].copy())
+    after = cut(kept["id"].copy(), kept["logit"].copy(), ordered=kept["logit"].tobytes() == ranked[:k].tobytes())
     left_out = math.exp(float(ranked[k]) - before.top) / before.total  # (the largest logit it left out)
     if left_out > CHANGED or _changed(before, after, n_vocab):
         changed.append(name)
@@ -433,14 +434,18 @@ def whole(logits: np.ndarray, out: np.ndarray | None = None) -> Distribution:
     return Distribution(None, logits, top, float(weights.sum()), weights)  # (numpy's pairwise sum: ~1e-7)
 
 
-def cut(ids: np.ndarray, logits: np.ndarray) -> Distribution:
-    """The softmax of some candidates (`ids`, their `logits`: a stage's copy, in its order)."""
-    top = float(logits.max()) if len(logits) else -math.inf
+def cut(ids: np.ndarray, logits: np.ndarray, ordered: bool = False) -> Distribution:
+    """The softmax of some candidates (`ids`, their `logits`: a stage's copy, in its order; `ordered`: known to be
+    the most likely first)."""
+    top = (float(logits[0]) if ordered else float(logits.max())) if len(logits) else -math.inf
     if not math.isfinite(top):
         return Distribution(ids[:0], logits[:0], 0.0, 1.0)
     weights = np.exp(logits.astype(np.float64) - top)
     total = float(weights.sum())
-    return Distribution(ids, logits, top, total, p=weights / total)
+    found = Distribution(ids, logits, top, total, p=weights / total)
+    if ordered:
+        found._ordered = True
+    return found
 
 
 SMALL = 256  # a distribution of at most this many candidates is sorted whole where a few of its most likely are asked
