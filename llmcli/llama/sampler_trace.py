@@ -227,8 +227,8 @@ def _touched(sampler: Sampler, name: str) -> tuple[int, ...] | None:
     whichever others it is given — or None for any other stage."""
     if name == "logit-bias":
         return sampler.biased
-    if name == "penalties" and sampler.recent is not None:
-        return tuple(sampler.recent)
+    if name == "penalties" and sampler.recent is not None and len(sampler.recent) <= SPARSE:  # (a window of the
+        return tuple(sampler.recent)  # whole context, long: the whole vocabulary, not a copy of it each token)
     return None
 
 
