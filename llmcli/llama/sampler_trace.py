@@ -126,8 +126,8 @@ class _Buffer:
         raw = memoryview(self.array).cast("B")
         self.header = np.frombuffer(raw, dtype=np.int64, count=3)  # data pointer, size, selected
         self.flags = np.frombuffer(raw, dtype=np.uint8)  # byte 24: sorted
-        fields = llama_cpp.llama_token_data_array
-        if (fields.data.offset, fields.size.offset, fields.selected.offset, fields.sorted.offset) != (0, 8, 16, 24):
+        layout = [getattr(llama_cpp.llama_token_data_array, name).offset for name in ("data", "size", "selected", "sorted")]
+        if layout != [0, 8, 16, 24]:
             raise RuntimeError("llama_token_data_array is not laid out as llama.cpp's (data, size, selected, sorted)")
 
     def start(self, size: int) -> None:
