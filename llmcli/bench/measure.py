@@ -28,6 +28,7 @@ from llmcli.bench.images import image_rows
 from llmcli.bench.plan import BenchPlan
 from llmcli.bench.prompt_cache import kv_type_rows, prompt_cache_rows
 from llmcli.bench.rows import Row
+from llmcli.bench.sampling import CHAINS, MODES, sampling_rows
 from llmcli.bench.speculation import pass_cost_rows, speculation_rows
 from llmcli.chat.session import Session
 from llmcli.decode.batch_run import BatchRun
@@ -127,7 +128,8 @@ class Benchmark:
         plan = self.plan
         per_repetition = (len(plan.depths) * 2 + 5 + len(plan.parallel) + 2 * plan.contention + 2 * len(plan.cache_lengths)
                           + (2 * (1 + cpu_topology.physical_cores()) if plan.busy else 0)
-                          + len(plan.kv_types) + 6 * plan.speculation + len(plan.batch_sizes) + 3 * bool(plan.image))
+                          + len(plan.kv_types) + 6 * plan.speculation + len(plan.batch_sizes) + 3 * bool(plan.image)
+                          + len(CHAINS) * len(MODES) * plan.sampling)
         total = len(self.models) * len(self.threads) * (plan.repetitions * per_repetition + 1)  # + the bandwidth probe
         done = 0
         for model, header in zip(self.models, self.headers, strict=True):
@@ -177,6 +179,8 @@ class Benchmark:
         if plan.speculation:
             yield from pass_cost_rows(model.path, threads, plan.n_batch, max(plan.prompt_tokens, 256), plan.repetitions, row)
             yield from speculation_rows(model.path, threads, plan.n_batch, plan.gen_tokens, plan.repetitions, row)
+        if plan.sampling:
+            yield from sampling_rows(model.path, threads, plan.n_batch, plan.gen_tokens, plan.repetitions, row)
         if plan.image is not None and model.projector is not None:  # (the CLI checked that every model sees)
             yield from image_rows(model.path, model.projector, plan.image, threads, plan.n_batch, plan.repetitions, row)
         if plan.kv_types:

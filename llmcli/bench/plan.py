@@ -23,3 +23,4 @@ class BenchPlan:
     kv_types: tuple[str, ...] = ()  # KV cache types to compare (speed and memory), e.g. ("f16", "q8_0")
     speculation: bool = False  # pass costs, and decoding with and without drafts (grounded and ungrounded)
     image: str | None = None  # a picture: its encoding and the TTFT of a question about it (models that see)
+    sampling: bool = False  # what choosing a token costs in the decode loop: plain, --logprobs 5, --trace

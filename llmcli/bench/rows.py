@@ -48,6 +48,8 @@ def shown(row: Row) -> str:
         return f"{row.mean:.0f} %"
     if row.unit.startswith("%"):
         return f"{row.mean:.1f} {row.unit}"
+    if row.unit == "µs":
+        return f"{row.mean:.1f} ± {row.sd:.1f} µs"
     if row.unit in ("GB/s", "MiB", "KiB/token"):
         return f"{row.mean:.1f} {row.unit}"
     return f"{row.mean:.2f} ± {row.sd:.2f}"

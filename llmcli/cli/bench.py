@@ -68,6 +68,10 @@ def bench(
     speculate: Annotated[bool, typer.Option(
         "--speculate", help="Also measure speculative decoding: the cost of an n-token pass, and decode rates with and "
         "without drafts on a grounded task (copy a text) and an ungrounded one (a story).")] = False,
+    sampling: Annotated[bool, typer.Option(
+        "--sampling", help="Also measure what choosing a token costs in the decode loop (a model pass between tokens): "
+        "plain, with --logprobs 5 and traced (--trace), for greedy, a logit bias, the default chain, a repeat penalty "
+        "and top-p alone.")] = False,
     image: Annotated[Optional[str], typer.Option(
         "--image", help="Also measure a picture (a model that sees): its encoding, and the TTFT of a question about it "
         "encoded now, with its embeddings kept and with its KV cells kept.", show_default=False)] = None,
@@ -129,6 +133,7 @@ def bench(
         kv_types=_kv_types(kv_type) if kv_type else (),
         speculation=speculate,
         image=image,
+        sampling=sampling,
     )
     default_model = settings.resolve({}, config=config)["model"]
     resolved = [models.resolve(m, config.aliases) for m in (model or [default_model])]
