@@ -138,6 +138,26 @@ def test_speculation_rows(tmp_path):
     assert ("acceptance ungrounded", "speculate auto") in rows and ("tg16 ungrounded", "speculate off") in rows
 
 
+def test_sampling_rows_time_choosing_a_token_plainly_with_logprobs_and_traced_for_each_chain():
+    """`bench --sampling`: each chain's token chosen plainly, with --logprobs 5 and traced, a model pass between
+    tokens; a row each in µs and trace / logprobs (shapes, not speed: the figures go to the closing notes)."""
+    from llmcli.bench.sampling import CHAINS, MODES
+
+    result = run_cli("bench", "-p", "16", "-n", "4", "-r", "1", "--sampling", "--format", "json")
+    assert result.code == 0, result.stderr
+    rows = {(r["test"], r["path"]): r for r in json.loads(result.stdout)["results"]}
+    assert len(CHAINS) == 5 and MODES == ("plain", "logprobs 5", "trace 5")
+    for name, _ in CHAINS:
+        for mode in MODES:
+            assert rows[(f"sample {name}", mode)]["unit"] == "µs" and rows[(f"sample {name}", mode)]["mean"] > 0
+        ratio = rows[(f"sample {name}", "trace / logprobs")]
+        assert ratio["mean"] == pytest.approx(rows[(f"sample {name}", "trace 5")]["mean"]
+                                              / rows[(f"sample {name}", "logprobs 5")]["mean"])
+    from llmcli.bench.rows import Row, shown
+
+    assert shown(Row("m", 1, 1, "Q4_0", 2, "sample default", "trace 5", "µs", [250.0, 270.0])) == "260.0 ± 14.1 µs"
+
+
 def test_compare_reports_ratio_and_significance(tmp_path, bench_json):
     before = tmp_path / "a.json"
     after = tmp_path / "b.json"
