@@ -23,7 +23,7 @@ import llama_cpp
 import numpy as np
 
 from llmcli.answer.events import Candidate
-from llmcli.llama.logprobs import largest
+from llmcli.llama.logprobs import largest, logits_at
 from llmcli.llama.sampler_chain import Sampler
 from llmcli.llama.vocab import Vocabulary
 
@@ -62,12 +62,11 @@ class Traced:
 def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Traced:
     """The next token from the logits at batch `index`, as `sampler.sample` would choose it, with its trace."""
     n_vocab = vocab.n_tokens
-    pointer = llama_cpp.llama_get_logits_ith(sampler.ctx, index)
+    logits = logits_at(sampler.ctx, index, n_vocab)  # (llama.cpp's own: no decode until done)
     if sampler.first_bias:  # (as Sampler.sample applies it: into llama.cpp's logits, then dropped)
         for token_id, bias in sampler.first_bias:
-            pointer[token_id] += bias
+            logits[token_id] += np.float32(bias)
         sampler.first_bias = ()
-    logits = np.ctypeslib.as_array(pointer, shape=(n_vocab,))  # (llama.cpp's own: read only, no decode until done)
     buffer = _candidates(sampler, n_vocab)
     start = whole(logits, buffer.weights)
     log_total = start.top + math.log(start.total)  # a token's log-probability is its logit less this
