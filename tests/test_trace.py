@@ -214,12 +214,12 @@ def test_trace_is_refused_where_it_cannot_see_the_sampler(tmp_path):
 
 
 def test_a_stage_that_moves_a_few_logits_is_folded_into_the_softmax_as_a_whole_one_would_compute_it():
-    """The trace's cheap path (sampler_trace._folded: a bias or penalties moved a few logits of the whole vocabulary)
+    """The trace's cheap path (trace_distribution.fold: a bias or penalties moved a few logits of the whole vocabulary)
     against a softmax computed whole; a stage that moved nothing is the distribution before it; a logit far above
     the rest, or the mass moved off what was left, is computed whole; rows a stage reordered are read by their ids."""
     import numpy as np
 
-    from llmcli.llama.sampler_trace import _distribution, whole
+    from llmcli.llama.trace_distribution import stage_distribution, whole
 
     rng = np.random.default_rng(7)
     logits = rng.normal(0, 3, 5000).astype(np.float32)
@@ -227,7 +227,7 @@ def test_a_stage_that_moves_a_few_logits_is_folded_into_the_softmax_as_a_whole_o
     in_order = np.arange(5000, dtype=np.int32)
     view = np.zeros(5000, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
     view["id"], view["logit"] = in_order, logits
-    assert _distribution(view, True, start, in_order) is start  # (nothing moved: nothing computed)
+    assert stage_distribution(view, True, start, in_order) is start  # (nothing moved: nothing computed)
 
     def softmax(values: np.ndarray) -> np.ndarray:
         p = np.exp((values - values.max()).astype(np.float64))
@@ -239,7 +239,7 @@ def test_a_stage_that_moves_a_few_logits_is_folded_into_the_softmax_as_a_whole_o
         changed = view.copy()
         for token, value in moved.items():
             changed["logit"][token] = value
-        after = _distribution(changed, True, start, in_order)
+        after = stage_distribution(changed, True, start, in_order)
         expected = softmax(changed["logit"])
         assert after.ids is None and np.allclose(after.dense(5000), expected, rtol=1e-5, atol=1e-12), moved
         for token in moved:
@@ -252,7 +252,7 @@ def test_a_stage_that_moves_a_few_logits_is_folded_into_the_softmax_as_a_whole_o
     swapped = view.copy()
     swapped[[20, 21]] = swapped[[21, 20]]  # (two rows moved whole: the same tokens, the same logits)
     swapped["logit"][20] += 1  # (token 21's, now in row 20)
-    after = _distribution(swapped, True, start, in_order)
+    after = stage_distribution(swapped, True, start, in_order)
     bumped = logits.copy()
     bumped[21] += 1
     assert np.allclose(after.dense(5000), softmax(bumped), rtol=1e-5, atol=1e-12)
@@ -360,7 +360,7 @@ def test_the_model_s_top_and_a_cut_s_change_are_found_as_a_whole_vocabulary_comp
     import numpy as np
 
     from llmcli.llama.logprobs import largest
-    from llmcli.llama.sampler_trace import CHANGED, _changed, _distribution, cut, whole
+    from llmcli.llama.trace_distribution import CHANGED, cut, differs, stage_distribution, whole
 
     rng = np.random.default_rng(11)
     for n, k in ((49152, 5), (49152, 1), (2000, 40), (100, 5), (7, 7)):
@@ -392,18 +392,18 @@ def test_the_model_s_top_and_a_cut_s_change_are_found_as_a_whole_vocabulary_comp
         after = top_k(before, k)
         whole_p = np.exp((logits - logits.max()).astype(np.float64))
         largest_change = float(np.abs(after.dense(5000) - whole_p / whole_p.sum()).max())
-        assert _changed(before, after, 5000) == (largest_change > CHANGED), k
+        assert differs(before, after, 5000) == (largest_change > CHANGED), k
         for m in range(1, k if k < 50 else 40):  # (a cut of the first m it left)
             view = np.zeros(m, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
             view["id"], view["logit"] = after.ids[:m], after.logits[:m]
-            prefix = _distribution(view, False, after, np.arange(5000, dtype=np.int32))
+            prefix = stage_distribution(view, False, after, np.arange(5000, dtype=np.int32))
             kept = np.exp((after.logits[:m] - after.logits[:m].max()).astype(np.float64))
             assert np.allclose(prefix.dense(5000)[after.ids[:m]], kept / kept.sum(), rtol=1e-9)
             change = float(np.abs(prefix.dense(5000) - after.dense(5000)).max())
             assert (prefix.change if prefix.change is not None else change) == pytest.approx(change, rel=1e-6, abs=1e-15)
-    assert _changed(whole(tied), top_k(whole(tied), 3), 5000)  # (the tie left out: p 0.08)
+    assert differs(whole(tied), top_k(whole(tied), 3), 5000)  # (the tie left out: p 0.08)
 
-    assert _changed(whole(near), top_k(whole(near), 2), 5000)  # (4,998 tokens of p ~1e-9 left out: ~1e-6 in all)
+    assert differs(whole(near), top_k(whole(near), 2), 5000)  # (4,998 tokens of p ~1e-9 left out: ~1e-6 in all)
 
 
 def test_a_traced_token_is_the_plain_one_and_each_stage_is_as_a_whole_vocabulary_computation_sees_it(smollm2):
