@@ -224,24 +224,23 @@ def test_divergence_rises_and_agreement_falls_as_bits_fall(ladder, isolated_env,
 
 @pytest.mark.long
 def test_the_same_on_gemma3_270m(gemma3, tmp_path_factory, isolated_env):
-    """Gemma-3-270M (a 262k vocabulary: each pass ~3 s here, so two chunks of 128) requantized to F16 (the
-    reference: the packaged Q4_K_M's values), then Q8_0 -> Q4_0 -> Q2_K: KLD rises and top-1 agreement falls (measured
-    here 0.003 / 0.34 / 0.52 and 94 / 68 / 56 %: the gaps are many tokens wide)."""
-    made = _quantized(tmp_path_factory, str(gemma3), "gemma3-270m", ("F16", "Q8_0", "Q4_0", "Q2_K"))
+    """Gemma-3-270M (a 262k vocabulary: each pass ~3 s here, so one chunk of 128) requantized to F16 (the reference:
+    the packaged Q4_K_M's values), then Q8_0 -> Q2_K: KLD rises and top-1 agreement falls (measured here 0.002 / 0.48
+    and 98 / 63 % of 63 tokens: the gap is many tokens wide; the three-step ladder is SmolLM2's, above)."""
+    made = _quantized(tmp_path_factory, str(gemma3), "gemma3-270m", ("F16", "Q8_0", "Q2_K"))
     _into_store(made, isolated_env, "gemma3-270m")
     text = isolated_env / "gemma.txt"
-    text.write_text(default_text()[:1250], encoding="utf-8")
+    text.write_text(default_text()[:700], encoding="utf-8")
     figures = []
-    for type_name in ("q8_0", "q4_0", "q2_k"):
+    for type_name in ("q8_0", "q2_k"):
         result = run_cli("eval", "quality", "-m", f"gemma3-270m:{type_name}", "-r", "gemma3-270m:f16", "--text",
                          str(text), "-c", "128", "--json")
         assert result.code == 0, result.stderr
         figures.append(json.loads(result.stdout))
     kld = [f["kld"]["mean"] for f in figures]
     top1 = [f["top1_agreement"] for f in figures]
-    assert kld[0] < kld[1] / 5 and kld[1] < kld[2], figures
-    assert top1[0] > top1[1] > top1[2], figures
-    assert figures[0]["tokens_scored"] == 126 and [f["reference_kept"] for f in figures] == [False, True, True]
+    assert kld[0] < kld[1] / 5 and top1[0] > top1[1], figures
+    assert figures[0]["tokens_scored"] == 63 and [f["reference_kept"] for f in figures] == [False, True], figures
 
 
 def test_quant_advise_measures_every_file_marks_the_front_picks_and_resumes(ladder, isolated_env, smollm2, serve_hub):
