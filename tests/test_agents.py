@@ -208,3 +208,66 @@ def test_an_agent_s_long_prefix_is_evaluated_once_across_slots_sessions_and_rest
     assert warm["choices"][0]["message"] == cold["choices"][0]["message"]  # the same greedy answer
     listed = run_cli("cache", "list", env={"LLMCLI_CACHE_DIR": str(tmp_path / "cache")})
     assert model in listed.stdout, listed.stdout + listed.stderr
+
+
+def test_a_conversation_whose_slot_another_took_goes_on_from_its_kept_cells(tmp_path):
+    """Three agents' conversations on two slots: each one's first turn takes a slot from another's, whose cells are
+    kept in memory first; each second turn is given its own back — its whole history cached, none evaluated again —
+    and answers as on a server of three slots, where nothing was ever taken."""
+    topics = ("the sea and its tides", "a mountain village in winter", "the history of the printing press")
+    firsts = [" ".join(f"Note {i} about {topic}: write plainly, keep every name and date." for i in range(6))
+              for topic in topics]  # (~100 tokens each, sharing only the template's first ones)
+
+    def turns(url: str) -> list[dict]:
+        replies: list[dict] = []
+        histories = [[{"role": "user", "content": first}] for first in firsts]
+        for turn in range(2):
+            for history in histories:
+                reply = HTTP.post(f"{url}/v1/chat/completions", timeout=120, json={
+                    "messages": history, "max_tokens": 8, "temperature": 0}).json()
+                replies.append(reply)
+                history += [reply["choices"][0]["message"], {"role": "user", "content": f"Go on ({turn})."}]
+        return replies
+
+    proc, url = start_server(tmp_path, "-m", "smollm2", "-P", "2", "-c", "512", "--no-prompt-cache")
+    try:
+        taken = turns(url)
+        kept = HTTP.get(f"{url}/health", timeout=10).json()["kept"]
+    finally:
+        stop_server(proc)
+    proc, url = start_server(tmp_path, "-m", "smollm2", "-P", "3", "-c", "512", "--no-prompt-cache")
+    try:
+        never_taken = turns(url)
+    finally:
+        stop_server(proc)
+    for first, second in zip(taken[:3], taken[3:], strict=True):  # each second turn: the whole first prompt cached
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"], taken
+    assert [r["choices"][0]["message"] for r in taken] == [r["choices"][0]["message"] for r in never_taken]
+    assert kept["given_back"] >= 2 and 0 < kept["bytes"] <= 1024 * 2**20, kept  # (--cache-ram's default: 1024 MiB)
+
+
+def test_kept_states_stay_within_their_budget_and_the_longest_match_is_given_back():
+    """kept_states.py alone (synthetic states: no model): a state these tokens go on from is given up for them; past
+    the budget the least recently kept or used goes first; a state larger than the budget is not kept; the longest
+    match of at least the tokens asked is found."""
+    from llmcli.decode.kept_states import KeptStates
+
+    def state(n: int) -> memoryview:
+        return memoryview(bytearray(n))
+
+    kept = KeptStates(300)
+    first = list(range(100))
+    assert kept.keep(first[:50], state(100)) and kept.keep(first, state(100))  # (the second holds all the first held)
+    assert len(kept) == 1 and kept.held_bytes == 100 and kept.best(first[:50] + [7], 40)[2] == 50
+    assert kept.keep([7] * 60, state(100)) and kept.keep([8] * 60, state(100)) and kept.held_bytes == 300
+    key, found, shared = kept.best([7] * 45 + [1], 32)
+    assert found.tokens == (7,) * 60 and shared == 45 and kept.best([7] * 31, 32) is None
+    kept.used(key, whole=False)  # (kept, now the most recently used)
+    assert kept.keep([9] * 40, state(100))  # (full: the least recently kept or used goes — `first`)
+    assert kept.best(first, 1) is None and kept.best([7] * 60, 60) is not None and kept.held_bytes == 300
+    assert kept.keep([6] * 40, state(100)) and kept.best([8] * 60, 1) is None  # (then [8] * 60; [7] * 60 stays)
+    assert kept.best([7] * 60, 60) is not None
+    key, _, _ = kept.best([6] * 40, 40)
+    kept.used(key, whole=True)  # (the slot holds all of it: given up here)
+    assert kept.best([6] * 40, 1) is None and kept.held_bytes == 200 and kept.given_back == 2
+    assert not kept.keep([5] * 10, state(301)) and kept.held_bytes == 200  # (larger than the whole budget)

@@ -37,6 +37,7 @@ from llmcli.answer.stats import AnswerClock
 from llmcli.answer.tool_calls import ToolSpec, detect_format
 from llmcli.config.settings import default
 from llmcli.decode import batch_run, one_answer
+from llmcli.decode.kept_states import KEPT_MIB
 from llmcli.decode.prompt_cache import PromptCache
 from llmcli.decode.scheduler import Scheduler
 from llmcli.decode.serving import SlotServer
@@ -193,10 +194,12 @@ class Session:
         return render_prompt(None, self.engine.vocab, [user_message(text, images)],
                              dataclasses.replace(self.options, raw=True), vision=self.engine.load_vision)
 
-    def slot_server(self, n_slots: int, queue_size: int) -> SlotServer:
+    def slot_server(self, n_slots: int, queue_size: int, kept_mib: int = KEPT_MIB) -> SlotServer:
         """This session's model answering requests in `n_slots` slots (serve): the same engine, speculation and
-        prompt store as its own answers; split where a long conversation's standing part ends when the store is on."""
-        return SlotServer(self.engine, n_slots, queue_size, speculation=self.speculation, prompt_cache=self.prompt_cache)
+        prompt store as its own answers; split where a long conversation's standing part ends when the store is on;
+        what a slot held when another request took it kept in `kept_mib` MiB."""
+        return SlotServer(self.engine, n_slots, queue_size, speculation=self.speculation, prompt_cache=self.prompt_cache,
+                          kept_mib=kept_mib)
 
     def answer_room(self, max_tokens: int | None) -> int:
         """Tokens kept free for the answer: -n, else a quarter of the context (at most 256)."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from llmcli.cli import options as o
+from llmcli.decode.kept_states import KEPT_MIB
 from llmcli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -44,6 +45,11 @@ SlotsOpt = Annotated[int, typer.Option("--parallel", "-P", min=1, max=64, rich_h
 QueueOpt = Annotated[Optional[int], typer.Option(
     "--queue", min=0, rich_help_panel=_SERVER, show_default=False,
     help="Requests that may wait for a slot; beyond them: 429 with Retry-After. [default: 4 × --parallel]")]
+CacheRamOpt = Annotated[int, typer.Option(
+    "--cache-ram", min=0, metavar="MIB", rich_help_panel=_SERVER,
+    help="Memory (MiB) for what a slot held when another request took it (an agent's earlier session, a chat left for "
+    "another), given back when its conversation goes on rather than evaluated again; the least recently used given up "
+    "first. 0: none kept.")]
 InsecureOpt = Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback --host without an API key.",
                                            rich_help_panel=_SERVER)]
 MaxBodyOpt = Annotated[int, typer.Option("--max-body", min=1024, help="Largest request body, in bytes.",
@@ -102,6 +108,7 @@ def serve(
     port: PortOpt = 8080,
     parallel: SlotsOpt = 4,
     queue: QueueOpt = None,
+    cache_ram: CacheRamOpt = KEPT_MIB,
     insecure: InsecureOpt = False,
     max_body: MaxBodyOpt = 1 << 20,
     max_answer: MaxAnswerOpt = 4096,
@@ -175,7 +182,8 @@ def serve(
         warm.listening_here(socket_path)  # (the model's memory check never asks this process's own socket)
     console = output.stderr_console()
     found = ServerModels(request, parallel, queue if queue is not None else 4 * parallel, max_body,
-                         max_answer, allow_pull, step_timeout, lambda line: output.print_stats_line(console, line))
+                         max_answer, allow_pull, step_timeout, lambda line: output.print_stats_line(console, line),
+                         cache_ram)
     with output.download_progress() as progress:
         first = found.load(None, progress)
     for notice in first.notices:

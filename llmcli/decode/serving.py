@@ -12,7 +12,10 @@ context_full, as a single answer does). A slot keeps its sequence's cache after 
 request whose prompt shares a prefix with it (a chat client resending the conversation) evaluates only the
 rest, and is placed in the free slot that shares the most. A request that shares more with the prompt of an answer
 in progress (MIN_COPY tokens or more: requests sent at once with one system prompt) is given a copy of that answer's
-cells for them, waiting while they are still being evaluated: the shared part is evaluated once.
+cells for them, waiting while they are still being evaluated: the shared part is evaluated once. A free slot
+given to another prompt keeps what it held: the cells it would lose (another conversation: an agent's earlier
+session, a chat left for another) are saved in memory first (kept_states.py), and a later prompt that goes on from a
+kept state is given it back rather than evaluating it again.
 
 It never prints.
 """
@@ -31,6 +34,7 @@ from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.images import ImageInput
 from llmcli.answer.shared_prefix import shared_prefix
 from llmcli.answer.stats import AnswerClock
+from llmcli.decode.kept_states import KEPT_MIB, MIB, KeptStates
 from llmcli.decode.prompt_cache import PromptCache
 from llmcli.decode.scheduler import Scheduler
 from llmcli.decode.speculative import Speculation
@@ -99,12 +103,16 @@ class SlotServer:
     loop in one wake-up per step rather than one per token (the default calls each job's `emit` right away)."""
 
     def __init__(self, engine: Engine, n_slots: int, queue_size: int, deliver: Delivery = deliver_here,
-                 speculation: Speculation | None = None, prompt_cache: PromptCache | None = None):
+                 speculation: Speculation | None = None, prompt_cache: PromptCache | None = None,
+                 kept_mib: int = KEPT_MIB):
         self.engine, self.n_slots, self.queue_size = engine, n_slots, queue_size
         self.deliver = deliver
         self.on_step: Callable[[], None] | None = None  # after each step (a supervised engine says it is alive)
         self.on_admit: Callable[[Job], None] | None = None  # a job took a slot (before its first step)
         self.prompt_cache = prompt_cache  # long prompts' standing parts, kept across slots, unloads and restarts
+        # what free slots held when another prompt took them (not for a sliding-window model: its cells past the window
+        # are gone, any slot serves it)
+        self.kept = KeptStates(kept_mib * MIB) if kept_mib > 0 and engine.n_swa == 0 else None
         self.scheduler = Scheduler(engine, n_slots, speculation or Speculation())
         self._events: list[tuple[Job, JobEvent]] = []
         self.waiting: deque[Job] = deque()
@@ -152,8 +160,11 @@ class SlotServer:
     def status(self) -> dict[str, Any]:
         with self._wake:
             busy = sum(1 for slot in self.scheduler.slots if slot is not None)
-            return {"slots": self.n_slots, "busy": busy, "waiting": len(self.waiting), "served": self.served,
-                    "steps_by_busy": {str(n): steps for n, steps in sorted(self.steps_by_busy.items())}}
+            found = {"slots": self.n_slots, "busy": busy, "waiting": len(self.waiting), "served": self.served,
+                     "steps_by_busy": {str(n): steps for n, steps in sorted(self.steps_by_busy.items())}}
+            if self.kept is not None:
+                found["kept"] = {"states": len(self.kept), "bytes": self.kept.held_bytes, "given_back": self.kept.given_back}
+            return found
 
     # -- the engine's thread -------------------------------------------------------------------------
 
@@ -219,11 +230,13 @@ class SlotServer:
                     if source.prefilled < shared:
                         held.append(job)  # its cells are being evaluated: after a step or a few
                         continue
+                    self._keep(free[0], job.tokens)
                     kv.remove(free[0])
                     kv.copy(source.seq, free[0])
                     kv.remove(free[0], shared, -1)
                 else:
                     free[0] = self._spared(free, job.tokens)
+                    self._given_back(free[0], job.tokens)
             if self.prompt_cache is not None and job.stable is not None:  # (when the slot holds less of it)
                 self.prompt_cache.restore(job.tokens, job.stable, free[0])
             try:
@@ -256,10 +269,41 @@ class SlotServer:
         spare = min(free[1:], key=lambda seq: kv.n_held(seq) - shared_prefix(kv.tokens_of(seq), prompt))
         if kv.n_held(spare) - shared_prefix(kv.tokens_of(spare), prompt) >= lost:
             return best
+        self._keep(spare, prompt)
         kv.remove(spare)
         kv.copy(best, spare)
         kv.remove(spare, shared, -1)
         return spare
+
+    def _keep(self, seq: int, prompt: list[int]) -> None:
+        """Before free sequence `seq` is given to `prompt`: its state kept, when it holds MIN_REUSE tokens or more past
+        the part of it the prompt will reuse."""
+        kv = self.engine.kv
+        if self.kept is None:
+            return
+        shared = shared_prefix(kv.tokens_of(seq), prompt)
+        if kv.n_held(seq) - (shared if shared >= MIN_REUSE else 0) >= MIN_REUSE:
+            self.kept.keep(*kv.save_state(seq))
+
+    def _given_back(self, seq: int, prompt: list[int]) -> None:
+        """Free sequence `seq`, given to `prompt`: what it held kept (_keep), then replaced by a kept state sharing
+        MIN_REUSE tokens more of the prompt (all but its last token at most: its logits are needed)."""
+        kept, kv = self.kept, self.engine.kv
+        if kept is None:
+            return
+        usable = len(prompt) - 1
+        held = kv.shared_prefix(prompt[:usable], seq)
+        self._keep(seq, prompt)  # (first: keeping it may give up others; it shares only `held` itself)
+        found = kept.best(prompt[:usable], (held if held >= MIN_REUSE else 0) + MIN_REUSE)
+        if found is None:
+            return
+        key, state, shared = found
+        if not kv.restore_state(state.tokens, state.payload, seq):
+            kept.refused(key)  # (the sequence is empty: the prompt is evaluated whole)
+            return
+        kept.used(key, whole=shared == len(state.tokens))
+        if shared < len(state.tokens):
+            kv.remove(seq, shared, -1)
 
     def _answering_with(self, prompt: list[int]) -> tuple[Slot | None, int]:
         """The answer in progress whose prompt shares the most of `prompt` (all but its last token at most: its

@@ -175,6 +175,7 @@ class EngineProcess:
             busy = sum(1 for flight in self._flights.values() if flight.admitted and not flight.job.cancelled.is_set())
             return {"slots": self.n_slots, "busy": busy, "waiting": held - busy, "served": self.served,
                     "steps_by_busy": self._child_status.get("steps_by_busy", {}),
+                    **({"kept": self._child_status["kept"]} if "kept" in self._child_status else {}),
                     "engine": {"pid": self.pid, "state": self.state, "restarts": self.restarts,
                                **({"last_restart": self.last_restart} if self.last_restart else {})}}
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from llmcli import errors
 from llmcli.answer.constraint import Constraint
+from llmcli.decode.kept_states import KEPT_MIB
 from llmcli.errors import LlmcliError
 from llmcli.pipeline import Request, Shape
 from llmcli.serve import engine_zygote
@@ -27,6 +28,7 @@ class EngineSpec:
     request: Request
     parallel: int
     own_sockets: tuple[Path, ...] = ()  # the server's (not asked by the load's memory check: nothing answers there yet)
+    kept_mib: int = KEPT_MIB  # serve --cache-ram
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ def load_engine(spec: EngineSpec) -> tuple[Any, EngineFacts]:
                         session.tool_format(pipeline.settings["tool_format"]),
                         session.split_min if session.prompt_cache is not None else 0, tuple(session.notices),
                         template_system, engine.load_s, engine.weights_kept)
-    return session.slot_server(spec.parallel, 0), facts
+    return session.slot_server(spec.parallel, 0, spec.kept_mib), facts
 
 
 def failed_message(exc: LlmcliError) -> tuple[Any, ...]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcli.config import settings
+from llmcli.decode.kept_states import KEPT_MIB
 from llmcli.errors import LlmcliError, ModelNotFoundError
 from llmcli.pipeline import Request, fetch_for, resolve_settings, warm
 from llmcli.pipeline.local import Tokenizer, open_tokenizer
@@ -36,6 +37,7 @@ class ServerModels:
     allow_pull: bool = False  # a Hub model not downloaded yet may be downloaded (else: 404)
     step_timeout: float = STEP_TIMEOUT_S  # the longest step an engine may take before it is restarted
     report: Callable[[str], None] | None = None  # a line for the server's log (an engine restarted)
+    kept_mib: int = KEPT_MIB  # --cache-ram: what slots held when another request took them, kept in memory
 
     def request_for(self, name: str | None) -> Request:
         if name is None:
@@ -85,7 +87,7 @@ class ServerModels:
         tokenizer = open_tokenizer(request)  # (a file llama.cpp would refuse is refused here, before any process starts)
         engine = None
         try:
-            spec = EngineSpec(request, self.parallel, warm.own_sockets())
+            spec = EngineSpec(request, self.parallel, warm.own_sockets(), self.kept_mib)
             engine = EngineProcess(spec, self.queue, self.step_timeout, self.report)
             return _served(tokenizer, engine.ready(), engine, request, self)
         except BaseException:
