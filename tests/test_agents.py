@@ -215,8 +215,8 @@ def test_a_conversation_whose_slot_another_took_goes_on_from_its_kept_cells(tmp_
     kept in memory first; each second turn is given its own back — its whole history cached, none evaluated again —
     and answers as on a server of three slots, where nothing was ever taken."""
     topics = ("the sea and its tides", "a mountain village in winter", "the history of the printing press")
-    firsts = [" ".join(f"Note {i} about {topic}: write plainly, keep every name and date." for i in range(6))
-              for topic in topics]  # (~100 tokens each, sharing only the template's first ones)
+    firsts = [" ".join(f"Note {i} about {topic}: write plainly, keep every name and date." for i in range(4))
+              for topic in topics]  # (~80 tokens each, sharing only the template's first ones)
 
     def turns(url: str) -> list[dict]:
         replies: list[dict] = []
@@ -224,18 +224,18 @@ def test_a_conversation_whose_slot_another_took_goes_on_from_its_kept_cells(tmp_
         for turn in range(2):
             for history in histories:
                 reply = HTTP.post(f"{url}/v1/chat/completions", timeout=120, json={
-                    "messages": history, "max_tokens": 8, "temperature": 0}).json()
+                    "messages": history, "max_tokens": 4, "temperature": 0}).json()
                 replies.append(reply)
                 history += [reply["choices"][0]["message"], {"role": "user", "content": f"Go on ({turn})."}]
         return replies
 
-    proc, url = start_server(tmp_path, "-m", "smollm2", "-P", "2", "-c", "512", "--no-prompt-cache")
+    proc, url = start_server(tmp_path, "-m", "smollm2", "-P", "2", "-c", "256", "--no-prompt-cache")
     try:
         taken = turns(url)
-        kept = HTTP.get(f"{url}/health", timeout=10).json()["kept"]
+        kept = HTTP.get(f"{url}/health", timeout=10).json().get("kept", {})
     finally:
         stop_server(proc)
-    proc, url = start_server(tmp_path, "-m", "smollm2", "-P", "3", "-c", "512", "--no-prompt-cache")
+    proc, url = start_server(tmp_path, "-m", "smollm2", "-P", "3", "-c", "256", "--no-prompt-cache")
     try:
         never_taken = turns(url)
     finally:
@@ -243,7 +243,7 @@ def test_a_conversation_whose_slot_another_took_goes_on_from_its_kept_cells(tmp_
     for first, second in zip(taken[:3], taken[3:], strict=True):  # each second turn: the whole first prompt cached
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"], taken
     assert [r["choices"][0]["message"] for r in taken] == [r["choices"][0]["message"] for r in never_taken]
-    assert kept["given_back"] >= 2 and 0 < kept["bytes"] <= 1024 * 2**20, kept  # (--cache-ram's default: 1024 MiB)
+    assert kept.get("given_back", 0) >= 2 and 0 < kept["bytes"] <= 1024 * 2**20, kept  # (--cache-ram's default: 1024 MiB)
 
 
 def test_kept_states_stay_within_their_budget_and_the_longest_match_is_given_back():
