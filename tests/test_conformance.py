@@ -213,17 +213,18 @@ def _ask(protocol: str, url: str, args: list[str]) -> dict | None:
     if protocol == "Ollama":
         if set(given) - set(OLLAMA_OPTIONS) - {"--json-schema", "--format", "--raw", "--logprobs"}:
             return None
-        client = ollama.Client(host=url, timeout=120)
         options = {OLLAMA_OPTIONS[flag]: value for flag, value in given.items() if flag in OLLAMA_OPTIONS}
         shape = json.loads(str(given["--json-schema"])) if "--json-schema" in given else given.get("--format")
         top = int(str(given["--logprobs"])) if "--logprobs" in given else None
         logprobs = {"logprobs": True, "top_logprobs": top} if top is not None else {}
-        if given.get("--raw"):
-            reply = client.generate(model="smollm2", prompt=PROMPT, raw=True, options=options, format=shape, **logprobs)
-            text = reply.response
-        else:
-            reply = client.chat(model="smollm2", messages=messages, options=options, format=shape, **logprobs)
-            text = reply.message.content
+        with ollama.Client(host=url, timeout=120) as client:  # (its connections closed after: none left to the GC)
+            if given.get("--raw"):
+                reply = client.generate(model="smollm2", prompt=PROMPT, raw=True, options=options, format=shape,
+                                        **logprobs)
+                text = reply.response
+            else:
+                reply = client.chat(model="smollm2", messages=messages, options=options, format=shape, **logprobs)
+                text = reply.message.content
         return {"text": text, "finish_reason": FINISH[reply.done_reason], "usage": {
             "prompt_tokens": reply.prompt_eval_count, "completion_tokens": reply.eval_count},
             "logprobs": [{"token": lp.token, "logprob": lp.logprob} for lp in reply.logprobs or ()], "timings": {}}
@@ -234,8 +235,9 @@ def _ask(protocol: str, url: str, args: list[str]) -> dict | None:
         body["output_config"] = {"format": {"type": "json_schema", "schema": json.loads(str(given.pop("--json-schema")))}}
     fields = {ANTHROPIC_FIELDS[flag]: value for flag, value in given.items()}
     system = [m["content"] for m in messages if m["role"] == "system"]
-    message = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120).messages.create(
-        model="smollm2", messages=messages[-1:], **({"system": system[0]} if system else {}), **fields, extra_body=body)
+    with anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120) as client:
+        message = client.messages.create(model="smollm2", messages=messages[-1:],
+                                         **({"system": system[0]} if system else {}), **fields, extra_body=body)
     return {"text": "".join(block.text for block in message.content if block.type == "text"),
             "finish_reason": FINISH[message.stop_reason or ""], "timings": {},
             "usage": {"prompt_tokens": message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0),
@@ -343,12 +345,14 @@ def test_serve_s_request_shaping_flags_are_the_defaults_of_requests_that_set_non
 
     proc, url = start_server(tmp_path, "-P", "2", "--temp", "0", "--grammar", YES_NO, "--logit-bias", "no=100")
     try:
-        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        chat = client.chat.completions.create(model="smollm2", max_tokens=8, messages=[{"role": "user", "content": PROMPT}])
-        completion = client.completions.create(model="smollm2", max_tokens=8, prompt=PROMPT)
-        generated = ollama.Client(host=url, timeout=120).generate(model="smollm2", prompt=PROMPT)
-        own = client.chat.completions.create(model="smollm2", max_tokens=24, response_format={"type": "json_object"},
-                                             messages=[{"role": "user", "content": PROMPT}])
+        with OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120) as client, \
+                ollama.Client(host=url, timeout=120) as ollama_client:
+            chat = client.chat.completions.create(model="smollm2", max_tokens=8,
+                                                  messages=[{"role": "user", "content": PROMPT}])
+            completion = client.completions.create(model="smollm2", max_tokens=8, prompt=PROMPT)
+            generated = ollama_client.generate(model="smollm2", prompt=PROMPT)
+            own = client.chat.completions.create(model="smollm2", max_tokens=24, response_format={"type": "json_object"},
+                                                 messages=[{"role": "user", "content": PROMPT}])
     finally:
         stop_server(proc)
     assert chat.choices[0].message.content == completion.choices[0].text == generated.response == "no"
@@ -426,18 +430,20 @@ def test_an_image_gives_the_in_process_answer_on_every_path(seeing, tmp_path, ca
         records["--endpoint serve"] = ran(run_cli("run", *common[:-2], "--image", str(picture), PROMPT,
                                                   env={"LLMCLI_ENDPOINT": url}))
         data = picture.read_bytes()
-        message = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120).messages.create(
-            model="smol", max_tokens=8, extra_body={"temperature": 0.0}, messages=[{"role": "user", "content": [
-                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                             "data": base64.b64encode(data).decode()}},
-                {"type": "text", "text": "\n" + PROMPT}]}])  # (run's message: its pictures, a line break, the text —
-        # what llmcli's own client sends as blocks; blocks are joined as sent, so without it the prompt is a token less)
+        with anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120) as anthropic_client:
+            message = anthropic_client.messages.create(
+                model="smol", max_tokens=8, extra_body={"temperature": 0.0}, messages=[{"role": "user", "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": base64.b64encode(data).decode()}},
+                    {"type": "text", "text": "\n" + PROMPT}]}])  # (run's message: its pictures, a line break, the text —
+            # what llmcli's own client sends as blocks; blocks are joined as sent, so without it the prompt is a token less)
         records["Anthropic"] = {"text": "".join(b.text for b in message.content if b.type == "text"),
                                 "finish_reason": FINISH[message.stop_reason or ""], "timings": {}, "usage": {
             "prompt_tokens": message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0),
             "completion_tokens": message.usage.output_tokens}}
-        reply = ollama.Client(host=url, timeout=120).chat(model="smol", messages=[
-            {"role": "user", "content": PROMPT, "images": [data]}], options={"temperature": 0, "num_predict": 8})
+        with ollama.Client(host=url, timeout=120) as ollama_client:
+            reply = ollama_client.chat(model="smol", messages=[
+                {"role": "user", "content": PROMPT, "images": [data]}], options={"temperature": 0, "num_predict": 8})
         records["Ollama"] = {"text": reply.message.content, "finish_reason": FINISH[reply.done_reason], "timings": {},
                              "usage": {"prompt_tokens": reply.prompt_eval_count, "completion_tokens": reply.eval_count}}
     finally:

@@ -251,7 +251,7 @@ def test_the_zygote_keeps_a_model_s_weights_from_its_first_restart_until_the_mod
             return served["slots"]["engine"]
 
         before = ask()
-        zygote = int(open(f"/proc/{engine()['pid']}/stat").read().rpartition(")")[2].split()[1])  # (its parent)
+        zygote = int(Path(f"/proc/{engine()['pid']}/stat").read_text().rpartition(")")[2].split()[1])  # (its parent)
         assert not _mapped(zygote, model)
         for restart, weights in ((1, "loaded"), (2, "kept"), (3, "kept")):
             pid = engine()["pid"]
