@@ -277,12 +277,12 @@ class SlotServer:
 
     def _keep(self, seq: int, prompt: list[int]) -> None:
         """Before free sequence `seq` is given to `prompt`: its state kept, when it holds MIN_REUSE tokens or more past
-        the part of it the prompt will reuse."""
+        the part of it the prompt will reuse (and fits the budget at all: its size asked before it is copied)."""
         kv = self.engine.kv
         if self.kept is None:
             return
         shared = shared_prefix(kv.tokens_of(seq), prompt)
-        if kv.n_held(seq) - (shared if shared >= MIN_REUSE else 0) >= MIN_REUSE:
+        if kv.n_held(seq) - (shared if shared >= MIN_REUSE else 0) >= MIN_REUSE and kv.seq_bytes(seq) <= self.kept.budget:
             self.kept.keep(*kv.save_state(seq))
 
     def _given_back(self, seq: int, prompt: list[int]) -> None:
