@@ -49,22 +49,36 @@ def run_json(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
-def ollama_client(url: str):
+CLIENTS: list[Any] = []  # the official clients a test made: closed after it (their connections not left to the GC)
+
+
+@pytest.fixture(autouse=True)
+def clients_closed() -> Iterator[None]:
+    yield
+    while CLIENTS:
+        CLIENTS.pop().close()
+
+
+def ollama_client(url: str, key: str | None = KEY):
     import ollama
 
-    return ollama.Client(host=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    CLIENTS.append(ollama.Client(host=url, headers=headers, timeout=120))
+    return CLIENTS[-1]
 
 
 def anthropic_client(url: str, key: str = KEY):
     import anthropic
 
-    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120)
+    CLIENTS.append(anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120))
+    return CLIENTS[-1]
 
 
-def openai_client(url: str):
+def openai_client(url: str, key: str = KEY):
     from openai import OpenAI
 
-    return OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    CLIENTS.append(OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120))
+    return CLIENTS[-1]
 
 
 def warm(url: str, **request) -> None:
@@ -499,17 +513,13 @@ def test_thinking_comes_apart_in_every_protocol(tmp_path):
         messages = [{"role": "user", "content": PROMPT}]
         local = run_json("-n", "24", "--chat-template-file", str(THINKING_TEMPLATE), PROMPT)
         assert local["reasoning"]  # (24 tokens: the block is still open, all of it is thinking)
-        import ollama
-
-        through_ollama = ollama.Client(host=url).chat(model="smollm2", messages=messages, options={"num_predict": 24})
+        through_ollama = ollama_client(url, None).chat(model="smollm2", messages=messages, options={"num_predict": 24})
         client = anthropic_client(url)
         message = client.messages.create(model="smollm2", max_tokens=24, messages=messages)
         with client.messages.stream(model="smollm2", max_tokens=24, messages=messages) as stream:
             deltas = "".join(e.delta.thinking for e in stream if e.type == "content_block_delta"
                              and e.delta.type == "thinking_delta")
-        from openai import OpenAI
-
-        openai = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        openai = openai_client(url, "none")
         response = openai.responses.create(model="smollm2", input=PROMPT, max_output_tokens=24)
         chat = openai.chat.completions.create(model="smollm2", messages=messages, max_tokens=24).choices[0].message
         thinking = [b.thinking for b in message.content if b.type == "thinking"]

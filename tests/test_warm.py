@@ -28,8 +28,8 @@ def runtime():
     return {"LLMCLI_RUNTIME_DIR": os.environ["LLMCLI_RUNTIME_DIR"]}
 
 
-def answer(env: dict[str, str], *args: str) -> dict:
-    result = run_cli("run", "--json", "--temp", "0", "-n", "16", "--no-prompt-cache", *args, PROMPT, env=env)
+def answer(env: dict[str, str], *args: str, prompt: str = PROMPT) -> dict:
+    result = run_cli("run", "--json", "--temp", "0", "-n", "16", "--no-prompt-cache", *args, prompt, env=env)
     assert result.code == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -66,12 +66,22 @@ def test_an_exited_process_that_init_has_not_reaped_yet_is_gone():
     assert not reaper.alive(pid)
 
 
+LONG = "Say hi to the sea, the sky, the hills, the rivers, the forests, the towns, the roads and the harbours of the coast."
+OTHER = "Name three colours that a painter of the mountains, the snow, the lakes and the meadows of the north would mix."
+
+
 def test_a_warm_run_answers_as_in_process_over_a_private_socket_and_stop_ends_it(runtime):
-    in_process = answer(runtime)
-    cold = answer(runtime, "--keep-alive", "5m")  # starts the server
-    warm = answer(runtime, "--keep-alive", "5m")  # finds it
+    in_process = answer(runtime, prompt=LONG)
+    cold = answer(runtime, "--keep-alive", "5m", prompt=LONG)  # starts the server
+    warm = answer(runtime, "--keep-alive", "5m", prompt=LONG)  # finds it
     assert cold["text"] == warm["text"] == in_process["text"]
     assert warm["usage"]["cached_tokens"] > 0  # the prompt stayed in the server's slot
+    # Another prompt takes its one slot: what the slot held is kept (serve's --cache-ram) and given back to the next
+    # run of the first conversation, not evaluated again (without it: the template's opening alone, ~20 tokens).
+    other = answer(runtime, "--keep-alive", "5m", prompt=OTHER)
+    assert other["usage"]["cached_tokens"] < warm["usage"]["cached_tokens"] - 32
+    again = answer(runtime, "--keep-alive", "5m", prompt=LONG)
+    assert again["text"] == warm["text"] and again["usage"]["cached_tokens"] == warm["usage"]["cached_tokens"]
     (server,) = servers(runtime)
     socket = Path(server["socket"])
     assert stat.S_IMODE(socket.stat().st_mode) == 0o600 and stat.S_IMODE(socket.parent.stat().st_mode) == 0o700
