@@ -185,12 +185,17 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model:
 
 
 RUNTIME_DIRS: list[Path] = []
+SPAWNED: list[subprocess.Popen | Forked] = []  # the test's `spawn_cli` children: their pipes closed after it
 
 
 @pytest.fixture(autouse=True)
 def no_warm_server_outlives_its_test() -> Iterator[None]:
     """The warm servers a test's runs started (their socket in its runtime dir, on their command line) end with it."""
     yield
+    while SPAWNED:  # (read by the test or not: not left to the GC, a ResourceWarning wherever it runs)
+        for pipe in (SPAWNED[-1].stdout, SPAWNED.pop().stderr):
+            if pipe is not None:
+                pipe.close()
     while RUNTIME_DIRS:
         runtime = RUNTIME_DIRS.pop()
         marker = str(runtime).encode()
@@ -319,8 +324,9 @@ def spawn_cli(*args: str, input: str | bytes | None = None, env: dict[str, str] 
     stdin = feed.fileno() if data is not None else subprocess.DEVNULL
     if os.environ.get("LLMCLI_TEST_SUBPROCESS") or threading.active_count() > 1:
         with feed:
-            return subprocess.Popen([sys.executable, "-m", "llmcli", *args], stdin=stdin, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, env=environment, text=text)
+            SPAWNED.append(subprocess.Popen([sys.executable, "-m", "llmcli", *args], stdin=stdin, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, env=environment, text=text))
+            return SPAWNED[-1]
     quiet = os.open(os.devnull, os.O_RDONLY)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -330,7 +336,8 @@ def spawn_cli(*args: str, input: str | bytes | None = None, env: dict[str, str] 
         os.close(fd)
     feed.close()
     mode = "r" if text else "rb"
-    return Forked(pid, list(args), open(out_r, mode), open(err_r, mode))
+    SPAWNED.append(Forked(pid, list(args), open(out_r, mode), open(err_r, mode)))
+    return SPAWNED[-1]
 
 
 def _fork_llmcli(args: list[str], environment: dict[str, str], stdin_fd: int, stdout_fd: int, stderr_fd: int,

@@ -105,6 +105,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeServer]:
     server = FakeServer()
     yield server
     server.server.shutdown()
+    server.server.server_close()  # (its listening socket: not left to the GC)
 
 
 def test_run_streams_from_the_endpoint_with_stats_json_and_client_side_stops(fake):

@@ -168,7 +168,8 @@ def test_ctrl_c_while_loading_exits_130_quietly():
     proc.send_signal(signal.SIGINT)
     with os.fdopen(read_end, "rb") as stderr:
         err = stderr.read()
-    out = proc.stdout.read()
+    with proc.stdout:
+        out = proc.stdout.read()
     proc.wait(timeout=60)
     assert proc.returncode == 130, err
     assert b"llama_model_loader" in err  # the load had begun...

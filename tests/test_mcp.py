@@ -149,3 +149,4 @@ def test_a_named_reaper_is_found_by_its_name_and_ends_its_tree_when_told():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        proc.stdout.close()
