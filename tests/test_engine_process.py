@@ -63,7 +63,8 @@ def _answer_all(url: str) -> tuple[list[tuple[str, str | None] | None], list[int
 
 @pytest.mark.long
 def test_four_streams_complete_through_three_engine_deaths_and_health_answers_throughout(tmp_path, smollm2):
-    proc, url = start_server(tmp_path, "-m", str(smollm2), "-P", "4", "--api-key", KEY)
+    proc, url = start_server(tmp_path, "-m", str(smollm2), "-P", "4", "-c", "512", "--api-key", KEY)  # (4 × 512 cells:
+    # each of the four engine starts zeroes 47 MB of KV cache, not 377)
     try:
         undisturbed, _, threads = _answer_all(url)
         for thread in threads:

@@ -50,6 +50,9 @@ def no_job_outlives_its_test():
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for pipe in (proc.stdout, proc.stderr):  # (read or not: not left to the GC)
+            if pipe is not None:
+                pipe.close()
 
 
 def job(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
