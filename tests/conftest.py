@@ -186,12 +186,22 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model:
 
 RUNTIME_DIRS: list[Path] = []
 SPAWNED: list[subprocess.Popen | Forked] = []  # the test's `spawn_cli` children: their pipes closed after it
+CLIENTS: list[Any] = []  # the official clients a test made (`closed_after`): closed after it
+
+
+def closed_after(client: Any) -> Any:
+    """`client` (an official SDK's, or anything with close()), closed when the test ends: its connections are not
+    left to the GC (a ResourceWarning wherever a collection runs)."""
+    CLIENTS.append(client)
+    return client
 
 
 @pytest.fixture(autouse=True)
 def no_warm_server_outlives_its_test() -> Iterator[None]:
     """The warm servers a test's runs started (their socket in its runtime dir, on their command line) end with it."""
     yield
+    while CLIENTS:
+        CLIENTS.pop().close()
     while SPAWNED:  # (read by the test or not: not left to the GC, a ResourceWarning wherever it runs)
         for pipe in (SPAWNED[-1].stdout, SPAWNED.pop().stderr):
             if pipe is not None:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import HTTP, run_cli, start_llama_cpp_server, start_server, stop_server
+from conftest import HTTP, closed_after, run_cli, start_llama_cpp_server, start_server, stop_server
 
 
 class FakeServer:
@@ -319,7 +319,7 @@ def test_a_model_by_id_and_cors_only_for_the_origins_given(served):
     """`GET /v1/models/{id}` (404 in OpenAI's shape for another id); CORS answers only an origin given with --cors."""
     import openai
 
-    api = openai.OpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0)
+    api = closed_after(openai.OpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0))
     assert api.models.retrieve("smollm2").id == "smollm2"
     with pytest.raises(openai.NotFoundError, match="not found"):
         api.models.retrieve("gpt-4")

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, spawn_terminal, start_server, stop_server
+from conftest import closed_after, run_cli, spawn_terminal, start_server, stop_server
 
 from llmcli.eval.bfcl import Call, Item, judge, load
 
@@ -121,7 +121,7 @@ def test_auto_calls_when_the_preference_says_so_in_run_and_through_ollama_s_api(
     config.write_text(f'[models."{Path(name).stem}"]\ncall_preference = 30.0\n')
     proc, url = start_server(tmp_path, "--temp", "0")
     try:
-        reply = ollama.Client(host=url).chat(model="smollm2", messages=[{"role": "user", "content": "Rain in Lisbon?"}],
+        reply = closed_after(ollama.Client(host=url)).chat(model="smollm2", messages=[{"role": "user", "content": "Rain in Lisbon?"}],
                                              tools=[{"type": "function", "function": {
                                                  "name": "forecast", "description": "The weather forecast for a city.",
                                                  "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -179,40 +179,40 @@ def test_every_protocol_reaches_the_model(seeing: Path, pictures: dict[str, Path
     uri = "data:image/png;base64," + b64
     proc, url = start_server(tmp_path, "-m", str(seeing), "--temp", "0")
     try:
-        chat = openai.OpenAI(base_url=url + "/v1", api_key="none")
-        text_only = chat.chat.completions.create(model="smol", max_tokens=1, messages=[
-            {"role": "user", "content": "What is this?"}]).usage.prompt_tokens
-        reply = chat.chat.completions.create(model="smol", max_tokens=2, messages=[{"role": "user", "content": [
-            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": uri}}]}])
-        counts = {"chat": reply.usage.prompt_tokens}
-        assert reply.model_extra["timings"]["images"] == 1
-        response = chat.responses.create(model="smol", max_output_tokens=16, input=[{"role": "user", "content": [
-            {"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": uri}]}])
-        counts["responses"] = response.usage.input_tokens
-        message = anthropic.Anthropic(base_url=url, api_key="none").messages.create(
-            model="smol", max_tokens=2, messages=[{"role": "user", "content": [
-                {"type": "text", "text": "What is this?"},
-                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]}])
-        counts["anthropic"] = message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
-        local = ollama.Client(host=url)
-        counts["ollama chat"] = local.chat(model="smol", messages=[
-            {"role": "user", "content": "What is this?", "images": [data]}], options={"num_predict": 2}).prompt_eval_count
-        counts["ollama generate"] = local.generate(model="smol", prompt="What is this?", images=[data],
-                                                   options={"num_predict": 2}).prompt_eval_count
-        assert all(count > text_only + 8 for count in counts.values()), (text_only, counts)
-        with pytest.raises(openai.BadRequestError, match="not an image llmcli reads"):
-            chat.chat.completions.create(model="smol", max_tokens=1, messages=[{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}])
-        with pytest.raises(openai.BadRequestError, match="image URLs are not fetched"):
-            chat.chat.completions.create(model="smol", max_tokens=1, messages=[{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}])
-        with pytest.raises(anthropic.BadRequestError, match="an animated image"):
-            anthropic.Anthropic(base_url=url, api_key="none").messages.create(
-                model="smol", max_tokens=1, messages=[{"role": "user", "content": [{"type": "image", "source": {
-                    "type": "base64", "media_type": "image/gif",
-                    "data": base64.b64encode(pictures["animated.gif"].read_bytes()).decode()}}]}])
-        with pytest.raises(ollama.ResponseError, match="more than 50,000,000 pixels"):
-            local.generate(model="smol", prompt="hi", images=[pictures["bomb.png"].read_bytes()])
+        with openai.OpenAI(base_url=url + "/v1", api_key="none") as chat, ollama.Client(host=url) as local, \
+                anthropic.Anthropic(base_url=url, api_key="none") as claude:  # (closed after: no socket left to the GC)
+            text_only = chat.chat.completions.create(model="smol", max_tokens=1, messages=[
+                {"role": "user", "content": "What is this?"}]).usage.prompt_tokens
+            reply = chat.chat.completions.create(model="smol", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": uri}}]}])
+            counts = {"chat": reply.usage.prompt_tokens}
+            assert reply.model_extra["timings"]["images"] == 1
+            response = chat.responses.create(model="smol", max_output_tokens=16, input=[{"role": "user", "content": [
+                {"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": uri}]}])
+            counts["responses"] = response.usage.input_tokens
+            message = claude.messages.create(
+                model="smol", max_tokens=2, messages=[{"role": "user", "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]}])
+            counts["anthropic"] = message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+            counts["ollama chat"] = local.chat(model="smol", messages=[
+                {"role": "user", "content": "What is this?", "images": [data]}], options={"num_predict": 2}).prompt_eval_count
+            counts["ollama generate"] = local.generate(model="smol", prompt="What is this?", images=[data],
+                                                       options={"num_predict": 2}).prompt_eval_count
+            assert all(count > text_only + 8 for count in counts.values()), (text_only, counts)
+            with pytest.raises(openai.BadRequestError, match="not an image llmcli reads"):
+                chat.chat.completions.create(model="smol", max_tokens=1, messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}])
+            with pytest.raises(openai.BadRequestError, match="image URLs are not fetched"):
+                chat.chat.completions.create(model="smol", max_tokens=1, messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}])
+            with pytest.raises(anthropic.BadRequestError, match="an animated image"):
+                claude.messages.create(
+                    model="smol", max_tokens=1, messages=[{"role": "user", "content": [{"type": "image", "source": {
+                        "type": "base64", "media_type": "image/gif",
+                        "data": base64.b64encode(pictures["animated.gif"].read_bytes()).decode()}}]}])
+            with pytest.raises(ollama.ResponseError, match="more than 50,000,000 pixels"):
+                local.generate(model="smol", prompt="hi", images=[pictures["bomb.png"].read_bytes()])
     finally:
         stop_server(proc)
 

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from conftest import HTTP, LOGS, run_cli, start_server, stop_server
+from conftest import HTTP, LOGS, closed_after, run_cli, start_server, stop_server
 
 from llmcli.units import human_size, parse_keep_alive
 
@@ -201,7 +201,7 @@ def test_ollama_s_pull_downloads_a_hub_model_that_then_answers_and_a_client_gone
                             "Bad-Q4_K_M.gguf": Fault(corrupt=True)})
     proc, url = start_server(tmp_path, "-P", "1", "-c", "256", "--allow-pull", "--api-key", KEY)
     try:
-        client = ollama.Client(host=url, headers=AUTH)
+        client = closed_after(ollama.Client(host=url, headers=AUTH))
         shown = HTTP.post(f"{url}/api/show", headers=AUTH, json={"model": "hf.co/someone/Smol-GGUF"})
         assert shown.status_code == 404 and hub.requests() == []  # describing a model never downloads it
 

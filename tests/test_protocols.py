@@ -21,7 +21,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from conftest import HTTP, run_cli, start_server, stop_server
+from conftest import HTTP, closed_after, run_cli, start_server, stop_server
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -49,36 +49,23 @@ def run_json(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
-CLIENTS: list[Any] = []  # the official clients a test made: closed after it (their connections not left to the GC)
-
-
-@pytest.fixture(autouse=True)
-def clients_closed() -> Iterator[None]:
-    yield
-    while CLIENTS:
-        CLIENTS.pop().close()
-
-
 def ollama_client(url: str, key: str | None = KEY):
     import ollama
 
     headers = {"Authorization": f"Bearer {key}"} if key else None
-    CLIENTS.append(ollama.Client(host=url, headers=headers, timeout=120))
-    return CLIENTS[-1]
+    return closed_after(ollama.Client(host=url, headers=headers, timeout=120))
 
 
 def anthropic_client(url: str, key: str = KEY):
     import anthropic
 
-    CLIENTS.append(anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120))
-    return CLIENTS[-1]
+    return closed_after(anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120))
 
 
 def openai_client(url: str, key: str = KEY):
     from openai import OpenAI
 
-    CLIENTS.append(OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120))
-    return CLIENTS[-1]
+    return closed_after(OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120))
 
 
 def warm(url: str, **request) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx2
 import jsonschema
 import pytest
-from conftest import HTTP, LOGS, run_cli, start_server, stop_server
+from conftest import HTTP, LOGS, closed_after, run_cli, start_server, stop_server
 
 KEY = "test-key"
 PROMPTS = ["Say hi.", "Name a colour.", "What is two plus two?", "Write a word that rhymes with cat."]
@@ -35,7 +35,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subp
 def client(url: str):
     from openai import OpenAI
 
-    return OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    return closed_after(OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120))
 
 
 def run_greedy(prompt: str, n: int) -> str:

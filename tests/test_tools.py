@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import run_cli, spawn_terminal, start_server, stop_server
+from conftest import closed_after, run_cli, spawn_terminal, start_server, stop_server
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -177,7 +177,7 @@ def served(request, tmp_path_factory) -> Iterator[tuple[str, str]]:
 def _client(url: str):
     import openai
 
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return closed_after(openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120))
 
 
 def _valid(call) -> bool:
