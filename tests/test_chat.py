@@ -121,8 +121,8 @@ def test_multi_line_message_and_exit_command(isolated_env):
     assert "a secret line" not in typed.read_text()
 
 
-def chat_lines(*args: str, messages: list[str]) -> list[dict]:
-    result = run_cli("chat", "--json", "-q", *args, input="\n".join(messages) + "\n")
+def chat_lines(*args: str, messages: list[str], env: dict[str, str] | None = None) -> list[dict]:
+    result = run_cli("chat", "--json", "-q", *args, input="\n".join(messages) + "\n", env=env)
     assert result.code == 0, result.stderr
     return [json.loads(line) for line in result.stdout.splitlines()]
 
@@ -141,16 +141,20 @@ def test_only_the_new_turn_is_prefilled_over_eight_turns():
     assert records[-1]["usage"]["prompt_tokens"] > 8 * 16  # while the history itself kept growing
 
 
-@pytest.mark.in_process  # (a local KV cache grows with the turns; a server's slot holds its whole context)
-def test_the_kv_cache_is_sized_to_the_turns_and_grows_keeping_the_conversation():
+@pytest.mark.parametrize("where", ["warm", "in_process"])
+def test_the_kv_cache_is_sized_to_the_turns_and_grows_keeping_the_conversation(where):
     """run and chat make the KV cache their work needs (the prompt and -n's room; 512 cells at least), not the whole
-    context: a turn that needs more grows it, the conversation copied as it is (reused, never evaluated again)."""
-    first = run_cli("run", "--json", "-n", "2", "--grammar", 'root ::= "OK"', "One.")
+    context: a turn that needs more grows it, the conversation copied as it is (reused, never evaluated again). The
+    same through the warm server (the default): its slot grows with the work as this process's cache does."""
+    env = {"LLMCLI_KEEP_ALIVE": "0" if where == "in_process" else "5m"}
+    first = run_cli("run", "--json", "-n", "2", "--grammar", 'root ::= "OK"', "One.", env=env)
     assert first.code == 0, first.stderr
     assert json.loads(first.stdout)["timings"]["kv_cells"] == 512  # of the context's 4096
     room = 511 - json.loads(first.stdout)["usage"]["prompt_tokens"]  # the first turn's prompt and room: 511 cells
-    records = chat_lines("--temp", "0", "-n", str(room), "--grammar", 'root ::= "OK"', messages=["One.", "Two."])
+    records = chat_lines("--temp", "0", "-n", str(room), "--grammar", 'root ::= "OK"', messages=["One.", "Two."],
+                         env=env)
     assert [r["text"] for r in records] == ["OK", "OK"]
+    assert all(r["timings"]["warm"] is (where == "warm") for r in records)  # (the run before started the server)
     assert [r["timings"]["kv_cells"] for r in records] == [512, 1024]  # the second turn needs > 512: twice as many
     before, after = records
     assert after["usage"]["cached_tokens"] >= before["usage"]["prompt_tokens"]  # (the forced reply's tokens may differ)

@@ -79,7 +79,8 @@ SocketOpt = Annotated[Optional[Path], typer.Option(
     "may connect) instead of a TCP port; it is removed when the server ends.")]
 ExitIdleOpt = Annotated[bool, typer.Option(
     "--exit-when-idle", rich_help_panel=_SERVER,
-    help="The -m model expires too (--keep-alive), and the server exits once no model is loaded.")]
+    help="The -m model expires too (--keep-alive), and the server exits once no model is loaded; its KV cache "
+    "grows with the work, as run's (a server for llmcli's own runs and agents: warm servers, launch).")]
 AllowPullOpt = Annotated[bool, typer.Option(
     "--allow-pull", rich_help_panel=_SERVER,
     help="A request may name a Hub model not downloaded yet (it is downloaded), and Ollama's /api/pull downloads one "
@@ -183,7 +184,7 @@ def serve(
     console = output.stderr_console()
     found = ServerModels(request, parallel, queue if queue is not None else 4 * parallel, max_body,
                          max_answer, allow_pull, step_timeout, lambda line: output.print_stats_line(console, line),
-                         cache_ram)
+                         cache_ram, grows=exit_when_idle)
     with output.download_progress() as progress:
         first = found.load(None, progress)
     for notice in first.notices:

@@ -8,14 +8,18 @@ every slot is busy, requests wait in a bounded queue (`submit` raises `QueueFull
 
 Each slot is one sequence of a non-unified KV cache of a whole context each, so an answer's numbers do not
 depend on its neighbours, and it never needs more cells than its slot has (at the context it ends with
-context_full, as a single answer does). A slot keeps its sequence's cache after a request ends: the next
-request whose prompt shares a prefix with it (a chat client resending the conversation) evaluates only the
-rest, and is placed in the free slot that shares the most. A request that shares more with the prompt of an answer
-in progress (MIN_COPY tokens or more: requests sent at once with one system prompt) is given a copy of that answer's
-cells for them, waiting while they are still being evaluated: the shared part is evaluated once. A free slot
-given to another prompt keeps what it held: the cells it would lose (another conversation: an agent's earlier
-session, a chat left for another) are saved in memory first (kept_states.py), and a later prompt that goes on from a
-kept state is given it back rather than evaluating it again.
+context_full, as a single answer does). A server that grows (one that exits when idle: a warm server) starts its
+slots small and gives them cells as a request needs them (`Scheduler.reserve` before its prompt goes in, `grow` when
+an answer outgrows them: every slot's cells copied as they are), a whole context at most.
+
+A slot keeps its sequence's cache after a request ends: the next request whose prompt shares a prefix with it (a
+chat client resending the conversation) evaluates only the rest, and is placed in the free slot that shares the
+most. A request that shares more with the prompt of an answer in progress (MIN_COPY tokens or more: requests sent at
+once with one system prompt) is given a copy of that answer's cells for them, waiting while they are still being
+evaluated: the shared part is evaluated once. A free slot given to another prompt keeps what it held: the cells it
+would lose (another conversation: an agent's earlier session, a chat left for another) are saved in memory first
+(kept_states.py), and a later prompt that goes on from a kept state is given it back rather than evaluating it
+again.
 
 It never prints.
 """
@@ -29,6 +33,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmcli.answer.context_budget import answer_room
 from llmcli.answer.events import DecodeEvent, Done, Prefill, TokenLogprob, TokenTrace
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.images import ImageInput
@@ -223,6 +228,13 @@ class SlotServer:
             if job.cancelled.is_set():
                 self._events.append((job, _cancelled(job)))
                 continue
+            try:  # (a cache sized to its work — a server that grows: cells for the prompt and its answer's room first)
+                scheduler.reserve(len(job.tokens) + answer_room(job.generation.max_tokens, self.engine.n_ctx))
+            except LlmcliError as exc:  # (the memory for them is gone: this request fails, the server goes on)
+                job.failure = Failure(exc.message, refused=False, cause=exc)
+                self._events.append((job, _cancelled(job)))
+                continue
+            kv = self.engine.kv  # (a cache that grew is another one)
             if self.engine.n_swa == 0:  # a sliding-window cache holds only its last window: any slot will do
                 free.sort(key=lambda seq: -shared_prefix(kv.tokens_of(seq), job.tokens))
                 source, shared = self._answering_with(job.tokens)
@@ -238,7 +250,7 @@ class SlotServer:
                     free[0] = self._spared(free, job.tokens)
                     self._given_back(free[0], job.tokens)
             if self.prompt_cache is not None and job.stable is not None:  # (when the slot holds less of it)
-                self.prompt_cache.restore(job.tokens, job.stable, free[0])
+                self.prompt_cache.restore(job.tokens, job.stable, free[0], make_room=scheduler.reserve)
             try:
                 if job.images:  # (their placeholder ids are their contents': the ones the prompt holds)
                     vision = self.engine.load_vision()
@@ -298,6 +310,8 @@ class SlotServer:
         if found is None:
             return
         key, state, shared = found
+        self.scheduler.reserve(len(state.tokens))  # (a cache sized to its work: the state's cells, all of them)
+        kv = self.engine.kv
         if not kv.restore_state(state.tokens, state.payload, seq):
             kept.refused(key)  # (the sequence is empty: the prompt is evaluated whole)
             return

@@ -36,16 +36,18 @@ from llmcli.units import keeps_loaded
 class Shape:
     """How many sequences the command decodes: one answer at a time (run, chat: the KV cache starts small and grows
     with the conversation), a batch of N decoded together (run --batch: the KV cache is sized once the prompts are
-    known), or N server slots of a whole context each (`served`: the memory a server holds stays put)."""
+    known), or N server slots of a whole context each (`served`: the memory a server holds stays put) — unless the
+    server `grows` (one that exits when idle: a warm server, launch's): its slots' cells grow with the work, as run's."""
 
     sequences: int = 1
     batch: bool = False
     served: bool = False
+    grows: bool = False
 
     @property
     def sized_to_work(self) -> bool:
         """The KV cache is made small at load and sized to the work (`Engine.grow_to`, `resize`)."""
-        return self.batch or not self.served
+        return self.batch or not self.served or self.grows
 
     @property
     def slots(self) -> int:

@@ -29,6 +29,7 @@ class EngineSpec:
     parallel: int
     own_sockets: tuple[Path, ...] = ()  # the server's (not asked by the load's memory check: nothing answers there yet)
     kept_mib: int = KEPT_MIB  # serve --cache-ram
+    grows: bool = False  # the slots' KV cells sized to the work (serve --exit-when-idle), not made whole at load
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def load_engine(spec: EngineSpec) -> tuple[Any, EngineFacts]:
 
     for own in spec.own_sockets:
         warm.listening_here(own)
-    pipeline = open_pipeline(dataclasses.replace(spec.request, shape=Shape(spec.parallel, served=True)))
+    pipeline = open_pipeline(dataclasses.replace(spec.request, shape=Shape(spec.parallel, served=True, grows=spec.grows)))
     session, engine = pipeline.session, pipeline.session.engine
     try:
         template_system = session.template_system

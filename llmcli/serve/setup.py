@@ -38,6 +38,7 @@ class ServerModels:
     step_timeout: float = STEP_TIMEOUT_S  # the longest step an engine may take before it is restarted
     report: Callable[[str], None] | None = None  # a line for the server's log (an engine restarted)
     kept_mib: int = KEPT_MIB  # --cache-ram: what slots held when another request took them, kept in memory
+    grows: bool = False  # --exit-when-idle: the slots' KV cells sized to the work (EngineSpec.grows)
 
     def request_for(self, name: str | None) -> Request:
         if name is None:
@@ -87,7 +88,7 @@ class ServerModels:
         tokenizer = open_tokenizer(request)  # (a file llama.cpp would refuse is refused here, before any process starts)
         engine = None
         try:
-            spec = EngineSpec(request, self.parallel, warm.own_sockets(), self.kept_mib)
+            spec = EngineSpec(request, self.parallel, warm.own_sockets(), self.kept_mib, self.grows)
             engine = EngineProcess(spec, self.queue, self.step_timeout, self.report)
             return _served(tokenizer, engine.ready(), engine, request, self)
         except BaseException:
