@@ -310,7 +310,11 @@ class SlotServer:
         if found is None:
             return
         key, state, shared = found
-        self.scheduler.reserve(len(state.tokens))  # (a cache sized to its work: the state's cells, all of them)
+        try:
+            self.scheduler.reserve(len(state.tokens))  # (a cache sized to its work: the state's cells, all of them)
+        except LlmcliError:  # (no memory for them now: the prompt is evaluated, as without the state)
+            kept.refused(key)
+            return
         kv = self.engine.kv
         if not kv.restore_state(state.tokens, state.payload, seq):
             kept.refused(key)  # (the sequence is empty: the prompt is evaluated whole)
