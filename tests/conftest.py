@@ -203,7 +203,8 @@ def no_warm_server_outlives_its_test() -> Iterator[None]:
     while CLIENTS:
         CLIENTS.pop().close()
     while SPAWNED:  # (read by the test or not: not left to the GC, a ResourceWarning wherever it runs)
-        for pipe in (SPAWNED[-1].stdout, SPAWNED.pop().stderr):
+        spawned = SPAWNED.pop()
+        for pipe in (spawned.stdout, spawned.stderr):
             if pipe is not None:
                 pipe.close()
     while RUNTIME_DIRS:

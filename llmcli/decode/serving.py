@@ -218,7 +218,7 @@ class SlotServer:
     def _admit(self) -> None:
         """Waiting jobs into free slots: each into the free slot whose cache shares most of its prompt, or with the
         cells of an answer in progress whose prompt shares more (MIN_COPY; a job waits while they are evaluated)."""
-        scheduler, kv = self.scheduler, self.engine.kv
+        scheduler = self.scheduler
         held: list[Job] = []
         while self.waiting:
             free = scheduler.free_sequences()
@@ -234,7 +234,7 @@ class SlotServer:
                 job.failure = Failure(exc.message, refused=False, cause=exc)
                 self._events.append((job, _cancelled(job)))
                 continue
-            kv = self.engine.kv  # (a cache that grew is another one)
+            kv = self.engine.kv  # (read after the reservation: a cache that grew is another one)
             if self.engine.n_swa == 0:  # a sliding-window cache holds only its last window: any slot will do
                 free.sort(key=lambda seq: -shared_prefix(kv.tokens_of(seq), job.tokens))
                 source, shared = self._answering_with(job.tokens)
