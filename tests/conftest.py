@@ -535,6 +535,19 @@ def spawn_terminal(*args: str, env: dict[str, str] | None = None, dimensions: tu
     return terminal
 
 
+def interrupt_at_a_prompt(child: pexpect.spawn | Terminal, expected: str | type[pexpect.EOF],
+                          tries: int = 4, wait_s: float = 10) -> None:
+    """Ctrl-C at a prompt that waits for a line (chat's `>>> `, a question), until `expected` shows (`pexpect.EOF`: the
+    process ends), as a person presses it again: a SIGINT that lands after the prompt is written and before the read
+    that waits for the terminal has begun is taken only with the next key (CPython's input() and os.read, gh-112585;
+    a window of microseconds, hit under a loaded CI machine's scheduling, never by a hand)."""
+    for _ in range(tries):
+        child.sendintr()
+        if child.expect_exact([expected, pexpect.TIMEOUT], timeout=wait_s) == 0:
+            return
+    raise AssertionError(f"{tries} Ctrl-C at the prompt, and no {expected!r}: {child.before!r}")
+
+
 @pytest.fixture(autouse=True)
 def no_terminal_outlives_its_test() -> Iterator[None]:
     yield

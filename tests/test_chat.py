@@ -7,7 +7,7 @@ import json
 
 import pexpect
 import pytest
-from conftest import Terminal, run_cli, spawn_terminal
+from conftest import Terminal, interrupt_at_a_prompt, run_cli, spawn_terminal
 
 PROMPT = ">>> "
 
@@ -86,8 +86,7 @@ def test_repl_turns_commands_interrupt_and_exit(tmp_path):
     assert "stop: max tokens" in after or "stop: eos" in after
 
     # Ctrl-C at the prompt hints how to leave; Ctrl-D leaves with 0
-    child.sendintr()
-    child.expect_exact("(Ctrl-D or /exit to leave)")
+    interrupt_at_a_prompt(child, "(Ctrl-D or /exit to leave)")
     child.expect_exact(PROMPT)
     child.sendeof()
     child.expect(pexpect.EOF)

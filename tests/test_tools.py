@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import closed_after, run_cli, spawn_terminal, start_server, stop_server
+from conftest import closed_after, interrupt_at_a_prompt, run_cli, spawn_terminal, start_server, stop_server
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -447,8 +447,8 @@ def test_approval_on_a_terminal_and_ctrl_c_during_a_tool(tmp_path):
     asked = spawn_terminal("run", "--functions", str(slow), "--tool-choice", "wait", "--tools-approve", "--temp", "0",
                            "-n", "30", "-q", "Wait.", timeout=30, encoding="utf-8", env={"NO_COLOR": "1"})
     asked.expect(r"\[y/N\] ")
-    asked.sendintr()  # Ctrl-C at the question ends the run at once (issue 57: it waited for Enter)
-    asked.expect(pexpect.EOF)
+    interrupt_at_a_prompt(asked, pexpect.EOF)  # Ctrl-C at the question ends the run at once (issue 57: it waited for
+    # Enter)
     asked.close()
     assert asked.exitstatus == 130 or asked.signalstatus == 2, (asked.exitstatus, asked.signalstatus)
     from conftest import ctrl_c_when
