@@ -8,6 +8,7 @@ import fcntl
 import gc
 import importlib
 import json
+import math
 import os
 import pty
 import re
@@ -186,6 +187,44 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model:
 
 RUNTIME_DIRS: list[Path] = []
 SPAWNED: list[subprocess.Popen | Forked] = []  # the test's `spawn_cli` children: their pipes closed after it
+@dataclass(frozen=True)
+class ScoredAnswer:
+    """A greedy answer with its tokens as scored (`--logprobs 2`, an API's top_logprobs 2): its text, why it ended,
+    and each token's bytes, its logprob and the two most likely tokens' logprobs by their bytes."""
+
+    text: str
+    finish: str | None
+    tokens: tuple[tuple[bytes, float, dict[bytes, float]], ...] = ()
+
+
+def scored(logprobs: Any) -> list[tuple[bytes, float, dict[bytes, float]]]:
+    """ScoredAnswer's tokens from logprobs in OpenAI's shape (what `--json --logprobs` and the APIs give)."""
+    return [(bytes(lp["bytes"]), lp["logprob"], {bytes(t["bytes"]): t["logprob"] for t in lp["top_logprobs"]})
+            for lp in logprobs]
+
+
+NEAR_TIE = 0.5  # nats between the two most likely tokens: where two ways of evaluating one sequence may choose apart
+
+
+def where_greedy_answers_part(a: ScoredAnswer, b: ScoredAnswer) -> str | None:
+    """None where two greedy answers to one prompt made two ways (a batch's sequences and one alone, an answer resumed
+    by an engine started again: its tokens so far evaluated as one prefill) are the same, or part first where the
+    model found its two most likely tokens near-tied in both — the arithmetic of the two ways differs in the last bits,
+    and a CPU's kernels decide where that shows; else where and how they part (a token lost, repeated, or chosen on a
+    wrong cache parts them where the model was sure)."""
+    pairs = zip(a.tokens, b.tokens, strict=False)
+    for index, ((piece_a, logprob_a, top_a), (piece_b, logprob_b, top_b)) in enumerate(pairs):
+        if piece_a != piece_b:
+            gaps = (logprob_a - top_a.get(piece_b, -math.inf), logprob_b - top_b.get(piece_a, -math.inf))
+            near = all(gap < NEAR_TIE for gap in gaps)
+            return None if near else f"token {index}: {piece_a!r} / {piece_b!r}, gaps {gaps} ({a.text!r} / {b.text!r})"
+    if len(a.tokens) == len(b.tokens):
+        return None  # (the same tokens; their logprobs may differ in the last bits)
+    shorter, longer = sorted((a, b), key=lambda answer: len(answer.tokens))
+    went_on = longer.tokens[len(shorter.tokens)][1]  # where the shorter chose its end: the longer's choice then
+    return None if shorter.finish == "stop" and went_on < math.log(0.5) + NEAR_TIE else f"{a} / {b}"
+
+
 CLIENTS: list[Any] = []  # the official clients a test made (`closed_after`): closed after it
 
 

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from conftest import run_cli, spawn_cli
+from conftest import ScoredAnswer, run_cli, scored, spawn_cli, where_greedy_answers_part
 
 QUESTIONS = [
     "What is the capital of France?", "Name three fruits.", "Why is the sky blue?", "Write a haiku about winter.",
@@ -21,13 +21,16 @@ def batch(*args: str, input: str) -> tuple[list[dict], str, int]:
 
 
 def test_eight_prompts_in_parallel_match_sequential_runs_in_input_order():
-    records, stderr, code = batch("-P", "8", "--temp", "0", "-n", "24", input="\n".join(QUESTIONS) + "\n")
+    records, stderr, code = batch("-P", "8", "--temp", "0", "-n", "24", "--logprobs", "2",
+                                  input="\n".join(QUESTIONS) + "\n")
     assert code == 0, stderr
     assert [r["index"] for r in records] == list(range(8))
-    sequential = [run_cli("run", "--json", "--temp", "0", "-n", "24", q) for q in QUESTIONS]
-    same = sum(json.loads(s.stdout)["text"] == r["text"] for s, r in zip(sequential, records, strict=True))
-    # llama.cpp is not batch-invariant in general; on this build all 8 match (see the closing note)
-    assert same >= 7, f"only {same} of 8 batched answers equal the sequential ones"
+    sequential = [json.loads(run_cli("run", "--json", "--temp", "0", "-n", "24", "--logprobs", "2", q).stdout)
+                  for q in QUESTIONS]
+    # llama.cpp is not batch-invariant: a batch's answer is the sequential one's, or parts from it at a near-tie
+    parted = [where_greedy_answers_part(*(ScoredAnswer(r["text"], r["finish_reason"], tuple(scored(r["logprobs"])))
+                                          for r in pair)) for pair in zip(sequential, records, strict=True)]
+    assert parted == [None] * len(QUESTIONS), parted
     for record in records:
         assert record["finish_reason"] in ("stop", "length")
         assert record["usage"]["completion_tokens"] <= 24 and record["timings"]["ttft_s"] > 0

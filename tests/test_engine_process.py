@@ -4,17 +4,15 @@ step past --step-timeout fails the request it was sampling, and only it."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import LOGS, run_cli, start_server, stop_server
+from conftest import LOGS, ScoredAnswer, run_cli, scored, start_server, stop_server, where_greedy_answers_part
 
 KEY = "engine-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -32,17 +30,7 @@ def _health(url: str) -> dict:
     return httpx.get(f"{url}/health", headers=AUTH, timeout=10).json()  # (the pids: only with the key)
 
 
-@dataclass(frozen=True)
-class Answer:
-    """A streamed greedy answer: its text, why it ended, and each token as scored (its bytes, its logprob, and the two
-    most likely tokens' logprobs by their bytes)."""
-
-    text: str
-    finish: str | None
-    tokens: tuple[tuple[bytes, float, dict[bytes, float]], ...] = ()
-
-
-def _stream(url: str, prompt: str, seen: list[int], index: int) -> Answer:
+def _stream(url: str, prompt: str, seen: list[int], index: int) -> ScoredAnswer:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 112,
             "temperature": 0, "stream": True, "logprobs": True, "top_logprobs": 2}
     text, finish, tokens = "", None, []
@@ -56,34 +44,13 @@ def _stream(url: str, prompt: str, seen: list[int], index: int) -> Answer:
             choice = chunk["choices"][0]
             text += choice["delta"].get("content") or ""
             finish = choice.get("finish_reason") or finish
-            tokens += [(bytes(lp["bytes"]), lp["logprob"], {bytes(t["bytes"]): t["logprob"] for t in lp["top_logprobs"]})
-                       for lp in (choice.get("logprobs") or {}).get("content") or ()]
+            tokens += scored((choice.get("logprobs") or {}).get("content") or ())
             seen[index] = len(text)
-    return Answer(text, finish, tuple(tokens))
+    return ScoredAnswer(text, finish, tuple(tokens))
 
 
-NEAR_TIE = 0.5  # nats between the two most likely tokens: where a prefill's arithmetic and a decode's may choose apart
-
-
-def _where_they_part(a: Answer, b: Answer) -> str | None:
-    """None where two greedy answers to one prompt are the same, or part first where the model found its two most
-    likely tokens near-tied in both (an engine started again evaluates the answer so far as one prefill, whose
-    arithmetic differs from the decode steps' in the last bits); else where and how they part."""
-    pairs = zip(a.tokens, b.tokens, strict=False)
-    for index, ((piece_a, logprob_a, top_a), (piece_b, logprob_b, top_b)) in enumerate(pairs):
-        if piece_a != piece_b:
-            gaps = (logprob_a - top_a.get(piece_b, -math.inf), logprob_b - top_b.get(piece_a, -math.inf))
-            near = all(gap < NEAR_TIE for gap in gaps)
-            return None if near else f"token {index}: {piece_a!r} / {piece_b!r}, gaps {gaps} ({a.text!r} / {b.text!r})"
-    if len(a.tokens) == len(b.tokens):
-        return None  # (the same tokens; their logprobs may differ in the last bits)
-    shorter, longer = sorted((a, b), key=lambda answer: len(answer.tokens))
-    went_on = longer.tokens[len(shorter.tokens)][1]  # where the shorter chose its end: the longer's choice then
-    return None if shorter.finish == "stop" and went_on < math.log(0.5) + NEAR_TIE else f"{a} / {b}"
-
-
-def _answer_all(url: str) -> tuple[list[Answer | None], list[int], list[threading.Thread]]:
-    results: list[Answer | None] = [None] * len(PROMPTS)
+def _answer_all(url: str) -> tuple[list[ScoredAnswer | None], list[int], list[threading.Thread]]:
+    results: list[ScoredAnswer | None] = [None] * len(PROMPTS)
     seen = [0] * len(PROMPTS)
 
     def ask(index: int) -> None:
@@ -121,7 +88,7 @@ def test_four_streams_complete_through_three_engine_deaths_and_health_answers_th
             thread.join(120)
 
         assert all(r is not None and r.finish in ("stop", "length") and r.tokens for r in results), results
-        parted = [_where_they_part(a, b) for a, b in zip(undisturbed, results, strict=True)]  # type: ignore[arg-type]
+        parted = [where_greedy_answers_part(a, b) for a, b in zip(undisturbed, results, strict=True)]  # type: ignore[arg-type]
         assert parted == [None] * len(PROMPTS), parted  # (greedy: the text an undisturbed run gives, or the same
         # up to a near-tie — never a token lost, repeated or chosen on a wrong cache)
         engine = _health(url)["engine"]
