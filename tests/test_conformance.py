@@ -285,16 +285,22 @@ def test_a_warm_error_is_the_in_process_error(paths):
     """The same exit code, words and hint; never the warm server's internal URL (issue 57: exit 2, `http://llmcli/v1
     refused the request (400)`, no hint)."""
     long = "word " * 5000
+    unsatisfiable = '{"type": "string", "minLength": 5, "maxLength": 2}'  # (a valid schema no text meets: the
+    # warm server turns it into a grammar, not the run: it said `response_format cannot be…`, naming the API's field)
     errors = {}
     for path in ("in-process", "warm"):
-        for args in (["-n", "4", long], ["--logit-bias", "Hello world=-inf", PROMPT], ["--logit-bias", "99999999=1", PROMPT]):
+        for args in (["-n", "4", long], ["--logit-bias", "Hello world=-inf", PROMPT], ["--logit-bias", "99999999=1", PROMPT],
+                     ["--json-schema", unsatisfiable, PROMPT]):
             result = run_cli("run", "--temp", "0", *args, env=paths[path])
             errors[path, args[1]] = (result.code, result.stderr.strip().splitlines()[-2:])
-    for key in ("4", "Hello world=-inf", "99999999=1"):
+    for key in ("4", "Hello world=-inf", "99999999=1", unsatisfiable):
         assert errors["warm", key] == errors["in-process", key], key
         assert "http://llmcli" not in " ".join(errors["warm", key][1])
     assert errors["warm", "4"][0] == 6 and errors["warm", "4"][1][1].startswith("Hint: Use --ctx-size")
     assert errors["warm", "Hello world=-inf"][0] == errors["warm", "99999999=1"][0] == 2
+    assert errors["warm", unsatisfiable][0] == 2
+    assert errors["warm", unsatisfiable][1][-1] == "Error: --json-schema cannot be turned into a grammar: at most 2 is " \
+        "less than at least 5"
 
 
 def test_on_overflow_truncate_and_a_capped_n_say_the_same_on_every_path(paths):

@@ -83,7 +83,7 @@ def constraint_of(kind: str | None, schema: Any = None, grammar: Any = None, par
             try:
                 check_grammar(grammar, "grammar")  # before llama.cpp's parser sees it (prepare's check_grammar)
             except LlmcliError as exc:
-                raise ApiError(400, exc.message, param="grammar") from None
+                raise ApiError(400, exc.message, param="grammar", cause=exc) from None
         return Constraint(grammar, "grammar") if grammar else Constraint()
     if grammar is not None:
         raise ApiError(400, f"grammar and {param} cannot be combined", param="grammar")
@@ -101,7 +101,7 @@ def constraint_of(kind: str | None, schema: Any = None, grammar: Any = None, par
     except jsonschema.exceptions.SchemaError as exc:
         raise ApiError(400, f"{param}: not a valid JSON Schema: {exc.message}", param=param) from None
     except LlmcliError as exc:
-        raise ApiError(400, exc.message.replace("--json-schema", param), param=param) from None
+        raise ApiError(400, exc.message.replace("--json-schema", param), param=param, cause=exc) from None
 
 
 def tools_of(tools: Any, choice: Any, prompter: Prompter, parallel: Any = True, param: str = "tools",
@@ -125,7 +125,7 @@ def tools_of(tools: Any, choice: Any, prompter: Prompter, parallel: Any = True, 
             tool_grammar(spec)  # a schema no grammar can hold is this request's 400, not a failed slot
     except LlmcliError as exc:
         raise ApiError(400, exc.message.replace("tools", param, 1),
-                       param="tool_choice" if "tool_choice" in exc.message else param) from None
+                       param="tool_choice" if "tool_choice" in exc.message else param, cause=exc) from None
     return spec
 
 
