@@ -112,6 +112,9 @@ def test_a_warm_answer_s_trace_is_the_in_process_one(tmp_path):
         assert mine["chosen"]["p"] == pytest.approx(theirs["chosen"]["p"], abs=0.02)
     assert [e["stage"] for e in warm_events] == [e["stage"] for e in here_events]
     assert warm_events[0] == here_events[0]  # (the prompt: the same tokens, rendered here with the vocabulary)
+    for events, first in zip((warm_events, here_events), (tokens[0][0], tokens[1][0]), strict=True):
+        assert first["seconds"] == events[-1]["ttft_s"]  # (the first token, marked as the TTFT, is the summary's:
+        # warm, the client's time since it asked, not the server's since it read the request)
 
 
 def test_chat_s_trace_command_traces_the_next_replies_until_it_is_turned_off():
@@ -479,3 +482,25 @@ def test_a_traced_token_is_the_plain_one_and_each_stage_is_as_a_whole_vocabulary
                     assert {c.token for c in step.candidates if c.p_sampler > 0} >= {
                         int(t) for t in np.argsort(-final)[:8] if final[t] > 1e-3}, options
                     assert engine.decode_one(token) == "ok"
+
+
+def test_a_warm_trace_s_first_token_time_is_the_answer_s_ttft_as_the_client_measures_it():
+    """The first traced token is marked as the TTFT: on the warm path its time is the client's — since the request
+    was made, as the summary's TTFT — not the server's, which starts when it read the request (the two lines of one
+    screen said 0.044 and 0.054 s; then 0.021 and 0.022: the trace's line drawn before the text was read). No model: a traced token as llmcli serve writes it, read back by the client."""
+    import time
+
+    from llmcli.answer.events import Candidate, TokenTrace
+    from llmcli.answer.openai_wire import ChunkReader
+    from llmcli.answer.trace_wire import trace_wire
+
+    def wire(index: int) -> dict:
+        return {"llmcli_trace": trace_wire(TokenTrace(index, 42, b"hi", False, "argmax", 1.0,
+                                                      (Candidate(42, b"hi", 0.0, 1.0, 1.0),), (("greedy", 1),), (), 0.004))}
+
+    reader = ChunkReader((), time.perf_counter() - 5.0)  # (a request made 5 s ago: its server read it just now)
+    first = next(iter(reader.events(wire(0), chat=True)))
+    list(reader.events({"choices": [{"delta": {"content": "hi"}}]}, chat=True))  # (its text, read after the trace's
+    second = next(iter(reader.events(wire(1), chat=True)))  # line was drawn)
+    assert first.seconds >= 5.0 and second.seconds == 0.004  # (the next ones: the server's time between tokens)
+    assert first.seconds == reader.done(interrupted=False)[1].stats.ttft_s

@@ -6,6 +6,7 @@ back into llmcli's events. No HTTP here: serve's routes (llmcli/serve/openai_api
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -211,6 +212,7 @@ class ChunkReader:
         self._unsent: list[TokenLogprob] = []  # those of text the stop matcher still holds
         self.prompt_tokens = 0  # as llmcli serve announced them (an answer cut short gets no usage)
         self.dropped = 0  # the conversation's oldest exchanges llmcli serve dropped to fit (fit_history)
+        self._traced_at: float | None = None  # when the last traced token's trace came (its text not yet read)
 
     def events(self, chunk: dict[str, Any], chat: bool) -> Iterator[Token | CallStarted | CallArguments | Prefill |
                                                                      TokenTrace]:
@@ -218,6 +220,11 @@ class ChunkReader:
         if traced is not None:
             found = trace_of(traced)
             if found is not None:
+                self._traced_at = time.perf_counter()  # (when its token came: its text's chunk follows, after the
+                # trace is shown)
+                if found.index == 0:  # (the first token's time is the TTFT: since this request was made, as the
+                    # summary's, not since the server read it)
+                    found = dataclasses.replace(found, seconds=self._traced_at - self.clock.submitted)
                 yield found
             return
         announced = chunk.get("llmcli_prompt_tokens")
@@ -276,7 +283,8 @@ class ChunkReader:
                 yield CallArguments(index, piece)
 
     def _arrived(self) -> None:
-        self.clock.token(time.perf_counter(), True)
+        self.clock.token(self._traced_at or time.perf_counter(), True)  # (a traced token: when its trace came)
+        self._traced_at = None
         self.pieces += 1
 
     @property

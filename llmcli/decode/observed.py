@@ -5,8 +5,6 @@ pass and after each traced sample; nothing here runs unless an answer asked."""
 
 from __future__ import annotations
 
-import time
-
 from llmcli.answer.events import PrefillTrace, TokenTrace
 from llmcli.decode.step_plan import Chunk, Slot
 from llmcli.llama.engine import Engine
@@ -24,9 +22,10 @@ def score_chunk(engine: Engine, chunk: Chunk, row: int) -> None:
         slot.scores.append(token_logprob(ctx, vocab, row + pos - chunk.begin, slot.prompt[pos + 1], n_top))
 
 
-def token_trace(engine: Engine, slot: Slot, token: int, traced: Traced) -> TokenTrace:
-    """A traced token's event: its time since the last one (the first: since the request, with the prefill)."""
-    now, clock, vocab = time.perf_counter(), slot.clock, engine.vocab
+def token_trace(engine: Engine, slot: Slot, token: int, traced: Traced, now: float) -> TokenTrace:
+    """A traced token's event: its time (`now`) since the last one (the first: since the request, with the
+    prefill)."""
+    clock, vocab = slot.clock, engine.vocab
     since = clock.last_token or clock.prefill_done or clock.prefill_started or now
     prefill = None
     if not slot.sampled:

@@ -309,6 +309,7 @@ class Scheduler:
         was_pending, before = slot.pending is not None, slot.pos
         i = 0
         while True:
+            traced = None
             if slot.forced:
                 token = slot.forced.pop(0)
                 sampler.accept(token)
@@ -318,8 +319,9 @@ class Scheduler:
                                                                                 slot.options.trace)
                 token = sampler.sample(first + i) if traced is None else traced.token
                 self.sampling = None
-                if traced is not None:  # (its event, for the client to take before the text)
-                    self.traced.append((slot, token_trace(self.engine, slot, token, traced)))
+            now = time.perf_counter()  # (the token's time: its trace's and the clock's — the trace's first is the TTFT)
+            if traced is not None:  # (its event, for the client to take before the text)
+                self.traced.append((slot, token_trace(self.engine, slot, token, traced, now)))
             slot.sampled += 1
             n_top = slot.options.logprobs
             logprob = None if n_top is None else token_logprob(sampler.ctx, vocab, first + i, token, n_top)
@@ -327,7 +329,7 @@ class Scheduler:
                 slot.record.append((token, logprob))
             gained = answer.add(token, vocab.is_end_of_generation(token), vocab.answer_piece(token, slot.options.special),
                                 logprob)
-            slot.clock.token(time.perf_counter(), bool(gained))
+            slot.clock.token(now, bool(gained))
             events.extend((slot, event) for event in gained)
             if drafter is not None:
                 drafter.appended(token)
