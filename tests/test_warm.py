@@ -206,6 +206,17 @@ def test_ctrl_c_cancels_the_answer_on_the_server(runtime):
     assert state["models"][0]["slots"]["busy"] == 0 and state["pid"] == server["pid"]  # cancelled, server still up
 
 
+def test_a_warm_server_that_cannot_start_leaves_nothing_in_the_runtime_dir(runtime):
+    """A setting the server refuses once it has bound its socket (--speculate draft without a draft model): the run
+    says so as in-process, exit 2, and no socket, log or lock of that start is left (they were, for good: no server
+    ever answers on that socket to remove them)."""
+    result = run_cli("run", "--speculate", "draft", "-n", "2", PROMPT, env=runtime)
+    assert result.code == 2 and "--speculate draft needs a --draft-model" in result.stderr
+    folder = Path(runtime["LLMCLI_RUNTIME_DIR"]) / "servers"
+    left = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+    assert left == [], left
+
+
 def test_a_runtime_dir_too_deep_for_a_socket_answers_in_process_and_says_why(tmp_path):
     deep = tmp_path / ("d" * 100)
     result = run_cli("run", "--keep-alive", "5m", "--temp", "0", "-n", "4", PROMPT, env={"LLMCLI_RUNTIME_DIR": str(deep)})

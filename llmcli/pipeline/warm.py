@@ -277,6 +277,8 @@ def _start(socket: Path, model_path: Path, effective: settings.Settings, templat
             return state
         if process.poll() is not None:
             reason = " ".join(log.read_text(errors="replace").split()[-40:]) or f"exit {process.returncode}"
+            for leftover in (socket, log, socket.with_suffix(".lock")):  # (it bound its socket before it failed: no
+                leftover.unlink(missing_ok=True)  # one answers there; its log is read; the lock is this start's)
             raise LlmcliError(f"the warm server did not start: {reason}")
         time.sleep(0.05)
     process.terminate()
