@@ -54,6 +54,11 @@ class ResourceError(LlmcliError):
     exit_code = ExitCode.RESOURCES
 
 
+class ContextLost(ResourceError):
+    """A KV cache that could not grow, and then not be made again at the size it had: the engine has no context
+    left (its process cannot answer again: a server starts another, a chat ends)."""
+
+
 class TemplateError(LlmcliError):
     exit_code = ExitCode.TEMPLATE
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -270,3 +271,71 @@ def test_the_zygote_keeps_a_model_s_weights_from_its_first_restart_until_the_mod
         wait_until(lambda: not _mapped(zygote, model), 30)  # unloaded: the zygote keeps nothing of it
     finally:
         stop_server(proc)
+
+
+def test_a_cache_that_cannot_grow_fails_its_request_alone_and_the_server_answers_on(tmp_path, smollm2):
+    """A server whose KV cache grows with the work (--exit-when-idle: warm servers, launch's) and an engine whose
+    memory is capped (RLIMIT_AS, set on its process: ~40 MiB more than it holds): a prompt that needs ~3,000 cells
+    cannot have them — its request fails (500, llama.cpp's words and llmcli's hint), the engine goes on with the cache
+    it had (its conversation still cached: the next answer reuses it)."""
+    import resource
+
+    proc, url = start_server(tmp_path, "-m", str(smollm2), "-P", "1", "--exit-when-idle", "--keep-alive", "5m",
+                             "--api-key", KEY)
+    try:
+        def ask(text: str) -> httpx.Response:
+            return httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=120, json={
+                "messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0})
+
+        first = ask("Say hi")
+        assert first.status_code == 200
+        pid = _health(url)["engine"]["pid"]
+        held = int(re.search(r"VmSize:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text()).group(1)) << 10
+        _, hard = resource.prlimit(pid, resource.RLIMIT_AS)
+        resource.prlimit(pid, resource.RLIMIT_AS, (held + (40 << 20), hard))
+        refused = ask("word " * 3000)
+        assert refused.status_code == 500, refused.text
+        error = refused.json()["error"]
+        assert error["message"].startswith("llama.cpp could not create a context of 3072 tokens")
+        assert error["llmcli_error"]["exit_code"] == 6 and "--ctx-size" in error["llmcli_error"]["hint"]
+        again = ask("Say hi")
+        assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"]
+        engine = _health(url)["engine"]
+        assert engine["restarts"] == 0 and engine["pid"] == pid
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # (the cache it had, back)
+    finally:
+        stop_server(proc)
+
+
+def test_a_cache_that_can_be_made_neither_larger_nor_again_fails_its_request_and_ends_the_engine(smollm2, monkeypatch):
+    """(The engine's side, in this process: memory cannot be taken away twice in a row from outside.) A growing
+    cache whose larger context and then its old one both fail to be made (llmcli's own _create_context refusing,
+    llama.cpp's words): the request is told the grow's error, not the restore's, then SlotServer.run ends with
+    ContextLost — nothing runs on a context that is gone (it crashed the engine: SIGSEGV); the engine process exits 75
+    on it, and its supervisor starts another, saying why (llmcli/serve/engine_child.py, engine_process.py)."""
+    from llmcli.answer.generation import GenerationOptions
+    from llmcli.decode.serving import Job, SlotServer
+    from llmcli.errors import ContextLost, ResourceError
+    from llmcli.llama.engine import Engine
+    from llmcli.llama.engine_config import EngineConfig
+
+    with Engine(smollm2, EngineConfig(n_ctx=4096, n_threads=1, kv_later=True)) as engine:
+        made = engine._create_context
+
+        def short_of_memory(n_cells: int, n_seq_max: int, unified: bool) -> None:
+            raise ResourceError(f"llama.cpp could not create a context of {n_cells} tokens: out of memory?",
+                                hint="Try a smaller --ctx-size (or --parallel).")
+
+        events: list = []
+        server = SlotServer(engine, 1, 8)
+        prompt = engine.vocab.tokenize("word " * 3000, add_special=True)
+        job = Job(prompt, GenerationOptions(max_tokens=4), 1, events.append)
+        server.submit(job)
+        monkeypatch.setattr(engine, "_create_context", short_of_memory)
+        with pytest.raises(ContextLost) as lost:
+            server.run()
+        monkeypatch.setattr(engine, "_create_context", made)
+        assert str(lost.value.message).startswith("llama.cpp could not create a context of 3072 tokens")
+        assert lost.value.message.endswith("nor could the 512-token cache it had be made again")
+        assert job.failure is not None and job.failure.message == lost.value.message and not job.failure.refused
+        assert [type(event).__name__ for event in events] == ["Done"] and events[0].finish_reason == "interrupted"

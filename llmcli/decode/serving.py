@@ -44,7 +44,7 @@ from llmcli.decode.prompt_cache import PromptCache
 from llmcli.decode.scheduler import Scheduler
 from llmcli.decode.speculative import Speculation
 from llmcli.decode.step_plan import Slot
-from llmcli.errors import LlmcliError
+from llmcli.errors import ContextLost, LlmcliError
 from llmcli.llama.engine import Engine
 
 # A slot's cache is reused for a prompt that shares at least this many tokens with it, or all of it (a prompt asked
@@ -204,6 +204,8 @@ class SlotServer:
                             self._events += [(slot.tag, trace) for slot, trace in scheduler.traced]
                             scheduler.traced.clear()
                         self._take(stepped)
+                    except ContextLost:  # (an answer outgrew its cells, and no cache is left at all: this engine
+                        raise  # ends — a server's supervisor starts another, where these answers go on)
                     except Exception as exc:  # llama.cpp failed a step: those answers fail, the server goes on
                         self._fail_all(str(exc))
                     self._progress()
@@ -233,6 +235,10 @@ class SlotServer:
             except LlmcliError as exc:  # (the memory for them is gone: this request fails, the server goes on)
                 job.failure = Failure(exc.message, refused=False, cause=exc)
                 self._events.append((job, _cancelled(job)))
+                if isinstance(exc, ContextLost):  # (and no cache is left at all: its failure said, this engine ends —
+                    self.deliver(self._events)  # a server's supervisor starts another, where the answers go on)
+                    self._events = []
+                    raise
                 continue
             kv = self.engine.kv  # (read after the reservation: a cache that grew is another one)
             if self.engine.n_swa == 0:  # a sliding-window cache holds only its last window: any slot will do
@@ -312,6 +318,8 @@ class SlotServer:
         key, state, shared = found
         try:
             self.scheduler.reserve(len(state.tokens))  # (a cache sized to its work: the state's cells, all of them)
+        except ContextLost:
+            raise  # (no cache left at all: _admit's)
         except LlmcliError:  # (no memory for them now: the prompt is evaluated, as without the state)
             kept.refused(key)
             return

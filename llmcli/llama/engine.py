@@ -23,7 +23,7 @@ import llama_cpp
 
 from llmcli.answer.context_budget import overflow
 from llmcli.answer.sampling_config import SamplingConfig
-from llmcli.errors import LlmcliError, ResourceError, UsageError
+from llmcli.errors import ContextLost, LlmcliError, ResourceError, UsageError
 from llmcli.interrupt import Cancellation
 from llmcli.llama.batch import Batch
 from llmcli.llama.core_share import CoreShare
@@ -123,8 +123,12 @@ class Engine:
         kept = self.kv.snapshot()
         try:
             self.resize(cells * n_seq, n_seq)
-        except ResourceError:  # (memory taken since the load, or --force): the cache it had, and what it held, back
-            self.resize(had * n_seq, n_seq)
+        except ResourceError as grown:  # (memory taken since the load, or --force): the cache it had, and what it
+            try:  # held, back
+                self.resize(had * n_seq, n_seq)
+            except ResourceError:
+                raise ContextLost(f"{grown.message}; nor could the {had}-token cache it had be made again",
+                                  hint=grown.hint) from None
             self.kv.take(kept)
             raise
         self.kv.take(kept)

@@ -109,8 +109,8 @@ def main(fd: int) -> None:
         finally:
             os._exit(0)
     try:
-        from llmcli.errors import LlmcliError
-        from llmcli.serve.engine_spec import failed_message, load_engine
+        from llmcli.errors import ContextLost, LlmcliError
+        from llmcli.serve.engine_spec import CONTEXT_LOST, failed_message, load_engine
 
         try:
             slots, facts = load_engine(spec)
@@ -124,7 +124,10 @@ def main(fd: int) -> None:
         slots.queue_size = 1 << 20  # (the server counts the queue's places)
         threading.Thread(target=child.read, name="llmcli-engine-reader", daemon=True).start()
         conn.send(("ready", dataclasses.replace(facts, pid=os.getpid())))
-        slots.run()
+        try:
+            slots.run()
+        except ContextLost:  # (no KV cache left: the server starts another engine, where the answers go on)
+            os._exit(CONTEXT_LOST)
     except Exception as exc:  # noqa: BLE001 — said to the server, which reports it as the load's failure
         try:
             conn.send(failed_message(LlmcliError(f"the engine failed: {exc}")))

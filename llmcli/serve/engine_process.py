@@ -33,7 +33,7 @@ from llmcli.answer.events import Done, TokenLogprob
 from llmcli.decode.serving import Delivery, Failure, Job, JobEvent, QueueFull, deliver_here
 from llmcli.errors import LlmcliError
 from llmcli.serve import engine_zygote
-from llmcli.serve.engine_spec import EngineFacts, EngineSpec, handshake, spawn_child
+from llmcli.serve.engine_spec import CONTEXT_LOST, EngineFacts, EngineSpec, handshake, spawn_child
 
 STEP_TIMEOUT_S = 300.0  # the default --step-timeout: no honest step (a prompt chunk, an image) of a slow machine lasts it
 POLL_S = 0.05  # how often the supervisor looks for clients that left (and stalls) while no message comes
@@ -310,7 +310,7 @@ class EngineProcess:
                 return f"killed by {signal.Signals(-code).name}"
             except ValueError:
                 return f"killed by signal {-code}"
-        return f"exited with status {code}"
+        return "its KV cache could not be made again (memory)" if code == CONTEXT_LOST else f"exited with status {code}"
 
     def _restart(self, cause: str) -> None:
         """A new engine; the answers in flight resumed (a suspect failed)."""

@@ -80,6 +80,9 @@ def load_engine(spec: EngineSpec) -> tuple[Any, EngineFacts]:
     return session.slot_server(spec.parallel, 0, spec.kept_mib), facts
 
 
+CONTEXT_LOST = 75  # an engine process's exit status when its KV cache could not be made again (ContextLost)
+
+
 def failed_message(exc: LlmcliError) -> tuple[Any, ...]:
     """The engine's answer when its load failed: the error, as the server raises it again (`load_failure`)."""
     return ("failed", type(exc).__name__, exc.message, exc.hint, int(exc.exit_code))
