@@ -128,7 +128,7 @@ class Repl:
         """Act on one message or /command; False to leave. Only /exit (and EOF) ends the session:
         a message that does not fit, a bad value or an unreadable file is one error line."""
         from llmcli.cli.output import print_error, print_notice
-        from llmcli.errors import LlmcliError
+        from llmcli.errors import ContextLost, LlmcliError
 
         command, _, argument = text[1:].partition(" ") if text.startswith("/") else ("", "", text)
         if "/" in command:  # a path (an image file dropped on the terminal): a message, not a command
@@ -142,6 +142,8 @@ class Repl:
             return True
         try:
             action(self, argument.strip() if command else argument)
+        except ContextLost:
+            raise  # (no KV cache left in this process: the session cannot go on — said as run says it, exit 6)
         except LlmcliError as exc:
             print_error(self.console, exc.message, exc.hint)
         except OSError as exc:  # a file a command was given: never the end of the session
