@@ -21,6 +21,7 @@ from llmcli.answer.constraint import Constraint, build_constraint
 from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.images import ImageInput
 from llmcli.answer.message import Message
+from llmcli.answer.sampling_config import logit_bias_pair
 from llmcli.answer.tool_calls import ToolSpec
 from llmcli.config import settings
 from llmcli.errors import LlmcliError, UsageError
@@ -130,8 +131,11 @@ def open_answering(request: Request, on_progress: ProgressCallback | None = None
     """What answers `run`, `chat` and `--batch`: the server of --endpoint, else the local model. The config file is
     read once, here."""
     constraint = request.constraint()
+    for spec in request.logit_bias:  # (its form, before anything loads or a warm server starts: the tokens it names
+        logit_bias_pair(spec)  # are looked up in the model's vocabulary later)
     config = settings.load_config_file()
     first = settings.resolve(request.settings, request.profile, config=config)
+    speculation_mode(first)  # (--speculate draft without a draft model: said before a load, on every path)
     cancel = cancel if cancel is not None else Cancellation()
     if first["endpoint"]:
         from llmcli.pipeline.remote import open_remote  # speaks HTTP only
@@ -164,6 +168,17 @@ def open_answering(request: Request, on_progress: ProgressCallback | None = None
     pipeline = open_local(request, on_progress, cancel, on_waiting, config, constraint)
     pipeline.session.notices[:0] = notices
     return pipeline
+
+
+def speculation_mode(effective: settings.Settings) -> str:
+    """How --speculate applies: a --draft-model given is a draft model to use (auto, unless --speculate was set);
+    `draft` without one is a UsageError."""
+    mode, reference = effective["speculate"], effective["draft_model"]
+    if reference and effective.sources["speculate"] == "default":
+        mode = "auto"
+    if mode == "draft" and not reference:
+        raise UsageError("--speculate draft needs a --draft-model", hint="Or --speculate lookup: drafts from the prompt.")
+    return str(mode)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from llmcli.llama.schema_grammar import with_grammar
 from llmcli.llama.vision import Vision
 from llmcli.llama.vocab import VocabularyFile
 from llmcli.llama.weights import kept_model
-from llmcli.pipeline import Pipeline, Request, fetch_for, resolve_settings
+from llmcli.pipeline import Pipeline, Request, fetch_for, resolve_settings, speculation_mode
 from llmcli.prompt.chat_template import ChatTemplate
 from llmcli.prompt.rendering import find_template, render_prompt
 from llmcli.store import memory, models
@@ -226,12 +226,8 @@ def open_tokenizer(request: Request, on_progress: ProgressCallback | None = None
 def _speculation(effective: settings.Settings, engine: Engine, config: EngineConfig, fetch: Fetch,
                  cancel: Cancellation, aliases: dict[str, str]) -> tuple[Speculation, int]:
     """How to decode; with --draft-model, that model loaded beside the target and checked against its vocabulary."""
-    mode, reference = effective["speculate"], effective["draft_model"]
+    mode, reference = speculation_mode(effective), effective["draft_model"]
     draft_max = min(effective["draft_max"], config.n_batch - 1)  # a draft and its pending token fit one llama_decode
-    if reference and effective.sources["speculate"] == "default":
-        mode = "auto"  # a draft model given is a draft model to use
-    if mode == "draft" and not reference:
-        raise UsageError("--speculate draft needs a --draft-model", hint="Or --speculate lookup: drafts from the prompt.")
     if not reference or mode in ("off", "lookup"):
         return Speculation(), draft_max
     draft_file = models.resolve(reference, aliases, fetch)
