@@ -228,6 +228,24 @@ def test_a_warm_server_that_cannot_start_leaves_nothing_in_the_runtime_dir(runti
     assert started.read_text().split() == noted  # (refused by their form: before a warm server was started)
 
 
+def test_an_edited_chat_template_file_is_another_warm_server_s(runtime, tmp_path):
+    """A warm server reads --chat-template-file when it starts: an edited file is another server's (the edit was
+    ignored until the first server exited, while --show-prompt, rendered here, showed the new prompt); an unreadable
+    one is refused before a server starts, as in-process."""
+    template = tmp_path / "brief.jinja"
+    template.write_text("{% for m in messages %}A: {{ m.content }}\n{% endfor %}B:")
+    first = answer(runtime, "--chat-template-file", str(template))
+    template.write_text("{% for m in messages %}Question asked by the user: {{ m.content }}\n{% endfor %}B:")
+    edited = answer(runtime, "--chat-template-file", str(template))
+    here = answer(runtime, "--keep-alive", "0", "--chat-template-file", str(template))
+    assert edited["usage"]["prompt_tokens"] == here["usage"]["prompt_tokens"] > first["usage"]["prompt_tokens"]
+    assert len(servers(runtime)) == 2  # (the first file's server until it idles out)
+    started = Path(os.environ["LLMCLI_TEST_FORKED"]).read_text().split()
+    missing = run_cli("run", "--chat-template-file", str(tmp_path / "gone.jinja"), "-n", "2", PROMPT, env=runtime)
+    assert missing.code == 2 and f"cannot read --chat-template-file {tmp_path / 'gone.jinja'}" in missing.stderr
+    assert Path(os.environ["LLMCLI_TEST_FORKED"]).read_text().split() == started
+
+
 def test_a_runtime_dir_too_deep_for_a_socket_answers_in_process_and_says_why(tmp_path):
     deep = tmp_path / ("d" * 100)
     result = run_cli("run", "--keep-alive", "5m", "--temp", "0", "-n", "4", PROMPT, env={"LLMCLI_RUNTIME_DIR": str(deep)})

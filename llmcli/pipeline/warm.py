@@ -30,6 +30,7 @@ from llmcli.answer.answerer import ServedFacts
 from llmcli.config import settings
 from llmcli.embed.embedded import Embedded
 from llmcli.errors import LlmcliError
+from llmcli.prompt import read_template_file
 from llmcli.remote.client import socket_transport
 from llmcli.store import memory
 from llmcli.units import parse_keep_alive
@@ -61,15 +62,16 @@ def socket_for(model_path: Path, effective: settings.Settings, template_file: Pa
                projector: Path | None = None) -> Path:
     """The socket of the server for this model file as it is now (replaced or rewritten — `quantize --force`, a new
     download — it is another server's: one started before serves the old weights), its projector (found beside the
-    name it was given: a link in a folder with one sees, its target may not) and these load settings (and this
-    llmcli)."""
+    name it was given: a link in a folder with one sees, its target may not), the text of --chat-template-file (read
+    by the server when it starts: an edited file is another server's) and these load settings (and this llmcli)."""
     resolved = model_path.resolve()
     try:
         found = resolved.stat()
         version = [found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns]
     except OSError:
         version = []
-    identity = json.dumps([__version__, str(resolved), version, str(projector or ""), str(template_file or ""),
+    template = "" if template_file is None else hashlib.sha256(read_template_file(template_file).encode()).hexdigest()
+    identity = json.dumps([__version__, str(resolved), version, str(projector or ""), template,
                            {name: effective[name] for name in LOAD_SETTINGS}], sort_keys=True, default=str)
     return paths.warm_servers_dir() / f"{hashlib.sha256(identity.encode()).hexdigest()[:20]}.sock"
 

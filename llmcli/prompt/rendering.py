@@ -15,6 +15,7 @@ from llmcli.errors import TemplateError, UsageError
 from llmcli.llama.vision import Vision
 from llmcli.llama.vocab import Vocabulary
 from llmcli.prompt import chat_template as templates
+from llmcli.prompt import read_template_file
 from llmcli.prompt.chat_template import ChatTemplate
 from llmcli.store.gguf_header import GGUFHeader
 
@@ -26,11 +27,7 @@ def find_template(header: GGUFHeader, options: PromptOptions) -> tuple[ChatTempl
         return None, []
     path = options.template_file
     if path is not None:
-        try:
-            source = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"cannot read --chat-template-file {path}: {exc}") from None
-        template = ChatTemplate(source, str(path))
+        template = ChatTemplate(read_template_file(path), str(path))
     else:
         stored = header.chat_template
         if stored is None:
