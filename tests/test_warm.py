@@ -222,7 +222,8 @@ def test_a_warm_server_that_cannot_start_leaves_nothing_in_the_runtime_dir(runti
     noted = started.read_text().split()
     assert len(noted) == 1  # (the one that could not start)
     for args, says in ((["--speculate", "draft"], "--speculate draft needs a --draft-model"),
-                       (["--logit-bias", "bad"], "--logit-bias 'bad': expected TOKEN=BIAS")):
+                       (["--logit-bias", "bad"], "--logit-bias 'bad': expected TOKEN=BIAS"),
+                       (["--mmproj", "/no/such/mmproj.gguf"], "--mmproj /no/such/mmproj.gguf: no such file")):
         refused = run_cli("run", *args, "-n", "2", PROMPT, env=runtime)
         assert refused.code == 2 and says in refused.stderr
     assert started.read_text().split() == noted  # (refused by their form: before a warm server was started)

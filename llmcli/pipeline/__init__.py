@@ -170,6 +170,17 @@ def open_answering(request: Request, on_progress: ProgressCallback | None = None
     return pipeline
 
 
+def projector_of(effective: settings.Settings, model: models.ResolvedModel) -> Path | None:
+    """The vision projector to use: --mmproj, else the one found with the model (None: the model reads text only)."""
+    given = effective["mmproj"]
+    if not given:
+        return model.projector
+    path = Path(given).expanduser()
+    if not path.is_file():
+        raise UsageError(f"--mmproj {given}: no such file")
+    return path
+
+
 def speculation_mode(effective: settings.Settings) -> str:
     """How --speculate applies: a --draft-model given is a draft model to use (auto, unless --speculate was set);
     `draft` without one is a UsageError."""

@@ -31,7 +31,7 @@ from llmcli.llama.schema_grammar import with_grammar
 from llmcli.llama.vision import Vision
 from llmcli.llama.vocab import VocabularyFile
 from llmcli.llama.weights import kept_model
-from llmcli.pipeline import Pipeline, Request, fetch_for, resolve_settings, speculation_mode
+from llmcli.pipeline import Pipeline, Request, fetch_for, projector_of, resolve_settings, speculation_mode
 from llmcli.prompt.chat_template import ChatTemplate
 from llmcli.prompt.rendering import find_template, render_prompt
 from llmcli.store import memory, models
@@ -48,17 +48,6 @@ def check_memory(model: models.ResolvedModel, header: GGUFHeader, cells: int, kv
     weights = 0 if kept_model(model.path) is not None else sum(p.stat().st_size for p in model.files)  # (resident)
     memory.check_memory(model.name, weights, memory.kv_cache_bytes(header, cells, 1, kv_type) if cells else 0, force,
                         0 if force else held_by_others(model.path))
-
-
-def projector_of(effective: settings.Settings, model: models.ResolvedModel) -> Path | None:
-    """The vision projector to use: --mmproj, else the one found with the model (None: the model reads text only)."""
-    given = effective["mmproj"]
-    if not given:
-        return model.projector
-    path = Path(given).expanduser()
-    if not path.is_file():
-        raise UsageError(f"--mmproj {given}: no such file")
-    return path
 
 
 def open_pipeline(request: Request, on_progress: ProgressCallback | None = None, cancel: Cancellation | None = None,
