@@ -209,23 +209,25 @@ def test_ctrl_c_cancels_the_answer_on_the_server(runtime):
     assert state["models"][0]["slots"]["busy"] == 0 and state["pid"] == server["pid"]  # cancelled, server still up
 
 
-def test_a_warm_server_that_cannot_start_leaves_nothing_in_the_runtime_dir(runtime):
-    """A setting the server refuses once it has bound its socket (a --draft-model that names no model): the run says
-    so as in-process, exit 3, and no socket, log or lock of that start is left (they were, for good: no server ever
-    answers on that socket to remove them). Settings refused by their form alone start no server at all."""
-    result = run_cli("run", "--draft-model", "no-such-draft", "-n", "2", PROMPT, env=runtime)
-    assert result.code == 3 and "unknown model 'no-such-draft'" in result.stderr
+def test_a_warm_server_that_cannot_start_leaves_nothing_in_the_runtime_dir(runtime, smollm2, gemma3):
+    """A setting the server refuses once it has bound its socket (a draft model of another vocabulary: seen when both
+    are loaded): the run says so as in-process, exit 2, and no socket, log or lock of that start is left (they were,
+    for good: no server ever answers on that socket to remove them). What can be refused without a load starts no
+    server at all."""
+    result = run_cli("run", "-m", str(smollm2), "--draft-model", str(gemma3), "-n", "2", PROMPT, env=runtime)
+    assert result.code == 2 and "cannot draft for this model" in result.stderr
     folder = Path(runtime["LLMCLI_RUNTIME_DIR"]) / "servers"
     left = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
     assert left == [], left
     started = Path(os.environ["LLMCLI_TEST_FORKED"])  # (each warm server a test's run starts is noted there)
     noted = started.read_text().split()
     assert len(noted) == 1  # (the one that could not start)
-    for args, says in ((["--speculate", "draft"], "--speculate draft needs a --draft-model"),
+    for args, says in ((["--draft-model", "no-such-draft"], "unknown model 'no-such-draft'"),
+                       (["--speculate", "draft"], "--speculate draft needs a --draft-model"),
                        (["--logit-bias", "bad"], "--logit-bias 'bad': expected TOKEN=BIAS"),
                        (["--mmproj", "/no/such/mmproj.gguf"], "--mmproj /no/such/mmproj.gguf: no such file")):
         refused = run_cli("run", *args, "-n", "2", PROMPT, env=runtime)
-        assert refused.code == 2 and says in refused.stderr
+        assert refused.code == (3 if "unknown model" in says else 2) and says in refused.stderr
     assert started.read_text().split() == noted  # (refused by their form: before a warm server was started)
 
 

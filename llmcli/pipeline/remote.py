@@ -32,11 +32,16 @@ def open_warm(request: Request, constraint: Constraint, cancel: Cancellation, on
               on_waiting: Any = None, config: Any = None) -> Pipeline[Answerer]:
     """--keep-alive: the pipeline of this model's private warm server (started if none answers; LlmcliError if it
     will not start). The model is resolved here (downloaded if it must be), its weights loaded by the server."""
-    from llmcli.pipeline import projector_of, resolve_settings
+    from llmcli.pipeline import fetch_for, projector_of, resolve_settings, speculation_mode
     from llmcli.pipeline.warm import LOAD_SETTINGS, ensure, first_start_notice
+    from llmcli.store import models
 
+    config = config or settings.load_config_file()
     effective, model = resolve_settings(request, on_progress, on_waiting, config)
     installed = model.name if model.source.startswith("package:") else None  # (named as `list` names it)
+    if effective["draft_model"] and speculation_mode(effective) not in ("off", "lookup"):  # (here too: a name that
+        # is no model is said before a server starts, and a download shows its progress)
+        models.resolve(effective["draft_model"], config.aliases, fetch_for(request, effective, on_progress, on_waiting))
     warm = ensure(model.path, effective, request.template_file, installed, projector_of(effective, model))
     endpoint = Endpoint("http://llmcli/v1", None, max(effective["endpoint_timeout"], 600.0), socket=str(warm.socket),
                         name="the warm server")
