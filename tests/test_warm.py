@@ -209,13 +209,13 @@ def test_ctrl_c_cancels_the_answer_on_the_server(runtime):
     assert state["models"][0]["slots"]["busy"] == 0 and state["pid"] == server["pid"]  # cancelled, server still up
 
 
-def test_a_warm_server_that_cannot_start_leaves_nothing_in_the_runtime_dir(runtime, smollm2, gemma3):
-    """A setting the server refuses once it has bound its socket (a draft model of another vocabulary: seen when both
-    are loaded): the run says so as in-process, exit 2, and no socket, log or lock of that start is left (they were,
-    for good: no server ever answers on that socket to remove them). What can be refused without a load starts no
-    server at all."""
-    result = run_cli("run", "-m", str(smollm2), "--draft-model", str(gemma3), "-n", "2", PROMPT, env=runtime)
-    assert result.code == 2 and "cannot draft for this model" in result.stderr
+def test_a_warm_server_that_cannot_start_leaves_nothing_in_the_runtime_dir(runtime):
+    """A setting the server refuses once it has bound its socket (a context no memory here holds: its load's memory
+    check): the run says so as in-process, exit 6, and no socket, log or lock of that start is left (they were, for
+    good: no server ever answers on that socket to remove them). What can be refused before a load starts no server
+    at all."""
+    result = run_cli("run", "-c", "10000000", "-n", "2", PROMPT, env=runtime)
+    assert result.code == 6 and "of memory (model" in result.stderr
     folder = Path(runtime["LLMCLI_RUNTIME_DIR"]) / "servers"
     left = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
     assert left == [], left
