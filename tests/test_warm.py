@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -120,8 +121,14 @@ def test_run_chat_and_embed_are_warm_by_default_and_keep_alive_0_answers_in_this
     modules = {line.split("|")[-1].strip() for line in imported.stderr.splitlines() if "|" in line}
     assert imported.returncode == 0 and "llmcli.pipeline.remote" in modules  # a warm answer's client side loads no
     assert not {"llama_cpp", "numpy", "jinja2", "markdown_it"} & modules  # llama.cpp, numpy, templates or Markdown
-    chat = run_cli("chat", "-m", "smollm2", "--no-save", "-n", "2", input="/set on_overflow truncate\nhi\n", env=default)
-    assert chat.code == 0 and chat.stderr.splitlines()[-1].startswith("warm · "), chat.stderr
+    chat = run_cli("chat", "-m", "smollm2", "--no-save", "-n", "2", input="/set on_overflow truncate\nhi\nhi again\n/show\n",
+                   env=default)
+    stats = [line for line in chat.stderr.splitlines() if " · stop: " in line]
+    assert chat.code == 0 and len(stats) == 2 and all(line.startswith("warm · ") for line in stats), chat.stderr
+    shown = re.search(r"context  (\d+) / 4096 tokens used by the conversation as of its last answer \((\d+) of that "
+                      r"prompt from the warm server's cache\), 2 exchanges", chat.stdout + chat.stderr)
+    assert shown and int(shown.group(1)) > int(shown.group(2)) > 0, chat.stdout  # (the first exchange, reused: it
+    # said "(0 in the KV cache)", the last prompt's cached count named as the cache's)
     assert "--on-overflow = truncate" in chat.stderr and "not used" not in chat.stderr  # (the warm server takes it)
     embedded = run_cli("embed", "-m", "smollm2", PROMPT, env=default)
     assert embedded.code == 0 and len(json.loads(embedded.stdout)) > 8 and "stays loaded" not in embedded.stderr
