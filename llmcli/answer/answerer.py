@@ -40,11 +40,13 @@ class RenderedPrompt:
 
 @dataclass(frozen=True)
 class ContextInfo:
-    """What a local model can tell of its context (a server tells none of it)."""
+    """What a local model can tell of its context (a server tells none of it; a warm server its size)."""
 
-    n_ctx: int  # tokens one answer's prompt and answer may take
+    n_ctx: int  # tokens one answer's prompt and answer may take (0: the server does not say)
     used: int  # tokens the conversation takes now: the system prompt and the history, rendered
     cached: int  # tokens of the KV cache that hold the conversation (evaluated, reusable by the next turn)
+    last_answer: bool = False  # through a server: `used` is the last answer's prompt and answer, `cached` how much of
+    # that prompt came from the server's cache
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,7 @@ class Conversation:
         last = self.turn_stats[-1].stats if self.turn_stats and self.history else None
         used = last.prompt_tokens + last.completion_tokens if last is not None else 0
         return ContextInfo(self.served.n_ctx if self.served is not None else 0, used,
-                           last.cached_tokens if last is not None else 0)
+                           last.cached_tokens if last is not None else 0, last_answer=True)
 
     @property
     def template_system(self) -> str | None:

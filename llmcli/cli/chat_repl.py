@@ -230,7 +230,7 @@ def _show(repl: Repl, argument: str) -> None:
     if not context.n_ctx:  # (a server's: its last answer's figures)
         repl.console.print(f"context  {context.used} tokens used by the conversation as of its last answer (kept by "
                            f"the server), {counted(exchanges, 'exchange')}")
-    elif session.local is None:  # (the warm server's: its context, and its last answer's figures)
+    elif context.last_answer:  # (the warm server's: its context, and its last answer's figures)
         repl.console.print(f"context  {context.used} / {context.n_ctx} tokens used by the conversation as of its last "
                            f"answer ({context.cached} of that prompt from the warm server's cache), "
                            f"{counted(exchanges, 'exchange')}")
