@@ -487,7 +487,8 @@ def test_a_traced_token_is_the_plain_one_and_each_stage_is_as_a_whole_vocabulary
 def test_a_warm_trace_s_first_token_time_is_the_answer_s_ttft_as_the_client_measures_it():
     """The first traced token is marked as the TTFT: on the warm path its time is the client's — since the request
     was made, as the summary's TTFT — not the server's, which starts when it read the request (the two lines of one
-    screen said 0.044 and 0.054 s; then 0.021 and 0.022: the trace's line drawn before the text was read). No model: a traced token as llmcli serve writes it, read back by the client."""
+    screen said 0.044 and 0.054 s; then 0.021 and 0.022: the trace's line drawn before the text was read). No model:
+    a traced token as llmcli serve writes it, read back by the client."""
     import time
 
     from llmcli.answer.events import Candidate, TokenTrace

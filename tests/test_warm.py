@@ -75,10 +75,10 @@ def test_a_warm_run_answers_as_in_process_over_a_private_socket_and_stop_ends_it
     in_process = answer(runtime, "--logprobs", "2", prompt=LONG)
     cold = answer(runtime, "--keep-alive", "5m", "--logprobs", "2", prompt=LONG)  # starts the server
     warm = answer(runtime, "--keep-alive", "5m", "--logprobs", "2", prompt=LONG)  # finds it
-    scored_answers = [ScoredAnswer(r["text"], r["finish_reason"], tuple(scored(r["logprobs"]))) for r in (in_process, cold,
-                                                                                                         warm)]
-    assert [where_greedy_answers_part(scored_answers[0], other) for other in scored_answers[1:]] == [None, None]  # (the
-    # same, or parted at a near-tie: the warm one's prompt came from the slot's cache, not one prefill)
+    here, *served = [ScoredAnswer(r["text"], r["finish_reason"], tuple(scored(r["logprobs"])))
+                     for r in (in_process, cold, warm)]
+    assert [where_greedy_answers_part(here, other) for other in served] == [None, None]  # (the same, or parted at a
+    # near-tie: the warm one's prompt came from the slot's cache, not one prefill)
     assert warm["usage"]["cached_tokens"] > 0  # the prompt stayed in the server's slot
     # Another prompt takes its one slot: what the slot held is kept (serve's --cache-ram) and given back to the next
     # run of the first conversation, not evaluated again (without it: the template's opening alone, ~20 tokens).

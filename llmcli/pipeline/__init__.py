@@ -135,12 +135,13 @@ def open_answering(request: Request, on_progress: ProgressCallback | None = None
         logit_bias_pair(spec)  # are looked up in the model's vocabulary later)
     config = settings.load_config_file()
     first = settings.resolve(request.settings, request.profile, config=config)
-    speculation_mode(first)  # (--speculate draft without a draft model: said before a load, on every path)
     cancel = cancel if cancel is not None else Cancellation()
     if first["endpoint"]:
         from llmcli.pipeline.remote import open_remote  # speaks HTTP only
 
         return open_remote(request, first, constraint, cancel)
+    speculation_mode(first)  # (--speculate draft without a draft model: said before a load, warm or here; an
+    # --endpoint's server decides how it decodes)
     notices: list[str] = []
     chosen = first.sources["keep_alive"] != "default"
     if keeps_loaded(first["keep_alive"]) and not (request.shape.batch and not chosen) and _warm_possible(chosen, notices):
