@@ -7,6 +7,8 @@ cells), so a near-tie can resolve differently (see the README)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections import Counter
 
 import pytest
@@ -89,19 +91,29 @@ def test_batch_drafts_per_sequence_with_the_answers_of_plain_decoding(tmp_path, 
     assert refused.code == 2 and "not with --draft-model" in refused.stderr
 
 
-def test_draft_model_must_share_the_vocabulary_and_agrees_with_itself(smollm2, gemma3):
+def test_draft_model_must_share_the_vocabulary_and_agrees_with_itself(smollm2, gemma3, tmp_path):
     refused = run_cli("run", "-m", str(smollm2), "--draft-model", str(gemma3), "hi")
     assert refused.code == 2 and "cannot draft for this model" in refused.stderr and "262144" in refused.stderr
     needs = run_cli("run", "--speculate", "draft", "hi")
     assert needs.code == 2 and "--draft-model" in needs.stderr
+    draft = tmp_path / "draft.gguf"
+    shutil.copyfile(smollm2, draft)
     same = run_cli("run", "-t", "1", "--json", "--temp", "0", "-n", "24", "--speculate", "draft",
-                   "--draft-model", str(smollm2), "Name three planets.")
+                   "--draft-model", str(draft), "Name three planets.")
     assert same.code == 0, same.stderr
     timings = json.loads(same.stdout)["timings"]
     assert timings["draft_tokens"] > 0 and timings["accepted_tokens"] == timings["draft_tokens"]  # 100 %
     plain = run_cli("run", "-t", "1", "--json", "--temp", "0", "-n", "24", "--speculate", "off", "Name three planets.")
     assert json.loads(plain.stdout)["text"] == json.loads(same.stdout)["text"]
     assert "drafted accepted, 100%" in same.stderr
+    # the draft file rewritten where it was (a new quantize of it): the warm server that loaded the old one is not
+    # the one that answers (it was found by the file's name, and kept the old weights)
+    written = draft.stat().st_mtime_ns + 10**9
+    os.utime(draft, ns=(written, written))
+    again = run_cli("run", "-t", "1", "-n", "2", "--speculate", "draft", "--draft-model", str(draft), "hi")
+    assert again.code == 0, again.stderr
+    listed = run_cli("ps", "--json")
+    assert len(listed.stdout.splitlines()) == 3, listed.stdout  # (with the one --speculate off answered in)
 
 
 def test_gemma_copies_with_drafts_identically(gemma3):

@@ -39,10 +39,12 @@ def open_warm(request: Request, constraint: Constraint, cancel: Cancellation, on
     config = config or settings.load_config_file()
     effective, model = resolve_settings(request, on_progress, on_waiting, config)
     installed = model.name if model.source.startswith("package:") else None  # (named as `list` names it)
+    draft = None
     if effective["draft_model"] and speculation_mode(effective) not in ("off", "lookup"):  # (here too: a name that
         # is no model is said before a server starts, and a download shows its progress)
-        models.resolve(effective["draft_model"], config.aliases, fetch_for(request, effective, on_progress, on_waiting))
-    warm = ensure(model.path, effective, request.template_file, installed, projector_of(effective, model))
+        draft = models.resolve(effective["draft_model"], config.aliases,
+                               fetch_for(request, effective, on_progress, on_waiting)).path
+    warm = ensure(model.path, effective, request.template_file, installed, projector_of(effective, model), draft)
     endpoint = Endpoint("http://llmcli/v1", None, max(effective["endpoint_timeout"], 600.0), socket=str(warm.socket),
                         name="the warm server")
     settings_for_server = dataclasses.replace(effective, values={**effective.values, "model": warm.model})

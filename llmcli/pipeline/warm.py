@@ -59,21 +59,29 @@ class WarmServer:
 
 
 def socket_for(model_path: Path, effective: settings.Settings, template_file: Path | None,
-               projector: Path | None = None) -> Path:
+               projector: Path | None = None, draft: Path | None = None) -> Path:
     """The socket of the server for this model file as it is now (replaced or rewritten — `quantize --force`, a new
-    download — it is another server's: one started before serves the old weights), its projector (found beside the
-    name it was given: a link in a folder with one sees, its target may not), the text of --chat-template-file (read
-    by the server when it starts: an edited file is another server's) and these load settings (and this llmcli)."""
-    resolved = model_path.resolve()
+    download — it is another server's: one started before serves the old weights), its projector and its draft
+    model's file (the same: found by name, the server would keep the file it loaded), the text of
+    --chat-template-file (read by the server when it starts: an edited file is another server's) and these load
+    settings (and this llmcli)."""
+    template = "" if template_file is None else hashlib.sha256(read_template_file(template_file).encode()).hexdigest()
+    identity = json.dumps([__version__, _file_version(model_path), _file_version(projector), _file_version(draft),
+                           template, {name: effective[name] for name in LOAD_SETTINGS}], sort_keys=True, default=str)
+    return paths.warm_servers_dir() / f"{hashlib.sha256(identity.encode()).hexdigest()[:20]}.sock"
+
+
+def _file_version(path: Path | None) -> list[object]:
+    """A file as it is now: where it resolves to, and its device, inode, size and modification time (empty where it
+    cannot be read: the server's load says why)."""
+    if path is None:
+        return []
+    resolved = path.resolve()
     try:
         found = resolved.stat()
-        version = [found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns]
     except OSError:
-        version = []
-    template = "" if template_file is None else hashlib.sha256(read_template_file(template_file).encode()).hexdigest()
-    identity = json.dumps([__version__, str(resolved), version, str(projector or ""), template,
-                           {name: effective[name] for name in LOAD_SETTINGS}], sort_keys=True, default=str)
-    return paths.warm_servers_dir() / f"{hashlib.sha256(identity.encode()).hexdigest()[:20]}.sock"
+        return [str(resolved)]
+    return [str(resolved), found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns]
 
 
 def health(socket: Path, timeout: float = 2.0) -> Health | None:
@@ -131,11 +139,12 @@ def running() -> list[tuple[Path, Health]]:
 
 
 def ensure(model_path: Path, effective: settings.Settings, template_file: Path | None,
-           reference: str | None = None, projector: Path | None = None) -> WarmServer:
+           reference: str | None = None, projector: Path | None = None, draft: Path | None = None) -> WarmServer:
     """The warm server of this model, started if none answers (LlmcliError if it will not start). `reference`: what
     the server's -m is, when the user gave none (an installed model's short name: what `list` and `ps` call it);
-    `projector`: the one found with the model (another one, or none, is another server)."""
-    socket = socket_for(model_path, effective, template_file, projector)
+    `projector`: the one found with the model (another one, or none, is another server); `draft`: the draft model's
+    file, where one drafts."""
+    socket = socket_for(model_path, effective, template_file, projector, draft)
     if len(os.fsencode(socket)) > MAX_SOCKET_PATH:
         raise LlmcliError(f"the runtime dir's path is too long for a Unix socket ({socket}: more than "
                           f"{MAX_SOCKET_PATH} bytes); set LLMCLI_RUNTIME_DIR to a shorter one")
