@@ -216,17 +216,26 @@ def test_ctrl_c_cancels_the_answer_on_the_server(runtime):
     assert state["models"][0]["slots"]["busy"] == 0 and state["pid"] == server["pid"]  # cancelled, server still up
 
 
-def test_a_warm_server_that_cannot_start_leaves_nothing_in_the_runtime_dir(runtime):
-    """A setting the server refuses once it has bound its socket (a context no memory here holds: its load's memory
-    check): the run says so as in-process, exit 6, and no socket, log or lock of that start is left (they were, for
-    good: no server ever answers on that socket to remove them). What can be refused before a load starts no server
-    at all."""
+def test_a_warm_server_that_cannot_start_leaves_nothing_in_the_runtime_dir(runtime, gemma3):
+    """A setting the server refuses once it has bound its socket (a draft model of another vocabulary: its load's
+    check): the run says so as in-process, and no socket, log or lock of that start is left (they were, for good: no
+    server ever answers on that socket to remove them). What can be refused before a load starts no server at all:
+    a context no memory here holds (the server's memory check, made before it starts: exit 6, as in-process), a
+    setting's form."""
+    started = Path(os.environ["LLMCLI_TEST_FORKED"])  # (each warm server a test's run starts is noted there)
     result = run_cli("run", "-c", "10000000", "-n", "2", PROMPT, env=runtime)
-    assert result.code == 6 and "of memory (model" in result.stderr
+    assert result.code == 6 and "of memory (model" in result.stderr and "--force" in result.stderr
+    assert not started.exists() or not started.read_text().split()  # (no server started to refuse it)
+    forced = run_cli("run", "--force", "-c", "10000000", "-n", "2", PROMPT, env=runtime)  # (this process tries: its
+    assert forced.code == 0 and forced.stdout, forced.stderr  # KV cache grows with the answer)
+    assert "--force: a warm server would refuse a model that may not fit in memory; answering in this process" \
+        in forced.stderr
+    assert not started.exists() or not started.read_text().split()
+    result = run_cli("run", "--draft-model", str(gemma3), "-n", "2", PROMPT, env=runtime)
+    assert result.code == 2 and "cannot draft for this model" in result.stderr, result.stderr
     folder = Path(runtime["LLMCLI_RUNTIME_DIR"]) / "servers"
     left = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
     assert left == [], left
-    started = Path(os.environ["LLMCLI_TEST_FORKED"])  # (each warm server a test's run starts is noted there)
     noted = started.read_text().split()
     assert len(noted) == 1  # (the one that could not start)
     for args, says in ((["--draft-model", "no-such-draft"], "unknown model 'no-such-draft'"),

@@ -26,10 +26,11 @@ from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.errors import ContextLost, LlmcliError, ResourceError, UsageError
 from llmcli.interrupt import Cancellation
 from llmcli.llama.batch import Batch
+from llmcli.llama.context_size import default_context
 from llmcli.llama.core_share import CoreShare
 from llmcli.llama.cpu_load import WINDOW_S, CpuLoad
 from llmcli.llama.cpu_topology import physical_cores
-from llmcli.llama.engine_config import FLASH_ATTN, KV_TYPES, POOLING, SIZED_START, EngineConfig, default_context, padded_cells
+from llmcli.llama.engine_config import FLASH_ATTN, KV_TYPES, POOLING, SIZED_START, EngineConfig, padded_cells
 from llmcli.llama.kv_cache import KVCache
 from llmcli.llama.llama_log import llama_backend
 from llmcli.llama.sampler_chain import Sampler

@@ -9,13 +9,6 @@ import llama_cpp
 
 from llmcli.config.settings import default
 
-DEFAULT_MAX_CTX = 4096  # llama-cpp-python's 512 is too small for chat; the training context is often too big
-
-
-def default_context(n_ctx_train: int | None) -> int:
-    """The model's training context, capped at DEFAULT_MAX_CTX."""
-    return min(n_ctx_train or DEFAULT_MAX_CTX, DEFAULT_MAX_CTX)
-
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -24,12 +24,12 @@ from llmcli.answer.message import Message
 from llmcli.answer.sampling_config import logit_bias_pair
 from llmcli.answer.tool_calls import ToolSpec
 from llmcli.config import settings
-from llmcli.errors import LlmcliError, UsageError
+from llmcli.errors import LlmcliError, ResourceError, UsageError
 from llmcli.interrupt import Cancellation
-from llmcli.store import answer_log, models
+from llmcli.store import answer_log, memory, models
 from llmcli.store.cache import Fetch, ProgressCallback, WaitingNotice
 from llmcli.store.file_hashes import known_sha256
-from llmcli.store.gguf_header import read_metadata
+from llmcli.store.gguf_header import GGUFHeader, read_metadata
 from llmcli.units import keeps_loaded
 
 
@@ -151,6 +151,8 @@ def open_answering(request: Request, on_progress: ProgressCallback | None = None
 
         try:
             warm = open_warm(request, constraint, cancel, on_progress, on_waiting, config)
+        except ResourceError:  # (the model does not fit: said before a server started, as this process says it)
+            raise
         except LlmcliError as exc:  # no warm server: this process answers, as without --keep-alive
             notices.append(f"{exc.message}; answering in this process")
         else:
@@ -169,6 +171,18 @@ def open_answering(request: Request, on_progress: ProgressCallback | None = None
     pipeline = open_local(request, on_progress, cancel, on_waiting, config, constraint)
     pipeline.session.notices[:0] = notices
     return pipeline
+
+
+def check_fits(model: models.ResolvedModel, header: GGUFHeader, cells: int, kv_type: str, force: bool,
+               resident: bool = False) -> None:
+    """The one memory check (ResourceError): the model's weights — none where this process holds them already
+    (`resident`) — and a KV cache of `cells` cells of `kv_type`, against what is available less what other warm
+    servers hold. Made where a model loads, and by a warm server's client before it starts one."""
+    from llmcli.pipeline.warm import held_by_others
+
+    weights = 0 if resident else sum(p.stat().st_size for p in model.files)
+    memory.check_memory(model.name, weights, memory.kv_cache_bytes(header, cells, 1, kv_type) if cells else 0, force,
+                        0 if force else held_by_others(model.path))
 
 
 def projector_of(effective: settings.Settings, model: models.ResolvedModel) -> Path | None:

@@ -23,18 +23,19 @@ from llmcli.decode.speculative import DraftModel, Speculation
 from llmcli.embed.embedding import Embedder, pooling_of
 from llmcli.errors import UsageError
 from llmcli.interrupt import Cancellation
+from llmcli.llama.context_size import default_context
 from llmcli.llama.cpu_topology import physical_cores
 from llmcli.llama.engine import Engine
-from llmcli.llama.engine_config import EngineConfig, default_context, padded_cells
+from llmcli.llama.engine_config import EngineConfig, padded_cells
 from llmcli.llama.sampler_chain import parse_grammar
 from llmcli.llama.schema_grammar import with_grammar
 from llmcli.llama.vision import Vision
 from llmcli.llama.vocab import VocabularyFile
 from llmcli.llama.weights import kept_model
-from llmcli.pipeline import Pipeline, Request, fetch_for, projector_of, resolve_settings, speculation_mode
+from llmcli.pipeline import Pipeline, Request, check_fits, fetch_for, projector_of, resolve_settings, speculation_mode
 from llmcli.prompt.chat_template import ChatTemplate
 from llmcli.prompt.rendering import find_template, render_prompt
-from llmcli.store import memory, models
+from llmcli.store import models
 from llmcli.store.cache import Fetch, ProgressCallback, WaitingNotice
 from llmcli.store.gguf_header import GGUFHeader, read_header
 from llmcli.store.projector import check_projector, read_projector
@@ -42,12 +43,8 @@ from llmcli.units import counted
 
 
 def check_memory(model: models.ResolvedModel, header: GGUFHeader, cells: int, kv_type: str, force: bool) -> None:
-    """The one memory check: the model's weights and a KV cache of `cells` cells of `kv_type` (ResourceError)."""
-    from llmcli.pipeline.warm import held_by_others
-
-    weights = 0 if kept_model(model.path) is not None else sum(p.stat().st_size for p in model.files)  # (resident)
-    memory.check_memory(model.name, weights, memory.kv_cache_bytes(header, cells, 1, kv_type) if cells else 0, force,
-                        0 if force else held_by_others(model.path))
+    """pipeline.check_fits, for a load in this process (its weights not counted twice where it keeps them)."""
+    check_fits(model, header, cells, kv_type, force, kept_model(model.path) is not None)
 
 
 def open_pipeline(request: Request, on_progress: ProgressCallback | None = None, cancel: Cancellation | None = None,

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmcli.answer.answerer import Answerer, PromptOptions
 from llmcli.answer.constraint import Constraint
@@ -14,11 +14,14 @@ from llmcli.answer.generation import GenerationOptions
 from llmcli.answer.reasoning import no_switch_notice
 from llmcli.answer.sampling_config import SamplingConfig, check_grammar, logit_bias_pair
 from llmcli.config import settings
-from llmcli.errors import ModelNotFoundError
+from llmcli.errors import LlmcliError, ModelNotFoundError, ResourceError
 from llmcli.interrupt import Cancellation
 from llmcli.pipeline import Pipeline, Request
 from llmcli.remote.client import Client, Endpoint
 from llmcli.remote.session import RemoteRequest, RemoteSession
+
+if TYPE_CHECKING:
+    from llmcli.store.gguf_header import GGUFHeader
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,8 @@ def open_warm(request: Request, constraint: Constraint, cancel: Cancellation, on
               on_waiting: Any = None, config: Any = None) -> Pipeline[Answerer]:
     """--keep-alive: the pipeline of this model's private warm server (started if none answers; LlmcliError if it
     will not start). The model is resolved here (downloaded if it must be), its weights loaded by the server."""
-    from llmcli.pipeline import fetch_for, projector_of, resolve_settings, speculation_mode
+    from llmcli.llama.context_size import default_context
+    from llmcli.pipeline import check_fits, fetch_for, projector_of, resolve_settings, speculation_mode
     from llmcli.pipeline.warm import LOAD_SETTINGS, ensure, first_start_notice
     from llmcli.store import models
 
@@ -44,7 +48,17 @@ def open_warm(request: Request, constraint: Constraint, cancel: Cancellation, on
         # is no model is said before a server starts, and a download shows its progress)
         draft = models.resolve(effective["draft_model"], config.aliases,
                                fetch_for(request, effective, on_progress, on_waiting)).path
-    warm = ensure(model.path, effective, request.template_file, installed, projector_of(effective, model), draft)
+
+    def fits(header: GGUFHeader) -> None:  # (the server's own check, before it starts: -P 1, a whole context)
+        try:
+            check_fits(model, header, effective["ctx_size"] or default_context(header.context_length),
+                       effective["kv_type"], False)
+        except ResourceError:
+            if not request.force:
+                raise
+            raise LlmcliError("--force: a warm server would refuse a model that may not fit in memory") from None
+
+    warm = ensure(model.path, effective, request.template_file, installed, projector_of(effective, model), draft, fits)
     endpoint = Endpoint("http://llmcli/v1", None, max(effective["endpoint_timeout"], 600.0), socket=str(warm.socket),
                         name="the warm server")
     settings_for_server = dataclasses.replace(effective, values={**effective.values, "model": warm.model})

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx2
 
@@ -34,6 +34,9 @@ from llmcli.prompt import read_template_file
 from llmcli.remote.client import socket_transport
 from llmcli.store import memory
 from llmcli.units import parse_keep_alive
+
+if TYPE_CHECKING:
+    from llmcli.store.gguf_header import GGUFHeader
 
 # What the server fixes when it loads the model: sent once, when it starts (each request sends the rest).
 LOAD_SETTINGS = ("ctx_size", "threads", "batch_size", "mlock", "mmap", "flash_attn", "kv_type", "speculate",
@@ -139,11 +142,13 @@ def running() -> list[tuple[Path, Health]]:
 
 
 def ensure(model_path: Path, effective: settings.Settings, template_file: Path | None,
-           reference: str | None = None, projector: Path | None = None, draft: Path | None = None) -> WarmServer:
+           reference: str | None = None, projector: Path | None = None, draft: Path | None = None,
+           fits: Callable[[GGUFHeader], None] | None = None) -> WarmServer:
     """The warm server of this model, started if none answers (LlmcliError if it will not start). `reference`: what
     the server's -m is, when the user gave none (an installed model's short name: what `list` and `ps` call it);
     `projector`: the one found with the model (another one, or none, is another server); `draft`: the draft model's
-    file, where one drafts."""
+    file, where one drafts; `fits`: the server's memory check, made here before it starts (the same words, without
+    starting a process that would refuse)."""
     socket = socket_for(model_path, effective, template_file, projector, draft)
     if len(os.fsencode(socket)) > MAX_SOCKET_PATH:
         raise LlmcliError(f"the runtime dir's path is too long for a Unix socket ({socket}: more than "
@@ -153,7 +158,9 @@ def ensure(model_path: Path, effective: settings.Settings, template_file: Path |
     if state is None:
         from llmcli.store.gguf_header import read_header
 
-        read_header(model_path)  # the pre-flight check here, in milliseconds: a broken file starts no server (1.2 s)
+        header = read_header(model_path)  # the pre-flight checks here, in milliseconds: a broken file, or a model that
+        if fits is not None:  # does not fit, starts no server (it took 1.2 s to refuse; the lock's file is not made)
+            fits(header)
     if state is None or state.get("version") != __version__:
         with starting(socket):  # one start at a time: a second run waits for the first one's server
             state = health(socket)
