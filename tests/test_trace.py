@@ -464,19 +464,19 @@ def test_a_traced_token_is_the_plain_one_and_each_stage_is_as_a_whole_vocabulary
                     dict(dry_multiplier=0.8, temp=0), dict(mirostat=2),
                     dict(logit_bias=((favourite, -3.0),), repeat_penalty=1.3, repeat_last_n=3),
                     dict(temp=0, repeat_penalty=1.3, repeat_last_n=-1)]
-        for options in settings:
+        for options, observed in ((options, observed) for options in settings for observed in (True, False)):
             engine.kv.clear()
             assert engine.prefill(prompt)
             config = SamplingConfig(**options)
-            with engine.sampler(config, 5) as traced, engine.sampler(config, 5) as plain:
+            with engine.sampler(config, 5, observed) as traced, engine.sampler(config, 5) as plain:
                 for _ in range(8):
                     n_vocab = engine.vocab.n_tokens
                     step = sample_traced(traced, engine.vocab, -1, 8)
                     token, stages, changes, final = reference(plain, n_vocab)
-                    assert step.token == token and [list(s) for s in step.stages] == stages, options
+                    assert step.token == token and [list(s) for s in step.stages] == stages, (options, observed)
                     for name, change in changes.items():  # (a change within 10x of the threshold may go either way)
                         if not CHANGED / 10 < change < CHANGED * 10:
-                            assert (name in step.changed) == (change > CHANGED), (options, name, change)
+                            assert (name in step.changed) == (change > CHANGED), (options, observed, name, change)
                     for candidate in step.candidates:
                         assert candidate.p_sampler == pytest.approx(final[candidate.token], rel=1e-4, abs=1e-7)
                     assert {c.token for c in step.candidates if c.p_sampler > 0} >= {

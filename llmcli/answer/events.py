@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from llmcli.answer.stats import Stats
 from llmcli.answer.tool_call_parser import CallArguments, CallStarted
@@ -85,10 +85,10 @@ class Notice:
     advisory: bool = False
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
     """One token a step considered: the model's log-probability and probability for it (before any sampler), and
-    its probability once the sampler chain had done its work (0: removed or masked)."""
+    its probability once the sampler chain had done its work (0: removed or masked). A named tuple: a trace makes
+    ten a token (a frozen dataclass's costs ~1.5 µs more each)."""
 
     token: int
     piece: bytes

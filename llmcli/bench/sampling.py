@@ -53,7 +53,7 @@ def _answer(engine: Engine, prompt: list[int], config: SamplingConfig, mode: str
     engine.kv.clear()
     engine.prefill(prompt)
     times = []
-    with engine.sampler(config, 7) as sampler:
+    with engine.sampler(config, 7, observed=mode == MODES[2]) as sampler:  # (a traced answer's chain is observed)
         for _ in range(gen_tokens):
             started = time.perf_counter_ns()
             if mode == MODES[0]:

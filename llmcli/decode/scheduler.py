@@ -92,7 +92,8 @@ class Scheduler:
         engine = self.engine
         calls = options.tools is not None and options.tools.active  # (the call's opening is read in the vocabulary)
         sampler = engine.sampler(with_tool_grammar(options.sampling, options.tools, options.thinking_open,
-                                                   options.call_preference, engine.vocab if calls else None), seed)
+                                                   options.call_preference, engine.vocab if calls else None), seed,
+                                 observed=options.trace is not None)
         kv = engine.kv
         if shared and self.prefix_seq is not None:
             kv.remove(seq)

@@ -253,9 +253,9 @@ class Engine:
 
     # -- evaluation -------------------------------------------------------
 
-    def sampler(self, sampling: SamplingConfig, seed: int) -> Sampler:
-        """A sampler chain for this model, sampling from this context's logits."""
-        return Sampler(sampling, self.vocab.handle, seed, self._ctx, self.n_ctx)
+    def sampler(self, sampling: SamplingConfig, seed: int, observed: bool = False) -> Sampler:
+        """A sampler chain for this model, sampling from this context's logits (`observed`: a traced answer's)."""
+        return Sampler(sampling, self.vocab.handle, seed, self._ctx, self.n_ctx, observed)
 
     def check_budget(self, n_prompt: int, max_tokens: int | None) -> None:
         if n_prompt + (max_tokens or 1) > self.n_ctx:

@@ -21,6 +21,7 @@ import dataclasses
 import math
 import re
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import llama_cpp
@@ -29,8 +30,10 @@ from llmcli.answer.sampling_config import SamplingConfig
 from llmcli.errors import UsageError
 from llmcli.llama.lazy_trigger import LazyTrigger
 from llmcli.llama.llama_log import llama_backend, stderr_captured
+from llmcli.llama.stage_observation import Observation
 from llmcli.llama.vocab import Vocabulary
 
+SELECTORS = ("greedy", "dist", "mirostat", "mirostat-v2")  # the last stage: picks the token, changes no probability
 # Where a DRY repeat may not continue across (llama.cpp's defaults): a new line, a colon, a quote, an asterisk.
 DRY_BREAKERS = ("\n", ":", '"', "*")
 
@@ -41,8 +44,13 @@ class Sampler:
     `chain` alone samples when there is no grammar (`checks_grammar` False): the decode loops call it
     directly. With a grammar, `sample` tries `chain` and checks the token (see the module's note)."""
 
-    def __init__(self, config: SamplingConfig, vocab: Any, seed: int, ctx: Any, n_ctx: int):
+    def __init__(self, config: SamplingConfig, vocab: Any, seed: int, ctx: Any, n_ctx: int, observed: bool = False):
         self.seed = seed
+        # A traced answer's chain (`observed`) has a sampler of ours after each stage: what each left is seen inside
+        # llama.cpp's own sampling (stage_observation.py; the constrained chain, sampled only when a lazy grammar
+        # refuses a token, is traced stage by stage instead)
+        self.observation = Observation(llama_cpp.llama_vocab_n_tokens(vocab)) if observed else None
+        observe = self.observation.after if self.observation is not None else None
         self.ctx = ctx
         self.first_bias = config.first_token_bias  # added to the first logits sampled from, then dropped
         self.top_k = config.top_k  # (a traced top-k is given only the k + 1 most likely, and the tokens stages before
@@ -62,7 +70,7 @@ class Sampler:
         self._pieces: Vocabulary | None = None
         self.lazy = False  # the grammar checks one sampled token, and samples again under it only when it refuses it
         if config.grammar is None:
-            self.chain = _build_chain(config, vocab, seed, n_ctx)
+            self.chain = _build_chain(config, vocab, seed, n_ctx, observe=observe)
             return
         _check_token_ids(config, vocab)
         self._pieces = Vocabulary(vocab) if self.trigger is not None else None
@@ -73,14 +81,14 @@ class Sampler:
                 if self.lazy:
                     self.grammar = _grammar_sampler(config, vocab)
                     self.constrained = _build_chain(config, vocab, seed, n_ctx)
-                    self.chain = _build_chain(config, vocab, seed, n_ctx, with_grammar=False)
+                    self.chain = _build_chain(config, vocab, seed, n_ctx, with_grammar=False, observe=observe)
                     self._candidate = llama_cpp.llama_token_data(0, 1.0, 0.0)
                     self._one = llama_cpp.llama_token_data_array(ctypes.pointer(self._candidate), 1, -1, False)
                 elif self.trigger is not None:  # (the grammar joins the chain when it fires: parsed now, to refuse it now)
                     llama_cpp.llama_sampler_free(_grammar_sampler(config, vocab))
-                    self.chain = _build_chain(config, vocab, seed, n_ctx, with_grammar=False)
+                    self.chain = _build_chain(config, vocab, seed, n_ctx, with_grammar=False, observe=observe)
                 else:
-                    self.chain = _build_chain(config, vocab, seed, n_ctx)
+                    self.chain = _build_chain(config, vocab, seed, n_ctx, observe=observe)
             except UsageError as exc:
                 self.close()
                 reason = " ".join(captured().split()) or llama_backend().take_error() or "no reason given"
@@ -210,7 +218,9 @@ def _grammar_sampler(config: SamplingConfig, vocab: Any) -> Any:
     return grammar
 
 
-def _build_chain(config: SamplingConfig, vocab: Any, seed: int, n_ctx: int, with_grammar: bool = True) -> Any:
+def _build_chain(config: SamplingConfig, vocab: Any, seed: int, n_ctx: int, with_grammar: bool = True,
+                 observe: Callable[[str], Any] | None = None) -> Any:
+    """The chain; `observe`: a sampler to add after each stage but the last (given the stage's name)."""
     params = llama_cpp.llama_sampler_chain_default_params()
     params.no_perf = True
     chain = llama_cpp.llama_sampler_chain_init(params)
@@ -221,6 +231,9 @@ def _build_chain(config: SamplingConfig, vocab: Any, seed: int, n_ctx: int, with
             llama_cpp.llama_sampler_free(chain)
             raise UsageError(f"llama.cpp rejected the {what or 'sampler settings'}")
         llama_cpp.llama_sampler_chain_add(chain, sampler)
+        name = (llama_cpp.llama_sampler_name(sampler) or b"").decode()
+        if observe is not None and name not in SELECTORS:
+            llama_cpp.llama_sampler_chain_add(chain, observe(name))
 
     if config.logit_bias:
         biases = (llama_cpp.llama_logit_bias * len(config.logit_bias))(

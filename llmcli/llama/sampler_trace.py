@@ -23,11 +23,9 @@ import numpy as np
 
 from llmcli.answer.events import Candidate
 from llmcli.llama.logprobs import largest, logits_at
-from llmcli.llama.sampler_chain import Sampler
+from llmcli.llama.sampler_chain import SELECTORS, Sampler
 from llmcli.llama.trace_distribution import CHANGED, Distribution, cut, differs, fold, stage_distribution, whole
 from llmcli.llama.vocab import Vocabulary
-
-SELECTORS = ("greedy", "dist", "mirostat", "mirostat-v2")  # the last stage: picks the token, changes no probability
 
 
 class _Top:
@@ -60,7 +58,11 @@ class Traced:
 
 
 def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Traced:
-    """The next token from the logits at batch `index`, as `sampler.sample` would choose it, with its trace."""
+    """The next token from the logits at batch `index`, as `sampler.sample` would choose it, with its trace: read from
+    what the chain's observing samplers saw, where it has them and is of a shape they read (_observed); else
+    applied stage by stage here."""
+    if getattr(sampler, "observation", None) is not None and _observable(sampler):
+        return _observed(sampler, vocab, index, n_top)
     n_vocab = vocab.n_tokens
     logits = logits_at(sampler.ctx, index, n_vocab)  # (llama.cpp's own: no decode until done)
     if sampler.first_bias:  # (as Sampler.sample applies it: into llama.cpp's logits, then dropped)
@@ -87,6 +89,13 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
         llama_cpp.llama_sampler_accept(sampler.grammar, token)
     else:
         sampler.watch(token)  # (a lazy grammar that this token fires: armed for the next)
+    return _traced(token, stages, changed, final, start, top, log_total, vocab, n_top, note)
+
+
+def _traced(token: int, stages: tuple[tuple[str, int], ...], changed: tuple[str, ...], final: Distribution,
+            start: Distribution, top: _Top, log_total: float, vocab: Vocabulary, n_top: int, note: str) -> Traced:
+    """The trace of a token chosen stage by stage: its candidates, the model's most likely and the chain's."""
+    n_vocab, logits = vocab.n_tokens, start.logits
     greedy = any(name == "greedy" for name, _ in stages)
     chosen = {token: None}  # (the chosen token first; a dict keeps the order)
     if n_top:
@@ -321,5 +330,299 @@ def _stages(sampler: Sampler, which: str) -> tuple[tuple[Any, str], ...]:
     if found is None:
         chain = getattr(sampler, which)
         stages = [llama_cpp.llama_sampler_chain_get(chain, i) for i in range(llama_cpp.llama_sampler_chain_n(chain))]
+        observation = getattr(sampler, "observation", None)
+        observing = observation.addresses if observation is not None else set()
+        stages = [stage for stage in stages if ctypes.cast(stage, ctypes.c_void_p).value not in observing]
         found = kept[which] = tuple((stage, (llama_cpp.llama_sampler_name(stage) or b"?").decode()) for stage in stages)
     return found
+
+
+# -- read from inside llama.cpp's own sampling (a traced answer's chain observed: stage_observation.py) -------------
+
+MOVING = ("logit-bias", "penalties")  # stages that move a few known tokens' logits, the whole vocabulary kept in place
+CUTS = ("top-k", "top-p", "min-p")  # stages that keep the most likely candidates
+
+
+def _observable(sampler: Sampler) -> bool:
+    """Whether the chain is of a shape its observing samplers' records are read for: a bias, penalties (either, both
+    or neither), then greedy (after one of them: greedy alone is read without a candidate array), or cuts, a
+    temperature and dist. Others (a grammar in the chain, typical-p, XTC, DRY, mirostat) are traced stage by stage.
+    Each moving stage's observer is told which tokens it may have moved."""
+    stages = _stages(sampler, "chain")
+    known: dict[int, bool] = sampler.__dict__.setdefault("_observable", {})
+    found = known.get(id(stages))
+    if found is not None:
+        return found
+    names = [name for _, name in stages]
+    lead = 0
+    while lead < len(names) and names[lead] in MOVING and names.index(names[lead]) == lead:
+        lead += 1
+    rest = names[lead:]
+    cuts = rest[:-2]
+    observation = sampler.observation
+    assert observation is not None
+    seen = [record.name for record in observation.seen]
+    found = seen == names[:-1] and (
+        (rest == ["greedy"] and lead > 0)
+        or (rest[-2:] == ["temp", "dist"] and 0 < len(cuts) == len(set(cuts)) and all(c in CUTS for c in cuts)))
+    if found and "penalties" in names[:lead] and sampler.recent is None:
+        found = False
+    if found:
+        for record in observation.seen[:lead]:
+            record.touched = _biased(sampler) if record.name == "logit-bias" else partial(_recent, sampler)
+    known.clear()  # (one chain's shape at a time: a lazy grammar armed makes the chain another)
+    known[id(stages)] = found
+    return found
+
+
+def _biased(sampler: Sampler) -> Any:
+    n_vocab = sampler.observation.n_vocab if sampler.observation is not None else 0
+    tokens = sorted({t for t in sampler.biased if 0 <= t < n_vocab})
+    return lambda: tokens
+
+
+def _recent(sampler: Sampler) -> list[int]:
+    """The tokens penalties may have moved: those in their window (the sampler's record of it)."""
+    return list(set(sampler.recent or ()))
+
+
+class _Whole:
+    """The whole vocabulary's distribution as the stages so far left it: the model's logits with a few `moved`
+    (token -> logit), their softmax's sum `total` taken against the model's largest logit `peak`. Its weights are
+    computed into `weights` as exp(logit) where the largest logit is moderate (one numpy call fewer: a subtraction
+    over the vocabulary), else as exp(logit - peak)."""
+
+    __slots__ = ("logits", "peak", "total", "moved", "was", "_weights", "_scale")
+
+    def __init__(self, logits: np.ndarray, peak: float, weights: np.ndarray):
+        self.logits, self.peak = logits, peak
+        if -60.0 < peak < 60.0 and math.isfinite(peak):
+            np.exp(logits, out=weights)
+            self._scale = math.exp(-peak)
+        else:
+            np.exp(np.subtract(logits, np.float32(peak), out=weights), out=weights)
+            self._scale = 1.0
+        self._weights = weights
+        self.total = float(weights.sum()) * self._scale
+        self.moved: dict[int, float] = {}
+        self.was: dict[int, float] = {}  # (the moved ones' logits as the model gave them)
+
+    def logit(self, token: int) -> float:
+        found = self.moved.get(token)
+        return float(self.logits[token]) if found is None else found
+
+    def p(self, token: int) -> float:
+        return math.exp(self.logit(token) - self.peak) / self.total
+
+    def largest_unmoved(self, also: set[int]) -> float:
+        """The largest logit of the tokens neither moved before nor in `also`."""
+        rest = self.logits.copy()
+        rest[list({*self.moved, *also})] = -np.inf
+        return float(rest.max())
+
+    def weights(self) -> np.ndarray:
+        """exp(logit - peak) of every token, as float32 (a fresh array)."""
+        found: np.ndarray = self._weights * np.float32(self._scale) if self._scale != 1.0 else self._weights.copy()
+        if self.moved:
+            tokens = list(self.moved)
+            found[tokens] = np.exp(np.array([self.moved[t] for t in tokens]) - self.peak)
+        return found
+
+
+def _moved_by(state: _Whole, tokens: list[int], logits: list[float]) -> float | None:
+    """Fold a stage that gave `tokens` these `logits` into `state`: the largest change of a token's probability, or
+    None where folding would lose precision (a logit far above the largest, the mass left mostly on those tokens)."""
+    if not tokens:
+        return 0.0
+    moved, peak = state.moved, state.peak
+    model = state.logits[tokens].tolist()  # (one numpy call for them all)
+    changes = [(t, moved.get(t, m), after, m) for t, m, after in zip(tokens, model, logits, strict=True)
+               if after != moved.get(t, m)]
+    if not changes:
+        return 0.0
+    if any(after - peak > 600 for _, _, after, _ in changes):
+        return None
+    old_w = [math.exp(before - peak) for _, before, _, _ in changes]
+    new_w = [math.exp(after - peak) for _, _, after, _ in changes]
+    total = state.total - math.fsum(old_w) + math.fsum(new_w)
+    if not total > state.total * 1e-6:
+        return None
+    change = max(abs(n / total - o / state.total) for o, n in zip(old_w, new_w, strict=True))
+    now = {t for t, _, _, _ in changes}
+    holds_peak = any(m == peak for m in model) or any(m == peak for m in state.was.values())
+    largest = state.largest_unmoved(now) if holds_peak else peak  # (the largest logit no stage moved)
+    earlier = [logit for t, logit in moved.items() if t not in now]
+    others = math.exp(max([largest, *earlier]) - peak) / state.total
+    change = max(change, abs(state.total / total - 1.0) * others)
+    for t, _, after, m in changes:
+        moved[t] = after
+        state.was.setdefault(t, m)
+    state.total = total
+    return change
+
+
+def _softmax(logits: list[float]) -> list[float]:
+    if not logits:
+        return []
+    top = max(logits)
+    if top == -math.inf:
+        return [0.0] * len(logits)
+    weights = [math.exp(x - top) for x in logits]
+    total = math.fsum(weights)
+    return [w / total for w in weights]
+
+
+def _cut_of_cut(ids: list[int], logits: list[float], p: list[float], kept_ids: list[int],
+                kept_logits: list[float]) -> tuple[list[float], float]:
+    """A stage after a cut (candidates `ids`, their `logits` and probabilities `p`) left `kept_ids` with
+    `kept_logits`: their probabilities, and the largest change of a token's. The usual ones cost no exp: the first
+    ones kept as they were (top-p, min-p: renormalized), or the same ones, other logits (a temperature)."""
+    n = len(kept_ids)
+    if n <= len(ids) and kept_ids == ids[:n]:
+        if kept_logits == logits[:n]:
+            share = math.fsum(p[:n])
+            if share > 0:
+                return [q / share for q in p[:n]], max(max(p[:n]) * (1 - share) / share, max(p[n:], default=0.0))
+        elif n == len(ids):
+            kept_p = _softmax(kept_logits)
+            return kept_p, max((abs(a - b) for a, b in zip(kept_p, p, strict=True)), default=0.0)
+    kept_p = _softmax(kept_logits)
+    before = dict(zip(ids, p, strict=True))
+    change = max((abs(after - before.pop(t, 0.0)) for t, after in zip(kept_ids, kept_p, strict=True)), default=0.0)
+    return kept_p, max(change, max(before.values(), default=0.0))  # (the ones left out)
+
+
+def _largest_near(logits: np.ndarray, peak: float, count: int) -> list[int]:
+    """The `count` largest logits' tokens, the largest first, found among those within a few nats of the largest
+    (`peak`): two numpy calls where a distribution is peaked, not largest()'s six."""
+    for gap in (8.0, 24.0):
+        found = np.flatnonzero(logits >= np.float32(peak - gap))
+        if count <= len(found) <= 4096:
+            ranked: list[int] = found[np.argsort(-logits[found], kind="stable")[:count]].tolist()
+            return ranked
+    largest_first: list[int] = _Top(logits).of(count).tolist()
+    return largest_first
+
+
+def _cut_from_whole(state: _Whole, ids: list[int], logits: list[float], p: list[float]) -> float:
+    """How much a first cut (the candidates `ids`, their logits, their probabilities now `p`) changed the whole
+    distribution: where the mass it left out is clearly more than a float32 sum's error, the largest kept rose by at
+    least that mass over their number (a change); else the largest left out, and the kept renormalized, from the
+    weights."""
+    before = [math.exp(logit - state.peak) / state.total for logit in logits]  # (a cut keeps the logits it was given)
+    left_out = 1.0 - math.fsum(before)
+    if left_out > 1e-5 and len(ids) < 10_000:
+        return left_out / len(ids)
+    weights = state.weights()
+    weights[ids] = 0
+    largest_left = float(weights.max()) / state.total
+    dropped = float(weights.sum(dtype=np.float64)) / state.total
+    change = max((abs(a - b) for a, b in zip(p, before, strict=True)), default=0.0) if dropped == 0 else 0.0
+    return max(largest_left, change, max(before, default=0.0) * dropped / (1 - dropped) if dropped < 1 else 1.0)
+
+
+def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Traced:
+    """sample_traced from the observing samplers' records: llama.cpp's own `llama_sampler_sample` chooses the token
+    (the candidates filled, cut and sorted in C, as an untraced answer's), then each stage's record is read — the
+    moving stages folded into the model's softmax, the cuts' and the temperature's candidates compared as plain
+    lists (a few dozen: Python's floats cost less here than numpy's calls on small arrays, each ~10 µs the first
+    time after a model pass)."""
+    n_vocab = vocab.n_tokens
+    if sampler.first_bias:  # (as Sampler.sample applies it: into llama.cpp's logits, then dropped)
+        logits = logits_at(sampler.ctx, index, n_vocab)
+        for token_id, bias in sampler.first_bias:
+            logits[token_id] += np.float32(bias)
+        sampler.first_bias = ()
+    token = int(llama_cpp.llama_sampler_sample(sampler.chain, sampler.ctx, index))  # (accepted by the chain)
+    if sampler.recent is not None:
+        sampler.recent.append(token)
+    logits = logits_at(sampler.ctx, index, n_vocab)
+    buffer = _candidates(sampler, n_vocab)
+    observation = sampler.observation
+    assert observation is not None
+    names = [name for _, name in _stages(sampler, "chain")]
+    first = observation.seen[0]
+    first_rows = first.rows() if first.moved is None else None  # (a first cut: the model's largest logit is its)
+    state = _Whole(logits, max(first_rows[1]) if first_rows and first_rows[1] else float(logits.max()), buffer.weights)
+    log_total = state.peak + math.log(state.total)
+    stages: list[tuple[str, int]] = []
+    changed: list[str] = []
+    ids: list[int] | None = None  # (the candidates the last cut left, in its order: their logits, probabilities)
+    kept_logits: list[float] = []
+    p: list[float] = []
+    k = min(n_top, n_vocab)
+    model_top: list[int] | None = None  # (the model's most likely, where a cut's candidates hold them)
+    model_peak, exact = state.peak, True  # (`exact`: state's logits are still the model's, a few moved)
+    for record in observation.seen:
+        if record.size < 0:
+            raise RuntimeError(f"the trace could not see what {record.name} left")
+        if record.moved is not None:
+            stages.append((record.name, n_vocab))
+            change = _moved_by(state, record.moved_ids, record.moved)
+            if change is None:  # (imprecise: the whole vocabulary's softmax, those logits in it, and a new state)
+                current = logits.copy()
+                current[list(state.moved)] = list(state.moved.values())
+                current[record.moved_ids] = record.moved
+                after = _Whole(current, float(current.max()), np.empty_like(buffer.weights))
+                change = float(np.abs(state.weights() / state.total - after.weights() / after.total).max())
+                state, exact = after, False
+            if change > CHANGED:
+                changed.append(record.name)
+            continue
+        before_logits = kept_logits
+        kept_ids, kept_logits = first_rows if record is first and first_rows else record.rows()
+        stages.append((record.name, record.size))
+        if ids is None:  # (the first cut, of the whole vocabulary)
+            kept_p = _softmax(kept_logits)
+            change = _cut_from_whole(state, kept_ids, kept_logits, kept_p)
+            if exact:  # (the model's most likely: the cut's, with the moved ones as the model had them)
+                pool = [(logit, t) for t, logit in zip(kept_ids, kept_logits, strict=True) if t not in state.moved]
+                if len(pool) >= k:
+                    pool += zip(logits[list(state.moved)].tolist(), state.moved, strict=True) if state.moved else []
+                    model_top = [t for _, t in sorted(pool, key=lambda pair: -pair[0])[:k]]
+        else:
+            kept_p, change = _cut_of_cut(ids, before_logits, p, kept_ids, kept_logits)
+        if change > CHANGED:
+            changed.append(record.name)
+        ids, p = kept_ids, kept_p
+    selector = names[-1]
+    stages.append((selector, n_vocab if ids is None else len(ids)))
+    note = ""
+    if sampler.grammar is not None and sampler.armed:  # (the lazy check: the grammar alone on the chosen token;
+        one = llama_cpp.llama_token_data(token, 1.0, 0.0)  # rejected, sampled again stage by stage)
+        array = llama_cpp.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
+        llama_cpp.llama_sampler_apply(sampler.grammar, ctypes.byref(array))
+        if one.logit == -math.inf:
+            refused = vocab.piece(token, special=True).decode("utf-8", "replace")
+            top = _Top(logits)
+            start = whole(logits, buffer.weights)
+            again, changes, final, token, _ = _through(sampler, "constrained", start, buffer, top)
+            llama_cpp.llama_sampler_accept(sampler.grammar, token)
+            return _traced(token, again, changes, final, start, top, log_total, vocab, n_top,
+                           f"the grammar refused {refused!r}: sampled again under it")
+        llama_cpp.llama_sampler_accept(sampler.constrained, token)
+        llama_cpp.llama_sampler_accept(sampler.grammar, token)
+    else:
+        sampler.watch(token)
+    if ids is not None:
+        final_p = dict(zip(ids, p, strict=True))
+        ranked = sorted(zip(p, ids, strict=True), key=lambda pair: -pair[0])
+        sampler_top = [t for q, t in ranked if q > 0][:k]
+    else:
+        final_p, sampler_top = {}, []
+    if model_top is None or (ids is None and k):
+        nearest = _largest_near(logits, model_peak, min(k + len(state.moved), n_vocab)) if k else []
+        model_top = nearest[:k]
+        if ids is None:  # (greedy after moving stages: the sampler's most likely are among these and the moved)
+            among = {*nearest, *state.moved}
+            sampler_top = sorted(among, key=lambda t: -state.logit(t))[:k]
+            final_p = {t: state.p(t) for t in {token, *among}}
+    chosen = list(dict.fromkeys([token, *model_top[:k], *sampler_top]))
+    if ids is None:
+        final_p.update((t, state.p(t)) for t in chosen if t not in final_p)
+    model_logits = logits[chosen].tolist()
+    candidates = sorted((Candidate(t, vocab.piece(t, special=True), logit - log_total, math.exp(logit - log_total),
+                                   final_p.get(t, 0.0)) for t, logit in zip(chosen, model_logits, strict=True)),
+                        key=lambda c: (-c.p_sampler, -c.p_model))
+    return Traced(token, "argmax" if selector == "greedy" else "drawn", final_p.get(token, 0.0), tuple(candidates),
+                  tuple(stages), tuple(changed), note)

@@ -1,0 +1,88 @@
+"""What each stage of a traced answer's sampler chain left, seen from inside llama.cpp's own `llama_sampler_sample`
+(`run --trace`): a small sampler of ours after each stage of the chain, which copies what the stage left — the
+candidates it kept (a cut: top-k, top-p, min-p; a temperature's logits), or, where it kept the whole vocabulary in
+place (a logit bias, penalties), the logits of the few tokens it may have moved. The chain fills its candidates, cuts
+and sorts them in C, as an untraced answer's does; sampler_trace.py reads what was seen. Only a traced answer's chain
+has them (Sampler(observed=True)): an untraced one is the same chain without them."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from typing import Any
+
+import llama_cpp
+
+_APPLY = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)  # (sampler, llama_token_data_array *): as addresses
+_NAME = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
+_NAME_TEXT = ctypes.create_string_buffer(b"llmcli-observe")
+_name = _NAME(lambda _sampler: ctypes.addressof(_NAME_TEXT))  # (llama.cpp may ask a sampler's name: it is never NULL)
+
+
+class Seen:
+    """What one stage left, the last time the chain ran: `size` candidates; `raw` their bytes (id, logit, p: 12 a
+    candidate) where the stage cut or reordered them; where it kept the whole vocabulary in place, `moved` the
+    logits of the tokens `touched` names (`moved_ids`, as they were then). Plain Python, no numpy call: each is
+    ~10 µs the first time after a model pass."""
+
+    __slots__ = ("name", "size", "raw", "moved", "moved_ids", "touched", "n_vocab")
+
+    def __init__(self, name: str, n_vocab: int):
+        self.name, self.n_vocab = name, n_vocab
+        self.size = 0
+        self.raw = b""
+        self.moved: list[float] | None = None
+        self.moved_ids: list[int] = []
+        self.touched: Callable[[], list[int]] | None = None  # (set by the reader: the tokens a bias or penalties move)
+
+    def take(self, address: int) -> None:
+        """What the candidate array at `address` (a llama_token_data_array) holds now."""
+        data = _pointer(address).value or 0
+        size = self.size = _size(address + 8).value
+        if size == self.n_vocab and self.touched is not None:  # (kept in place, in id order: a few tokens' logits)
+            self.moved_ids = self.touched()
+            values = memoryview((ctypes.c_char * (12 * size)).from_address(data)).cast("B").cast("f")
+            self.moved = [values[3 * token + 1] for token in self.moved_ids]
+            return
+        self.moved = None
+        self.raw = ctypes.string_at(data, 12 * size)
+
+    def rows(self) -> tuple[list[int], list[float]]:
+        """The candidates' ids and logits, in the stage's order."""
+        view = memoryview(self.raw)
+        logits: list[float] = view.cast("f")[1::3].tolist()  # type: ignore[assignment]  # (floats: typeshed says int)
+        return view.cast("i")[0::3].tolist(), logits
+
+
+_pointer, _size = ctypes.c_void_p.from_address, ctypes.c_size_t.from_address
+
+
+class Observation:
+    """The observing samplers of one chain, in the chain's order (`seen`), and their addresses (the stage list of a
+    chain leaves them out)."""
+
+    def __init__(self, n_vocab: int):
+        self.n_vocab = n_vocab
+        self.seen: list[Seen] = []
+        self.addresses: set[int] = set()
+        self._kept: list[Any] = []  # (the callbacks and interfaces llama.cpp points to: alive as long as the chain)
+
+    def after(self, name: str) -> Any:
+        """A new observing sampler for the stage `name` (added to the chain after it: the chain owns and frees it)."""
+        seen = Seen(name, self.n_vocab)
+
+        def apply(_sampler: int, array: int) -> None:
+            try:
+                seen.take(array)
+            except Exception:  # (never into llama.cpp: an unread stage makes the trace fall back to the stage by stage
+                seen.size = -1  # path for the next token; this one is read as unknown)
+
+        callback = _APPLY(apply)
+        interface = llama_cpp.llama_sampler_i()
+        interface.name = ctypes.cast(_name, llama_cpp.llama_sampler_i_name)
+        interface.apply = ctypes.cast(callback, llama_cpp.llama_sampler_i_apply)
+        sampler = llama_cpp.llama_sampler_init(ctypes.pointer(interface), None)
+        self._kept += [callback, interface]
+        self.seen.append(seen)
+        self.addresses.add(ctypes.cast(sampler, ctypes.c_void_p).value or 0)
+        return sampler
