@@ -146,6 +146,8 @@ class Sampler:
         tokens, patterns = fired
         config = dataclasses.replace(self._config, grammar_triggers=patterns)
         self.__dict__.pop("_traced_stages", None)  # (sampler_trace's names of the chains' stages)
+        if self.observation is not None:
+            self.observation.readable = None  # (the chain is another: its shape asked again)
         if self.lazy:
             for name in ("grammar", "constrained"):
                 llama_cpp.llama_sampler_free(getattr(self, name))

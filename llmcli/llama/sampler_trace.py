@@ -61,7 +61,8 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
     """The next token from the logits at batch `index`, as `sampler.sample` would choose it, with its trace: read from
     what the chain's observing samplers saw, where it has them and is of a shape they read (_observed); else
     applied stage by stage here."""
-    if getattr(sampler, "observation", None) is not None and _observable(sampler):
+    observation = getattr(sampler, "observation", None)
+    if observation is not None and (observation.readable if observation.readable is not None else _observable(sampler)):
         return _observed(sampler, vocab, index, n_top)
     n_vocab = vocab.n_tokens
     logits = logits_at(sampler.ctx, index, n_vocab)  # (llama.cpp's own: no decode until done)
@@ -348,12 +349,7 @@ def _observable(sampler: Sampler) -> bool:
     or neither), then greedy (after one of them: greedy alone is read without a candidate array), or cuts, a
     temperature and dist. Others (a grammar in the chain, typical-p, XTC, DRY, mirostat) are traced stage by stage.
     Each moving stage's observer is told which tokens it may have moved."""
-    stages = _stages(sampler, "chain")
-    known: dict[int, bool] = sampler.__dict__.setdefault("_observable", {})
-    found = known.get(id(stages))
-    if found is not None:
-        return found
-    names = [name for _, name in stages]
+    names = [name for _, name in _stages(sampler, "chain")]
     lead = 0
     while lead < len(names) and names[lead] in MOVING and names.index(names[lead]) == lead:
         lead += 1
@@ -370,8 +366,7 @@ def _observable(sampler: Sampler) -> bool:
     if found:
         for record in observation.seen[:lead]:
             record.touched = _biased(sampler) if record.name == "logit-bias" else partial(_recent, sampler)
-    known.clear()  # (one chain's shape at a time: a lazy grammar armed makes the chain another)
-    known[id(stages)] = found
+    observation.readable, observation.selector = found, names[-1]  # (until a lazy grammar armed makes it another)
     return found
 
 
@@ -420,6 +415,12 @@ class _Whole:
         rest[list({*self.moved, *also})] = -np.inf
         return float(rest.max())
 
+    def unmoved_mass(self, also: set[int]) -> float:
+        """The sum of exp(logit - peak) over the tokens neither moved nor in `also`, in float64."""
+        weights = self._weights.copy()
+        weights[list({*self.moved, *also})] = 0
+        return float(weights.sum(dtype=np.float64)) * self._scale
+
     def weights(self) -> np.ndarray:
         """exp(logit - peak) of every token, as float32 (a fresh array)."""
         found: np.ndarray = self._weights * np.float32(self._scale) if self._scale != 1.0 else self._weights.copy()
@@ -447,6 +448,10 @@ def _moved_by(state: _Whole, tokens: list[int], logits: list[float]) -> float | 
     total = state.total - math.fsum(old_w) + math.fsum(new_w)
     if not total > state.total * 1e-6:
         return None
+    if total < state.total * 0.1:  # (most of the mass moved: the float32 sum's error, ~1e-7, would be amplified
+        unmoved = state.unmoved_mass({t for t, _, _, _ in changes})  # as much: the rest summed again, in float64)
+        total = unmoved + math.fsum(math.exp(logit - peak) for t, logit in moved.items() if t not in
+                                    {c[0] for c in changes}) + math.fsum(new_w)
     change = max(abs(n / total - o / state.total) for o, n in zip(old_w, new_w, strict=True))
     now = {t for t, _, _, _ in changes}
     holds_peak = any(m == peak for m in model) or any(m == peak for m in state.was.values())
@@ -540,7 +545,6 @@ def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Tr
     buffer = _candidates(sampler, n_vocab)
     observation = sampler.observation
     assert observation is not None
-    names = [name for _, name in _stages(sampler, "chain")]
     first = observation.seen[0]
     first_rows = first.rows() if first.moved is None else None  # (a first cut: the model's largest logit is its)
     state = _Whole(logits, max(first_rows[1]) if first_rows and first_rows[1] else float(logits.max()), buffer.weights)
@@ -552,6 +556,7 @@ def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Tr
     p: list[float] = []
     k = min(n_top, n_vocab)
     model_top: list[int] | None = None  # (the model's most likely, where a cut's candidates hold them)
+    model_logits: dict[int, float] = {}
     model_peak, exact = state.peak, True  # (`exact`: state's logits are still the model's, a few moved)
     for record in observation.seen:
         if record.size < 0:
@@ -569,9 +574,11 @@ def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Tr
             if change > CHANGED:
                 changed.append(record.name)
             continue
+        stages.append((record.name, record.size))
+        if ids is not None and record.size == len(ids) and record.name in CUTS:  # (a cut that cut nothing: the
+            continue  # same candidates, maybe reordered, the same logits)
         before_logits = kept_logits
         kept_ids, kept_logits = first_rows if record is first and first_rows else record.rows()
-        stages.append((record.name, record.size))
         if ids is None:  # (the first cut, of the whole vocabulary)
             kept_p = _softmax(kept_logits)
             change = _cut_from_whole(state, kept_ids, kept_logits, kept_p)
@@ -580,12 +587,13 @@ def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Tr
                 if len(pool) >= k:
                     pool += zip(logits[list(state.moved)].tolist(), state.moved, strict=True) if state.moved else []
                     model_top = [t for _, t in sorted(pool, key=lambda pair: -pair[0])[:k]]
+                    model_logits = {t: logit for logit, t in pool}  # (the model's own logits of these)
         else:
             kept_p, change = _cut_of_cut(ids, before_logits, p, kept_ids, kept_logits)
         if change > CHANGED:
             changed.append(record.name)
         ids, p = kept_ids, kept_p
-    selector = names[-1]
+    selector = observation.selector
     stages.append((selector, n_vocab if ids is None else len(ids)))
     note = ""
     if sampler.grammar is not None and sampler.armed:  # (the lazy check: the grammar alone on the chosen token;
@@ -620,9 +628,10 @@ def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Tr
     chosen = list(dict.fromkeys([token, *model_top[:k], *sampler_top]))
     if ids is None:
         final_p.update((t, state.p(t)) for t in chosen if t not in final_p)
-    model_logits = logits[chosen].tolist()
+    known = [model_logits.get(t) for t in chosen]
+    logits_chosen = known if None not in known else logits[chosen].tolist()
     candidates = sorted((Candidate(t, vocab.piece(t, special=True), logit - log_total, math.exp(logit - log_total),
-                                   final_p.get(t, 0.0)) for t, logit in zip(chosen, model_logits, strict=True)),
+                                   final_p.get(t, 0.0)) for t, logit in zip(chosen, logits_chosen, strict=True)),
                         key=lambda c: (-c.p_sampler, -c.p_model))
     return Traced(token, "argmax" if selector == "greedy" else "drawn", final_p.get(token, 0.0), tuple(candidates),
                   tuple(stages), tuple(changed), note)

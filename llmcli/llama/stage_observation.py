@@ -25,10 +25,11 @@ class Seen:
     logits of the tokens `touched` names (`moved_ids`, as they were then). Plain Python, no numpy call: each is
     ~10 µs the first time after a model pass."""
 
-    __slots__ = ("name", "size", "raw", "moved", "moved_ids", "touched", "n_vocab")
+    __slots__ = ("name", "size", "raw", "moved", "moved_ids", "touched", "n_vocab", "_whole")
 
     def __init__(self, name: str, n_vocab: int):
         self.name, self.n_vocab = name, n_vocab
+        self._whole = ctypes.c_char * (12 * n_vocab)  # (a ctypes array type made each time costs ~10 µs)
         self.size = 0
         self.raw = b""
         self.moved: list[float] | None = None
@@ -41,7 +42,7 @@ class Seen:
         size = self.size = _size(address + 8).value
         if size == self.n_vocab and self.touched is not None:  # (kept in place, in id order: a few tokens' logits)
             self.moved_ids = self.touched()
-            values = memoryview((ctypes.c_char * (12 * size)).from_address(data)).cast("B").cast("f")
+            values = memoryview(self._whole.from_address(data)).cast("B").cast("f")
             self.moved = [values[3 * token + 1] for token in self.moved_ids]
             return
         self.moved = None
@@ -65,6 +66,8 @@ class Observation:
         self.n_vocab = n_vocab
         self.seen: list[Seen] = []
         self.addresses: set[int] = set()
+        self.readable: bool | None = None  # (whether the chain's shape is one its records are read for: not yet asked)
+        self.selector = ""  # (the chain's last stage, which picks the token)
         self._kept: list[Any] = []  # (the callbacks and interfaces llama.cpp points to: alive as long as the chain)
 
     def after(self, name: str) -> Any:
