@@ -24,6 +24,7 @@ import numpy as np
 from llmcli.answer.events import Candidate
 from llmcli.llama.logprobs import largest, logits_at
 from llmcli.llama.sampler_chain import SELECTORS, Sampler
+from llmcli.llama.stage_observation import Observation
 from llmcli.llama.trace_distribution import CHANGED, Distribution, cut, differs, fold, stage_distribution, whole
 from llmcli.llama.vocab import Vocabulary
 
@@ -526,6 +527,29 @@ def _cut_from_whole(state: _Whole, ids: list[int], logits: list[float], p: list[
     return max(largest_left, change, max(before, default=0.0) * dropped / (1 - dropped) if dropped < 1 else 1.0)
 
 
+def _peak_after_moves(observation: Observation, logits: np.ndarray, token: int) -> float | None:
+    """The model's largest logit, after stages that moved a few logits, without a pass over the vocabulary where a
+    token holding the largest logit now is one they did not move — the token greedy chose, or the first cut's
+    largest: then no token they did not move had more, and the largest is its or one of the moved ones' (None where
+    it was moved)."""
+    moving = [record for record in observation.seen if record.moved is not None]
+    cut = next((record for record in observation.seen if record.moved is None), None)
+    if cut is not None:
+        ids, values = cut.rows()
+        if not values:
+            return None
+        token = ids[values.index(max(values))]
+    touched = sorted({t for record in moving for t in record.moved_ids} | {token})
+    model = dict(zip(touched, logits[touched].tolist(), strict=True))
+    current, moved = dict(model), set()
+    for record in moving:
+        for t, value in zip(record.moved_ids, record.moved or (), strict=True):
+            if value != current[t]:
+                current[t] = value
+                moved.add(t)
+    return None if token in moved else max([model[token], *(model[t] for t in moved)])
+
+
 def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Traced:
     """sample_traced from the observing samplers' records: llama.cpp's own `llama_sampler_sample` chooses the token
     (the candidates filled, cut and sorted in C, as an untraced answer's), then each stage's record is read — the
@@ -547,7 +571,8 @@ def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Tr
     assert observation is not None
     first = observation.seen[0]
     first_rows = first.rows() if first.moved is None else None  # (a first cut: the model's largest logit is its)
-    state = _Whole(logits, max(first_rows[1]) if first_rows and first_rows[1] else float(logits.max()), buffer.weights)
+    peak = max(first_rows[1]) if first_rows and first_rows[1] else _peak_after_moves(observation, logits, token)
+    state = _Whole(logits, float(logits.max()) if peak is None else peak, buffer.weights)
     log_total = state.peak + math.log(state.total)
     stages: list[tuple[str, int]] = []
     changed: list[str] = []

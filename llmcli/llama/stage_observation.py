@@ -25,13 +25,14 @@ class Seen:
     logits of the tokens `touched` names (`moved_ids`, as they were then). Plain Python, no numpy call: each is
     ~10 µs the first time after a model pass."""
 
-    __slots__ = ("name", "size", "raw", "moved", "moved_ids", "touched", "n_vocab", "_whole")
+    __slots__ = ("name", "size", "raw", "moved", "moved_ids", "touched", "n_vocab", "_whole", "_rows")
 
     def __init__(self, name: str, n_vocab: int):
         self.name, self.n_vocab = name, n_vocab
-        self._whole = ctypes.c_char * (12 * n_vocab)  # (a ctypes array type made each time costs ~10 µs)
+        self._whole = ctypes.c_float * (3 * n_vocab)  # (the array as floats: its type made once, ~10 µs)
         self.size = 0
         self.raw = b""
+        self._rows: tuple[list[int], list[float]] | None = None
         self.moved: list[float] | None = None
         self.moved_ids: list[int] = []
         self.touched: Callable[[], list[int]] | None = None  # (set by the reader: the tokens a bias or penalties move)
@@ -42,17 +43,19 @@ class Seen:
         size = self.size = _size(address + 8).value
         if size == self.n_vocab and self.touched is not None:  # (kept in place, in id order: a few tokens' logits)
             self.moved_ids = self.touched()
-            values = memoryview(self._whole.from_address(data)).cast("B").cast("f")
+            values = self._whole.from_address(data)
             self.moved = [values[3 * token + 1] for token in self.moved_ids]
             return
-        self.moved = None
+        self.moved, self._rows = None, None
         self.raw = ctypes.string_at(data, 12 * size)
 
     def rows(self) -> tuple[list[int], list[float]]:
         """The candidates' ids and logits, in the stage's order."""
-        view = memoryview(self.raw)
-        logits: list[float] = view.cast("f")[1::3].tolist()  # type: ignore[assignment]  # (floats: typeshed says int)
-        return view.cast("i")[0::3].tolist(), logits
+        if self._rows is None:
+            view = memoryview(self.raw)
+            logits: list[float] = view.cast("f")[1::3].tolist()  # type: ignore[assignment]  # (typeshed says int)
+            self._rows = view.cast("i")[0::3].tolist(), logits
+        return self._rows
 
 
 _pointer, _size = ctypes.c_void_p.from_address, ctypes.c_size_t.from_address
