@@ -409,6 +409,61 @@ def test_the_model_s_top_and_a_cut_s_change_are_found_as_a_whole_vocabulary_comp
     assert differs(whole(near), top_k(whole(near), 2), 5000)  # (4,998 tokens of p ~1e-9 left out: ~1e-6 in all)
 
 
+def test_the_observed_chain_s_folds_and_cuts_are_a_whole_vocabulary_computation_s():
+    """The observed path's readings (sampler_trace._moved_by, _cut_from_whole, _cut_of_cut: plain lists, no numpy
+    pass) against the whole vocabulary's probabilities in float64: a bias that moves tokens up and down (two in
+    opposite directions whose own changes nearly cancel: the others' rescaling decides), one on the most likely, a
+    first cut that leaves out much or nearly nothing, a cut of a cut's first candidates, a temperature."""
+    import math
+
+    import numpy as np
+
+    from llmcli.llama.sampler_trace import CHANGED, _cut_from_whole, _cut_of_cut, _moved_by, _softmax, _Whole
+
+    def dense(logits: np.ndarray) -> np.ndarray:
+        weights = np.exp(logits.astype(np.float64) - logits.astype(np.float64).max())
+        return weights / weights.sum()
+
+    rng = np.random.default_rng(5)
+    spread = rng.normal(0, 3, 5000).astype(np.float32)
+    peaked = np.full(5000, -30.0, dtype=np.float32)
+    peaked[:3] = (12.0, 4.0, 3.5)
+    favourite = int(spread.argmax())
+    sure = np.zeros(5000, dtype=np.float32)
+    sure[0] = 25.0  # (the others ~1e-11 each: 2,000 of them raised 20-fold change by less than CHANGED each, the
+    many = dict.fromkeys(range(1000, 3000), 3.0)  # favourite's share by more: the rescaling decides)
+    for logits, moves in ((spread, {favourite: -3.0, 17: 2.0}), (spread, {3: 1e-3, 4: -1e-3}), (sure, many),
+                          (peaked, {0: -20.0}), (peaked, {4000: 5.0}), (spread, {9: float("-inf")})):
+        state = _Whole(logits, float(logits.max()), np.empty_like(logits))
+        tokens = sorted(moves)
+        after = logits.copy()
+        for token in tokens:
+            after[token] = np.float32(logits[token] + np.float32(moves[token]))
+        change = _moved_by(state, tokens, after[tokens].tolist())
+        truth = float(np.abs(dense(after) - dense(logits)).max())
+        assert change is not None and (change > CHANGED) == (truth > CHANGED), (moves, change, truth)
+        assert change == pytest.approx(truth, rel=1e-4, abs=1e-12), moves
+        for token in (*tokens, favourite, 0):
+            assert state.p(token) == pytest.approx(dense(after)[token], rel=1e-5, abs=1e-15)
+    for logits, k in ((spread, 40), (peaked, 3), (peaked, 2), (peaked, 5000)):
+        state = _Whole(logits, float(logits.max()), np.empty_like(logits))
+        ids = np.argsort(-logits, kind="stable")[:k].tolist()
+        kept = logits[ids].tolist()
+        p = _softmax(kept)
+        cut = np.zeros(5000)
+        cut[ids] = p
+        truth = float(np.abs(cut - dense(logits)).max())
+        assert (_cut_from_whole(state, ids, kept) > CHANGED) == (truth > CHANGED), k
+        for m in range(1, min(k, 12)):  # (a cut of its first m; and a temperature of them all)
+            after_p, change = _cut_of_cut(ids, kept, p, ids[:m], kept[:m])
+            assert after_p == pytest.approx(_softmax(kept[:m]), rel=1e-12)
+            assert change == pytest.approx(float(np.abs(np.array(after_p + [0.0] * (k - m)) - p).max()), rel=1e-9)
+        hotter = [x / 2 for x in kept]
+        after_p, change = _cut_of_cut(ids, kept, p, ids, hotter)
+        assert change == pytest.approx(max(abs(a - b) for a, b in zip(after_p, p, strict=True)), rel=1e-12) and math.isclose(
+            sum(after_p), 1.0)
+
+
 def test_a_traced_token_is_the_plain_one_and_each_stage_is_as_a_whole_vocabulary_computation_sees_it(smollm2):
     """sample_traced on a real model's logits, in lockstep with a second sampler of the same settings and seed that
     applies llama.cpp's stages one by one to the whole vocabulary and computes every distribution whole: the same

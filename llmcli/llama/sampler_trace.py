@@ -341,19 +341,18 @@ def _stages(sampler: Sampler, which: str) -> tuple[tuple[Any, str], ...]:
 
 # -- read from inside llama.cpp's own sampling (a traced answer's chain observed: stage_observation.py) -------------
 
-MOVING = ("logit-bias", "penalties")  # stages that move a few known tokens' logits, the whole vocabulary kept in place
+MOVING = ("logit-bias",)  # a stage that moves a few known tokens' logits, the whole vocabulary kept in place
 CUTS = ("top-k", "top-p", "min-p")  # stages that keep the most likely candidates
 
 
 def _observable(sampler: Sampler) -> bool:
-    """Whether the chain is of a shape its observing samplers' records are read for: a bias, penalties (either, both
-    or neither), then greedy (after one of them: greedy alone is read without a candidate array), or cuts, a
-    temperature and dist. Others (a grammar in the chain, typical-p, XTC, DRY, mirostat) are traced stage by stage.
-    Each moving stage's observer is told which tokens it may have moved."""
+    """Whether the chain is of a shape its observing samplers' records are read for: a logit bias then greedy
+    (greedy alone is read without a candidate array), or a logit bias or not, then cuts, a temperature and dist.
+    Others are traced stage by stage: penalties (a top-k after them is then given the tokens they move and the
+    model's largest — the plain chain's penalties over the whole vocabulary cost more than reading them), a grammar
+    in the chain, typical-p, XTC, DRY, mirostat. The bias's observer is told which tokens it moves."""
     names = [name for _, name in _stages(sampler, "chain")]
-    lead = 0
-    while lead < len(names) and names[lead] in MOVING and names.index(names[lead]) == lead:
-        lead += 1
+    lead = 1 if names[:1] == ["logit-bias"] else 0
     rest = names[lead:]
     cuts = rest[:-2]
     observation = sampler.observation
@@ -362,24 +361,11 @@ def _observable(sampler: Sampler) -> bool:
     found = seen == names[:-1] and (
         (rest == ["greedy"] and lead > 0)
         or (rest[-2:] == ["temp", "dist"] and 0 < len(cuts) == len(set(cuts)) and all(c in CUTS for c in cuts)))
-    if found and "penalties" in names[:lead] and sampler.recent is None:
-        found = False
-    if found:
-        for record in observation.seen[:lead]:
-            record.touched = _biased(sampler) if record.name == "logit-bias" else partial(_recent, sampler)
+    if found and lead:
+        biased = sorted({t for t in sampler.biased if 0 <= t < observation.n_vocab})
+        observation.seen[0].touched = lambda: biased
     observation.readable, observation.selector = found, names[-1]  # (until a lazy grammar armed makes it another)
     return found
-
-
-def _biased(sampler: Sampler) -> Any:
-    n_vocab = sampler.observation.n_vocab if sampler.observation is not None else 0
-    tokens = sorted({t for t in sampler.biased if 0 <= t < n_vocab})
-    return lambda: tokens
-
-
-def _recent(sampler: Sampler) -> list[int]:
-    """The tokens penalties may have moved: those in their window (the sampler's record of it)."""
-    return list(set(sampler.recent or ()))
 
 
 class _Whole:
@@ -510,11 +496,10 @@ def _largest_near(logits: np.ndarray, peak: float, count: int) -> list[int]:
     return largest_first
 
 
-def _cut_from_whole(state: _Whole, ids: list[int], logits: list[float], p: list[float]) -> float:
-    """How much a first cut (the candidates `ids`, their logits, their probabilities now `p`) changed the whole
-    distribution: where the mass it left out is clearly more than a float32 sum's error, the largest kept rose by at
-    least that mass over their number (a change); else the largest left out, and the kept renormalized, from the
-    weights."""
+def _cut_from_whole(state: _Whole, ids: list[int], logits: list[float]) -> float:
+    """How much a first cut (the candidates `ids`, their logits) changed the whole distribution: where the mass it
+    left out is clearly more than a float32 sum's error, the largest kept rose by at least that mass over their
+    number (a change); else the largest left out, and the kept renormalized, from the weights."""
     before = [math.exp(logit - state.peak) / state.total for logit in logits]  # (a cut keeps the logits it was given)
     left_out = 1.0 - math.fsum(before)
     if left_out > 1e-5 and len(ids) < 10_000:
@@ -522,9 +507,8 @@ def _cut_from_whole(state: _Whole, ids: list[int], logits: list[float], p: list[
     weights = state.weights()
     weights[ids] = 0
     largest_left = float(weights.max()) / state.total
-    dropped = float(weights.sum(dtype=np.float64)) / state.total
-    change = max((abs(a - b) for a, b in zip(p, before, strict=True)), default=0.0) if dropped == 0 else 0.0
-    return max(largest_left, change, max(before, default=0.0) * dropped / (1 - dropped) if dropped < 1 else 1.0)
+    dropped = float(weights.sum(dtype=np.float64)) / state.total  # (0: it left out none that had a chance)
+    return max(largest_left, max(before, default=0.0) * dropped / (1 - dropped) if dropped < 1 else 1.0)
 
 
 def _peak_after_moves(observation: Observation, logits: np.ndarray, token: int) -> float | None:
@@ -533,6 +517,8 @@ def _peak_after_moves(observation: Observation, logits: np.ndarray, token: int) 
     largest: then no token they did not move had more, and the largest is its or one of the moved ones' (None where
     it was moved)."""
     moving = [record for record in observation.seen if record.moved is not None]
+    if sum(len(record.moved_ids) for record in moving) > 8:  # (many: numpy's pass costs less than these in Python)
+        return None
     cut = next((record for record in observation.seen if record.moved is None), None)
     if cut is not None:
         ids, values = cut.rows()
@@ -606,7 +592,7 @@ def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Tr
         kept_ids, kept_logits = first_rows if record is first and first_rows else record.rows()
         if ids is None:  # (the first cut, of the whole vocabulary)
             kept_p = _softmax(kept_logits)
-            change = _cut_from_whole(state, kept_ids, kept_logits, kept_p)
+            change = _cut_from_whole(state, kept_ids, kept_logits)
             if exact:  # (the model's most likely: the cut's, with the moved ones as the model had them)
                 pool = [(logit, t) for t, logit in zip(kept_ids, kept_logits, strict=True) if t not in state.moved]
                 if len(pool) >= k:
