@@ -72,7 +72,7 @@ class FakeEngine:
     grown: list[int] = field(default_factory=list)
     llama_context: Any = None
 
-    def sampler(self, sampling: Any, seed: int) -> FakeSampler:
+    def sampler(self, sampling: Any, seed: int, observed: bool = False) -> FakeSampler:
         return FakeSampler(seed)
 
     def grow_to(self, n_cells: int) -> None:  # (the real one copies every sequence's state into a new context)
