@@ -453,7 +453,7 @@ def test_the_observed_chain_s_folds_and_cuts_are_a_whole_vocabulary_computation_
         cut = np.zeros(5000)
         cut[ids] = p
         truth = float(np.abs(cut - dense(logits)).max())
-        assert (_cut_from_whole(state, ids, kept) > CHANGED) == (truth > CHANGED), k
+        assert (_cut_from_whole(state, ids, kept, p) > CHANGED) == (truth > CHANGED), k
         for m in range(1, min(k, 12)):  # (a cut of its first m; and a temperature of them all)
             after_p, change = _cut_of_cut(ids, kept, p, ids[:m], kept[:m])
             assert after_p == pytest.approx(_softmax(kept[:m]), rel=1e-12)

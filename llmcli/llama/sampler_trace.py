@@ -16,6 +16,7 @@ import ctypes
 import math
 from dataclasses import dataclass
 from functools import partial
+from operator import itemgetter
 from typing import Any
 
 import llama_cpp
@@ -24,7 +25,6 @@ import numpy as np
 from llmcli.answer.events import Candidate
 from llmcli.llama.logprobs import largest, logits_at
 from llmcli.llama.sampler_chain import SELECTORS, Sampler
-from llmcli.llama.stage_observation import Observation
 from llmcli.llama.trace_distribution import CHANGED, Distribution, cut, differs, fold, stage_distribution, whole
 from llmcli.llama.vocab import Vocabulary
 
@@ -45,6 +45,7 @@ class _Top:
 
 
 FOUND = 64
+BY_P_SAMPLER_THEN_MODEL = itemgetter(4, 3)  # (a Candidate's p_sampler, p_model)
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ def _traced(token: int, stages: tuple[tuple[str, int], ...], changed: tuple[str,
     p_sampler = final.probs(tokens)
     candidates = sorted((Candidate(t, vocab.piece(t, special=True), logit - log_total, math.exp(logit - log_total), p)
                          for t, logit, p in zip(tokens, logits[tokens].tolist(), p_sampler, strict=True)),
-                        key=lambda c: (-c.p_sampler, -c.p_model))
+                        key=BY_P_SAMPLER_THEN_MODEL, reverse=True)  # (stable: ties keep their order)
     return Traced(token, "argmax" if greedy else "drawn", p_sampler[0], tuple(candidates), stages, changed, note)
 
 
@@ -496,44 +497,22 @@ def _largest_near(logits: np.ndarray, peak: float, count: int) -> list[int]:
     return largest_first
 
 
-def _cut_from_whole(state: _Whole, ids: list[int], logits: list[float]) -> float:
-    """How much a first cut (the candidates `ids`, their logits) changed the whole distribution: where the mass it
-    left out is clearly more than a float32 sum's error, the largest kept rose by at least that mass over their
-    number (a change); else the largest left out, and the kept renormalized, from the weights."""
-    before = [math.exp(logit - state.peak) / state.total for logit in logits]  # (a cut keeps the logits it was given)
-    left_out = 1.0 - math.fsum(before)
+def _cut_from_whole(state: _Whole, ids: list[int], logits: list[float], p: list[float]) -> float:
+    """How much a first cut (the candidates `ids`, their logits, their probabilities `p` now) changed the whole
+    distribution: where the mass it left out is clearly more than a float32 sum's error, the largest kept rose by at
+    least that mass over their number (a change); else the largest left out, and the kept renormalized, from the
+    weights."""
+    top = max(logits, default=-math.inf)  # (a cut keeps the logits it was given: their share of the whole is the
+    kept = math.exp(top - state.peak) / state.total / max(p, default=1.0)  # largest's over its share of them)
+    left_out = 1.0 - kept
     if left_out > 1e-5 and len(ids) < 10_000:
         return left_out / len(ids)
+    before = [math.exp(logit - state.peak) / state.total for logit in logits]
     weights = state.weights()
     weights[ids] = 0
     largest_left = float(weights.max()) / state.total
     dropped = float(weights.sum(dtype=np.float64)) / state.total  # (0: it left out none that had a chance)
     return max(largest_left, max(before, default=0.0) * dropped / (1 - dropped) if dropped < 1 else 1.0)
-
-
-def _peak_after_moves(observation: Observation, logits: np.ndarray, token: int) -> float | None:
-    """The model's largest logit, after stages that moved a few logits, without a pass over the vocabulary where a
-    token holding the largest logit now is one they did not move — the token greedy chose, or the first cut's
-    largest: then no token they did not move had more, and the largest is its or one of the moved ones' (None where
-    it was moved)."""
-    moving = [record for record in observation.seen if record.moved is not None]
-    if sum(len(record.moved_ids) for record in moving) > 8:  # (many: numpy's pass costs less than these in Python)
-        return None
-    cut = next((record for record in observation.seen if record.moved is None), None)
-    if cut is not None:
-        ids, values = cut.rows()
-        if not values:
-            return None
-        token = ids[values.index(max(values))]
-    touched = sorted({t for record in moving for t in record.moved_ids} | {token})
-    model = dict(zip(touched, logits[touched].tolist(), strict=True))
-    current, moved = dict(model), set()
-    for record in moving:
-        for t, value in zip(record.moved_ids, record.moved or (), strict=True):
-            if value != current[t]:
-                current[t] = value
-                moved.add(t)
-    return None if token in moved else max([model[token], *(model[t] for t in moved)])
 
 
 def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Traced:
@@ -557,8 +536,7 @@ def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Tr
     assert observation is not None
     first = observation.seen[0]
     first_rows = first.rows() if first.moved is None else None  # (a first cut: the model's largest logit is its)
-    peak = max(first_rows[1]) if first_rows and first_rows[1] else _peak_after_moves(observation, logits, token)
-    state = _Whole(logits, float(logits.max()) if peak is None else peak, buffer.weights)
+    state = _Whole(logits, max(first_rows[1]) if first_rows and first_rows[1] else float(logits.max()), buffer.weights)
     log_total = state.peak + math.log(state.total)
     stages: list[tuple[str, int]] = []
     changed: list[str] = []
@@ -592,7 +570,7 @@ def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Tr
         kept_ids, kept_logits = first_rows if record is first and first_rows else record.rows()
         if ids is None:  # (the first cut, of the whole vocabulary)
             kept_p = _softmax(kept_logits)
-            change = _cut_from_whole(state, kept_ids, kept_logits)
+            change = _cut_from_whole(state, kept_ids, kept_logits, kept_p)
             if exact:  # (the model's most likely: the cut's, with the moved ones as the model had them)
                 pool = [(logit, t) for t, logit in zip(kept_ids, kept_logits, strict=True) if t not in state.moved]
                 if len(pool) >= k:
@@ -643,6 +621,6 @@ def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Tr
     logits_chosen = known if None not in known else logits[chosen].tolist()
     candidates = sorted((Candidate(t, vocab.piece(t, special=True), logit - log_total, math.exp(logit - log_total),
                                    final_p.get(t, 0.0)) for t, logit in zip(chosen, logits_chosen, strict=True)),
-                        key=lambda c: (-c.p_sampler, -c.p_model))
+                        key=BY_P_SAMPLER_THEN_MODEL, reverse=True)  # (stable: ties keep their order)
     return Traced(token, "argmax" if selector == "greedy" else "drawn", final_p.get(token, 0.0), tuple(candidates),
                   tuple(stages), tuple(changed), note)
