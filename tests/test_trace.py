@@ -464,6 +464,40 @@ def test_the_observed_chain_s_folds_and_cuts_are_a_whole_vocabulary_computation_
             sum(after_p), 1.0)
 
 
+def test_a_bias_s_observer_narrows_greedy_s_candidates_and_greedy_still_takes_the_token_it_would_have():
+    """Greedy after a logit bias: the bias's observer keeps the largest few (llama.cpp's top-k, in C) for greedy to
+    choose among — the first largest of the whole vocabulary in its order (the lowest id of those tied) is put first,
+    whether the tie is among those kept or wider than them."""
+    import ctypes
+
+    import llama_cpp
+
+    from llmcli.llama.stage_observation import Seen
+
+    greedy = llama_cpp.llama_sampler_init_greedy()
+    try:
+        for tied, narrow in (((30, 7), 3), ((41, 12, 5, 33, 20), 3), ((), 3), ((9,), 1)):
+            n = 50
+            data = (llama_cpp.llama_token_data * n)(*(llama_cpp.llama_token_data(i, (i * 7919 % 97) / 100, 0.0)
+                                                       for i in range(n)))
+            for token in tied:
+                data[token].logit = 5.0
+            array = llama_cpp.llama_token_data_array(data, n, -1, False)
+            whole = max(range(n), key=lambda i: (data[i].logit, -i))  # (greedy on the whole array: first largest)
+            seen = Seen("logit-bias", n)
+            seen.touched, seen.narrow = (lambda: [2]), narrow
+            read = [data[2].logit]  # (the biased token's logit, read before the cut)
+            seen.take(ctypes.addressof(array))
+            assert int(array.size) == narrow and seen.moved == read
+            llama_cpp.llama_sampler_apply(greedy, ctypes.byref(array))
+            assert data[array.selected].id == whole, (tied, whole)
+            ids, logits = seen.rows()
+            assert ids[0] == whole and logits == sorted(logits, reverse=True)
+            seen.close()
+    finally:
+        llama_cpp.llama_sampler_free(greedy)
+
+
 def test_a_traced_token_is_the_plain_one_and_each_stage_is_as_a_whole_vocabulary_computation_sees_it(smollm2):
     """sample_traced on a real model's logits, in lockstep with a second sampler of the same settings and seed that
     applies llama.cpp's stages one by one to the whole vocabulary and computes every distribution whole: the same

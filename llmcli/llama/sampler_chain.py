@@ -165,6 +165,8 @@ class Sampler:
         self.armed = True
 
     def close(self) -> None:
+        if self.observation is not None:
+            self.observation.close()
         for name in ("chain", "constrained", "grammar"):
             sampler = getattr(self, name, None)
             if sampler is not None:

@@ -25,6 +25,7 @@ import numpy as np
 from llmcli.answer.events import Candidate
 from llmcli.llama.logprobs import largest, logits_at
 from llmcli.llama.sampler_chain import SELECTORS, Sampler
+from llmcli.llama.stage_observation import Seen
 from llmcli.llama.trace_distribution import CHANGED, Distribution, cut, differs, fold, stage_distribution, whole
 from llmcli.llama.vocab import Vocabulary
 
@@ -515,6 +516,19 @@ def _cut_from_whole(state: _Whole, ids: list[int], logits: list[float], p: list[
     return max(largest_left, max(before, default=0.0) * dropped / (1 - dropped) if dropped < 1 else 1.0)
 
 
+def _unmoved_first(record: Seen, logits: np.ndarray) -> tuple[list[float], list[int]]:
+    """What a narrowed bias record says of the model's largest: the logits and ids of its candidates the bias did
+    not move (theirs are the model's; any other it did not move is below them) and of the biased tokens, as the
+    model gave them."""
+    ids, values = record.rows()
+    biased = record.moved_ids
+    model = logits[biased].tolist() if biased else []
+    moved = {t for t, m, now in zip(biased, model, record.moved or (), strict=True) if now != m}
+    kept = [(value, t) for t, value in zip(ids, values, strict=True) if t not in moved]
+    found = kept + [(m, t) for t, m in zip(biased, model, strict=True) if t in moved]
+    return [value for value, _ in found], [t for _, t in found]
+
+
 def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Traced:
     """sample_traced from the observing samplers' records: llama.cpp's own `llama_sampler_sample` chooses the token
     (the candidates filled, cut and sorted in C, as an untraced answer's), then each stage's record is read — the
@@ -527,16 +541,20 @@ def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Tr
         for token_id, bias in sampler.first_bias:
             logits[token_id] += np.float32(bias)
         sampler.first_bias = ()
+    observation = sampler.observation
+    assert observation is not None
+    first = observation.seen[0]
+    if observation.selector == "greedy" and not first.narrow:  # (greedy after a bias: its observer keeps the largest,
+        first.narrow = n_top + len(sampler.biased) + 1  # the trace's candidates, for greedy to choose among: one unbiased)
     token = int(llama_cpp.llama_sampler_sample(sampler.chain, sampler.ctx, index))  # (accepted by the chain)
     if sampler.recent is not None:
         sampler.recent.append(token)
     logits = logits_at(sampler.ctx, index, n_vocab)
     buffer = _candidates(sampler, n_vocab)
-    observation = sampler.observation
-    assert observation is not None
-    first = observation.seen[0]
-    first_rows = first.rows() if first.moved is None else None  # (a first cut: the model's largest logit is its)
-    state = _Whole(logits, max(first_rows[1]) if first_rows and first_rows[1] else float(logits.max()), buffer.weights)
+    first_rows = first.rows() if first.moved is None or first.narrow else None  # (a first cut's, or the largest
+    narrowed = _unmoved_first(first, logits) if first.narrow else None  # kept: the model's largest logit is known)
+    peak = max(narrowed[0]) if narrowed else max(first_rows[1]) if first_rows and first_rows[1] else None
+    state = _Whole(logits, float(logits.max()) if peak is None else peak, buffer.weights)
     log_total = state.peak + math.log(state.total)
     stages: list[tuple[str, int]] = []
     changed: list[str] = []
@@ -607,7 +625,12 @@ def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Tr
         sampler_top = [t for q, t in ranked if q > 0][:k]
     else:
         final_p, sampler_top = {}, []
-    if model_top is None or (ids is None and k):
+    if narrowed is not None and first_rows is not None:  # (greedy after a bias: the largest now are the narrowed,
+        model_logits = dict(zip(narrowed[1], narrowed[0], strict=True))  # the model's among them and the biased)
+        model_top = sorted(model_logits, key=model_logits.__getitem__, reverse=True)[:k]
+        sampler_top = first_rows[0][:k]
+        final_p = {t: state.p(t) for t in {token, *sampler_top, *model_top}}
+    elif model_top is None or (ids is None and k):
         nearest = _largest_near(logits, model_peak, min(k + len(state.moved), n_vocab)) if k else []
         model_top = nearest[:k]
         if ids is None:  # (greedy after moving stages: the sampler's most likely are among these and the moved)

@@ -25,7 +25,8 @@ class Seen:
     logits of the tokens `touched` names (`moved_ids`, as they were then). Plain Python, no numpy call: each is
     ~10 µs the first time after a model pass."""
 
-    __slots__ = ("name", "size", "raw", "moved", "moved_ids", "touched", "n_vocab", "_whole", "_rows")
+    __slots__ = ("name", "size", "raw", "moved", "moved_ids", "touched", "n_vocab", "narrow", "_whole", "_rows",
+                 "_narrower")
 
     def __init__(self, name: str, n_vocab: int):
         self.name, self.n_vocab = name, n_vocab
@@ -35,7 +36,9 @@ class Seen:
         self._rows: tuple[list[int], list[float]] | None = None
         self.moved: list[float] | None = None
         self.moved_ids: list[int] = []
-        self.touched: Callable[[], list[int]] | None = None  # (set by the reader: the tokens a bias or penalties move)
+        self.touched: Callable[[], list[int]] | None = None  # (set by the reader: the tokens a bias moves)
+        self.narrow = 0  # (set by the reader: before a greedy choice, keep only this many of the largest: `_narrowed`)
+        self._narrower: Any = None  # (llama.cpp's top-k of `narrow`, made when first asked)
 
     def take(self, address: int) -> None:
         """What the candidate array at `address` (a llama_token_data_array) holds now."""
@@ -45,9 +48,38 @@ class Seen:
             self.moved_ids = self.touched()
             values = self._whole.from_address(data)
             self.moved = [values[3 * token + 1] for token in self.moved_ids]
+            if self.narrow:
+                self._narrowed(address, data)
             return
         self.moved, self._rows = None, None
         self.raw = ctypes.string_at(data, 12 * size)
+
+    def _narrowed(self, address: int, data: int) -> None:
+        """Before a greedy choice: the array cut to its `narrow` largest, in order (llama.cpp's top-k, in C) and kept
+        in `raw` — the most likely, the trace's candidates, found without a pass of numpy's. Greedy takes the first
+        largest logit in the array's order, the lowest id of those tied: the one it would have taken from the whole
+        vocabulary is put first."""
+        if self._narrower is None:
+            self._narrower = llama_cpp.llama_sampler_init_top_k(self.narrow)
+        array = llama_cpp.llama_token_data_array.from_address(address)
+        llama_cpp.llama_sampler_apply(self._narrower, ctypes.byref(array))
+        size = int(array.size)
+        rows = (llama_cpp.llama_token_data * self.n_vocab).from_address(data)
+        best = rows[0].logit
+        tied = [i for i in range(size) if rows[i].logit == best]
+        if len(tied) == size < self.n_vocab:  # (more tied than kept: the lowest id of all of them)
+            ids = [i for i in range(self.n_vocab) if rows[i].logit == best]
+            tied = [min(ids, key=lambda i: int(rows[i].id))]
+        first = min(tied, key=lambda i: int(rows[i].id))
+        if first:
+            rows[0], rows[first] = llama_cpp.llama_token_data(rows[first].id, rows[first].logit, rows[first].p), \
+                llama_cpp.llama_token_data(rows[0].id, rows[0].logit, rows[0].p)
+        self.raw, self._rows = ctypes.string_at(data, 12 * size), None
+
+    def close(self) -> None:
+        if self._narrower is not None:
+            llama_cpp.llama_sampler_free(self._narrower)
+            self._narrower = None
 
     def rows(self) -> tuple[list[int], list[float]]:
         """The candidates' ids and logits, in the stage's order."""
@@ -80,8 +112,8 @@ class Observation:
         def apply(_sampler: int, array: int) -> None:
             try:
                 seen.take(array)
-            except Exception:  # (never into llama.cpp: an unread stage makes the trace fall back to the stage by stage
-                seen.size = -1  # path for the next token; this one is read as unknown)
+            except Exception:  # (never into llama.cpp: the reader says it could not see this stage)
+                seen.size = -1
 
         callback = _APPLY(apply)
         interface = llama_cpp.llama_sampler_i()
@@ -92,3 +124,7 @@ class Observation:
         self.seen.append(seen)
         self.addresses.add(ctypes.cast(sampler, ctypes.c_void_p).value or 0)
         return sampler
+
+    def close(self) -> None:
+        for seen in self.seen:
+            seen.close()
