@@ -53,6 +53,7 @@ class Sampler:
         observe = self.observation.after if self.observation is not None else None
         self.ctx = ctx
         self.first_bias = config.first_token_bias  # added to the first logits sampled from, then dropped
+        self.temp = config.temp  # (a traced chain's temperature is applied by the reader: stage_observation.py)
         self.top_k = config.top_k  # (a traced top-k is given only the k + 1 most likely, and the tokens stages before
         # it may move: the biased ones, the penalties' recent tokens)
         self.biased = tuple(token for token, _ in config.logit_bias)
@@ -224,7 +225,7 @@ def _grammar_sampler(config: SamplingConfig, vocab: Any) -> Any:
 
 def _build_chain(config: SamplingConfig, vocab: Any, seed: int, n_ctx: int, with_grammar: bool = True,
                  observe: Callable[[str], Any] | None = None) -> Any:
-    """The chain; `observe`: a sampler to add after each stage but the last (given the stage's name)."""
+    """The chain; `observe`: a sampler to add after each stage but the last (given the stage's name; None: none)."""
     params = llama_cpp.llama_sampler_chain_default_params()
     params.no_perf = True
     chain = llama_cpp.llama_sampler_chain_init(params)
@@ -236,8 +237,9 @@ def _build_chain(config: SamplingConfig, vocab: Any, seed: int, n_ctx: int, with
             raise UsageError(f"llama.cpp rejected the {what or 'sampler settings'}")
         llama_cpp.llama_sampler_chain_add(chain, sampler)
         name = (llama_cpp.llama_sampler_name(sampler) or b"").decode()
-        if observe is not None and name not in SELECTORS:
-            llama_cpp.llama_sampler_chain_add(chain, observe(name))
+        observer = observe(name) if observe is not None and name not in SELECTORS else None
+        if observer is not None:
+            llama_cpp.llama_sampler_chain_add(chain, observer)
 
     if config.logit_bias:
         biases = (llama_cpp.llama_logit_bias * len(config.logit_bias))(

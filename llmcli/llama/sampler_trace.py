@@ -360,7 +360,7 @@ def _observable(sampler: Sampler) -> bool:
     observation = sampler.observation
     assert observation is not None
     seen = [record.name for record in observation.seen]
-    found = seen == names[:-1] and (
+    found = seen == [name for name in names[:-1] if name != "temp"] and (
         (rest == ["greedy"] and lead > 0)
         or (rest[-2:] == ["temp", "dist"] and 0 < len(cuts) == len(set(cuts)) and all(c in CUTS for c in cuts)))
     if found and lead:
@@ -600,6 +600,13 @@ def _observed(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -> Tr
         if change > CHANGED:
             changed.append(record.name)
         ids, p = kept_ids, kept_p
+    if ids is not None and observation.selector == "dist":  # (the temperature before it: its division, here)
+        kept_logits = [logit / sampler.temp for logit in kept_logits]
+        after_p = _softmax(kept_logits)
+        stages.append(("temp", len(ids)))
+        if max((abs(a - b) for a, b in zip(after_p, p, strict=True)), default=0.0) > CHANGED:
+            changed.append("temp")
+        p = after_p
     selector = observation.selector
     stages.append((selector, n_vocab if ids is None else len(ids)))
     note = ""

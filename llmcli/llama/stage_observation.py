@@ -1,9 +1,10 @@
 """What each stage of a traced answer's sampler chain left, seen from inside llama.cpp's own `llama_sampler_sample`
 (`run --trace`): a small sampler of ours after each stage of the chain, which copies what the stage left — the
 candidates it kept (a cut: top-k, top-p, min-p; a temperature's logits), or, where it kept the whole vocabulary in
-place (a logit bias, penalties), the logits of the few tokens it may have moved. The chain fills its candidates, cuts
-and sorts them in C, as an untraced answer's does; sampler_trace.py reads what was seen. Only a traced answer's chain
-has them (Sampler(observed=True)): an untraced one is the same chain without them."""
+place (a logit bias), the logits of the few tokens it moved; none after a temperature (its division is the
+reader's). The chain fills its candidates, cuts and sorts them in C, as an untraced answer's does; sampler_trace.py
+reads what was seen. Only a traced answer's chain has them (Sampler(observed=True)): an untraced one is the same chain
+without them."""
 
 from __future__ import annotations
 
@@ -106,7 +107,11 @@ class Observation:
         self._kept: list[Any] = []  # (the callbacks and interfaces llama.cpp points to: alive as long as the chain)
 
     def after(self, name: str) -> Any:
-        """A new observing sampler for the stage `name` (added to the chain after it: the chain owns and frees it)."""
+        """A new observing sampler for the stage `name` (added to the chain after it: the chain owns and frees it);
+        None after a temperature, which divides each candidate's logit by itself: the reader divides them (a call
+        from C into Python costs ~15 µs the first time after a model pass)."""
+        if name == "temp":
+            return None
         seen = Seen(name, self.n_vocab)
 
         def apply(_sampler: int, array: int) -> None:
