@@ -1,14 +1,20 @@
-"""One token sampled with every stage seen (`run --trace`): llama.cpp's `llama_sampler_sample` done by hand — the
-logits into a candidate array, each sampler of the chain applied in turn (a snapshot after each), the selected token
-accepted by the chain — so the token is the one the plain call would give, and each stage's effect is visible: which
-candidates it left and whether it changed the distribution. Only a traced answer comes here; the plain path is
-Sampler.sample.
+"""One token sampled with every stage seen (`run --trace`), two ways; either way the token is the one the plain call
+would give, and each stage's effect is visible: which candidates it left and whether it changed the distribution.
+Only a traced answer comes here; the plain path is Sampler.sample.
 
-What it costs (issue 61: no more than `--logprobs` would be the goal; `bench --sampling` measures it) is kept low: a
-top-k or greedy after stages that move a few known tokens (a bias, penalties) is given those tokens and the model's
-largest, not the whole vocabulary (_sparse); a stage that kept the whole vocabulary is read as one contiguous copy of
-the logits' column; each stage's distribution is computed as trace_distribution.py keeps it, as small as what it
-left."""
+- Observed (_observed): a traced answer's chain has a sampler of ours after each stage (stage_observation.py), so
+  llama.cpp's own `llama_sampler_sample` fills, cuts and sorts the candidates in C as for an untraced answer, and the
+  trace reads what each stage left as plain lists. For a logit bias, cuts (top-k, top-p, min-p), a temperature,
+  then dist or greedy: the default chain's shapes.
+- Stage by stage (_through): `llama_sampler_sample` done by hand — the logits into a candidate array, each sampler
+  applied in turn, a snapshot after each, the token accepted by the chain. For the other chains: penalties (a top-k
+  or greedy after stages that move a few known tokens is given those tokens and the model's largest, not the whole
+  vocabulary: _sparse — less than the plain chain's penalties cost), a grammar in the chain or its resample,
+  typical-p, XTC, DRY, mirostat; each stage's distribution kept as trace_distribution.py keeps it.
+
+What it costs (issue 61: no more than `--logprobs`) is measured by `bench --sampling`: after a model pass, each
+numpy call's first use costs ~10 µs of caches refilled, whatever its size, and so does Python code's — fewer calls,
+not smaller arrays, is what makes it cheaper."""
 
 from __future__ import annotations
 
@@ -343,7 +349,6 @@ def _stages(sampler: Sampler, which: str) -> tuple[tuple[Any, str], ...]:
 
 # -- read from inside llama.cpp's own sampling (a traced answer's chain observed: stage_observation.py) -------------
 
-MOVING = ("logit-bias",)  # a stage that moves a few known tokens' logits, the whole vocabulary kept in place
 CUTS = ("top-k", "top-p", "min-p")  # stages that keep the most likely candidates
 
 
