@@ -553,7 +553,9 @@ def test_a_traced_token_is_the_plain_one_and_each_stage_is_as_a_whole_vocabulary
                     dict(dry_multiplier=0.8, temp=0), dict(mirostat=2),
                     dict(logit_bias=((favourite, -3.0),), repeat_penalty=1.3, repeat_last_n=3),
                     dict(temp=0, repeat_penalty=1.3, repeat_last_n=-1)]
-        for options, observed in ((options, observed) for options in settings for observed in (True, False)):
+        read = [settings[i] for i in (0, 3, 4, 5)] + [dict(logit_bias=((favourite, 2.0),), top_k=5, min_p=0.2)]
+        for options, observed in [(options, False) for options in settings] + [(options, True) for options in read]:
+            # (observed: a traced answer's chain, read from inside llama.cpp's sampling where its shape is one read so)
             engine.kv.clear()
             assert engine.prefill(prompt)
             config = SamplingConfig(**options)
@@ -571,6 +573,7 @@ def test_a_traced_token_is_the_plain_one_and_each_stage_is_as_a_whole_vocabulary
                     assert {c.token for c in step.candidates if c.p_sampler > 0} >= {
                         int(t) for t in np.argsort(-final)[:8] if final[t] > 1e-3}, options
                     assert engine.decode_one(token) == "ok"
+                assert not observed or traced.observation.readable, options  # (read so, not stage by stage)
 
 
 def test_a_warm_trace_s_first_token_time_is_the_answer_s_ttft_as_the_client_measures_it():
