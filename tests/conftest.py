@@ -189,8 +189,10 @@ RUNTIME_DIRS: list[Path] = []
 SPAWNED: list[subprocess.Popen | Forked] = []  # the test's `spawn_cli` children: their pipes closed after it
 @dataclass(frozen=True)
 class ScoredAnswer:
-    """A greedy answer with its tokens as scored (`--logprobs 2`, an API's top_logprobs 2): its text, why it ended,
-    and each token's bytes, its logprob and the two most likely tokens' logprobs by their bytes."""
+    """A greedy answer with its tokens as scored (`--logprobs 5`, an API's top_logprobs 5): its text, why it ended,
+    and each token's bytes, its logprob and the five most likely tokens' logprobs by their bytes (five, not two: where
+    three tokens are near-tied, the one the other way chose may be third here — CI saw `' the' / ' civilizations'`
+    part with the second missing from a top two)."""
 
     text: str
     finish: str | None

@@ -21,11 +21,11 @@ def batch(*args: str, input: str) -> tuple[list[dict], str, int]:
 
 
 def test_eight_prompts_in_parallel_match_sequential_runs_in_input_order():
-    records, stderr, code = batch("-P", "8", "--temp", "0", "-n", "24", "--logprobs", "2",
+    records, stderr, code = batch("-P", "8", "--temp", "0", "-n", "24", "--logprobs", "5",
                                   input="\n".join(QUESTIONS) + "\n")
     assert code == 0, stderr
     assert [r["index"] for r in records] == list(range(8))
-    sequential = [json.loads(run_cli("run", "--json", "--temp", "0", "-n", "24", "--logprobs", "2", q).stdout)
+    sequential = [json.loads(run_cli("run", "--json", "--temp", "0", "-n", "24", "--logprobs", "5", q).stdout)
                   for q in QUESTIONS]
     # llama.cpp is not batch-invariant: a batch's answer is the sequential one's, or parts from it at a near-tie
     parted = [where_greedy_answers_part(*(ScoredAnswer(r["text"], r["finish_reason"], tuple(scored(r["logprobs"])))

@@ -33,7 +33,7 @@ def _health(url: str) -> dict:
 
 def _stream(url: str, prompt: str, seen: list[int], index: int) -> ScoredAnswer:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 112,
-            "temperature": 0, "stream": True, "logprobs": True, "top_logprobs": 2}
+            "temperature": 0, "stream": True, "logprobs": True, "top_logprobs": 5}
     text, finish, tokens = "", None, []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=120) as response:
         assert response.status_code == 200

@@ -72,9 +72,9 @@ OTHER = "Name three colours that a painter of the mountains, the snow, the lakes
 
 
 def test_a_warm_run_answers_as_in_process_over_a_private_socket_and_stop_ends_it(runtime):
-    in_process = answer(runtime, "--logprobs", "2", prompt=LONG)
-    cold = answer(runtime, "--keep-alive", "5m", "--logprobs", "2", prompt=LONG)  # starts the server
-    warm = answer(runtime, "--keep-alive", "5m", "--logprobs", "2", prompt=LONG)  # finds it
+    in_process = answer(runtime, "--logprobs", "5", prompt=LONG)
+    cold = answer(runtime, "--keep-alive", "5m", "--logprobs", "5", prompt=LONG)  # starts the server
+    warm = answer(runtime, "--keep-alive", "5m", "--logprobs", "5", prompt=LONG)  # finds it
     here, *served = [ScoredAnswer(r["text"], r["finish_reason"], tuple(scored(r["logprobs"])))
                      for r in (in_process, cold, warm)]
     assert [where_greedy_answers_part(here, other) for other in served] == [None, None]  # (the same, or parted at a
