@@ -275,7 +275,8 @@ def test_a_top_k_or_greedy_after_a_bias_or_penalties_is_given_a_few_rows_and_cho
     import numpy as np
 
     from llmcli.llama import sampler_trace
-    from llmcli.llama.sampler_trace import _candidates, _sparse, _stages, _through, _Top, whole
+    from llmcli.llama.sampler_trace import _sparse, _through, whole
+    from llmcli.llama.traced_token import ModelTop, candidate_array, chain_stages
 
     n = 5000
     rng = np.random.default_rng(3)
@@ -336,8 +337,8 @@ def test_a_top_k_or_greedy_after_a_bias_or_penalties_is_given_a_few_rows_and_cho
             logits = spread.copy() if round_ % 3 == 0 else rng.normal(0, 3, n).astype(np.float32)
             if traced.recent:  # (the tokens just chosen near the top again: the penalties move the top)
                 logits[list(traced.recent)] = logits.max() + rng.normal(0, 0.5, len(traced.recent)).astype(np.float32)
-            start, top = whole(logits), _Top(logits)
-            buffer = _candidates(traced, n)
+            start, top = whole(logits), ModelTop(logits)
+            buffer = candidate_array(traced, n)
             assert _sparse(traced, "chain", (), start, buffer, top) is None  # (nothing to apply)
             stages, _, final, token, _ = _through(traced, "chain", start, buffer, top)
             expected, sizes, reference_final = reference(plain, logits)
@@ -350,7 +351,7 @@ def test_a_top_k_or_greedy_after_a_bias_or_penalties_is_given_a_few_rows_and_cho
     tied[:4] = (10.0, 9.0, 8.0, 8.0)  # (a top-k of 3 would leave out a token as likely as one it keeps)
     for k, sparse in ((2, True), (3, False)):
         traced = sampler_of((("bias", ((100, 1.0),)), ("top-k", k), ("dist",)))
-        given = _sparse(traced, "chain", _stages(traced, "chain"), whole(tied), _candidates(traced, n), _Top(tied))
+        given = _sparse(traced, "chain", chain_stages(traced, "chain"), whole(tied), candidate_array(traced, n), ModelTop(tied))
         assert (given is not None) == sparse, k
     assert sampler_trace.SPARSE >= 64  # (a default window of penalties is given alone)
 
@@ -418,7 +419,7 @@ def test_the_observed_chain_s_folds_and_cuts_are_a_whole_vocabulary_computation_
 
     import numpy as np
 
-    from llmcli.llama.sampler_trace import CHANGED, _cut_from_whole, _cut_of_cut, _moved_by, _softmax, _Whole
+    from llmcli.llama.observed_trace import CHANGED, _cut_from_whole, _cut_of_cut, _moved_by, _softmax, _Whole
 
     def dense(logits: np.ndarray) -> np.ndarray:
         weights = np.exp(logits.astype(np.float64) - logits.astype(np.float64).max())

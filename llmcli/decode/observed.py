@@ -9,7 +9,7 @@ from llmcli.answer.events import PrefillTrace, TokenTrace
 from llmcli.decode.step_plan import Chunk, Slot
 from llmcli.llama.engine import Engine
 from llmcli.llama.logprobs import token_logprob
-from llmcli.llama.sampler_trace import Traced
+from llmcli.llama.traced_token import Traced
 
 
 def score_chunk(engine: Engine, chunk: Chunk, row: int) -> None:
