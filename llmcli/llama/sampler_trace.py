@@ -57,10 +57,11 @@ def sample_traced(sampler: Sampler, vocab: Vocabulary, index: int, n_top: int) -
             logits[token_id] += np.float32(bias)
         sampler.first_bias = ()
     buffer = candidate_array(sampler, n_vocab)
-    start = whole(logits, buffer.weights)
+    top = ModelTop(logits)  # (the model's largest found first, as many as a top-k after moving stages is given)
+    movable = len(sampler.biased) + (len(sampler.recent) if sampler.recent is not None else 0)
+    found = top.of(FOUND if movable > SPARSE else max(FOUND, sampler.top_k + 1 + movable))
+    start = whole(logits, buffer.weights, float(logits[found[0]]) if len(found) else None)
     log_total = start.top + math.log(start.total)  # a token's log-probability is its logit less this
-    top = ModelTop(logits)
-    top.of(FOUND)  # (the model's largest found while its logits are in the cache: before a stage sorts the vocabulary)
     stages, changed, final, token, note = _through(sampler, "chain", start, buffer, top)
     if sampler.grammar is not None and sampler.armed:  # (the lazy check: the grammar alone on the chosen token;
         # rejected, sampled again)

@@ -115,10 +115,10 @@ class Distribution:
         return found
 
 
-def whole(logits: np.ndarray, out: np.ndarray | None = None) -> Distribution:
+def whole(logits: np.ndarray, out: np.ndarray | None = None, top: float | None = None) -> Distribution:
     """The softmax of the whole vocabulary's `logits` (a token's own: indexed by token); its weights in `out` where
-    given (the same memory each token: still in the cache)."""
-    top = float(logits.max())
+    given (the same memory each token: still in the cache); `top`: their largest, where known."""
+    top = float(logits.max()) if top is None else top
     if not math.isfinite(top):
         return Distribution(np.zeros(0, dtype=np.int32), logits[:0], 0.0, 1.0)
     weights = np.subtract(logits, np.float32(top), out=out)
