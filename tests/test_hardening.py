@@ -64,6 +64,18 @@ def test_runaway_templates_stop_within_their_budget(tmp_path, payload, reason):
     assert "stopped" in result.stderr and reason in result.stderr
 
 
+def test_a_template_file_past_the_limit_is_refused_without_reading_it_all(tmp_path):
+    """--chat-template-file over 64 Ki characters is one line (exit 7), and reading stops at the limit: /dev/zero, which
+    never ends, is refused like a long file (read whole, it would take every byte of memory)."""
+    long = tmp_path / "long.jinja"
+    long.write_text("{{ 'x' }}" + " " * (64 * 1024))
+    result = run_cli("run", "--show-prompt", "--chat-template-file", str(long), "hi", timeout=60)
+    assert result.code == 7 and "is 65545 characters; the limit is 65536" in result.stderr, result.stderr
+    endless = run_cli("run", "--show-prompt", "--chat-template-file", "/dev/zero", "hi", timeout=60)
+    assert endless.code == 7, endless.stderr
+    assert "(/dev/zero) is more than 65536 characters" in endless.stderr and "Traceback" not in endless.stderr
+
+
 def test_broken_template_in_the_model_does_not_make_it_unusable(tmp_path, smollm2):
     broken = rewrite_metadata(smollm2, tmp_path / "broken.gguf", strings={"tokenizer.chat_template": "{% if x %}oops"})
     result = run_cli("run", "-m", str(broken), "hi")

@@ -112,12 +112,15 @@ def default_system(template: ChatTemplate, bos_token: str = "", eos_token: str =
     return prefix[len(before) : len(prefix) - len(after)].strip() or None
 
 
+def too_long(origin: str, length: str) -> TemplateError:
+    """A chat template over MAX_TEMPLATE_CHARS (`length`: how long it is, in words)."""
+    return TemplateError(f"chat template ({origin}) is {length} characters; the limit is {MAX_TEMPLATE_CHARS}",
+                         hint=_HINT)
+
+
 def _compile(source: str, origin: str) -> jinja2.Template:
     if len(source) > MAX_TEMPLATE_CHARS:
-        raise TemplateError(
-            f"chat template ({origin}) is {len(source)} characters; the limit is {MAX_TEMPLATE_CHARS}",
-            hint=_HINT,
-        )
+        raise too_long(origin, str(len(source)))
     try:
         return _compiled(source)
     except jinja2.TemplateSyntaxError as exc:
