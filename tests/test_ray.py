@@ -1,7 +1,7 @@
 """`run --batch --ray` on a local Ray cluster (loopback only; started for the job and gone after it): the same records
 as a local --batch, every record exactly once when a worker is killed mid-job, Ctrl-C leaves no Ray process, --resume
 continues an interrupted job, and a missing extra is one line. One test: two local clusters at once would share
-Ray's ports and session folder."""
+Ray's ports and session folder; one job takes both faults (a cluster's start is ~10 s of CPU on 2 cores)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from conftest import run_cli
 pytest.importorskip("ray")
 
 WORDS = ["colour", "fruit", "planet", "animal", "tree", "river", "city", "metal", "bird", "flower", "stone", "song"]
-ARGS = ("--temp", "0", "-n", "16", "-P", "2", "--no-log")
-N = len(WORDS)  # prompts a job: 6 blocks of 2 over 2 workers, enough for a kill and a Ctrl-C to land mid-job
+ARGS = ("--temp", "0", "-n", "12", "-P", "2", "--no-log")
+PROMPTS = [f"{ask} a {word}." for ask in ("Name", "Describe") for word in WORDS]
+N = len(PROMPTS)  # prompts a job: 12 blocks of 2 over 2 workers, enough for a kill, then a Ctrl-C, to land mid-job
 
 
 def ray_processes() -> list[str]:
@@ -95,39 +96,36 @@ def ray_sessions(monkeypatch: pytest.MonkeyPatch):
     shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.mark.waits_long  # (three local clusters start: ~32 s, mostly waiting)
+@pytest.mark.waits_long  # (two local clusters start: ~20 s, mostly waiting)
 def test_a_batch_on_ray_answers_as_locally_through_a_killed_worker_and_stops_clean(tmp_path: Path, ray_sessions) -> None:
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"Name a {word}.", "id": i}) + "\n"
-                                               for i, word in enumerate(WORDS)))
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": prompt, "id": i}) + "\n"
+                                               for i, prompt in enumerate(PROMPTS)))
     local = run_cli("run", "--batch", str(tmp_path / "in.jsonl"), *ARGS)
     assert local.code == 0, local.stderr
     expected = {r["index"]: r["text"] for r in records(local.stdout)}
 
-    killed = job(tmp_path, "--ray")  # 2 workers × 1 thread on these 2 cores, one of them killed mid-job
+    # One cluster for both faults (a start costs ~10 s of CPU here): 2 workers × 1 thread on these 2 cores, one killed
+    # in its first block, which the worker replacing it answers (records come out in input order: the first six hold
+    # the first blocks); then Ctrl-C, half the job not yet answered
+    killed = job(tmp_path, "--ray")
     assert "2 workers × 1 thread" in started(killed)
     time.sleep(0.5)  # into the first blocks
     workers = [int(line.split()[0]) for line in ray_processes() if "BatchWorker" in line]
     assert workers, ray_processes()
     os.kill(workers[0], signal.SIGKILL)
-    out, err = finish(killed)
-    assert killed.returncode == 0, err
-    answered = records(out)
-    assert [r["index"] for r in answered] == list(range(N)) and [r["id"] for r in answered] == list(range(N))
-    assert all("error" not in r for r in answered) and "1 replaced" in err  # each exactly once, in input order
-    assert {r["index"]: r["text"] for r in answered} == expected  # greedy answers identical to a local --batch
-    assert f"batch: {N} prompts (0 errors)" in err and "ray, 2 workers × 1 thread" in err and "MiB" in err
-
-    stopped = job(tmp_path, "--ray")
-    started(stopped)
-    assert stopped.stdout is not None
-    first = stopped.stdout.readline()  # a record is answered (in order: the first)
-    stopped.send_signal(signal.SIGINT)
-    out, err = finish(stopped, 120)
+    assert killed.stdout is not None
+    first = "".join(killed.stdout.readline() for _ in range(6))
+    killed.send_signal(signal.SIGINT)
+    out, err = finish(killed, 120)
     out = first + out
-    assert stopped.returncode == 130 and "Traceback" not in err, err
+    assert killed.returncode == 130 and "Traceback" not in err, err
     partial = records(out)
-    assert [r["index"] for r in partial] == list(range(N))  # the output says where it stopped
-    assert any(r.get("error") == "interrupted before it was answered" for r in partial)
+    assert [r["index"] for r in partial] == list(range(N)) and [r["id"] for r in partial] == list(range(N))
+    answered = {r["index"]: r["text"] for r in partial if "error" not in r}  # each exactly once, in input order
+    assert len(answered) >= 6 and answered == {i: expected[i] for i in answered}  # greedy: a local --batch's answers
+    assert all(r["error"] == "interrupted before it was answered" for r in partial if r["index"] not in answered)
+    assert len(answered) < N, "the job ended before Ctrl-C reached it"
+    assert f"batch: {N} prompts (0 errors, " in err and "ray, 2 workers × 1 thread, 1 replaced" in err and "MiB" in err
     deadline = time.monotonic() + 30
     while ray_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -140,7 +138,7 @@ def test_a_batch_on_ray_answers_as_locally_through_a_killed_worker_and_stops_cle
     whole = records(out)
     assert [r["index"] for r in whole] == list(range(N)) and all("error" not in r for r in whole)
     assert {r["index"]: r["text"] for r in whole} == expected
-    kept = sum("error" not in r for r in partial)
+    kept = len(answered)
     assert f"--resume: {kept} of {N} records are answered" in err and f"batch: {N - kept} prompts" in err
 
     texts = tmp_path / "texts.jsonl"  # embed --input --ray: the records a local embed writes, the same vectors
