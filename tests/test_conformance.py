@@ -48,7 +48,8 @@ WHERE = {
 }
 
 # The rows run on every path: (name, the settings and options it covers, its arguments). "{yes}" is the id of the
-# token "yes" (looked up with `llmcli tokenize`).
+# token "yes" (looked up with `llmcli tokenize`). A row holds several options where each one's effect stays seen (a
+# grammar under a bias: free text where either is dropped); each row costs ~1.5 s of CPU over its paths.
 ROWS = [
     ("defaults", (), []),
     ("system", ("system",), ["-s", "You answer with one word."]),
@@ -61,17 +62,15 @@ ROWS = [
       "--xtc-probability", "0.5", "--xtc-threshold", "0.1"]),
     ("mirostat", ("mirostat", "mirostat_tau", "mirostat_eta"),
      ["--temp", "0.8", "--seed", "5", "--mirostat", "2", "--mirostat-tau", "4", "--mirostat-eta", "0.2"]),
-    ("-n", ("max_tokens",), ["-n", "3"]),
-    ("--stop", ("stop",), ["--grammar", 'root ::= "alpha beta gamma"', "--stop", " beta"]),
-    ("--grammar", ("--grammar",), ["--grammar", YES_NO]),
+    ("--stop, --no-think, guard", ("stop", "think", "think_budget", "repetition_guard", "call_preference", "call_gain"),
+     ["--grammar", 'root ::= "alpha beta gamma"', "--stop", " beta", "--no-think", "--think-budget", "8",
+      "--no-repetition-guard", "--call-preference", "1", "--call-gain", "2"]),
     ("--json-schema", ("--json-schema",), ["--json-schema", SCHEMA, "-n", "32"]),
     ("--format", ("--format",), ["--format", "json", "-n", "24"]),
-    ("--logit-bias TEXT", ("--logit-bias",), ["--grammar", YES_NO, "--logit-bias", "yes=-inf"]),
-    ("--logit-bias ID", ("--logit-bias",), ["--grammar", YES_NO, "--logit-bias", "{yes}=-inf"]),
-    ("--logprobs", ("logprobs",), ["--logprobs", "2"]),
+    ("--grammar, --logit-bias TEXT", ("--grammar", "--logit-bias"), ["--grammar", YES_NO, "--logit-bias", "yes=-inf"]),
+    ("--grammar, --logit-bias ID", ("--grammar", "--logit-bias"), ["--grammar", YES_NO, "--logit-bias", "{yes}=-inf"]),
+    ("--logprobs, -n", ("logprobs", "max_tokens"), ["--logprobs", "2", "-n", "3"]),
     ("--raw", ("--raw",), ["--raw"]),
-    ("--no-think, guard", ("think", "think_budget", "repetition_guard", "call_preference", "call_gain"),
-     ["--no-think", "--think-budget", "8", "--no-repetition-guard", "--call-preference", "1", "--call-gain", "2"]),
     ("-n past the context", ("max_tokens",), ["-n", "5000"]),
     ("tools, auto's lead", ("--functions", "call_preference", "call_gain"),  # (a warm run dropped the lead)
      ["--functions", "{functions}", "--tool-choice", "auto", "--call-preference", "30", "--call-gain", "0",
