@@ -149,6 +149,10 @@ def test_threads_follow_the_cpu_affinity():
                             env={**os.environ, "LLMCLI_THREADS": ""})  # (a new process: its own view of the CPUs)
     assert pinned.returncode == 0, pinned.stderr
     assert json.loads(pinned.stdout)["timings"]["threads"] == 1  # pinned to one CPU: one thread
+    # (the default path: the pinned run is answered by a warm server of its own, pinned as it is — not by the one the
+    # unpinned run above started, which has every CPU)
+    warm = [json.loads(line) for line in run_cli("ps", "--json").stdout.splitlines()]
+    assert sorted(len(os.sched_getaffinity(server["pid"])) for server in warm) == sorted([1, len(os.sched_getaffinity(0))])
 
 
 def test_a_generating_llmcli_takes_its_share_of_the_cores(isolated_env):

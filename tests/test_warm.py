@@ -102,7 +102,7 @@ def test_a_warm_run_answers_as_in_process_over_a_private_socket_and_stop_ends_it
 def test_run_chat_and_embed_are_warm_by_default_and_keep_alive_0_answers_in_this_process(runtime):
     """No --keep-alive: the first run starts the model's warm server and says so once (never again); the next answers
     warm, as the stats line and --json say; `--keep-alive 0` and LLMCLI_KEEP_ALIVE=0 answer in this process."""
-    default = dict(runtime)
+    default = {**runtime, "LLMCLI_THREADS": "1"}  # (as the suite's workers set it: -n0 too)
     (Path(os.environ["LLMCLI_DATA_DIR"]) / "warm-servers-explained").unlink()  # (the suite's tests have seen it)
     first = run_cli("run", "-m", "smollm2", "--temp", "0", "-n", "8", PROMPT, env=default)
     assert first.code == 0 and first.stdout, first.stderr

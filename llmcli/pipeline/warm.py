@@ -67,11 +67,18 @@ def socket_for(model_path: Path, effective: settings.Settings, template_file: Pa
     download — it is another server's: one started before serves the old weights), its projector and its draft
     model's file (the same: found by name, the server would keep the file it loaded), the text of
     --chat-template-file (read by the server when it starts: an edited file is another server's) and these load
-    settings (and this llmcli)."""
+    settings (and this llmcli), and the CPUs this process may run on: a server started from it keeps them (a run
+    under `taskset -c 0` is answered on that CPU, with one thread, not by a server started without it)."""
     template = "" if template_file is None else hashlib.sha256(read_template_file(template_file).encode()).hexdigest()
     identity = json.dumps([__version__, _file_version(model_path), _file_version(projector), _file_version(draft),
-                           template, {name: effective[name] for name in LOAD_SETTINGS}], sort_keys=True, default=str)
+                           template, {name: effective[name] for name in LOAD_SETTINGS}, _cpus()],
+                          sort_keys=True, default=str)
     return paths.warm_servers_dir() / f"{hashlib.sha256(identity.encode()).hexdigest()[:20]}.sock"
+
+
+def _cpus() -> list[int]:
+    """The CPUs this process may run on (taskset, cpusets), where the system says."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
 def _file_version(path: Path | None) -> list[object]:
