@@ -236,8 +236,10 @@ def _build_chain(config: SamplingConfig, vocab: Any, seed: int, n_ctx: int, with
             llama_cpp.llama_sampler_free(chain)
             raise UsageError(f"llama.cpp rejected the {what or 'sampler settings'}")
         llama_cpp.llama_sampler_chain_add(chain, sampler)
+        if observe is None:  # (an untraced answer's chain: nothing more)
+            return
         name = (llama_cpp.llama_sampler_name(sampler) or b"").decode()
-        observer = observe(name) if observe is not None and name not in SELECTORS else None
+        observer = observe(name) if name not in SELECTORS else None
         if observer is not None:
             llama_cpp.llama_sampler_chain_add(chain, observer)
 
