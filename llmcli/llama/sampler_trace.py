@@ -150,21 +150,22 @@ def _touched(sampler: Sampler, name: str) -> tuple[int, ...] | None:
     return None
 
 
-def _largest_unmoved(before: Distribution, given: np.ndarray, moved: np.ndarray, top: ModelTop, movable: int) -> float:
-    """The largest logit of `before` outside the rows `moved` of `given` (which hold the `movable` tokens the stages
-    may move): among the others given and the model's movable + 1 largest — one of those no stage moved."""
-    left = set(given.tolist()) | set(top.of(movable + 1).tolist())
-    left.difference_update(given[moved].tolist())
-    return float(before.logits[list(left)].max())
+def _largest_unmoved(was: np.ndarray, moved: np.ndarray) -> float:
+    """The largest logit before a stage outside the rows `moved` it changed, of the given tokens' logits before it
+    (`was`: a copy, changed here) — they hold the model's largest, as many as the stages may move and one more, so
+    one of them no stage moved: the largest such logit of the whole vocabulary is theirs."""
+    was[moved] = -np.inf
+    return float(was.max())
 
 
 def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], start: Distribution,
             buffer: CandidateArray, top: ModelTop) -> tuple[
         tuple[tuple[str, int], ...], tuple[str, ...], Distribution, int, str] | None:
     """_through without the whole vocabulary, where the chain is stages that move a few known tokens' logits (a
-    bias, penalties) then a top-k or greedy: the moving stages are given those tokens alone, and a top-k those and the
-    model's largest — enough to hold the k + 1 largest logits once they moved, and its rows then are the ones the
-    whole vocabulary gives, in the same order, where those are distinct — not the whole vocabulary filled (~30 µs),
+    bias, penalties) then a top-k or greedy: the stages are given those tokens and the model's largest, k + 1 more
+    than those (greedy: k = 0) — enough to hold the k + 1 largest logits once they moved, and the largest one they
+    left unmoved, so a top-k's rows are the ones the whole vocabulary gives, in the same order, where those are
+    distinct — not the whole vocabulary filled (~30 µs),
     compared (~15 µs) and cut (a repeat penalty's pass over it: ~130 µs). None where the chain is not of that shape
     (nothing applied yet, or only the moving stages, which keep no state)."""
     if start.ids is not None:
@@ -183,14 +184,15 @@ def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], st
     k = sampler.top_k if chain[lead][1] == "top-k" else 0
     if chain[lead][1] == "top-k" and not 0 < k < n_vocab - 1:
         return None
-    touched: list[int] = sorted({token for token in moving if 0 <= token < n_vocab}) if moving else []
-    given = np.array(touched, dtype=np.int32)
-    if k:  # (the model's largest, with those not among them)
-        pool = top.of(min(k + 1 + len(touched), n_vocab))
-        given = np.concatenate((pool, sorted(set(touched) - set(pool.tolist())))).astype(np.int32) if touched \
-            else pool.astype(np.int32)
+    touched = sorted(set(moving))
+    if touched and not (touched[0] >= 0 and touched[-1] < n_vocab):
+        touched = [token for token in touched if 0 <= token < n_vocab]
+    pool = top.of(min(k + 1 + len(touched), n_vocab))  # (the model's largest, with the touched ones not among them:
+    extra = set(touched).difference(pool.tolist())  # the largest unmoved logit is always one of those given)
+    given = np.array([*pool.tolist(), *sorted(extra)], dtype=np.int32) if extra else pool.astype(np.int32)
+    last = start.logits[given]  # (the given tokens' logits before each moving stage)
     rows = buffer.view[:len(given)]
-    rows["id"], rows["logit"], rows["p"] = given, start.logits[given], 0
+    rows["id"], rows["logit"], rows["p"] = given, last, 0
     buffer.start(len(given))
     header, home = buffer.header, buffer.home
     stages: list[tuple[str, int]] = []
@@ -202,19 +204,19 @@ def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], st
             return None  # (not a stage that keeps each row where it was: the whole vocabulary)
         stages.append((name, n_vocab))
         values = rows["logit"]
-        moved = np.flatnonzero(values != before.logits[given])
+        moved = np.flatnonzero(values != last)
         if len(moved):
+            was, last = last, values.copy()
             current = before.logits.copy()
             current[given[moved]] = values[moved]
-            after = fold(before, current, given[moved],
-                            partial(_largest_unmoved, before, given, moved, top, len(touched))) or whole(current)
+            after = fold(before, current, given[moved], partial(_largest_unmoved, was, moved)) or whole(current)
             if after.change > CHANGED if after.change is not None else differs(before, after, n_vocab):
                 changed.append(name)
             before = after
     if not k:  # (greedy: llama.cpp's first largest logit of the whole vocabulary, in order)
         stages.append(("greedy", n_vocab))
         return tuple(stages), tuple(changed), before, accepted(sampler, which, int(before.logits.argmax())), ""
-    ranked = rows["logit"][:k + 1].copy() if not touched else -np.sort(-rows["logit"])[:k + 1]  # (the pool: in
+    ranked = rows["logit"][:k + 1].copy() if not touched else np.sort(rows["logit"])[:-k - 2:-1]  # (the pool: in
     if len(set(ranked.tolist())) <= k:  # order) (a tie among them: the whole vocabulary, in llama.cpp's order)
         return None
     stage, name = chain[lead]

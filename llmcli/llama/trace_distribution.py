@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -21,14 +22,16 @@ class Distribution:
     for the whole vocabulary. Over the whole vocabulary: `weights`, exp(logits - top) as float32 (what a cut left
     out is summed from them), or `folded` — the distribution a stage moved a few logits of, those tokens, their new
     weights — to make them from when asked; `peak`: `top` is the largest logit. `change`: the largest difference from
-    the stage before, when that was known on the way (a fold, a cut of a cut's last candidates). `p`: a cut's
+    the stage before, when that was known on the way (a fold, a cut of a cut's last candidates) — a fold's, one
+    difference past CHANGED where it has one (all that is asked of it), else the largest. `p`: a cut's
     probabilities, made with it (a few candidates). Not changed once made (a plain class: a frozen dataclass's
     fields cost ~2 µs to set, a stage)."""
 
     __slots__ = ("ids", "logits", "top", "total", "weights", "folded", "peak", "change", "p", "_ordered", "_raw")
 
     def __init__(self, ids: np.ndarray | None, logits: np.ndarray, top: float, total: float,
-                 weights: np.ndarray | None = None, folded: tuple[Distribution, np.ndarray, np.ndarray] | None = None,
+                 weights: np.ndarray | None = None,
+                 folded: tuple[Distribution, np.ndarray, np.ndarray | list[float]] | None = None,
                  peak: bool = True, change: float | None = None, p: np.ndarray | None = None):
         self.ids, self.logits, self.top, self.total, self.weights = ids, logits, top, total, weights
         self.folded, self.peak, self.change, self.p = folded, peak, change, p
@@ -193,19 +196,38 @@ def fold(before: Distribution, current: np.ndarray, moved: np.ndarray,
     """`before`'s whole-vocabulary softmax with the logits at `moved` changed to `current`'s (the others' share
     scaled, theirs computed): None where that would lose precision — a logit far above the old largest, or the mass
     left mostly on the moved ones. `others`: the largest logit before outside `moved`, where the caller can find it
-    cheaply (else found here, where the largest moved: a pass over the vocabulary)."""
-    new = current[moved].astype(np.float64)
-    if not bool((new - before.top < 600).all()):
-        return None
-    was = before.logits[moved]
-    old = np.exp(was.astype(np.float64) - before.top)
-    fresh = np.exp(new - before.top)
-    total = before.total - float(old.sum()) + float(fresh.sum())
-    if not total > before.total * 1e-6:
-        return None
-    peak = before.peak and not bool((was == before.top).any())  # (the largest logit did not move: its token is
-    if peak:  # the one whose share is scaled the most)
-        left = 1.0 / before.total
+    cheaply (else found here, where the largest moved: a pass over the vocabulary). Up to FOLDED moved logits are
+    folded as Python floats (~20 numpy calls on a few values cost ~40 µs in the caches a model pass leaves)."""
+    top, total_before = before.top, before.total
+    if len(moved) <= FOLDED:
+        new, was = current[moved].tolist(), before.logits[moved].tolist()
+        if not max(new, default=-math.inf) - top < 600:
+            return None
+        old, fresh = [math.exp(w - top) for w in was], [math.exp(n - top) for n in new]
+        total = total_before - sum(old) + sum(fresh)
+        if not total > total_before * 1e-6:
+            return None
+        moved_top = top in was
+        share = partial(_largest_share, old, fresh, total_before, total)
+        stays_top = max(new, default=-math.inf) <= top
+        kept: np.ndarray | list[float] = fresh
+    else:
+        new_array = current[moved].astype(np.float64)
+        if not bool((new_array - top < 600).all()):
+            return None
+        was_array = before.logits[moved]
+        old_array = np.exp(was_array.astype(np.float64) - top)
+        fresh_array = np.exp(new_array - top)
+        total = total_before - float(old_array.sum()) + float(fresh_array.sum())
+        if not total > total_before * 1e-6:
+            return None
+        moved_top = bool((was_array == top).any())
+        share = partial(_largest_share_of_arrays, old_array, fresh_array, total_before, total)
+        stays_top = bool((new_array <= top).all())
+        kept = fresh_array.astype(np.float32)
+    peak = before.peak and not moved_top  # (the largest logit did not move: its token is the one whose share is
+    if peak:  # scaled the most)
+        left = 1.0 / total_before
     else:
         if others is None:
             rest = before.logits.copy()
@@ -213,10 +235,21 @@ def fold(before: Distribution, current: np.ndarray, moved: np.ndarray,
             largest_other = float(rest.max())
         else:
             largest_other = others()
-        left = math.exp(largest_other - before.top) / before.total
-    change = max(abs(before.total / total - 1.0) * left, float(np.abs(fresh / total - old / before.total).max()))
-    return Distribution(None, current, before.top, total, None, (before, moved, fresh.astype(np.float32)),
-                        peak and bool((new <= before.top).all()), change)
+        left = math.exp(largest_other - top) / total_before
+    change = abs(total_before / total - 1.0) * left  # (the largest unmoved one's; the moved ones' where that is not
+    if not change > CHANGED:  # enough to tell)
+        change = max(change, share())
+    return Distribution(None, current, top, total, None, (before, moved, kept), peak and stays_top, change)
+
+
+def _largest_share(old: list[float], fresh: list[float], total_before: float, total: float) -> float:
+    """The largest change of a moved token's probability (its weights `old` and `fresh`, out of the totals)."""
+    return max((abs(f / total - o / total_before) for f, o in zip(fresh, old, strict=True)), default=0.0)
+
+
+def _largest_share_of_arrays(old: np.ndarray, fresh: np.ndarray, total_before: float, total: float) -> float:
+    """_largest_share of numpy arrays."""
+    return float(np.abs(fresh / total - old / total_before).max())
 
 
 CHANGED = 1e-9  # a stage changed the distribution when it moved some token's probability by more than this
