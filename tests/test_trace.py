@@ -258,12 +258,12 @@ def test_a_stage_that_moves_a_few_logits_is_folded_into_the_softmax_as_a_whole_o
     flat = whole(rng.normal(0, 0.5, 5000).astype(np.float32))  # (flat: one token nudged moves the others'
     nudged = flat.logits.copy()  # probabilities by less than CHANGED, its own by more — the fold's change is its)
     nudged[9] += np.float32(1e-3)
-    after = fold(flat, nudged, np.array([9]))
+    after = fold(flat, np.array([9]), nudged[[9]])
     assert after is not None and after.change is not None and after.change > CHANGED
     assert after.change == pytest.approx(float(np.abs(softmax(nudged) - softmax(flat.logits)).max()), rel=1e-3)
     many = logits.copy()  # (more moved than FOLDED: folded as arrays)
     many[100:200] -= np.float32(1)
-    after = fold(start, many, np.arange(100, 200))
+    after = fold(start, np.arange(100, 200), many[100:200])
     assert after is not None and np.allclose(after.probs(list(range(90, 210))), softmax(many)[90:210], rtol=1e-5)
     assert after.change is not None and after.change > CHANGED
     swapped = view.copy()

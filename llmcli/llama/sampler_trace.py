@@ -207,9 +207,11 @@ def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], st
         moved = np.flatnonzero(values != last)
         if len(moved):
             was, last = last, values.copy()
-            current = before.logits.copy()
-            current[given[moved]] = values[moved]
-            after = fold(before, current, given[moved], partial(_largest_unmoved, was, moved)) or whole(current)
+            after = fold(before, given[moved], last[moved], partial(_largest_unmoved, was, moved))
+            if after is None:
+                current = before.logits.copy()
+                current[given[moved]] = last[moved]
+                after = whole(current)
             if after.change > CHANGED if after.change is not None else differs(before, after, n_vocab):
                 changed.append(name)
             before = after

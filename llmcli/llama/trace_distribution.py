@@ -15,28 +15,41 @@ import numpy as np
 
 from llmcli.llama.logprobs import largest
 
+Folded = tuple["Distribution", np.ndarray, "np.ndarray | list[float]", np.ndarray]  # (the distribution before, the
+# tokens moved, their weights exp(logit - top), their logits)
+
 
 class Distribution:
     """The probabilities a stage's candidates make: token `ids[i]`'s is exp(logits[i] - top) / total (`ids` None:
     every token, `logits` indexed by token); a token not among them has 0. Computed only for the tokens asked, never
     for the whole vocabulary. Over the whole vocabulary: `weights`, exp(logits - top) as float32 (what a cut left
     out is summed from them), or `folded` — the distribution a stage moved a few logits of, those tokens, their new
-    weights — to make them from when asked; `peak`: `top` is the largest logit. `change`: the largest difference from
-    the stage before, when that was known on the way (a fold, a cut of a cut's last candidates) — a fold's, one
-    difference past CHANGED where it has one (all that is asked of it), else the largest. `p`: a cut's
-    probabilities, made with it (a few candidates). Not changed once made (a plain class: a frozen dataclass's
-    fields cost ~2 µs to set, a stage)."""
+    weights and logits — to make them (and the logits) from when asked; `peak`: `top` is the largest logit.
+    `change`: the largest difference from the stage before, when that was known on the way (a fold, a cut of a
+    cut's last candidates) — a fold's, one difference past CHANGED where it has one (all that is asked of it), else
+    the largest. `p`: a cut's probabilities, made with it (a few candidates). Not changed once made (a plain class:
+    a frozen dataclass's fields cost ~2 µs to set, a stage)."""
 
-    __slots__ = ("ids", "logits", "top", "total", "weights", "folded", "peak", "change", "p", "_ordered", "_raw")
+    __slots__ = ("ids", "_logits", "top", "total", "weights", "folded", "peak", "change", "p", "_ordered", "_raw")
 
-    def __init__(self, ids: np.ndarray | None, logits: np.ndarray, top: float, total: float,
-                 weights: np.ndarray | None = None,
-                 folded: tuple[Distribution, np.ndarray, np.ndarray | list[float]] | None = None,
+    def __init__(self, ids: np.ndarray | None, logits: np.ndarray | None, top: float, total: float,
+                 weights: np.ndarray | None = None, folded: Folded | None = None,
                  peak: bool = True, change: float | None = None, p: np.ndarray | None = None):
-        self.ids, self.logits, self.top, self.total, self.weights = ids, logits, top, total, weights
+        self.ids, self._logits, self.top, self.total, self.weights = ids, logits, top, total, weights
         self.folded, self.peak, self.change, self.p = folded, peak, change, p
         self._ordered: bool | None = None
         self._raw: tuple[bytes, bytes] | None = None
+
+    @property
+    def logits(self) -> np.ndarray:
+        """The candidates' logits (a folded distribution's made when first asked: the one before it, those moved
+        set — a copy of the whole vocabulary's that a top-k after it never needs)."""
+        if self._logits is None:
+            assert self.folded is not None
+            before, moved, _, new = self.folded
+            self._logits = before.logits.copy()
+            self._logits[moved] = new
+        return self._logits
 
     def raw(self) -> tuple[bytes, bytes]:
         """A cut's ids and logits as bytes (compared with a stage's: ~0.3 µs where np.array_equal takes ~2)."""
@@ -93,7 +106,7 @@ class Distribution:
         while at is not None and at is not start:
             if at.folded is None:
                 return None
-            at, moved, _ = at.folded
+            at, moved, _, _ = at.folded
             found.append(moved)
         return None if at is None else np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.intp)
 
@@ -102,7 +115,7 @@ class Distribution:
         if self.weights is not None:
             return self.weights
         assert self.folded is not None
-        before, moved, fresh = self.folded
+        before, moved, fresh, _ = self.folded
         weights: np.ndarray = before.weighed().copy()
         weights[moved] = fresh
         return weights
@@ -160,7 +173,7 @@ def stage_distribution(view: np.ndarray, in_place: bool, before: Distribution, i
         if not len(moved):
             return before  # (a row that moved with its logit is unchanged for the token: each row keeps its id)
         if len(moved) <= FOLDED and np.array_equal(ids[moved], moved) \
-                and (folded := fold(before, current, moved)) is not None:
+                and (folded := fold(before, moved, current[moved], current=current)) is not None:
             return folded
         if np.array_equal(ids, in_order):
             return whole(current)
@@ -191,16 +204,17 @@ def stage_distribution(view: np.ndarray, in_place: bool, before: Distribution, i
     return cut(ids.copy(), values.copy())
 
 
-def fold(before: Distribution, current: np.ndarray, moved: np.ndarray,
-            others: Callable[[], float] | None = None) -> Distribution | None:
-    """`before`'s whole-vocabulary softmax with the logits at `moved` changed to `current`'s (the others' share
-    scaled, theirs computed): None where that would lose precision — a logit far above the old largest, or the mass
-    left mostly on the moved ones. `others`: the largest logit before outside `moved`, where the caller can find it
-    cheaply (else found here, where the largest moved: a pass over the vocabulary). Up to FOLDED moved logits are
-    folded as Python floats (~20 numpy calls on a few values cost ~40 µs in the caches a model pass leaves)."""
+def fold(before: Distribution, moved: np.ndarray, moved_to: np.ndarray, others: Callable[[], float] | None = None,
+         current: np.ndarray | None = None) -> Distribution | None:
+    """`before`'s whole-vocabulary softmax with the logits of the tokens `moved` changed to `moved_to` (the others'
+    share scaled, theirs computed): None where that would lose precision — a logit far above the old largest, or
+    the mass left mostly on the moved ones. `others`: the largest logit before outside `moved`, where the caller can
+    find it cheaply (else found here, where the largest moved: a pass over the vocabulary). `current`: the whole
+    vocabulary's logits after, where the caller has them (else made when asked). Up to FOLDED moved logits are folded
+    as Python floats (~20 numpy calls on a few values cost ~40 µs in the caches a model pass leaves)."""
     top, total_before = before.top, before.total
     if len(moved) <= FOLDED:
-        new, was = current[moved].tolist(), before.logits[moved].tolist()
+        new, was = moved_to.tolist(), before.logits[moved].tolist()
         if not max(new, default=-math.inf) - top < 600:
             return None
         old, fresh = [math.exp(w - top) for w in was], [math.exp(n - top) for n in new]
@@ -212,7 +226,7 @@ def fold(before: Distribution, current: np.ndarray, moved: np.ndarray,
         stays_top = max(new, default=-math.inf) <= top
         kept: np.ndarray | list[float] = fresh
     else:
-        new_array = current[moved].astype(np.float64)
+        new_array = moved_to.astype(np.float64)
         if not bool((new_array - top < 600).all()):
             return None
         was_array = before.logits[moved]
@@ -239,7 +253,7 @@ def fold(before: Distribution, current: np.ndarray, moved: np.ndarray,
     change = abs(total_before / total - 1.0) * left  # (the largest unmoved one's; the moved ones' where that is not
     if not change > CHANGED:  # enough to tell)
         change = max(change, share())
-    return Distribution(None, current, top, total, None, (before, moved, kept), peak and stays_top, change)
+    return Distribution(None, current, top, total, None, (before, moved, kept, moved_to), peak and stays_top, change)
 
 
 def _largest_share(old: list[float], fresh: list[float], total_before: float, total: float) -> float:
