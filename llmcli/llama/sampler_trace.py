@@ -107,19 +107,26 @@ def _onwards(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], b
     """_through's stages from `chain` on, applied to the candidates the buffer's array holds (`before` their
     distribution)."""
     n_vocab = len(buffer.in_order)
-    header, reference = buffer.header, buffer.reference
+    header, reference, ids = buffer.header, buffer.reference, buffer.view["id"]
     final = before
     for stage, name in chain:
         if name == "greedy" and final.ids is None:  # (llama.cpp's first largest logit of a whole vocabulary in
             stages.append((name, n_vocab))  # order: numpy's argmax, without another pass in C)
             token = int(final.logits.argmax())
             return tuple(stages), tuple(changed), final, accepted(sampler, which, token), ""
+        ordered = before.ids if before.p is not None and before._ordered and int(header[0]) == buffer.home \
+            and buffer.flags[24] else None  # (candidates in order, llama.cpp's array marked sorted)
         llama_cpp.llama_sampler_apply(stage, reference)
         size = int(header[1])
         stages.append((name, size))
         if name in SELECTORS:
             break
-        after = stage_distribution(*buffer.rows(), before, buffer.in_order)
+        after = None
+        if ordered is not None and name in PREFIX_CUTS and int(header[0]) == buffer.home \
+                and 0 < size <= len(ordered) and ids[size - 1] == ordered[size - 1]:  # (a cut of those: the first)
+            after = before.first(size)
+        if after is None:
+            after = stage_distribution(*buffer.rows(), before, buffer.in_order)
         if after is not before and (after.change > CHANGED if after.change is not None else
                                     _left_out(before, after, top) or differs(before, after, n_vocab)):
             changed.append(name)
@@ -137,6 +144,8 @@ def _left_out(before: Distribution, after: Distribution, top: ModelTop) -> bool:
     return bool(out) and float(before.p_at(out).max()) > CHANGED
 
 
+PREFIX_CUTS = ("top-p", "min-p")  # cuts that keep the first of candidates in order (llama.cpp's, sorted: their rows
+# not moved, their logits not changed)
 SPARSE = 4096  # the most tokens the stages before a top-k or greedy may move, for them to be given those alone
 
 
@@ -188,8 +197,9 @@ def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], st
     if touched and not (touched[0] >= 0 and touched[-1] < n_vocab):
         touched = [token for token in touched if 0 <= token < n_vocab]
     pool = top.of(min(k + 1 + len(touched), n_vocab))  # (the model's largest, with the touched ones not among them:
-    extra = set(touched).difference(pool.tolist())  # the largest unmoved logit is always one of those given)
-    given = np.array([*pool.tolist(), *sorted(extra)], dtype=np.int32) if extra else pool.astype(np.int32)
+    listed = pool.tolist()  # the largest unmoved logit is always one of those given)
+    extra = set(touched).difference(listed)
+    given = np.array([*listed, *extra] if extra else listed, dtype=np.int32)
     last = start.logits[given]  # (the given tokens' logits before each moving stage)
     rows = buffer.view[:len(given)]
     rows["id"], rows["logit"], rows["p"] = given, last, 0

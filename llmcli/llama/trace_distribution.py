@@ -65,6 +65,24 @@ class Distribution:
             self._ordered = self.ids is not None and bool((self.logits[:-1] >= self.logits[1:]).all())
         return self._ordered
 
+    def first(self, n: int) -> Distribution | None:
+        """The distribution of this cut's first `n` candidates, as they were (a cut of a cut: top-p, min-p after a
+        top-k) — itself where that is all of them; None where they held no probability."""
+        assert self.ids is not None and self.p is not None
+        if n == len(self.ids):
+            return self
+        kept = self.p[:n]
+        if self.ordered:  # (the largest of those kept and left out: the first of each)
+            share, rest, largest_kept = float(kept.sum()), float(self.p[n]), float(self.p[0])
+        else:
+            share, rest, largest_kept = float(kept.sum()), float(self.p[n:].max()), float(kept.max())
+        if not share > 0:
+            return None
+        after = Distribution(self.ids[:n], self.logits[:n], self.top, self.total * share,
+                             change=max(rest, largest_kept * (1 / share - 1)), p=kept / share)
+        after._ordered = self._ordered
+        return after
+
     def p_at(self, where: Any) -> np.ndarray:
         """The probabilities at positions `where` (tokens, over the whole vocabulary), as float64."""
         if self.p is not None:
@@ -86,8 +104,12 @@ class Distribution:
         known to hold them (a whole vocabulary's)."""
         if among is not None:
             kept = among[np.argsort(-self.logits[among], kind="stable")[:n]]
-        elif self.ids is not None and self._ordered:  # (in order already: the first ones)
-            kept = np.arange(min(n, len(self.logits)))
+        elif self.ids is not None and self._ordered:  # (in order already: the first ones, the last the least)
+            n = min(n, len(self.logits))
+            if not n or self.logits[n - 1] > -np.inf:
+                first: list[int] = self.ids[:n].tolist()
+                return first
+            kept = np.arange(n)
         elif len(self.logits) <= SMALL:
             kept = np.argsort(-self.logits, kind="stable")[:n]
         else:
@@ -184,18 +206,11 @@ def stage_distribution(view: np.ndarray, in_place: bool, before: Distribution, i
         if n <= len(before.ids) and same == id_bytes[:4 * n]:
             kept_logits = values.tobytes()
             if kept_logits == logit_bytes[:4 * n]:  # (the first ones kept as they were: top-p, min-p after top-k)
-                if n == len(before.ids):
-                    return before  # (a cut that cut nothing: top-p or min-p past the candidates left)
-                kept = before.p[:n]
-                if before.ordered:  # (the largest of those kept and left out: the first of each)
-                    share, rest, largest_kept = float(kept.sum()), float(before.p[n]), float(before.p[0])
-                else:
-                    share, rest, largest_kept = float(kept.sum()), float(before.p[n:].max()), float(kept.max())
-                if share > 0:
-                    after = Distribution(ids.copy(), before.logits[:n], before.top, before.total * share,
-                                         change=max(rest, largest_kept * (1 / share - 1)), p=kept / share)
-                    after._ordered, after._raw = before._ordered, (same, kept_logits)
-                    return after
+                first = before.first(n)
+                if first is not None:
+                    if first is not before:
+                        first._raw = (same, kept_logits)
+                    return first
             elif n == len(before.ids):  # (the same candidates, other logits: a temperature)
                 after = cut(ids.copy(), values.copy())
                 if after.p is not None and n:

@@ -54,7 +54,7 @@ def traced_from(token: int, stages: tuple[tuple[str, int], ...], changed: tuple[
             start: Distribution, top: ModelTop, log_total: float, vocab: Vocabulary, n_top: int, note: str) -> Traced:
     """The trace of a token chosen stage by stage: its candidates, the model's most likely and the chain's."""
     n_vocab, logits = vocab.n_tokens, start.logits
-    greedy = any(name == "greedy" for name, _ in stages)
+    greedy = bool(stages) and stages[-1][0] == "greedy"  # (the selecting stage: the last)
     chosen = {token: None}  # (the chosen token first; a dict keeps the order)
     if n_top:
         k = min(n_top, n_vocab)
