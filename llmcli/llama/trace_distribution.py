@@ -22,15 +22,16 @@ Folded = tuple["Distribution", np.ndarray, "np.ndarray | list[float]", np.ndarra
 class Distribution:
     """The probabilities a stage's candidates make: token `ids[i]`'s is exp(logits[i] - top) / total (`ids` None:
     every token, `logits` indexed by token); a token not among them has 0. Computed only for the tokens asked, never
-    for the whole vocabulary. Over the whole vocabulary: `weights`, exp(logits - top) as float32 (what a cut left
-    out is summed from them), or `folded` — the distribution a stage moved a few logits of, those tokens, their new
-    weights and logits — to make them (and the logits) from when asked; `peak`: `top` is the largest logit.
-    `change`: the largest difference from the stage before, when that was known on the way (a fold, a cut of a
-    cut's last candidates) — a fold's, one difference past CHANGED where it has one (all that is asked of it), else
-    the largest. `p`: a cut's probabilities, made with it (a few candidates). Not changed once made (a plain class:
-    a frozen dataclass's fields cost ~2 µs to set, a stage)."""
+    for the whole vocabulary. Over the whole vocabulary: `weights`, exp(logits - top) as float32 once multiplied by
+    `scale` (what a cut left out is summed from them), or `folded` — the distribution a stage moved a few logits
+    of, those tokens, their new weights and logits — to make them (and the logits) from when asked; `peak`: `top`
+    is the largest logit. `change`: the largest difference from the stage before, when that was known on the way (a
+    fold, a cut of a cut's last candidates) — a fold's, one difference past CHANGED where it has one (all that is
+    asked of it), else the largest. `p`: a cut's probabilities, made with it (a few candidates). Not changed once
+    made (a plain class: a frozen dataclass's fields cost ~2 µs to set, a stage)."""
 
-    __slots__ = ("ids", "_logits", "top", "total", "weights", "folded", "peak", "change", "p", "_ordered", "_raw")
+    __slots__ = ("ids", "_logits", "top", "total", "weights", "folded", "peak", "change", "p", "_ordered", "_raw",
+                 "scale")
 
     def __init__(self, ids: np.ndarray | None, logits: np.ndarray | None, top: float, total: float,
                  weights: np.ndarray | None = None, folded: Folded | None = None,
@@ -39,6 +40,7 @@ class Distribution:
         self.folded, self.peak, self.change, self.p = folded, peak, change, p
         self._ordered: bool | None = None
         self._raw: tuple[bytes, bytes] | None = None
+        self.scale = 1.0  # (`weights` times this: exp(logits - top))
 
     @property
     def logits(self) -> np.ndarray:
@@ -135,7 +137,7 @@ class Distribution:
     def weighed(self) -> np.ndarray:
         """exp(logits - top) of the whole vocabulary, as float32 (a fresh array where it had to be made)."""
         if self.weights is not None:
-            return self.weights
+            return self.weights if self.scale == 1.0 else self.weights * np.float32(self.scale)
         assert self.folded is not None
         before, moved, fresh, _ = self.folded
         weights: np.ndarray = before.weighed().copy()
@@ -159,9 +161,15 @@ def whole(logits: np.ndarray, out: np.ndarray | None = None, top: float | None =
     top = float(logits.max()) if top is None else top
     if not math.isfinite(top):
         return Distribution(np.zeros(0, dtype=np.int32), logits[:0], 0.0, 1.0)
+    if -60.0 < top < 60.0:  # (exp(logits), scaled after: a pass over the vocabulary fewer; a logit below -87, lost
+        weights = np.exp(logits, out=out)  # to float32, is 27 below the largest: < 2e-12 of its weight)
+        scale = math.exp(-top)
+        found = Distribution(None, logits, top, float(weights.sum()) * scale, weights)  # (numpy's pairwise sum: ~1e-7)
+        found.scale = scale
+        return found
     weights = np.subtract(logits, np.float32(top), out=out)
     np.exp(weights, out=weights)
-    return Distribution(None, logits, top, float(weights.sum()), weights)  # (numpy's pairwise sum: ~1e-7)
+    return Distribution(None, logits, top, float(weights.sum()), weights)
 
 
 def cut(ids: np.ndarray, logits: np.ndarray, ordered: bool = False) -> Distribution:
