@@ -193,12 +193,12 @@ def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], st
     k = sampler.top_k if chain[lead][1] == "top-k" else 0
     if chain[lead][1] == "top-k" and not 0 < k < n_vocab - 1:
         return None
-    touched = sorted(set(moving))
-    if touched and not (touched[0] >= 0 and touched[-1] < n_vocab):
-        touched = [token for token in touched if 0 <= token < n_vocab]
+    touched = set(moving)
+    if touched and not (min(touched) >= 0 and max(touched) < n_vocab):
+        touched = {token for token in touched if 0 <= token < n_vocab}
     pool = top.of(min(k + 1 + len(touched), n_vocab))  # (the model's largest, with the touched ones not among them:
     listed = pool.tolist()  # the largest unmoved logit is always one of those given)
-    extra = set(touched).difference(listed)
+    extra = touched.difference(listed)
     given = np.array([*listed, *extra] if extra else listed, dtype=np.int32)
     last = start.logits[given]  # (the given tokens' logits before each moving stage)
     rows = buffer.view[:len(given)]
@@ -228,8 +228,8 @@ def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], st
     if not k:  # (greedy: llama.cpp's first largest logit of the whole vocabulary, in order)
         stages.append(("greedy", n_vocab))
         return tuple(stages), tuple(changed), before, accepted(sampler, which, int(before.logits.argmax())), ""
-    ranked = rows["logit"][:k + 1].copy() if not touched else np.sort(rows["logit"])[:-k - 2:-1]  # (the pool: in
-    if len(set(ranked.tolist())) <= k:  # order) (a tie among them: the whole vocabulary, in llama.cpp's order)
+    ranked = last[:k + 1] if not touched else np.sort(last)[:-k - 2:-1]  # (the pool, in order: its logits now)
+    if len(set(ranked.tolist())) <= k:  # (a tie among them: the whole vocabulary, in llama.cpp's order)
         return None
     stage, name = chain[lead]
     llama_cpp.llama_sampler_apply(stage, buffer.reference)
