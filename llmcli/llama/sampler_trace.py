@@ -122,9 +122,13 @@ def _onwards(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], b
         if name in SELECTORS:
             break
         after = None
-        if ordered is not None and name in PREFIX_CUTS and int(header[0]) == buffer.home \
-                and 0 < size <= len(ordered) and ids[size - 1] == ordered[size - 1]:  # (a cut of those: the first)
-            after = before.first(size)
+        if ordered is not None and int(header[0]) == buffer.home and 0 < size <= len(ordered) \
+                and ids[size - 1] == ordered[size - 1]:
+            if name in PREFIX_CUTS:  # (a cut of those: the first)
+                after = before.first(size)
+            elif name == "temp" and size == len(ordered):  # (the same rows, their logits divided: still in order)
+                after = cut(ordered, buffer.view["logit"][:size].copy(), ordered=True)
+                after.change = float(np.abs(after.p - before.p).max()) if after.p is not None else None
         if after is None:
             after = stage_distribution(*buffer.rows(), before, buffer.in_order)
         if after is not before and (after.change > CHANGED if after.change is not None else
