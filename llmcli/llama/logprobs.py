@@ -60,10 +60,10 @@ def largest(values: np.ndarray, k: int) -> np.ndarray:
     if m <= 4 * k:
         return np.argpartition(values, n - k)[n - k:]
     likely = k // 16 + 2  # (~64 values of the array at or above each sample value: ~4k + 128 above this one)
-    ranked = np.partition(sample, (m - k, m - likely))
+    ranked = np.partition(sample, m - likely)  # (one rank asked: the floor below, only where this one falls short)
     above = np.flatnonzero(values >= ranked[m - likely]) if ranked[m - likely] > -np.inf else None
     if above is None or len(above) < k:
-        floor = ranked[m - k]  # (k values of the array are at least this)
+        floor = np.partition(sample, m - k)[m - k]  # (k values of the array are at least this)
         if floor == -np.inf:  # (most of them masked, by a grammar: the finite ones, then masked ones to make k)
             above = np.flatnonzero(values > -np.inf)
             if len(above) < k:
