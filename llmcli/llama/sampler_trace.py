@@ -221,7 +221,8 @@ def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], st
         moved = np.flatnonzero(values != last)
         if len(moved):
             was, last = last, values.copy()
-            after = fold(before, given[moved], last[moved], partial(_largest_unmoved, was, moved))
+            after = fold(before, given[moved], last[moved], partial(_largest_unmoved, was, moved),
+                         moved_from=was[moved])
             if after is None:
                 current = before.logits.copy()
                 current[given[moved]] = last[moved]

@@ -228,16 +228,18 @@ def stage_distribution(view: np.ndarray, in_place: bool, before: Distribution, i
 
 
 def fold(before: Distribution, moved: np.ndarray, moved_to: np.ndarray, others: Callable[[], float] | None = None,
-         current: np.ndarray | None = None) -> Distribution | None:
+         current: np.ndarray | None = None, moved_from: np.ndarray | None = None) -> Distribution | None:
     """`before`'s whole-vocabulary softmax with the logits of the tokens `moved` changed to `moved_to` (the others'
     share scaled, theirs computed): None where that would lose precision — a logit far above the old largest, or
     the mass left mostly on the moved ones. `others`: the largest logit before outside `moved`, where the caller can
     find it cheaply (else found here, where the largest moved: a pass over the vocabulary). `current`: the whole
-    vocabulary's logits after, where the caller has them (else made when asked). Up to FOLDED moved logits are folded
-    as Python floats (~20 numpy calls on a few values cost ~40 µs in the caches a model pass leaves)."""
+    vocabulary's logits after, where the caller has them (else made when asked); `moved_from`: the moved ones' logits
+    before, where the caller has them (else read off `before`'s, which a fold before this one makes when asked). Up
+    to FOLDED moved logits are folded as Python floats (~20 numpy calls on a few values cost ~40 µs in the caches a
+    model pass leaves)."""
     top, total_before = before.top, before.total
     if len(moved) <= FOLDED:
-        new, was = moved_to.tolist(), before.logits[moved].tolist()
+        new, was = moved_to.tolist(), (before.logits[moved] if moved_from is None else moved_from).tolist()
         if not max(new, default=-math.inf) - top < 600:
             return None
         old, fresh = [math.exp(w - top) for w in was], [math.exp(n - top) for n in new]
@@ -252,7 +254,7 @@ def fold(before: Distribution, moved: np.ndarray, moved_to: np.ndarray, others: 
         new_array = moved_to.astype(np.float64)
         if not bool((new_array - top < 600).all()):
             return None
-        was_array = before.logits[moved]
+        was_array = before.logits[moved] if moved_from is None else moved_from
         old_array = np.exp(was_array.astype(np.float64) - top)
         fresh_array = np.exp(new_array - top)
         total = total_before - float(old_array.sum()) + float(fresh_array.sum())
