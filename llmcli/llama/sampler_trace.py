@@ -178,9 +178,9 @@ def _sparse(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], st
     bias, penalties) then a top-k or greedy: the stages are given those tokens and the model's largest, k + 1 more
     than those (greedy: k = 0) — enough to hold the k + 1 largest logits once they moved, and the largest one they
     left unmoved, so a top-k's rows are the ones the whole vocabulary gives, in the same order, where those are
-    distinct — not the whole vocabulary filled (~30 µs),
-    compared (~15 µs) and cut (a repeat penalty's pass over it: ~130 µs). None where the chain is not of that shape
-    (nothing applied yet, or only the moving stages, which keep no state)."""
+    distinct — not the whole vocabulary filled (~30 µs), compared (~15 µs) and cut (a repeat penalty's pass over it:
+    ~130 µs). None where the chain is not of that shape (nothing applied yet, or only the moving stages, which keep
+    no state)."""
     if start.ids is not None:
         return None
     n_vocab = len(start.logits)
