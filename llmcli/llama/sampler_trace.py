@@ -114,7 +114,7 @@ def _onwards(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], b
             stages.append((name, n_vocab))  # order: numpy's argmax, without another pass in C)
             token = int(final.logits.argmax())
             return tuple(stages), tuple(changed), final, accepted(sampler, which, token), ""
-        ordered = before.ids if before.p is not None and before._ordered and int(header[0]) == buffer.home \
+        sorted_ids = before.ids if before.p is not None and before._ordered and int(header[0]) == buffer.home \
             and buffer.flags[24] else None  # (candidates in order, llama.cpp's array marked sorted)
         llama_cpp.llama_sampler_apply(stage, reference)
         size = int(header[1])
@@ -122,12 +122,12 @@ def _onwards(sampler: Sampler, which: str, chain: tuple[tuple[Any, str], ...], b
         if name in SELECTORS:
             break
         after = None
-        if ordered is not None and int(header[0]) == buffer.home and 0 < size <= len(ordered) \
-                and ids[size - 1] == ordered[size - 1]:
+        if sorted_ids is not None and int(header[0]) == buffer.home and 0 < size <= len(sorted_ids) \
+                and ids[size - 1] == sorted_ids[size - 1]:
             if name in PREFIX_CUTS:  # (a cut of those: the first)
                 after = before.first(size)
-            elif name == "temp" and size == len(ordered):  # (the same rows, their logits divided: still in order)
-                after = cut(ordered, buffer.view["logit"][:size].copy(), ordered=True)
+            elif name == "temp" and size == len(sorted_ids):  # (the same rows, their logits divided: still in order)
+                after = cut(sorted_ids, buffer.view["logit"][:size].copy(), ordered=True)
                 after.change = float(np.abs(after.p - before.p).max()) if after.p is not None else None
         if after is None:
             after = stage_distribution(*buffer.rows(), before, buffer.in_order)

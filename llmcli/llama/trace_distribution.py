@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -238,32 +237,25 @@ def fold(before: Distribution, moved: np.ndarray, moved_to: np.ndarray, others: 
     to FOLDED moved logits are folded as Python floats (~20 numpy calls on a few values cost ~40 µs in the caches a
     model pass leaves)."""
     top, total_before = before.top, before.total
+    old: list[float] | np.ndarray
+    fresh: list[float] | np.ndarray
     if len(moved) <= FOLDED:
         new, was = moved_to.tolist(), (before.logits[moved] if moved_from is None else moved_from).tolist()
         if not max(new, default=-math.inf) - top < 600:
             return None
         old, fresh = [math.exp(w - top) for w in was], [math.exp(n - top) for n in new]
         total = total_before - sum(old) + sum(fresh)
-        if not total > total_before * 1e-6:
-            return None
-        moved_top = top in was
-        share = partial(_largest_share, old, fresh, total_before, total)
-        stays_top = max(new, default=-math.inf) <= top
-        kept: np.ndarray | list[float] = fresh
+        moved_top, stays_top = top in was, max(new, default=-math.inf) <= top
     else:
         new_array = moved_to.astype(np.float64)
         if not bool((new_array - top < 600).all()):
             return None
         was_array = before.logits[moved] if moved_from is None else moved_from
-        old_array = np.exp(was_array.astype(np.float64) - top)
-        fresh_array = np.exp(new_array - top)
-        total = total_before - float(old_array.sum()) + float(fresh_array.sum())
-        if not total > total_before * 1e-6:
-            return None
-        moved_top = bool((was_array == top).any())
-        share = partial(_largest_share_of_arrays, old_array, fresh_array, total_before, total)
-        stays_top = bool((new_array <= top).all())
-        kept = fresh_array.astype(np.float32)
+        old, fresh = np.exp(was_array.astype(np.float64) - top), np.exp(new_array - top)
+        total = total_before - float(old.sum()) + float(fresh.sum())
+        moved_top, stays_top = bool((was_array == top).any()), bool((new_array <= top).all())
+    if not total > total_before * 1e-6:
+        return None
     peak = before.peak and not moved_top  # (the largest logit did not move: its token is the one whose share is
     if peak:  # scaled the most)
         left = 1.0 / total_before
@@ -277,18 +269,8 @@ def fold(before: Distribution, moved: np.ndarray, moved_to: np.ndarray, others: 
         left = math.exp(largest_other - top) / total_before
     change = abs(total_before / total - 1.0) * left  # (the largest unmoved one's; the moved ones' where that is not
     if not change > CHANGED:  # enough to tell)
-        change = max(change, share())
-    return Distribution(None, current, top, total, None, (before, moved, kept, moved_to), peak and stays_top, change)
-
-
-def _largest_share(old: list[float], fresh: list[float], total_before: float, total: float) -> float:
-    """The largest change of a moved token's probability (its weights `old` and `fresh`, out of the totals)."""
-    return max((abs(f / total - o / total_before) for f, o in zip(fresh, old, strict=True)), default=0.0)
-
-
-def _largest_share_of_arrays(old: np.ndarray, fresh: np.ndarray, total_before: float, total: float) -> float:
-    """_largest_share of numpy arrays."""
-    return float(np.abs(fresh / total - old / total_before).max())
+        change = max(change, float(np.abs(np.asarray(fresh) / total - np.asarray(old) / total_before).max(initial=0.0)))
+    return Distribution(None, current, top, total, None, (before, moved, fresh, moved_to), peak and stays_top, change)
 
 
 CHANGED = 1e-9  # a stage changed the distribution when it moved some token's probability by more than this
